@@ -1,0 +1,157 @@
+"""Merge validated layers (lowest precedence first) and build the frozen PipelineConfig.
+
+The first layer that lists stages (`defines_topology`) fixes which stages
+exist; later layers may only change settings of those stages. Every merged
+value remembers the layer it came from so that cross-field and graph errors
+still name the right file or flag.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from vllm_omni.config import graph, resolve, schema
+from vllm_omni.config.errors import ConfigError
+from vllm_omni.config.layers import Layer
+from vllm_omni.config.stage_config import (ConfigFormat, PipelineConfig, PipelineRuntimeConfig,
+                                           StageConfig, StageEngineArgs, StageRuntimeConfig,
+                                           WorkerType)
+from vllm_omni.sampling_params import SamplingParams
+
+DOCUMENTED = "documented default"
+_DSP = "default_sampling_params."
+
+
+class _Merged:
+    """path -> (value, source) for one stage or for the pipeline level."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, tuple[Any, str]] = {}
+
+    def set(self, path: str, value: Any, source: str) -> None:
+        self.values[path] = (value, source)
+
+    def has(self, path: str) -> bool:
+        return path in self.values
+
+    def get(self, path: str, default: Any = None) -> Any:
+        return self.values[path][0] if path in self.values else default
+
+    def source(self, path: str) -> str:
+        return self.values[path][1] if path in self.values else DOCUMENTED
+
+
+def build_pipeline(layers: Sequence[Layer], *, fmt: ConfigFormat, source: str,
+                   pipeline_name: str | None = None, default_async_chunk: bool = False) -> PipelineConfig:
+    topo = next((layer for layer in layers if layer.defines_topology), None)
+    if topo is None:
+        raise ConfigError("no layer defines the pipeline's stages", source=source)
+    graph.check_stage_ids(list(topo.stages), source=topo.source)
+    stage_ids = sorted(topo.stages)
+    merged = {sid: _Merged() for sid in stage_ids}
+    top = _Merged()
+    for layer in layers:
+        for sid in layer.stages:
+            if sid not in merged:
+                raise ConfigError(f"the pipeline has no stage {sid}", source=layer.source, stage_id=sid,
+                                  field="stage_id", allowed="stage ids " + ", ".join(map(str, stage_ids)))
+        for sid in stage_ids:
+            for path, value in {**layer.every_stage, **layer.stages.get(sid, {})}.items():
+                merged[sid].set(path, value, layer.source)
+        for path, value in layer.top.items():
+            top.set(path, value, layer.source)
+
+    consumed = {src for m in merged.values() for src in m.get("engine_input_source", ())}
+    stages = tuple(build_stage(sid, merged[sid], feeds_another_stage=sid in consumed) for sid in stage_ids)
+
+    def source_of(sid: int, path: str) -> str:
+        return merged[sid].source(path)
+
+    graph.check_graph(stages, source_of=source_of, source=source)
+    runtime = PipelineRuntimeConfig(enabled=top.get("runtime.enabled", True),
+                                    window_size=top.get("runtime.defaults.window_size", -1),
+                                    max_inflight=top.get("runtime.defaults.max_inflight", 1))
+    connectors = tuple(top.get(p) for p in sorted(top.values) if p.startswith("connectors."))
+    edges = graph.resolve_edges(stages, top.get("runtime.edges"), default_window=runtime.window_size,
+                                connectors=connectors, edges_source=top.source("runtime.edges"),
+                                source_of=source_of)
+    return PipelineConfig(stages=stages, edges=edges, runtime=runtime, connectors=connectors,
+                          async_chunk=top.get("async_chunk", default_async_chunk), format=fmt,
+                          source=source, pipeline_name=pipeline_name)
+
+
+def build_stage(stage_id: int, m: _Merged, *, feeds_another_stage: bool) -> StageConfig:
+    def get(path: str) -> Any:
+        return m.get(path, schema.stage_field_default(path))
+
+    # Unset final_output: a sink's output is final, an intermediate stage's is not (schema.py).
+    final_output = m.get("final_output", not feeds_another_stage)
+
+    worker_type, worker_cls, scheduler_cls = _worker(stage_id, m)
+    runtime = StageRuntimeConfig(process=get("runtime.process"), devices=get("runtime.devices"),
+                                 max_batch_size=get("runtime.max_batch_size"),
+                                 num_replicas=get("runtime.num_replicas"), env=get("runtime.env"))
+    engine_values = {p.split(".", 1)[1]: get(p) for p in schema.STAGE_FIELDS if p.startswith("engine_args.")}
+    engine_values.update(worker_type=worker_type, worker_cls=worker_cls, scheduler_cls=scheduler_cls)
+    engine_args = StageEngineArgs(**engine_values)
+    _check_devices(stage_id, runtime, engine_args, m)
+    return StageConfig(
+        stage_id=stage_id, runtime=runtime, engine_args=engine_args,
+        default_sampling_params=_sampling(stage_id, m),
+        engine_input_source=get("engine_input_source"),
+        custom_process_input_func=get("custom_process_input_func"),
+        is_comprehension=get("is_comprehension"), final_output=final_output,
+        final_output_type=get("final_output_type"),
+        requires_multimodal_data=get("requires_multimodal_data"),
+        input_connectors=_refs(m, "input_connectors."), output_connectors=_refs(m, "output_connectors."),
+    )
+
+
+def _worker(stage_id: int, m: _Merged) -> tuple[WorkerType, str | None, str | None]:
+    """worker_type picks the engine; unset, it follows a documented worker/scheduler class."""
+    worker_cls = m.get("engine_args.worker_cls")
+    scheduler_cls = m.get("engine_args.scheduler_cls")
+    worker_type = m.get("engine_args.worker_type")
+    if worker_type is None:
+        implied = [resolve.WORKER_TYPE_OF[c] for c in (worker_cls, scheduler_cls) if c in resolve.WORKER_TYPE_OF]
+        worker_type = implied[0] if implied else WorkerType.AR
+    for path, cls in (("engine_args.worker_cls", worker_cls), ("engine_args.scheduler_cls", scheduler_cls)):
+        implied_type = resolve.WORKER_TYPE_OF.get(cls)
+        if implied_type is not None and implied_type != worker_type:
+            raise ConfigError(f"is a {implied_type.value!r} class but the stage's worker_type is "
+                              f"{worker_type.value!r} (from {m.source('engine_args.worker_type')})",
+                              source=m.source(path), stage_id=stage_id, field=path, value=cls,
+                              allowed=f"a class for worker_type {worker_type.value!r}")
+    if worker_cls is None:
+        worker_cls = resolve.DEFAULT_WORKER_CLS[worker_type]
+    if scheduler_cls is None:
+        scheduler_cls = resolve.DEFAULT_SCHEDULER_CLS[worker_type]
+    return worker_type, worker_cls, scheduler_cls
+
+
+def _sampling(stage_id: int, m: _Merged) -> SamplingParams:
+    given = {p[len(_DSP):]: v for p, (v, _) in m.values.items() if p.startswith(_DSP)}
+    try:
+        return SamplingParams.from_dict({**schema.SAMPLING_DEFAULTS, **given})
+    except (TypeError, ValueError) as exc:
+        # Each value passed on its own when read, so this is a combination (e.g. min_tokens
+        # > max_tokens) possibly from different layers: name them all.
+        sources = sorted({m.source(p) for p in m.values if p.startswith(_DSP)}) or [DOCUMENTED]
+        raise ConfigError(f"default_sampling_params are inconsistent: {exc}", source=", ".join(sources),
+                          stage_id=stage_id) from None
+
+
+def _check_devices(stage_id: int, runtime: StageRuntimeConfig, args: StageEngineArgs, m: _Merged) -> None:
+    # One replica uses tensor_parallel_size devices; a replica pool lists them all (spec 002).
+    n, tp, replicas = len(runtime.device_ids), args.tensor_parallel_size, runtime.num_replicas
+    if n == tp or n == tp * replicas:
+        return
+    need = f"{tp}" + (f" (template) or {tp * replicas} (pool of {replicas} replicas)" if replicas > 1 else "")
+    raise ConfigError(f"lists {n} device(s) but tensor_parallel_size={tp} "
+                      f"(from {m.source('engine_args.tensor_parallel_size')}) needs {need}",
+                      source=m.source("runtime.devices"), stage_id=stage_id, field="runtime.devices",
+                      value=runtime.devices, allowed=f"exactly {need} device indices")
+
+
+def _refs(m: _Merged, prefix: str) -> tuple[tuple[int, str], ...]:
+    return tuple(sorted((int(p[len(prefix):]), v) for p, (v, _) in m.values.items() if p.startswith(prefix)))

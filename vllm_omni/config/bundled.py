@@ -1,0 +1,124 @@
+"""Bundled configs and how a model finds its own.
+
+A model's HF `config.json` (model_type, architectures) selects a bundled
+pipeline: the legacy stage_args YAML under model_executor/stage_configs/ (its
+topology and defaults) and the deploy YAML under deploy/ (tuned settings).
+A plain causal LM has no bundled file and runs as a one-stage pipeline.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_omni.config.errors import ConfigError
+
+_PACKAGE = Path(__file__).resolve().parent.parent
+STAGE_CONFIGS_DIR = _PACKAGE / "model_executor" / "stage_configs"
+DEPLOY_DIR = _PACKAGE / "deploy"
+
+
+@dataclass(frozen=True)
+class BundledPipeline:
+    name: str  # e.g. "qwen2_5_omni"; also the file stem in both directories
+
+    @property
+    def legacy_path(self) -> Path:
+        return STAGE_CONFIGS_DIR / f"{self.name}.yaml"
+
+    @property
+    def deploy_path(self) -> Path:
+        return DEPLOY_DIR / f"{self.name}.yaml"
+
+
+BUNDLED_PIPELINES = ("qwen2_5_omni", "qwen3_omni_moe")
+_BY_MODEL_TYPE = {"qwen2_5_omni": "qwen2_5_omni", "qwen3_omni_moe": "qwen3_omni_moe"}
+_BY_ARCH = {
+    "Qwen2_5OmniModel": "qwen2_5_omni",
+    "Qwen2_5OmniForConditionalGeneration": "qwen2_5_omni",
+    "Qwen3OmniMoeForConditionalGeneration": "qwen3_omni_moe",
+}
+# Architectures that run as one AR stage: the usual HF names of plain decoders.
+_PLAIN_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+
+
+def bundled_pipeline(name: str) -> BundledPipeline:
+    if name not in BUNDLED_PIPELINES:
+        raise ConfigError("unknown bundled pipeline", field="pipeline", value=name,
+                          allowed=" | ".join(BUNDLED_PIPELINES) + " | a path to a stage_args YAML")
+    return BundledPipeline(name)
+
+
+def read_hf_config(model: str | os.PathLike) -> dict[str, Any]:
+    """config.json of a local model directory, a config.json path, or a cached HF hub id.
+    Nothing is downloaded: a model that is not on disk is an error."""
+    path = Path(model).expanduser()
+    candidates = [path] if path.is_file() else [path / "config.json"]
+    if not path.exists() and "/" in str(model) and not str(model).startswith(("/", ".")):
+        candidates += _hub_cache_candidates(str(model))
+    for candidate in candidates:
+        if candidate.is_file():
+            try:
+                data = json.loads(candidate.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError) as exc:
+                raise ConfigError(f"cannot read model config: {exc}", source=str(candidate)) from None
+            if not isinstance(data, dict):
+                raise ConfigError("model config is not a JSON object", source=str(candidate))
+            return data
+    raise ConfigError("no config.json found (not a local model directory and not in the Hugging Face "
+                      "cache)", field="model", value=str(model),
+                      allowed="a local model directory, or pass a stage config file")
+
+
+def _hub_cache_candidates(repo_id: str) -> list[Path]:
+    root = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub")
+    repo = Path(root) / ("models--" + repo_id.replace("/", "--"))
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        return [repo / "snapshots" / ref.read_text().strip() / "config.json"]
+    return sorted((repo / "snapshots").glob("*/config.json")) if repo.is_dir() else []
+
+
+def _as_hf_dict(model_dir_or_hf_config: Any) -> Mapping[str, Any]:
+    if isinstance(model_dir_or_hf_config, Mapping):
+        return model_dir_or_hf_config
+    if isinstance(model_dir_or_hf_config, (str, os.PathLike)):
+        return read_hf_config(model_dir_or_hf_config)
+    # A transformers PretrainedConfig (or anything shaped like one).
+    return {"model_type": getattr(model_dir_or_hf_config, "model_type", None),
+            "architectures": getattr(model_dir_or_hf_config, "architectures", None) or []}
+
+
+def pipeline_for_model(model_dir_or_hf_config: Any) -> BundledPipeline | None:
+    """The bundled pipeline for a model, or None for a plain LM. Other models are an error:
+    running a TTS or diffusion model as a one-stage LM would fail far from the cause."""
+    hf = _as_hf_dict(model_dir_or_hf_config)
+    model_type = hf.get("model_type")
+    archs = list(hf.get("architectures") or [])
+    if model_type in _BY_MODEL_TYPE:
+        return BundledPipeline(_BY_MODEL_TYPE[model_type])
+    for arch in archs:
+        if arch in _BY_ARCH:
+            return BundledPipeline(_BY_ARCH[arch])
+    if any(a.endswith(_PLAIN_LM_SUFFIXES) for a in archs):
+        return None
+    raise ConfigError(f"no bundled stage config for model_type={model_type!r}, architectures={archs}",
+                      field="model", allowed="model types " + ", ".join(sorted(_BY_MODEL_TYPE))
+                      + ", a causal LM (one stage), or pass --stage-configs-path / --deploy-config")
+
+
+def find_bundled_config(model_dir_or_hf_config: Any, *, kind: str = "legacy") -> Path | None:
+    """Path of the bundled YAML (`kind` "legacy" or "deploy") for a model, None for a plain LM."""
+    pipeline = pipeline_for_model(model_dir_or_hf_config)
+    if pipeline is None:
+        return None
+    return pipeline.legacy_path if kind == "legacy" else pipeline.deploy_path
+
+
+def model_architecture(model_dir_or_hf_config: Any) -> str | None:
+    archs = list(_as_hf_dict(model_dir_or_hf_config).get("architectures") or [])
+    return archs[0] if archs else None

@@ -1,0 +1,196 @@
+"""Reading stage entries into validated layers.
+
+A Layer is one source of settings (a YAML file, a platform delta, CLI flags,
+the --stage-overrides JSON). Its values are already validated and flattened to
+the canonical paths of schema.STAGE_FIELDS; build.py merges layers in
+precedence order. Three spellings of a stage entry exist:
+
+- legacy (spec 000): nested `runtime:` / `engine_args:` sections;
+- deploy (spec 001): flat keys (`devices`, `gpu_memory_utilization`, ...), no
+  topology keys, since topology comes from the pipeline the file overlays;
+- override (--stage-overrides, CLI): flat or nested, any field but stage_id.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from vllm_omni.config import schema
+from vllm_omni.config.errors import BadValue, ConfigError, bad_value, unknown_keys
+
+logger = logging.getLogger(__name__)
+
+Style = Literal["legacy", "deploy", "override"]
+
+
+@dataclass
+class Layer:
+    source: str  # where the values came from, as shown in error messages
+    stages: dict[int, dict[str, Any]] = field(default_factory=dict)  # stage id -> path -> value
+    every_stage: dict[str, Any] = field(default_factory=dict)  # pipeline-wide stage settings
+    top: dict[str, Any] = field(default_factory=dict)  # pipeline-level paths (runtime.*, ...)
+    defines_topology: bool = False  # the layer that lists the pipeline's stages
+
+
+_SECTIONS = ("runtime", "engine_args")
+_CONNECTOR_KEY = {"input_connectors": re.compile(r"^from_stage_(\d+)$"),
+                  "output_connectors": re.compile(r"^to_stage_(\d+)$")}
+_FLAT = {**{k: f"runtime.{k}" for k in schema.RUNTIME_KEYS},
+         **{k: f"engine_args.{k}" for k in schema.ENGINE_KEYS}}
+
+
+def read_stage_list(entries: Any, *, source: str, section: str, style: Style) -> dict[int, dict[str, Any]]:
+    """Read a YAML list of stage entries; duplicate stage ids are caught here."""
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError("must be a non-empty list of stage entries", source=source, field=section,
+                          value=entries)
+    stages: dict[int, dict[str, Any]] = {}
+    first_index: dict[int, int] = {}
+    for index, entry in enumerate(entries):
+        where = f"{section}[{index}]"
+        if not isinstance(entry, dict):
+            raise ConfigError("must be a mapping", source=source, field=where, value=entry)
+        if "stage_id" not in entry:
+            raise ConfigError("missing required key 'stage_id'", source=source, field=where)
+        try:
+            stage_id = schema.check_int(0)(entry["stage_id"])
+        except BadValue as exc:
+            raise bad_value(exc, source=source, stage_id=None, field=f"{where}.stage_id",
+                            value=entry["stage_id"]) from None
+        if stage_id in stages:
+            raise ConfigError(f"duplicate stage_id {stage_id} ({section}[{first_index[stage_id]}] and {where})",
+                              source=source, allowed="each stage_id once")
+        first_index[stage_id] = index
+        stages[stage_id] = read_stage_fields(entry, source=source, stage_id=stage_id, style=style)
+    return stages
+
+
+def read_stage_fields(entry: dict[str, Any], *, source: str, stage_id: int | None,
+                      style: Style) -> dict[str, Any]:
+    """Validate one stage entry and return {canonical path: value}."""
+    out: dict[str, Any] = {}
+    allowed = _allowed_keys(style)
+    unknown = [k for k in entry if k not in allowed and k != "stage_id"]
+    ignored = set()
+    if style != "legacy":  # flat spellings: vLLM-only engine args may appear at this level
+        ignored = {k for k in unknown if k in schema.IGNORED_ENGINE_ARGS or k in schema.REJECTED_ENGINE_ARGS}
+        for key in sorted(ignored):
+            _engine_arg_policy(key, source=source, stage_id=stage_id)
+        unknown = [k for k in unknown if k not in ignored]
+    if style == "deploy":
+        _reject_deploy_specials(unknown, source=source, stage_id=stage_id)
+    if unknown:
+        raise unknown_keys(unknown, allowed, source=source, stage_id=stage_id)
+    for key, value in entry.items():
+        if key in ignored:
+            continue
+        if key == "stage_id":
+            if style == "override":
+                raise ConfigError("stage_id cannot be overridden", source=source, stage_id=stage_id)
+            continue
+        if key in _SECTIONS:
+            _read_section(key, value, out, source=source, stage_id=stage_id)
+        elif key == "default_sampling_params":
+            out.update(read_sampling(value, source=source, stage_id=stage_id))
+        elif key in _CONNECTOR_KEY:
+            out.update(_read_connector_refs(key, value, source=source, stage_id=stage_id))
+        else:
+            path = _FLAT.get(key, key)
+            out[path] = check_field(path, value, source=source, stage_id=stage_id, shown=key)
+    return out
+
+
+def _allowed_keys(style: Style) -> set[str]:
+    common = {"default_sampling_params", *_CONNECTOR_KEY}
+    if style == "legacy":
+        return common | set(schema.TOP_STAGE_KEYS) | set(_SECTIONS)
+    deploy_flat = {k for k, p in _FLAT.items() if p not in schema.TOPOLOGY_FIELDS}
+    if style == "deploy":
+        return common | deploy_flat
+    return common | set(_FLAT) | set(schema.TOP_STAGE_KEYS) | set(_SECTIONS)
+
+
+def _reject_deploy_specials(keys: list[str], *, source: str, stage_id: int | None) -> None:
+    """Explain the two usual mistakes in a deploy stage before the generic unknown-key error."""
+    for key in keys:
+        if key in _SECTIONS:
+            raise ConfigError(f"deploy stages take {key} fields directly, without a nested '{key}:' section",
+                              source=source, stage_id=stage_id, field=key)
+        if _FLAT.get(key, key) in schema.TOPOLOGY_FIELDS:
+            raise ConfigError(
+                "is part of the pipeline topology and cannot be set in a deploy config "
+                "(use a legacy stage_args YAML, or `pipeline:` naming one, to change topology)",
+                source=source, stage_id=stage_id, field=key)
+
+
+def _engine_arg_policy(key: str, *, source: str, stage_id: int | None) -> None:
+    if key in schema.REJECTED_ENGINE_ARGS:
+        raise ConfigError(f"is a vLLM engine argument that this engine does not implement: "
+                          f"{schema.REJECTED_ENGINE_ARGS[key]}", source=source, stage_id=stage_id,
+                          field=f"engine_args.{key}")
+    logger.warning("%s: stage %s: engine_args.%s is ignored: %s", source, stage_id, key,
+                   schema.IGNORED_ENGINE_ARGS[key])
+
+
+def _read_section(section: str, value: Any, out: dict[str, Any], *, source: str,
+                  stage_id: int | None) -> None:
+    if not isinstance(value, dict):
+        raise ConfigError("must be a mapping", source=source, stage_id=stage_id, field=section, value=value)
+    known = schema.RUNTIME_KEYS if section == "runtime" else schema.ENGINE_KEYS
+    unknown = [k for k in value if k not in known]
+    if section == "engine_args":
+        for key in [k for k in unknown if k in schema.IGNORED_ENGINE_ARGS or k in schema.REJECTED_ENGINE_ARGS]:
+            _engine_arg_policy(key, source=source, stage_id=stage_id)
+            unknown.remove(key)
+    if unknown:
+        raise unknown_keys(unknown, known, source=source, stage_id=stage_id, section=section)
+    for key, v in value.items():
+        if key in known:
+            path = f"{section}.{key}"
+            out[path] = check_field(path, v, source=source, stage_id=stage_id, shown=path)
+
+
+def check_field(path: str, value: Any, *, source: str, stage_id: int | None, shown: str) -> Any:
+    try:
+        return schema.STAGE_FIELDS[path].check(value)
+    except BadValue as exc:
+        raise bad_value(exc, source=source, stage_id=stage_id, field=shown, value=value) from None
+
+
+def read_sampling(value: Any, *, source: str, stage_id: int | None) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError("must be a mapping", source=source, stage_id=stage_id,
+                          field="default_sampling_params", value=value)
+    unknown = [k for k in value if k not in schema.SAMPLING_KEYS]
+    if unknown:
+        raise unknown_keys(unknown, schema.SAMPLING_KEYS, source=source, stage_id=stage_id,
+                           section="default_sampling_params")
+    out = {}
+    for key, v in value.items():
+        try:
+            out[f"default_sampling_params.{key}"] = schema.check_sampling_value(key, v)
+        except BadValue as exc:
+            raise bad_value(exc, source=source, stage_id=stage_id,
+                            field=f"default_sampling_params.{key}", value=v) from None
+    return out
+
+
+def _read_connector_refs(key: str, value: Any, *, source: str, stage_id: int | None) -> dict[str, Any]:
+    pattern = _CONNECTOR_KEY[key]
+    example = pattern.pattern.strip("^$").replace(r"(\d+)", "<stage_id>")
+    if not isinstance(value, dict):
+        raise ConfigError(f"must be a mapping {{{example}: <connector name>}}", source=source,
+                          stage_id=stage_id, field=key, value=value)
+    out = {}
+    for ref, name in value.items():
+        match = pattern.match(str(ref))
+        if not match:
+            raise ConfigError("bad key", source=source, stage_id=stage_id, field=f"{key}.{ref}",
+                              allowed=example)
+        if not isinstance(name, str) or not name:
+            raise ConfigError("bad connector name", source=source, stage_id=stage_id,
+                              field=f"{key}.{ref}", value=name, allowed="a key of the top-level connectors:")
+        out[f"{key}.{int(match.group(1))}"] = name
+    return out

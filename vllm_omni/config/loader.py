@@ -1,0 +1,187 @@
+"""Entry point of the config edge: files, flags and JSON in, one PipelineConfig out.
+
+Precedence, highest first (DESIGN 6):
+    --stage-overrides JSON > explicit CLI flags > platform deltas
+    > the user's YAML (base_config overlays resolved) > bundled defaults > documented defaults
+
+- A legacy stage_args YAML (spec 000) is complete: it is the user's YAML layer
+  over the documented defaults.
+- A deploy YAML (spec 001) overlays a pipeline: its `pipeline:` key, else the
+  bundled pipeline found from --model. The pipeline's stage_args YAML is the
+  "bundled defaults" layer and fixes the topology.
+- No file: the model's bundled deploy YAML over its bundled pipeline, or a
+  one-stage pipeline for a plain causal LM.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from vllm_omni.config import bundled, toplevel
+from vllm_omni.config.build import build_pipeline
+from vllm_omni.config.deploy import DeployChain, is_deploy_data, read_deploy_chain
+from vllm_omni.config.errors import ConfigError, unknown_keys
+from vllm_omni.config.layers import Layer, read_stage_fields, read_stage_list
+from vllm_omni.config.overrides import cli_flags_layer, parse_stage_overrides
+from vllm_omni.config.stage_config import ConfigFormat, PipelineConfig
+from vllm_omni.config.yaml_io import load_yaml_file
+
+LEGACY_KEYS = ("stage_args", "runtime", "connectors", "async_chunk")
+ModelRef = str | os.PathLike | Mapping[str, Any] | None
+
+
+def load_pipeline_config(
+    path: str | os.PathLike | None = None,
+    *,
+    model: ModelRef = None,
+    expected_format: Literal["legacy", "deploy"] | None = None,
+    stage_overrides: str | Mapping[Any, Any] | None = None,
+    cli_args: Mapping[str, Any] | None = None,
+    cli_stage_id: int | None = None,
+    async_chunk: bool | None = None,
+    platform: str = "cuda",
+) -> PipelineConfig:
+    """Read, merge and validate everything; raise ConfigError on the first problem.
+
+    path: a legacy or deploy YAML (detected from its keys); None: the model's bundled config.
+    model: model directory / cached hub id / HF config dict, for bundled lookup.
+    expected_format: "legacy" for --stage-configs-path, "deploy" for --deploy-config.
+    cli_args: explicitly given engine flags (None values are skipped); cli_stage_id limits
+    them to one stage. async_chunk: --async-chunk / --no-async-chunk (None: keep the YAML's).
+    """
+    if path is None:
+        layers, fmt, source, name = _bundled_layers(model, platform)
+    else:
+        layers, fmt, source, name = _file_layers(Path(path), model, expected_format, platform)
+    layers.append(cli_flags_layer(cli_args, stage_id=cli_stage_id))
+    layers.append(parse_stage_overrides(stage_overrides))
+    if async_chunk is not None:
+        layers.append(Layer(source="--async-chunk/--no-async-chunk", top={"async_chunk": async_chunk}))
+    return build_pipeline(layers, fmt=fmt, source=source, pipeline_name=name,
+                          default_async_chunk=fmt is ConfigFormat.DEPLOY)
+
+
+def load_stage_configs_from_yaml(path: str | os.PathLike) -> PipelineConfig:
+    """A stage config file on its own (upstream's name for it)."""
+    return load_pipeline_config(path)
+
+
+def single_stage_pipeline(model: ModelRef = None) -> PipelineConfig:
+    """A plain LLM checkpoint: one AR stage that returns text."""
+    return build_pipeline([_single_stage_layer(model)], fmt=ConfigFormat.SINGLE_STAGE,
+                          source=_single_stage_source(model))
+
+
+def detect_platform() -> str:
+    """The accelerator platform whose `platforms:` delta applies (imports torch)."""
+    import torch
+
+    if getattr(torch.version, "hip", None):
+        return "rocm"
+    if importlib.util.find_spec("torch_npu") is not None:
+        return "npu"
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return "xpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _file_layers(path: Path, model: ModelRef, expected: str | None, platform: str):
+    data = load_yaml_file(path)
+    source = str(path)
+    if "stage_args" in data and "stages" in data:
+        raise ConfigError("has both `stage_args:` (legacy format) and `stages:` (deploy format)",
+                          source=source, allowed="one format per file")
+    if "stage_args" in data:
+        if expected == "deploy":
+            raise ConfigError("is a legacy stage_args config; pass it with --stage-configs-path", source=source)
+        return [legacy_layer(data, source=source)], ConfigFormat.LEGACY, source, None
+    if not is_deploy_data(data):
+        raise ConfigError("cannot tell the config format", source=source,
+                          allowed="a legacy config with `stage_args:` or a deploy config with `stages:`, "
+                                  "`base_config:` or `pipeline:`")
+    if expected == "legacy":
+        raise ConfigError("is a deploy config; pass it with --deploy-config", source=source)
+    chain = read_deploy_chain(path, data, platform=platform)
+    topo, name = _deploy_topology(chain, model)
+    return [topo, *chain.layers], ConfigFormat.DEPLOY, source, name
+
+
+def _bundled_layers(model: ModelRef, platform: str):
+    if model is None:
+        raise ConfigError("no stage config given and no model to find a bundled one for",
+                          allowed="a config file path or --model")
+    pipeline = bundled.pipeline_for_model(model)
+    if pipeline is None:
+        return [_single_stage_layer(model)], ConfigFormat.SINGLE_STAGE, _single_stage_source(model), None
+    topo = _legacy_file_layer(pipeline.legacy_path, bundled_default=True)
+    if not pipeline.deploy_path.is_file():
+        return [topo], ConfigFormat.LEGACY, str(pipeline.legacy_path), pipeline.name
+    chain = read_deploy_chain(pipeline.deploy_path, platform=platform)
+    return [topo, *chain.layers], ConfigFormat.DEPLOY, str(pipeline.deploy_path), pipeline.name
+
+
+def _deploy_topology(chain: DeployChain, model: ModelRef) -> tuple[Layer, str | None]:
+    """The pipeline a deploy chain overlays: `pipeline:` (a bundled name or a stage_args
+    YAML path), else the bundled pipeline of --model."""
+    if chain.pipeline is not None:
+        if chain.pipeline in bundled.BUNDLED_PIPELINES:
+            return _legacy_file_layer(bundled.bundled_pipeline(chain.pipeline).legacy_path,
+                                      bundled_default=True), chain.pipeline
+        candidate = Path(chain.pipeline).expanduser()
+        if not candidate.is_absolute():
+            candidate = chain.pipeline_file.parent / candidate
+        if not candidate.is_file():
+            raise ConfigError("is neither a bundled pipeline nor an existing stage_args YAML",
+                              source=str(chain.pipeline_file), field="pipeline", value=chain.pipeline,
+                              allowed=" | ".join(bundled.BUNDLED_PIPELINES) + " | a path to a stage_args YAML")
+        return _legacy_file_layer(candidate, bundled_default=False), None
+    if model is None:
+        raise ConfigError("a deploy config needs a pipeline: set `pipeline:` in the file or pass --model",
+                          source=str(chain.files[-1]), field="pipeline",
+                          allowed=" | ".join(bundled.BUNDLED_PIPELINES))
+    pipeline = bundled.pipeline_for_model(model)
+    if pipeline is None:
+        return _single_stage_layer(model), None
+    return _legacy_file_layer(pipeline.legacy_path, bundled_default=True), pipeline.name
+
+
+def _legacy_file_layer(path: Path, *, bundled_default: bool) -> Layer:
+    source = f"{path} (bundled)" if bundled_default else str(path)
+    return legacy_layer(load_yaml_file(path), source=source)
+
+
+def legacy_layer(data: dict[str, Any], *, source: str) -> Layer:
+    """A spec 000 file: `stage_args` plus optional top-level runtime / connectors / async_chunk."""
+    if unknown := [k for k in data if k not in LEGACY_KEYS]:
+        raise unknown_keys(unknown, LEGACY_KEYS, source=source)
+    layer = Layer(source=source, defines_topology=True)
+    layer.stages = read_stage_list(data["stage_args"], source=source, section="stage_args", style="legacy")
+    if "runtime" in data:
+        layer.top.update(toplevel.read_runtime(data["runtime"], source=source))
+    if "connectors" in data:
+        layer.top.update(toplevel.read_connectors(data["connectors"], source=source))
+    if "async_chunk" in data:
+        layer.top.update(toplevel.read_async_chunk(data["async_chunk"], source=source))
+    return layer
+
+
+def _single_stage_source(model: ModelRef) -> str:
+    return f"one-stage pipeline for {model if isinstance(model, (str, os.PathLike)) else 'a plain LM'}"
+
+
+def _single_stage_layer(model: ModelRef) -> Layer:
+    arch = bundled.model_architecture(model) if model is not None else None
+    entry = {
+        "engine_args": {"model_arch": arch, "worker_type": "ar", "engine_output_type": "text",
+                        # Plain text output has no hidden states, so prefix caching is safe (spec 000).
+                        "enable_prefix_caching": True},
+        "final_output": True, "final_output_type": "text", "is_comprehension": True,
+        # No repetition penalty for a plain LM: greedy output then matches vLLM and HF.
+        "default_sampling_params": {"repetition_penalty": 1.0},
+    }
+    source = _single_stage_source(model)
+    return Layer(source=source, defines_topology=True,
+                 stages={0: read_stage_fields(entry, source=source, stage_id=0, style="legacy")})

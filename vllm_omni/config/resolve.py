@@ -1,0 +1,122 @@
+"""Dotted names in stage configs: documented defaults, resolution, validation.
+
+Parsing only checks the syntax of a dotted name; nothing is imported then,
+because the documented classes pull in torch and the models. Imports happen in
+resolve_dotted() (when a stage starts) and validate_dotted_names() (in
+`vllm-omni check-config`, or by a launcher that wants every error before any
+process starts). A dotted path that is not one of ours is a user plugin: it
+is imported the same way, from sys.path.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Any
+
+from vllm_omni.config.errors import ConfigError
+from vllm_omni.config.stage_config import PipelineConfig, WorkerType
+
+AR_WORKER = "vllm_omni.worker.gpu_ar_worker.GPUARWorker"
+GENERATION_WORKER = "vllm_omni.worker.gpu_generation_worker.GPUGenerationWorker"
+AR_SCHEDULER = "vllm_omni.core.sched.omni_ar_scheduler.OmniARScheduler"
+GENERATION_SCHEDULER = "vllm_omni.core.sched.omni_generation_scheduler.OmniGenerationScheduler"
+_PROCESSORS = "vllm_omni.model_executor.stage_input_processors"
+
+# worker_type -> default worker_cls / scheduler_cls (diffusion stages bring their own engine).
+DEFAULT_WORKER_CLS = {WorkerType.AR: AR_WORKER, WorkerType.GENERATION: GENERATION_WORKER,
+                      WorkerType.DIFFUSION: None}
+DEFAULT_SCHEDULER_CLS = {WorkerType.AR: AR_SCHEDULER, WorkerType.GENERATION: GENERATION_SCHEDULER,
+                         WorkerType.DIFFUSION: None}
+# A documented class implies its worker type, so `worker_cls: ...GPUGenerationWorker` alone
+# (as upstream's Qwen3-Omni YAML writes it) still selects the generation engine.
+WORKER_TYPE_OF = {AR_WORKER: WorkerType.AR, GENERATION_WORKER: WorkerType.GENERATION,
+                  AR_SCHEDULER: WorkerType.AR, GENERATION_SCHEDULER: WorkerType.GENERATION}
+
+DOCUMENTED_DOTTED_NAMES = frozenset({
+    AR_WORKER, GENERATION_WORKER, AR_SCHEDULER, GENERATION_SCHEDULER,
+    f"{_PROCESSORS}.qwen2_5_omni.thinker2talker", f"{_PROCESSORS}.qwen2_5_omni.talker2code2wav",
+    f"{_PROCESSORS}.qwen3_omni.thinker2talker", f"{_PROCESSORS}.qwen3_omni.talker2code2wav",
+})
+
+MODEL_REGISTRY_MODULE = "vllm_omni.model_executor.models.registry"
+
+_cache: dict[str, Any] = {}
+
+
+def resolve_dotted(name: str, *, where: str = "", field: str | None = None) -> Any:
+    """Import `package.module.attr` and return the attribute (cached)."""
+    if name in _cache:
+        return _cache[name]
+    module_name, _, attr = name.rpartition(".")
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError) as exc:  # a parent package is missing or broken
+        raise ConfigError(f"cannot import module {module_name!r}: {exc}", source=where or None,
+                          field=field, value=name) from None
+    if spec is None:
+        raise ConfigError(f"module {module_name!r} not found on sys.path", source=where or None,
+                          field=field, value=name, allowed="an importable dotted path")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # a plugin failing to import is the user's error to see, in full
+        raise ConfigError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}",
+                          source=where or None, field=field, value=name) from exc
+    if not hasattr(module, attr):
+        public = sorted(n for n in vars(module) if not n.startswith("_"))
+        raise ConfigError(f"module {module_name!r} has no attribute {attr!r}", source=where or None,
+                          field=field, value=name, allowed=", ".join(public[:20]) or "(module is empty)")
+    _cache[name] = getattr(module, attr)
+    return _cache[name]
+
+
+def supported_architectures() -> frozenset[str]:
+    """The model registry's architectures; imported lazily, only when validating."""
+    registry = resolve_dotted(f"{MODEL_REGISTRY_MODULE}.supported_architectures",
+                              field="model registry")
+    return frozenset(registry())
+
+
+def validate_dotted_names(pipeline: PipelineConfig) -> None:
+    """Import every dotted name and check every model_arch; raise one ConfigError listing
+    all problems, each naming the stage, the field and the value."""
+    problems: list[str] = []
+    archs: frozenset[str] | None = None
+    for stage in pipeline.stages:
+        args = stage.engine_args
+        names = {"engine_args.worker_cls": args.worker_cls, "engine_args.scheduler_cls": args.scheduler_cls,
+                 "custom_process_input_func": stage.custom_process_input_func}
+        arch = args.model_arch
+        if arch and "." in arch:  # a user's own model class
+            names["engine_args.model_arch"] = arch
+        elif arch:
+            if archs is None:
+                try:
+                    archs = supported_architectures()
+                except ConfigError as exc:
+                    problems.append(f"stage {stage.stage_id}: engine_args.model_arch={arch!r}: "
+                                    f"cannot check it, the model registry is unavailable ({exc})")
+                    archs = frozenset()
+                    continue
+            if archs and arch not in archs:
+                problems.append(f"stage {stage.stage_id}: engine_args.model_arch={arch!r}: not a registered "
+                                f"architecture; allowed: {', '.join(sorted(archs))} or a dotted path")
+        for field, name in names.items():
+            if name is None:
+                continue
+            try:
+                obj = resolve_dotted(name)
+            except ConfigError as exc:
+                problems.append(f"stage {stage.stage_id}: {field}={name!r}: {exc.problem}")
+                continue
+            if not callable(obj):
+                problems.append(f"stage {stage.stage_id}: {field}={name!r}: resolves to a "
+                                f"{type(obj).__name__}, not a class or function")
+    for conn in pipeline.connectors:
+        if "." in conn.name:
+            try:
+                resolve_dotted(conn.name)
+            except ConfigError as exc:
+                problems.append(f"connectors.{conn.key}.name={conn.name!r}: {exc.problem}")
+    if problems:
+        raise ConfigError("dotted names do not resolve:\n  " + "\n  ".join(problems),
+                          source=pipeline.source)

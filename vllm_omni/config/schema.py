@@ -1,0 +1,255 @@
+"""Every stage field: its canonical path, validator and documented default.
+
+A stage's settings are handled as a flat map from canonical dotted paths
+("runtime.devices", "engine_args.gpu_memory_utilization",
+"default_sampling_params.top_k") to values. Each input layer (legacy YAML,
+deploy YAML, platform delta, CLI flags, --stage-overrides) is validated
+against this table as it is read, so an error names the layer it came from;
+layers are then merged path by path and built into the frozen dataclasses.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from enum import Enum
+from typing import Any
+
+from vllm_omni.config.errors import BadValue
+from vllm_omni.config.stage_config import EngineOutputType, FinalOutputType, WorkerType
+from vllm_omni.sampling_params import SamplingParams
+
+Check = Callable[[Any], Any]
+
+
+# --- validators: return the normalized value or raise BadValue(allowed) ------------------
+
+def check_bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    raise BadValue("true or false")
+
+
+def check_int(lo: int | None = None, optional: bool = False, extra: tuple[int, ...] = ()) -> Check:
+    allowed = "an integer" + (f" >= {lo}" if lo is not None else "")
+    allowed += "".join(f" or {e}" for e in extra) + (" or null" if optional else "")
+
+    def check(v: Any) -> int | None:
+        if v is None and optional:
+            return None
+        # bool is an int in Python; `true` where a count is expected is a mistake.
+        if isinstance(v, int) and not isinstance(v, bool) and (v in extra or lo is None or v >= lo):
+            return v
+        raise BadValue(allowed)
+    return check
+
+
+def check_fraction(v: Any) -> float:
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 < v <= 1.0:
+        return float(v)
+    raise BadValue("a number in (0, 1]")
+
+
+def check_str(optional: bool = True) -> Check:
+    def check(v: Any) -> str | None:
+        if v is None and optional:
+            return None
+        if isinstance(v, str) and v.strip():
+            return v
+        raise BadValue("a non-empty string" + (" or null" if optional else ""))
+    return check
+
+
+def check_enum(enum_cls: type[Enum]) -> Check:
+    allowed = " | ".join(repr(m.value) for m in enum_cls)
+
+    def check(v: Any) -> Enum:
+        try:
+            return enum_cls(v)
+        except ValueError:
+            raise BadValue(allowed) from None
+    return check
+
+
+def check_choice(*choices: str) -> Check:
+    def check(v: Any) -> str:
+        if v in choices:
+            return v
+        raise BadValue(" | ".join(repr(c) for c in choices))
+    return check
+
+
+_IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
+_DOTTED = re.compile(rf"^{_IDENT}(\.{_IDENT})+$")
+
+
+def is_dotted(v: Any) -> bool:
+    return isinstance(v, str) and bool(_DOTTED.match(v))
+
+
+def check_dotted(v: Any) -> str | None:
+    """Syntax only: importing happens in resolve.validate_dotted_names, not at parse time."""
+    if v is None or (isinstance(v, str) and _DOTTED.match(v)):
+        return v
+    raise BadValue("a dotted Python path 'package.module.Name' or null")
+
+
+def check_model_arch(v: Any) -> str | None:
+    # A registered architecture name, or a user's dotted path to a model class (plugin).
+    if v is None or (isinstance(v, str) and (re.fullmatch(_IDENT, v) or _DOTTED.match(v))):
+        return v
+    raise BadValue("an architecture name registered in model_executor/models/registry.py "
+                   "or a dotted path to a model class")
+
+
+_DEVICES = re.compile(r"^\d+(,\d+)*$")
+
+
+def check_devices(v: Any) -> str:
+    if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+        return str(v)  # `devices: 0` is unambiguous
+    if isinstance(v, str) and _DEVICES.match(v.replace(" ", "")):
+        ids = v.replace(" ", "").split(",")
+        if len(set(ids)) == len(ids):
+            return ",".join(ids)
+    raise BadValue('a string of distinct device indices, e.g. "0" or "0,1"')
+
+
+def check_stage_ids(v: Any) -> tuple[int, ...]:
+    items = v if isinstance(v, list) else [v]
+    if all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
+        return tuple(items)
+    raise BadValue("a stage id or a list of stage ids, e.g. [0]")
+
+
+def check_env(v: Any) -> tuple[tuple[str, str], ...]:
+    if isinstance(v, dict) and all(isinstance(k, str) and k for k in v) \
+            and all(isinstance(x, (str, int, float, bool)) for x in v.values()):
+        return tuple((k, str(x)) for k, x in v.items())
+    raise BadValue("a mapping of environment variable names to strings")
+
+
+DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "fp32", "fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    check: Check
+    default: Any
+
+
+# Topology fields describe the model's stage graph; a deploy YAML may not set them
+# (they come from the pipeline it overlays), every other layer may.
+TOPOLOGY_FIELDS = frozenset({
+    "engine_input_source", "custom_process_input_func", "is_comprehension", "final_output",
+    "final_output_type", "requires_multimodal_data", "engine_args.model_stage",
+    "engine_args.model_arch", "engine_args.worker_type", "engine_args.worker_cls",
+    "engine_args.scheduler_cls", "engine_args.engine_output_type", "engine_args.hf_config_name",
+})
+
+# Defaults are those documented in spec 000, with one derived default: spec 000 documents
+# `final_output: true`, yet its own example leaves it unset on the talker, which only feeds
+# code2wav ("the stage only works as an intermediate role"). An unset final_output is
+# therefore true for a stage whose output no other stage consumes and false for one that
+# feeds another stage (build.py); an explicit value always wins.
+STAGE_FIELDS: dict[str, FieldSpec] = {
+    "engine_input_source": FieldSpec(check_stage_ids, ()),
+    "custom_process_input_func": FieldSpec(check_dotted, None),
+    "is_comprehension": FieldSpec(check_bool, True),
+    "final_output": FieldSpec(check_bool, None),  # derived, see above
+    "final_output_type": FieldSpec(check_enum(FinalOutputType), FinalOutputType.TEXT),
+    "requires_multimodal_data": FieldSpec(check_bool, False),
+    "runtime.process": FieldSpec(check_bool, True),
+    "runtime.devices": FieldSpec(check_devices, "0"),
+    "runtime.max_batch_size": FieldSpec(check_int(1), 1),
+    "runtime.num_replicas": FieldSpec(check_int(1), 1),
+    "runtime.env": FieldSpec(check_env, ()),
+    "engine_args.model_stage": FieldSpec(check_str(), None),
+    "engine_args.model_arch": FieldSpec(check_model_arch, None),
+    "engine_args.worker_type": FieldSpec(check_enum(WorkerType), None),  # derived, see build.py
+    "engine_args.worker_cls": FieldSpec(check_dotted, None),
+    "engine_args.scheduler_cls": FieldSpec(check_dotted, None),
+    "engine_args.gpu_memory_utilization": FieldSpec(check_fraction, 0.8),
+    "engine_args.enforce_eager": FieldSpec(check_bool, True),
+    "engine_args.trust_remote_code": FieldSpec(check_bool, True),
+    "engine_args.engine_output_type": FieldSpec(check_enum(EngineOutputType), EngineOutputType.LATENT),
+    "engine_args.enable_prefix_caching": FieldSpec(check_bool, False),
+    "engine_args.enable_chunked_prefill": FieldSpec(lambda v: None if v is None else check_bool(v), None),
+    "engine_args.max_num_seqs": FieldSpec(check_int(1, optional=True), None),
+    "engine_args.max_num_batched_tokens": FieldSpec(check_int(1, optional=True), None),
+    "engine_args.max_model_len": FieldSpec(check_int(1, optional=True), None),
+    "engine_args.dtype": FieldSpec(check_choice(*DTYPES), "auto"),
+    "engine_args.block_size": FieldSpec(check_int(1, optional=True), None),
+    "engine_args.tensor_parallel_size": FieldSpec(check_int(1), 1),
+    "engine_args.hf_config_name": FieldSpec(check_str(), None),
+    "engine_args.model": FieldSpec(check_str(), None),
+    "engine_args.tokenizer": FieldSpec(check_str(), None),
+    "engine_args.seed": FieldSpec(check_int(0, optional=True), None),
+}
+
+RUNTIME_KEYS = tuple(p.split(".", 1)[1] for p in STAGE_FIELDS if p.startswith("runtime."))
+ENGINE_KEYS = tuple(p.split(".", 1)[1] for p in STAGE_FIELDS if p.startswith("engine_args."))
+TOP_STAGE_KEYS = tuple(p for p in STAGE_FIELDS if "." not in p)
+
+# vLLM engine args seen in upstream configs that do not change results on our engine:
+# accepted with a warning so those files still load.
+IGNORED_ENGINE_ARGS = {
+    "distributed_executor_backend": "stage workers are always separate processes here",
+    "async_scheduling": "our scheduler has a single mode",
+    "mm_processor_cache_gb": "there is no multimodal processor cache",
+    "enable_flashinfer_autotune": "flashinfer is not used",
+    "max_cudagraph_capture_size": "CUDA graph sizes are chosen by the engine",
+}
+# vLLM engine args that would change results and that our engine does not implement.
+REJECTED_ENGINE_ARGS = {
+    "quantization": "quantized checkpoints are not supported",
+    "kv_cache_dtype": "the KV cache uses the model dtype",
+    "pipeline_parallel_size": "pipeline parallelism is not supported; use tensor_parallel_size",
+    "data_parallel_size": "use runtime.num_replicas (or --omni-dp-size-local) for replicas",
+    "speculative_config": "speculative decoding is not supported",
+    "enable_lora": "LoRA adapters are not supported",
+}
+
+# --- sampling parameters ----------------------------------------------------------------
+
+SAMPLING_DEFAULTS: dict[str, Any] = {  # spec 000 `default_sampling_params` defaults
+    "temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_tokens": 2048,
+    "seed": 42, "detokenize": True, "repetition_penalty": 1.1,
+}
+SAMPLING_KEYS = tuple(sorted(f.name for f in fields(SamplingParams) if not f.name.startswith("_")))
+_SAMPLING_TYPES = {f.name: str(f.type) for f in fields(SamplingParams)}
+
+
+def check_sampling_value(name: str, value: Any) -> Any:
+    """Type check from the SamplingParams annotation, then its own range checks."""
+    kinds = [k.strip() for k in _SAMPLING_TYPES[name].split("|")]
+    ok = any(_is_kind(value, k) for k in kinds)
+    if not ok:
+        raise BadValue(" or ".join(kinds).replace("None", "null"))
+    try:
+        SamplingParams.from_dict({**SAMPLING_DEFAULTS, name: value})
+    except (TypeError, ValueError) as exc:
+        raise BadValue(str(exc).split("must be ", 1)[-1]) from None
+    return value
+
+
+def _is_kind(v: Any, kind: str) -> bool:
+    if kind == "None":
+        return v is None
+    if kind == "bool":
+        return isinstance(v, bool)
+    if kind == "int":
+        return isinstance(v, int) and not isinstance(v, bool)
+    if kind == "float":
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if kind == "str":
+        return isinstance(v, str)
+    if kind.startswith("list[") and isinstance(v, list):
+        return all(_is_kind(x, kind[5:-1]) for x in v)
+    return False
+
+
+def stage_field_default(path: str) -> Any:
+    if path.startswith("default_sampling_params."):
+        return SAMPLING_DEFAULTS.get(path.split(".", 1)[1])
+    return STAGE_FIELDS[path].default

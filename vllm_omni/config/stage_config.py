@@ -1,0 +1,231 @@
+"""Frozen, validated stage-pipeline configuration.
+
+These classes are what the rest of the system sees: the loaders in this package
+parse YAML / CLI / JSON once into them, and below this edge nobody handles a
+raw dict or guesses a default. Everything here is picklable (stage workers are
+spawned children), so mappings are stored as tuples of pairs.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+from vllm_omni.sampling_params import SamplingParams
+
+
+class WorkerType(str, Enum):
+    """Which engine a stage runs (spec 000 `engine_args.worker_type`)."""
+
+    AR = "ar"
+    GENERATION = "generation"
+    DIFFUSION = "diffusion"
+
+
+class EngineOutputType(str, Enum):
+    """What a stage's engine emits for the next stage (`engine_args.engine_output_type`)."""
+
+    LATENT = "latent"  # hidden states in addition to token ids
+    TEXT = "text"
+    AUDIO = "audio"
+    IMAGE = "image"
+    TOKEN_IDS = "token_ids"
+
+
+class FinalOutputType(str, Enum):
+    """What a final stage returns to the user (`final_output_type`)."""
+
+    TEXT = "text"
+    AUDIO = "audio"
+    IMAGE = "image"
+    VIDEO = "video"
+
+
+class ConfigFormat(str, Enum):
+    LEGACY = "legacy"  # spec 000 `stage_args`
+    DEPLOY = "deploy"  # spec 001 `stages:` overlays on a bundled pipeline
+    SINGLE_STAGE = "single_stage"  # plain LLM checkpoint, no config file
+
+
+@dataclass(frozen=True)
+class StageRuntimeConfig:
+    """Where and how a stage runs (spec 000 `runtime`, spec 002 replicas/env)."""
+
+    process: bool = True
+    devices: str = "0"
+    max_batch_size: int = 1
+    num_replicas: int = 1
+    env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def device_ids(self) -> tuple[int, ...]:
+        return tuple(int(d) for d in self.devices.split(","))
+
+    def env_dict(self) -> dict[str, str]:
+        return dict(self.env)
+
+
+@dataclass(frozen=True)
+class StageEngineArgs:
+    """Engine arguments of one stage. None means "the engine derives it" (e.g.
+    max_model_len from the HF config); every other default is the documented one."""
+
+    model_stage: str | None = None
+    model_arch: str | None = None
+    worker_type: WorkerType = WorkerType.AR
+    worker_cls: str | None = None
+    scheduler_cls: str | None = None
+    gpu_memory_utilization: float = 0.8
+    enforce_eager: bool = True
+    trust_remote_code: bool = True
+    engine_output_type: EngineOutputType = EngineOutputType.LATENT
+    enable_prefix_caching: bool = False
+    enable_chunked_prefill: bool | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    dtype: str = "auto"
+    block_size: int | None = None
+    tensor_parallel_size: int = 1
+    hf_config_name: str | None = None
+    model: str | None = None  # per-stage checkpoint; None = the served model
+    tokenizer: str | None = None
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    stage_id: int
+    runtime: StageRuntimeConfig
+    engine_args: StageEngineArgs
+    # Mutable (vLLM's shape): take a copy with new_sampling_params() before changing it.
+    default_sampling_params: SamplingParams
+    engine_input_source: tuple[int, ...] = ()
+    custom_process_input_func: str | None = None
+    is_comprehension: bool = True
+    final_output: bool = True
+    final_output_type: FinalOutputType = FinalOutputType.TEXT
+    requires_multimodal_data: bool = False
+    # (upstream stage id, connector key) / (downstream stage id, connector key)
+    input_connectors: tuple[tuple[int, str], ...] = ()
+    output_connectors: tuple[tuple[int, str], ...] = ()
+
+    @property
+    def model_stage(self) -> str | None:
+        return self.engine_args.model_stage
+
+    @property
+    def worker_type(self) -> WorkerType:
+        return self.engine_args.worker_type
+
+    def new_sampling_params(self, **changes: Any) -> SamplingParams:
+        return self.default_sampling_params.clone(**changes)
+
+
+@dataclass(frozen=True)
+class EdgeConfig:
+    """One stage-to-stage edge. window_size -1: the downstream stage starts only
+    after the upstream output is complete; N > 0: it is fed every N units."""
+
+    from_stage: int
+    to_stage: int
+    window_size: int = -1
+    connector: str | None = None  # key into PipelineConfig.connectors
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    key: str  # the name stages refer to
+    name: str  # connector class, e.g. SharedMemoryConnector
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    def extra_dict(self) -> dict[str, Any]:
+        return dict(self.extra)
+
+
+@dataclass(frozen=True)
+class PipelineRuntimeConfig:
+    """Top-level `runtime:` of spec 000."""
+
+    enabled: bool = True
+    window_size: int = -1  # runtime.defaults.window_size
+    max_inflight: int = 1  # runtime.defaults.max_inflight
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    stages: tuple[StageConfig, ...]  # sorted by stage_id, ids are 0..N-1
+    edges: tuple[EdgeConfig, ...]
+    runtime: PipelineRuntimeConfig = field(default_factory=PipelineRuntimeConfig)
+    connectors: tuple[ConnectorConfig, ...] = ()
+    async_chunk: bool = False
+    format: ConfigFormat = ConfigFormat.LEGACY
+    source: str = ""  # the file(s) or origin it was read from, for messages
+    pipeline_name: str | None = None  # bundled pipeline key, when one was used
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def stage_ids(self) -> tuple[int, ...]:
+        return tuple(s.stage_id for s in self.stages)
+
+    def stage(self, stage_id: int) -> StageConfig:
+        for s in self.stages:
+            if s.stage_id == stage_id:
+                return s
+        raise KeyError(f"pipeline has no stage {stage_id}; stages: {list(self.stage_ids)}")
+
+    @property
+    def final_stages(self) -> tuple[StageConfig, ...]:
+        return tuple(s for s in self.stages if s.final_output)
+
+    @property
+    def entry_stages(self) -> tuple[StageConfig, ...]:
+        return tuple(s for s in self.stages if not s.engine_input_source)
+
+    @property
+    def comprehension_stage(self) -> StageConfig | None:
+        """The first comprehension stage: its tokenizer is the pipeline's default (spec 000)."""
+        return next((s for s in self.stages if s.is_comprehension), None)
+
+    def upstream(self, stage_id: int) -> tuple[EdgeConfig, ...]:
+        return tuple(e for e in self.edges if e.to_stage == stage_id)
+
+    def downstream(self, stage_id: int) -> tuple[EdgeConfig, ...]:
+        return tuple(e for e in self.edges if e.from_stage == stage_id)
+
+    def edge(self, from_stage: int, to_stage: int) -> EdgeConfig:
+        for e in self.edges:
+            if e.from_stage == from_stage and e.to_stage == to_stage:
+                return e
+        raise KeyError(f"pipeline has no edge {from_stage} -> {to_stage}")
+
+    def connector(self, key: str) -> ConnectorConfig:
+        for c in self.connectors:
+            if c.key == key:
+                return c
+        raise KeyError(f"pipeline has no connector {key!r}")
+
+    def topo_order(self) -> tuple[int, ...]:
+        """Stage ids in an order where every stage follows its inputs (ties by id)."""
+        done: list[int] = []
+        pending = list(self.stage_ids)
+        while pending:
+            ready = [s for s in pending if all(src in done for src in self.stage(s).engine_input_source)]
+            done.append(min(ready))  # the graph was checked acyclic when it was built
+            pending.remove(done[-1])
+        return tuple(done)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (enums as strings) for JSON output and logs."""
+        def clean(obj: Any) -> Any:
+            if isinstance(obj, Enum):
+                return obj.value
+            if isinstance(obj, dict):
+                return {k: clean(v) for k, v in obj.items() if not str(k).startswith("_")}
+            if isinstance(obj, (list, tuple)):
+                return [clean(v) for v in obj]
+            return obj
+        return clean(asdict(self))

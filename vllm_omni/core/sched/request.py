@@ -1,0 +1,111 @@
+"""Engine-side state of one request (vLLM v1 counters).
+
+Prefill, chunked prefill, decode, prefix-cache hits and recompute after
+preemption are all the same thing: compute tokens
+`token_ids[num_computed_tokens : num_computed_tokens + n]`.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import TYPE_CHECKING
+
+import torch
+
+from vllm_omni.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from vllm_omni.engine.detokenizer import IncrementalDetokenizer
+
+_arrival_counter = itertools.count()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        return_hidden_states: bool = False,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id}: the prompt is empty")
+        if prompt_embeds is not None and prompt_embeds.shape[0] != len(prompt_token_ids):
+            raise ValueError(
+                f"request {request_id}: prompt_embeds has {prompt_embeds.shape[0]} rows "
+                f"but the prompt has {len(prompt_token_ids)} tokens"
+            )
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        # Rows replace the token embeddings of the prompt positions (a stage fed by another stage).
+        self.prompt_embeds = prompt_embeds  # [num_prompt_tokens, hidden]
+        self.return_hidden_states = return_hidden_states
+        self.arrival_order = next(_arrival_counter)
+
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt + output
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.num_hashed_blocks = 0  # leading blocks already registered in the prefix cache
+        self.block_hashes: list[bytes] = []
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first schedule
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+
+        self.generator: torch.Generator | None = None
+        self.logprobs: list[dict[int, float]] = []
+        self.cumulative_logprob = 0.0
+        # Captured hidden states, one chunk per computed span: key -> [chunk tensors].
+        self.hidden_chunks: dict[str, list[torch.Tensor]] = {}
+        self.detokenizer: IncrementalDetokenizer | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def cacheable(self) -> bool:
+        """Prefix caching keys blocks by token ids only: requests whose KV depends on more
+        (injected embeddings) or that must export every position's hidden states opt out."""
+        return self.prompt_embeds is None and not self.return_hidden_states
+
+    def append_output_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: drop the KV cache, keep the tokens generated so far."""
+        self.num_computed_tokens = 0
+        self.block_ids = []
+        self.num_hashed_blocks = 0
+        self.hidden_chunks = {}
+        self.status = RequestStatus.WAITING

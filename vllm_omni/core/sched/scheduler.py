@@ -1,0 +1,133 @@
+"""Continuous-batching scheduler (vLLM v1 shape).
+
+Each step shares one token budget (`max_num_batched_tokens`) between running
+requests (decode or the rest of a chunked prefill) and waiting requests (FCFS),
+with at most `max_num_seqs` running. When the KV pool runs dry, the most recently
+arrived running request is preempted and later recomputed.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from vllm_omni.core.sched.block_manager import BlockManager
+from vllm_omni.core.sched.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # computes token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens]
+
+    @property
+    def completes_sequence(self) -> bool:
+        """After this step every known token is computed, so the step yields the next token."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in arrival order: the last one is preempted first
+        self.requests: dict[str, Request] = {}
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.block_manager.allocate(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(request, num_new))
+                scheduled_ids.add(request.request_id)
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request itself was preempted: nothing older can be made to fit
+
+        # New work only when nothing had to be preempted this step (vLLM does the same):
+        # admitting requests while evicting others would thrash.
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.block_manager.find_cached_prefix(request)
+            num_cached_tokens = len(cached) * self.block_manager.block_size
+            num_new = min(request.num_tokens - num_cached_tokens, budget)
+            if not self.block_manager.allocate(request, num_new, cached):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_cached_tokens
+            if request.num_output_tokens == 0:
+                request.num_cached_tokens = num_cached_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.reset_for_recompute()
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """Record that the scheduled tokens were computed (before new tokens are appended)."""
+        for item in out.scheduled:
+            item.request.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(item.request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        assert status.finished
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+            self.block_manager.free(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.requests.pop(request.request_id, None)

@@ -1,0 +1,48 @@
+"""Engine arguments, validated once (DESIGN section 6)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None  # defaults to `model`
+    skip_tokenizer_init: bool = False
+    dtype: str = "auto"
+    device: str = "auto"  # "auto" = cuda when available, else cpu
+    seed: int = 0
+    max_model_len: int | None = None  # default: the model's max_position_embeddings, capped by the KV pool
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None  # explicit KV pool size; overrides the memory-based sizing
+    kv_cache_memory_bytes: int | None = None  # explicit KV budget; CPU default is 256 MiB
+    enforce_eager: bool = False
+    # Hidden states exported per request (transformers' output_hidden_states indices);
+    # "last" (the final post-norm states) is always exported when a request asks for hidden states.
+    hidden_state_layers: tuple[int, ...] = ()
+    architecture: str | None = None  # override config.architectures[0]
+
+    def __post_init__(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"engine argument {name}={getattr(self, name)!r} is invalid: must be {allowed}")
+
+        if self.dtype not in _DTYPES:
+            raise bad("dtype", f"one of {list(_DTYPES)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise bad("max_model_len", ">= 1 or None")
+        if self.max_num_seqs < 1:
+            raise bad("max_num_seqs", ">= 1")
+        if self.max_num_batched_tokens < 1:
+            raise bad("max_num_batched_tokens", ">= 1")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise bad("block_size", "a positive power of two")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise bad("gpu_memory_utilization", "in (0, 1]")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise bad("num_kv_blocks", ">= 1 or None")

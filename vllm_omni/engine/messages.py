@@ -1,0 +1,114 @@
+"""Typed messages between the orchestrator and the stage workers.
+
+Every message is a tagged msgspec Struct, so a socket carries one union type per
+direction and a decoder rejects anything else. Tensors anywhere in a message
+(`multimodal_output`, `additional_information` values) are taken out of the msgpack
+header by `transport.MessageCodec` and sent as separate zero-copy frames or shared
+memory segments.
+
+Outputs are deltas (new tokens, new text, new tensors since the last message of that
+request) with a `finished` flag, so the same protocol serves streaming edges: the
+orchestrator accumulates them into `RequestOutput`s.
+"""
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+import torch
+
+from vllm_omni.sampling_params import SamplingParams
+
+# --------------------------------------------------------------------------- orchestrator -> worker
+
+
+class StageRequest(msgspec.Struct, tag="add", kw_only=True):
+    """One request for one stage; also what a stage engine (and a generation model) receives."""
+
+    request_id: str  # the orchestrator's internal key, unique per submission
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    # Per-request payloads built by a bridge (spec 003 OmniTokensPrompt.additional_information).
+    additional_information: dict[str, Any] = {}
+    multi_modal_data: dict[str, Any] | None = None
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class StatsRequest(msgspec.Struct, tag="stats_request"):
+    nonce: int
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+ToWorker = Union[StageRequest, AbortRequests, StatsRequest, Shutdown]
+
+# --------------------------------------------------------------------------- worker -> orchestrator
+
+
+class StageReady(msgspec.Struct, tag="ready"):
+    stage_id: int
+    pid: int
+    info: dict[str, Any]  # what the engine reports about itself (device, KV blocks, ...)
+
+
+class StageInitFailed(msgspec.Struct, tag="init_failed"):
+    stage_id: int
+    pid: int
+    error: str  # includes the traceback
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    stage_id: int
+    pid: int
+
+
+class StageFatal(msgspec.Struct, tag="fatal"):
+    """The worker loop itself failed; the stage is going down."""
+
+    stage_id: int
+    error: str
+
+
+class StageOutput(msgspec.Struct, kw_only=True):
+    """What one request produced since its previous StageOutput (a delta)."""
+
+    request_id: str
+    finished: bool
+    new_token_ids: list[int] = []
+    new_text: str = ""
+    new_logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    # Named tensors for the next stage or the user (hidden states, codec codes, audio, ...).
+    multimodal_output: dict[str, torch.Tensor] = {}
+    error: str | None = None
+
+
+class StageOutputBatch(msgspec.Struct, tag="outputs"):
+    """All outputs of one engine step: one message per step, not one per request."""
+
+    stage_id: int
+    outputs: list[StageOutput]
+
+
+class StageStats(msgspec.Struct, tag="stats", kw_only=True):
+    nonce: int
+    stage_id: int
+    num_unfinished: int
+    kv_free_blocks: int | None = None  # AR stages only
+    kv_total_blocks: int | None = None
+    num_waiting: int | None = None  # generation stages: queued requests
+
+
+FromWorker = Union[StageReady, StageInitFailed, Heartbeat, StageFatal, StageOutputBatch, StageStats]
+
+
+def error_output(request_id: str, error: str) -> StageOutput:
+    return StageOutput(request_id=request_id, finished=True, finish_reason="error", error=error)

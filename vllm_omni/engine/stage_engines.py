@@ -1,0 +1,239 @@
+"""The engines a stage worker drives (DESIGN section 3).
+
+`ARStageEngine` wraps our `LLMEngine` (continuous batching, paged KV cache) and turns
+its cumulative `RequestOutput`s into `StageOutput` deltas. `GenerationStageEngine`
+runs one forward pass per batch of queued requests (e.g. code2wav).
+Both report per-request failures as error outputs; nothing here raises for one bad
+request.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from vllm_omni.core.sched.omni_generation_scheduler import OmniGenerationScheduler
+from vllm_omni.engine.messages import StageOutput, StageRequest, error_output
+
+if TYPE_CHECKING:
+    from vllm_omni.engine.llm_engine import LLMEngine
+    from vllm_omni.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+PROMPT_EMBEDS_KEY = "prompt_embeds"
+
+
+class StageEngine(Protocol):
+    """What a stage worker drives; nothing else."""
+
+    def add_request(self, req: StageRequest) -> None: ...
+    def abort(self, request_ids: Sequence[str]) -> None: ...
+    def step(self) -> list[StageOutput]: ...  # partial (streaming) and final outputs
+    def has_unfinished(self) -> bool: ...
+    def fail_all(self, error: str) -> list[StageOutput]: ...  # after a step raised
+    def stats(self) -> dict[str, int]: ...  # fields of messages.StageStats
+    def describe(self) -> dict[str, Any]: ...  # reported once in StageReady
+
+
+class GenerationModel(Protocol):
+    """A non-autoregressive stage model: one call handles a whole batch.
+
+    `GPUGenerationWorker` builds it with the class method `load(model_path, *, model_stage,
+    device, dtype)`; `generate_batch` returns one dict of named tensors per input, in order.
+    """
+
+    @classmethod
+    def load(cls, model_path: str, *, model_stage: str | None, device: torch.device,
+             dtype: str) -> GenerationModel: ...
+
+    def generate_batch(self, inputs: list[StageRequest]) -> list[dict[str, torch.Tensor]]: ...
+
+
+# --------------------------------------------------------------------------- AR
+
+
+@dataclass
+class _Sent:
+    """How much of a request's cumulative output has already gone out as deltas."""
+
+    tokens: int = 0
+    text: int = 0
+    logprobs: int = 0
+    hold_back: int = 0  # trailing characters a later stop string could still cut off
+
+
+class ARStageEngine:
+    def __init__(self, engine: LLMEngine, *, stage_id: int, export_hidden_states: bool) -> None:
+        self.engine = engine
+        self.stage_id = stage_id
+        self.export_hidden_states = export_hidden_states
+        self._sent: dict[str, _Sent] = {}  # unfinished requests
+        self._ready: list[StageOutput] = []  # immediate errors, returned by the next step()
+
+    def add_request(self, req: StageRequest) -> None:
+        try:
+            self._add(req)
+        except (ValueError, TypeError) as e:  # a bad request fails alone
+            self._sent.pop(req.request_id, None)
+            self._ready.append(error_output(req.request_id, f"stage {self.stage_id}: {e}"))
+
+    def _add(self, req: StageRequest) -> None:
+        rid = req.request_id
+        if rid in self._sent:
+            raise ValueError(f"request {rid} is already running in this stage")
+        if req.multi_modal_data:
+            raise ValueError("multi_modal_data is not supported by this stage's engine yet")
+        info = dict(req.additional_information)
+        embeds = info.pop(PROMPT_EMBEDS_KEY, None)
+        if embeds is not None and (not isinstance(embeds, torch.Tensor) or embeds.dim() != 2):
+            raise ValueError(f"additional_information['{PROMPT_EMBEDS_KEY}'] must be a [prompt_len, hidden] tensor")
+        self._model_specific_inputs(req, info)
+        params = req.sampling_params
+        hold = 0
+        if params.stop and not params.include_stop_str_in_output:
+            hold = max(len(s) for s in params.stop) - 1
+        self._sent[rid] = _Sent(hold_back=hold)
+        early = self.engine.add_request(
+            rid, req.prompt_token_ids, params, prompt=req.prompt, prompt_embeds=embeds,
+            return_hidden_states=self.export_hidden_states,
+        )
+        if early is not None:
+            self._ready.append(self._delta(early))
+
+    def _model_specific_inputs(self, req: StageRequest, info: dict[str, Any]) -> None:
+        """Hook for model-specific `additional_information` keys (e.g. a talker's thinker
+        states). No stage model consumes any yet, so unknown keys are an error rather than
+        silently dropped."""
+        if info:
+            raise ValueError(
+                f"additional_information keys {sorted(info)} are not understood by this stage "
+                f"(only '{PROMPT_EMBEDS_KEY}' is)"
+            )
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        ids = [rid for rid in request_ids if self._sent.pop(rid, None) is not None]
+        if ids:
+            self.engine.abort_request(ids)  # frees their KV blocks
+
+    def step(self) -> list[StageOutput]:
+        outputs, self._ready = self._ready, []
+        if self.engine.has_unfinished_requests():
+            outputs.extend(self._delta(o) for o in self.engine.step() if o.request_id in self._sent)
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return bool(self._ready) or self.engine.has_unfinished_requests()
+
+    def fail_all(self, error: str) -> list[StageOutput]:
+        ids = list(self._sent)
+        self.abort(ids)
+        return [error_output(rid, error) for rid in ids]
+
+    def _delta(self, out: RequestOutput) -> StageOutput:
+        comp = out.outputs[0]
+        sent = self._sent[out.request_id]
+        text_end = len(comp.text) if out.finished else max(sent.text, len(comp.text) - sent.hold_back)
+        delta = StageOutput(
+            request_id=out.request_id,
+            finished=out.finished,
+            new_token_ids=comp.token_ids[sent.tokens:],
+            new_text=comp.text[sent.text:text_end],
+            new_logprobs=comp.logprobs[sent.logprobs:] if comp.logprobs is not None else None,
+            cumulative_logprob=comp.cumulative_logprob,
+            finish_reason=comp.finish_reason,
+            stop_reason=comp.stop_reason,
+            multimodal_output=dict(comp.multimodal_output),  # only filled when finished
+            error=out.error,
+        )
+        sent.tokens, sent.text = len(comp.token_ids), text_end
+        sent.logprobs = len(comp.logprobs) if comp.logprobs is not None else 0
+        if out.finished:
+            del self._sent[out.request_id]
+        return delta
+
+    def stats(self) -> dict[str, int]:
+        bm = self.engine.block_manager
+        return {
+            "num_unfinished": self.engine.num_unfinished_requests,
+            "kv_free_blocks": bm.num_free_blocks,
+            "kv_total_blocks": bm.num_blocks,
+        }
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "engine": "ar",
+            "device": str(self.engine.device),
+            "dtype": str(self.engine.dtype),
+            "max_model_len": self.engine.max_model_len,
+            "kv_total_blocks": self.engine.block_manager.num_blocks,
+        }
+
+
+# --------------------------------------------------------------------------- generation
+
+
+class GenerationStageEngine:
+    def __init__(self, model: GenerationModel, scheduler: OmniGenerationScheduler, *, stage_id: int,
+                 device: str = "cpu") -> None:
+        self.model = model
+        self.scheduler = scheduler
+        self.stage_id = stage_id
+        self.device = device
+        self._ready: list[StageOutput] = []
+
+    def add_request(self, req: StageRequest) -> None:
+        try:
+            self.scheduler.add_request(req)
+        except ValueError as e:
+            self._ready.append(error_output(req.request_id, f"stage {self.stage_id}: {e}"))
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self.scheduler.abort(request_ids)
+
+    def step(self) -> list[StageOutput]:
+        outputs, self._ready = self._ready, []
+        batch = self.scheduler.schedule()
+        if batch:
+            outputs.extend(self._run(batch))
+        return outputs
+
+    def _run(self, batch: list[StageRequest]) -> list[StageOutput]:
+        try:
+            results = self._forward(batch)
+        except Exception as e:  # noqa: BLE001 - isolate the request that broke the batch
+            if len(batch) == 1:
+                logger.warning("stage %d: request %s failed: %s", self.stage_id, batch[0].request_id, e)
+                return [error_output(batch[0].request_id, f"stage {self.stage_id}: {type(e).__name__}: {e}")]
+            logger.warning("stage %d: a batch of %d failed (%s); retrying one by one", self.stage_id, len(batch), e)
+            return [out for req in batch for out in self._run([req])]
+        return [
+            StageOutput(request_id=req.request_id, finished=True, finish_reason="stop", multimodal_output=result)
+            for req, result in zip(batch, results)
+        ]
+
+    @torch.inference_mode()
+    def _forward(self, batch: list[StageRequest]) -> list[dict[str, torch.Tensor]]:
+        results = self.model.generate_batch(batch)
+        if len(results) != len(batch):
+            raise RuntimeError(f"generate_batch returned {len(results)} results for {len(batch)} requests")
+        for req, result in zip(batch, results):
+            if not isinstance(result, dict) or not all(isinstance(v, torch.Tensor) for v in result.values()):
+                raise TypeError(f"generate_batch must return dict[str, Tensor] per request (request {req.request_id})")
+        return results
+
+    def has_unfinished(self) -> bool:
+        return bool(self._ready) or self.scheduler.has_unfinished()
+
+    def fail_all(self, error: str) -> list[StageOutput]:
+        # _run reports every failure of the batch it ran; queued requests are untouched.
+        return []
+
+    def stats(self) -> dict[str, int]:
+        return {"num_unfinished": self.scheduler.num_waiting, "num_waiting": self.scheduler.num_waiting}
+
+    def describe(self) -> dict[str, Any]:
+        return {"engine": "generation", "device": self.device, "max_batch_size": self.scheduler.max_batch_size}

@@ -1,0 +1,247 @@
+"""Message encoding and the ZMQ sockets between the orchestrator and stage workers.
+
+A message is sent as one multipart ZMQ message: frame 0 is the msgpack header; each
+tensor in the message becomes a msgpack extension that points either at a later frame
+(sent with `copy=False`, so the tensor's memory goes to the socket without a copy) or,
+at `shm_threshold_bytes` and above, at a `multiprocessing.shared_memory` segment that
+the receiver copies out and unlinks. Tensors are sent as raw bytes plus the torch
+dtype name, so dtypes numpy lacks (bfloat16) travel unchanged.
+
+Topology, per stage: the orchestrator binds a PUSH socket (to the worker) and a PULL
+socket (from the worker); the worker connects. Binding on the orchestrator side keeps
+the addresses stable when a worker restarts or runs on another host later.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import uuid
+import warnings
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any
+
+import msgspec
+import torch
+import zmq
+import zmq.asyncio
+
+from vllm_omni.engine.messages import FromWorker, ToWorker
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SHM_THRESHOLD_BYTES = 65536
+_TENSOR_EXT = 1
+_SHM_DIR = "/dev/shm"  # where POSIX shared memory segments are visible on Linux
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"message carries a tensor of unknown dtype {name!r}")
+    return dtype
+
+
+class MessageCodec:
+    """Encodes/decodes one direction's messages. Not thread-safe: one per socket owner."""
+
+    def __init__(self, decode_type: Any, shm_threshold_bytes: int, shm_prefix: str) -> None:
+        if shm_threshold_bytes < 0:
+            raise ValueError(f"shm_threshold_bytes={shm_threshold_bytes} is invalid: must be >= 0")
+        self.shm_threshold_bytes = shm_threshold_bytes
+        self.shm_prefix = shm_prefix
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
+        self._decoder = msgspec.msgpack.Decoder(decode_type, ext_hook=self._ext_hook, dec_hook=self._dec_hook)
+        self._out_frames: list[Any] = []
+        self._in_frames: list[zmq.Frame] = []
+
+    # --- encoding -------------------------------------------------------------
+    def encode(self, msg: Any) -> list[Any]:
+        self._out_frames = []
+        try:
+            header = self._encoder.encode(msg)
+            return [header, *self._out_frames]
+        finally:
+            self._out_frames = []
+
+    def _enc_hook(self, obj: Any) -> Any:
+        if not isinstance(obj, torch.Tensor):
+            raise TypeError(f"cannot send a {type(obj).__name__} between stages: use tensors or msgpack data")
+        t = obj.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        shape = list(t.shape)
+        # A uint8 view of the flat tensor is valid for every dtype (including bfloat16).
+        raw = t.reshape(-1).view(torch.uint8)
+        nbytes = raw.numel()
+        if nbytes >= self.shm_threshold_bytes and nbytes > 0:
+            ref = [str(t.dtype), shape, -1, self._to_shm(raw)]
+        else:
+            self._out_frames.append(raw.numpy())  # zero-copy buffer; zmq keeps it alive until sent
+            ref = [str(t.dtype), shape, len(self._out_frames), ""]
+        return msgspec.msgpack.Ext(_TENSOR_EXT, msgspec.msgpack.encode(ref))
+
+    def _to_shm(self, raw: torch.Tensor) -> str:
+        name = f"{self.shm_prefix}{uuid.uuid4().hex[:16]}"
+        shm = shared_memory.SharedMemory(name=name, create=True, size=raw.numel())
+        try:
+            torch.frombuffer(shm.buf, dtype=torch.uint8).copy_(raw)
+        finally:
+            shm.close()
+        # The receiver owns (and unlinks) the segment; our tracker must not unlink it at exit.
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        return name
+
+    # --- decoding -------------------------------------------------------------
+    def decode(self, frames: list[zmq.Frame]) -> Any:
+        self._in_frames = frames
+        try:
+            return self._decoder.decode(frames[0].buffer)
+        finally:
+            self._in_frames = []
+
+    def _ext_hook(self, code: int, data: memoryview) -> Any:
+        if code != _TENSOR_EXT:
+            raise ValueError(f"unknown msgpack extension type {code}")
+        dtype_name, shape, frame_index, shm_name = msgspec.msgpack.decode(data)
+        dtype = _dtype_from_name(dtype_name)
+        if shm_name:
+            raw = _from_shm(shm_name)
+        else:
+            if not 0 < frame_index < len(self._in_frames):
+                raise ValueError(f"tensor refers to frame {frame_index} of a {len(self._in_frames)}-frame message")
+            buf = self._in_frames[frame_index].buffer
+            if len(buf) == 0:
+                return torch.empty(shape, dtype=dtype)
+            with warnings.catch_warnings():
+                # zmq exposes received frames read-only; the frame is ours alone, so a
+                # tensor over it (kept alive by the tensor) is safe to use as is.
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.frombuffer(buf, dtype=torch.uint8)
+        return raw.view(dtype).reshape(shape)
+
+    @staticmethod
+    def _dec_hook(tp: type, obj: Any) -> Any:
+        if tp is torch.Tensor and isinstance(obj, torch.Tensor):
+            return obj
+        raise TypeError(f"expected {tp.__name__}, got {type(obj).__name__}")
+
+
+def _from_shm(name: str) -> torch.Tensor:
+    shm = shared_memory.SharedMemory(name=name)
+    try:
+        view = torch.frombuffer(shm.buf, dtype=torch.uint8)
+        raw = view.clone()  # the segment goes away below; the tensor must own its memory
+        del view
+    finally:
+        shm.close()
+        shm.unlink()
+    return raw
+
+
+def sweep_shared_memory(prefix: str) -> int:
+    """Unlink segments left behind with `prefix` (a receiver that died before reading them)."""
+    if not prefix or not os.path.isdir(_SHM_DIR):
+        return 0
+    removed = 0
+    for name in os.listdir(_SHM_DIR):
+        if name.startswith(prefix):
+            try:
+                os.unlink(os.path.join(_SHM_DIR, name))
+                removed += 1
+            except FileNotFoundError:
+                continue  # its receiver unlinked it meanwhile
+    return removed
+
+
+# --------------------------------------------------------------------------- addresses
+
+
+def make_ipc_dir() -> str:
+    # Short base dir: ipc:// paths are limited to ~107 bytes.
+    return tempfile.mkdtemp(prefix="vomni-", dir="/tmp" if os.path.isdir("/tmp") else None)
+
+
+def stage_addresses(ipc_dir: str, stage_id: int) -> tuple[str, str]:
+    """(orchestrator -> worker, worker -> orchestrator) addresses of one stage."""
+    return f"ipc://{ipc_dir}/stage{stage_id}-in", f"ipc://{ipc_dir}/stage{stage_id}-out"
+
+
+def _configure(sock: zmq.Socket, linger_ms: int) -> None:
+    # No high-water mark: a message is never dropped or blocked by zmq; the orchestrator
+    # bounds what it has in flight itself.
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, linger_ms)
+
+
+# --------------------------------------------------------------------------- worker side (sync)
+
+
+class WorkerChannel:
+    """The worker's two sockets: it receives ToWorker messages and sends FromWorker ones."""
+
+    def __init__(self, ctx: zmq.Context, in_addr: str, out_addr: str, shm_threshold_bytes: int,
+                 shm_prefix: str) -> None:
+        self.inbox = ctx.socket(zmq.PULL)
+        self.outbox = ctx.socket(zmq.PUSH)
+        # Outputs already produced are worth flushing on shutdown, for a bounded time.
+        _configure(self.inbox, 0)
+        _configure(self.outbox, 2000)
+        self.inbox.connect(in_addr)
+        self.outbox.connect(out_addr)
+        self.codec = MessageCodec(ToWorker, shm_threshold_bytes, shm_prefix)
+
+    def send(self, msg: Any) -> None:
+        self.outbox.send_multipart(self.codec.encode(msg), copy=False)
+
+    def recv(self, timeout_ms: int) -> Any | None:
+        """The next message, waiting at most `timeout_ms` (0: only what is already queued)."""
+        if not self.inbox.poll(timeout_ms):
+            return None
+        return self.codec.decode(self.inbox.recv_multipart(copy=False))
+
+    def close(self) -> None:
+        self.inbox.close()
+        self.outbox.close()
+
+
+# --------------------------------------------------------------------------- orchestrator side (asyncio)
+
+
+class OrchestratorChannel:
+    """The orchestrator's end of one stage: bound sockets, awaited by the stage client.
+
+    Sending uses a plain (sync) socket: with no high-water mark a send never blocks, and
+    NOBLOCK makes "no worker connected" an immediate zmq.Again rather than a future that
+    nobody awaits. Receiving uses an asyncio socket so the stage client awaits it.
+    """
+
+    def __init__(self, ctx: zmq.Context, in_addr: str, out_addr: str, shm_threshold_bytes: int,
+                 shm_prefix: str) -> None:
+        self.to_worker = ctx.socket(zmq.PUSH)
+        self.from_worker = zmq.asyncio.Context.shadow(ctx.underlying).socket(zmq.PULL)
+        _configure(self.to_worker, 0)
+        _configure(self.from_worker, 0)
+        self.to_worker.bind(in_addr)
+        self.from_worker.bind(out_addr)
+        self.codec = MessageCodec(FromWorker, shm_threshold_bytes, shm_prefix)
+
+    def send_nowait(self, msg: Any) -> None:
+        """Queue a message for the worker. Raises zmq.Again when no worker is connected."""
+        self.to_worker.send_multipart(self.codec.encode(msg), flags=zmq.NOBLOCK, copy=False)
+
+    async def recv(self, timeout_ms: int) -> Any | None:
+        """The next message, or None when none arrived within `timeout_ms`.
+
+        Waits with poll (which consumes nothing), so a timeout never cancels a read halfway.
+        """
+        if not await self.from_worker.poll(timeout_ms, zmq.POLLIN):
+            return None
+        frames = await self.from_worker.recv_multipart(copy=False)
+        return self.codec.decode(frames)
+
+    def close(self) -> None:
+        self.to_worker.close()
+        self.from_worker.close()

@@ -1,0 +1,142 @@
+"""Top-k mixture of experts with fused expert weights.
+
+Experts live in two stacked tensors, as fused MoE kernels want them:
+  w13 [E, 2*I, H]: rows [gate | up] of each expert (HF `gate_proj`, `up_proj`)
+  w2  [E, H, I]:   each expert's `down_proj`
+Checkpoints store them per expert (`experts.{i}.gate_proj.weight`, ...); transformers 5.x
+fuses them in memory too but `save_pretrained` writes this per-expert hub layout.
+
+Routing matches transformers' Qwen3MoeTopKRouter: router logits in the model dtype,
+softmax in float32, top-k, optional renormalization in float32, weights cast back.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm_omni.model_executor.layers.activation import get_gated_act, silu_and_mul
+from vllm_omni.model_executor.layers.linear import Linear, check_shape, set_loader
+
+_EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_W13_SHARD = {"gate_proj": 0, "up_proj": 1}
+
+
+def map_expert_weight_name(name: str) -> tuple[str, tuple[int, int | None]] | None:
+    """HF per-expert name -> (our fused parameter name, shard id), or None if not an expert weight.
+
+    `x.experts.3.up_proj.weight` -> (`x.experts.w13_weight`, (3, 1));
+    `x.experts.3.down_proj.weight` -> (`x.experts.w2_weight`, (3, None)).
+    """
+    match = _EXPERT_NAME.match(name)
+    if match is None:
+        return None
+    expert, proj = int(match["expert"]), match["proj"]
+    if proj == "down_proj":
+        return f"{match['prefix']}.w2_weight", (expert, None)
+    return f"{match['prefix']}.w13_weight", (expert, _W13_SHARD[proj])
+
+
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (weights [T, k] in the logits' dtype, expert ids [T, k])."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+def moe_forward_reference(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, k]
+    topk_ids: torch.Tensor,  # [T, k]
+) -> torch.Tensor:
+    """Loop over the experts that received tokens; correct on any device.
+
+    One device->host sync (the per-expert counts), so it cannot be captured in a CUDA
+    graph; a fused kernel replaces it there. Experts are accumulated in ascending order,
+    as transformers does, so float sums round the same way.
+    """
+    num_experts, top_k = w13.shape[0], topk_ids.shape[1]
+    out = torch.zeros_like(x)
+    flat_ids = topk_ids.flatten()
+    order = torch.argsort(flat_ids, stable=True)
+    token_idx = order // top_k  # token of each (token, slot) pair, grouped by expert
+    weights = topk_weights.flatten()[order]
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        idx = token_idx[start : start + count]
+        hidden = silu_and_mul(F.linear(x[idx], w13[expert]))
+        hidden = F.linear(hidden, w2[expert]) * weights[start : start + count, None]
+        out.index_add_(0, idx, hidden.to(out.dtype))
+        start += count
+    return out
+
+
+class FusedExperts(nn.Module):
+    """The experts of one MoE layer; parameter names `w13_weight`, `w2_weight`."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.w13_weight = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
+        )
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        experts = range(num_experts)
+        set_loader(self.w13_weight, self._load_w13, [(e, s) for e in experts for s in (0, 1)])
+        set_loader(self.w2_weight, self._load_w2, [(e, None) for e in experts])
+
+    def _load_w13(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: tuple[int, int]) -> None:
+        expert, half = shard_id
+        size = self.intermediate_size
+        target = param[expert, half * size : (half + 1) * size]
+        check_shape(f"expert {expert} {'up' if half else 'gate'}_proj", target.shape, loaded)
+        with torch.no_grad():
+            target.copy_(loaded)
+
+    def _load_w2(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: tuple[int, None]) -> None:
+        expert = shard_id[0]
+        check_shape(f"expert {expert} down_proj", param[expert].shape, loaded)
+        with torch.no_grad():
+            param[expert].copy_(loaded)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return moe_forward_reference(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (`gate`, HF name `mlp.gate.weight`) plus fused experts."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        hidden_act: str = "silu",
+    ):
+        super().__init__()
+        get_gated_act(hidden_act)  # validates: the expert kernel hard-codes SiLU-and-mul
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.gate = Linear(hidden_size, num_experts, bias=False)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] -> [T, H]."""
+        topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.norm_topk_prob)
+        return self.experts(x, topk_weights, topk_ids)

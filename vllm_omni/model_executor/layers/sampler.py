@@ -1,0 +1,290 @@
+"""Token sampler with vLLM v1 semantics, vectorized over the batch.
+
+Pipeline for one step (the order matters and follows vLLM v1):
+
+    raw logits --> logprobs (log_softmax of the RAW logits, before anything else)
+               --> min_tokens (EOS + stop_token_ids set to -inf)
+               --> penalties (repetition over prompt+output, frequency/presence over output)
+               --> greedy rows: argmax
+                   random rows: temperature -> min_p -> top_k -> top_p -> exponential race
+
+Everything runs on the logits' device. The host builds a few small index / parameter
+tensors (copied asynchronously on CUDA) and reads back the result once, at the end.
+Work that no request in the batch needs is skipped entirely.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_omni.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingBatch:
+    """Built by the model runner each step for the requests being sampled (one row each)."""
+
+    params: list[SamplingParams]
+    prompt_token_ids: list[list[int]]
+    # Tokens generated BEFORE this step.
+    output_token_ids: list[list[int]]
+    # A persistent generator owned by the request when params.seed is set (seeded once by the
+    # engine, on the logits' device), else None (the row uses the global RNG).
+    generators: list[torch.Generator | None]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # None unless params.logprobs is not None; else {sampled id: lp, top-N ids: lp}.
+    logprobs: list[dict[int, float] | None]
+
+
+def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host list -> device tensor without stalling the host on CUDA (pinned + non_blocking)."""
+    t = torch.tensor(data, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _flat_ids(rows_ids: list[list[int]], vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) pairs of ragged per-row id lists, as two device tensors.
+
+    A flat list instead of a padded [B, L] tensor: no padding work on the host and none
+    wasted on the device when lengths differ a lot (long prompts next to short ones).
+    Ids outside the logits' vocab (e.g. placeholder ids) cannot be penalized and are dropped.
+    """
+    lengths = np.fromiter(map(len, rows_ids), dtype=np.int64, count=len(rows_ids))
+    # numpy builds these ~3x faster than torch.tensor(list) (long prompts add up).
+    flat = np.fromiter(itertools.chain.from_iterable(rows_ids), dtype=np.int64, count=int(lengths.sum()))
+    ids = torch.from_numpy(flat)
+    rows = torch.from_numpy(np.repeat(np.arange(len(rows_ids), dtype=np.int64), lengths))
+    keep = (ids >= 0) & (ids < vocab_size)
+    if not bool(keep.all()):  # host-side check on CPU tensors: no device sync
+        ids, rows = ids[keep], rows[keep]
+    if device.type == "cuda":
+        return rows.pin_memory().to(device, non_blocking=True), ids.pin_memory().to(device, non_blocking=True)
+    return rows.to(device), ids.to(device)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        params = batch.params
+        num_rows, vocab_size = logits.shape
+        assert len(params) == num_rows, f"{len(params)} sampling params for {num_rows} logits rows"
+        device = logits.device
+        logits = logits.float()
+
+        # 1) Logprobs come from the raw logits (vLLM's default "raw_logprobs" mode).
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = None
+        if lp_rows:
+            rows = logits if len(lp_rows) == num_rows else logits[_to_device(lp_rows, torch.long, device)]
+            raw_logprobs = torch.log_softmax(rows, dim=-1)
+
+        # 2) + 3) Processors that change the argmax: min_tokens, then penalties.
+        logits = self._apply_min_tokens(logits, batch)
+        logits = self._apply_penalties(logits, batch)
+
+        # 4) Greedy and random rows.
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not random_rows:
+            sampled = logits.argmax(dim=-1)
+        elif len(random_rows) == num_rows:
+            sampled = self._sample_random(logits, params, batch.generators)
+        else:
+            sampled = logits.argmax(dim=-1)
+            idx = _to_device(random_rows, torch.long, device)
+            sub = self._sample_random(
+                logits[idx], [params[i] for i in random_rows], [batch.generators[i] for i in random_rows]
+            )
+            sampled = sampled.index_copy(0, idx, sub)
+
+        # 5) One device -> host transfer for everything the host needs.
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids=sampled.tolist(), logprobs=[None] * num_rows)
+        return self._with_logprobs(sampled, raw_logprobs, lp_rows, params)
+
+    # ------------------------------------------------------------------ processors
+
+    @staticmethod
+    def _apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Until a request has min_tokens outputs, it cannot produce EOS or a stop token id.
+
+        ignore_eos does not mask anything here: it only tells the stop checker not to stop.
+        """
+        rows: list[int] = []
+        ids: list[int] = []
+        vocab_size = logits.shape[1]
+        for i, (p, out) in enumerate(zip(batch.params, batch.output_token_ids)):
+            if len(out) < p.min_tokens:
+                banned = {t for t in itertools.chain(p._eos_token_ids, p.stop_token_ids) if 0 <= t < vocab_size}
+                rows.extend([i] * len(banned))
+                ids.extend(banned)
+        if not ids:
+            return logits
+        logits = logits.clone()  # never modify the caller's tensor
+        device = logits.device
+        logits[_to_device(rows, torch.long, device), _to_device(ids, torch.long, device)] = _NEG_INF
+        return logits
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        params = batch.params
+        need_rep = any(p.repetition_penalty != 1.0 for p in params)
+        need_freq_pres = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
+        if not (need_rep or need_freq_pres):
+            return logits
+        num_rows, vocab_size = logits.shape
+        device = logits.device
+
+        # Output-token counts [B, V]; rows that need no penalty contribute no ids at all.
+        out_ids = [
+            out if (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) else []
+            for p, out in zip(params, batch.output_token_ids)
+        ]
+        rows, ids = _flat_ids(out_ids, vocab_size, device)
+        counts = torch.zeros(num_rows, vocab_size, dtype=torch.int32, device=device)
+        counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
+        output_mask = counts > 0
+
+        if need_rep:
+            # Repetition penalty over prompt ∪ output, exactly as transformers'
+            # RepetitionPenaltyLogitsProcessor: positive logits are divided, others multiplied.
+            prompt_ids = [
+                prompt if p.repetition_penalty != 1.0 else [] for p, prompt in zip(params, batch.prompt_token_ids)
+            ]
+            rows, ids = _flat_ids(prompt_ids, vocab_size, device)
+            seen = output_mask.clone()
+            seen[rows, ids] = True
+            rep = _to_device([p.repetition_penalty for p in params], torch.float32, device).unsqueeze(1)
+            penalized = torch.where(logits > 0, logits / rep, logits * rep)
+            logits = torch.where(seen, penalized, logits)
+
+        if need_freq_pres:
+            freq = _to_device([p.frequency_penalty for p in params], torch.float32, device).unsqueeze(1)
+            pres = _to_device([p.presence_penalty for p in params], torch.float32, device).unsqueeze(1)
+            logits = logits - freq * counts.float() - pres * output_mask.float()
+        return logits
+
+    # ------------------------------------------------------------------ random sampling
+
+    @staticmethod
+    def _sample_random(
+        logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    ) -> torch.Tensor:
+        """temperature -> min_p -> top_k -> top_p -> exponential race, for rows that are all random."""
+        num_rows, vocab_size = logits.shape
+        device = logits.device
+
+        temps = [p.temperature for p in params]
+        if any(t != 1.0 for t in temps):
+            logits = logits / _to_device(temps, torch.float32, device).unsqueeze(1)
+
+        if any(p.min_p > 0.0 for p in params):
+            # Drop tokens whose probability is below min_p times the most likely token's.
+            probs = logits.softmax(dim=-1)
+            min_p = _to_device([p.min_p for p in params], torch.float32, device).unsqueeze(1)
+            threshold = probs.amax(dim=-1, keepdim=True) * min_p
+            logits = logits.masked_fill(probs < threshold, _NEG_INF)
+
+        use_top_k = any(0 < p.top_k < vocab_size for p in params)
+        use_top_p = any(p.top_p < 1.0 for p in params)
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        if use_top_k and not use_top_p:
+            logits = _apply_top_k_only(logits, top_k)
+        elif use_top_p:
+            logits = _apply_top_k_top_p(
+                logits,
+                _to_device(top_k, torch.long, device) if use_top_k else None,
+                _to_device([p.top_p for p in params], torch.float32, device),
+            )
+
+        probs = logits.softmax(dim=-1)
+        # Exponential race: argmax(p / q), q ~ Exp(1), samples exactly from p (Gumbel-max in
+        # another form) without a cumulative-sum search. A seeded row draws its q from its own
+        # generator, always V values per step, so its tokens do not depend on the other rows.
+        q = torch.empty_like(probs)
+        seeded = [(i, g) for i, g in enumerate(generators) if g is not None]
+        if len(seeded) < num_rows:
+            q.exponential_()
+        for i, g in seeded:
+            q[i] = torch.empty(vocab_size, device=device).exponential_(generator=g)
+        return probs.div_(q).argmax(dim=-1)
+
+    # ------------------------------------------------------------------ output
+
+    @staticmethod
+    def _with_logprobs(
+        sampled: torch.Tensor, raw_logprobs: torch.Tensor, lp_rows: list[int], params: list[SamplingParams]
+    ) -> SamplerOutput:
+        num_rows = sampled.shape[0]
+        device = sampled.device
+        sampled_rows = sampled if len(lp_rows) == num_rows else sampled[_to_device(lp_rows, torch.long, device)]
+        sampled_lp = raw_logprobs.gather(1, sampled_rows.unsqueeze(1)).squeeze(1)
+        top_n = max(params[i].logprobs for i in lp_rows)
+        parts = [sampled.double(), sampled_lp.double()]
+        if top_n > 0:
+            top_lp, top_ids = raw_logprobs.topk(min(top_n, raw_logprobs.shape[1]), dim=-1)
+            top_n = top_ids.shape[1]
+            parts += [top_ids.double().flatten(), top_lp.double().flatten()]
+        # float64 holds every token id and float32 logprob exactly: one transfer for all.
+        flat = torch.cat(parts).tolist()
+
+        token_ids = [int(t) for t in flat[:num_rows]]
+        pos = num_rows
+        sampled_lps = flat[pos : pos + len(lp_rows)]
+        pos += len(lp_rows)
+        top_id_vals = flat[pos : pos + len(lp_rows) * top_n]
+        pos += len(lp_rows) * top_n
+        top_lp_vals = flat[pos : pos + len(lp_rows) * top_n]
+
+        logprobs: list[dict[int, float] | None] = [None] * num_rows
+        for j, i in enumerate(lp_rows):
+            entry = {token_ids[i]: sampled_lps[j]}
+            base = j * top_n
+            for k in range(min(params[i].logprobs, top_n)):
+                entry.setdefault(int(top_id_vals[base + k]), top_lp_vals[base + k])
+            logprobs[i] = entry
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+
+def _apply_top_k_only(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """Top-k without top-p: a partial topk (k is small) is much cheaper than a full sort.
+
+    Same rule as the sort path: keep values >= the row's k-th largest (ties kept).
+    """
+    vocab_size = logits.shape[1]
+    max_k = max(k for k in top_k if k < vocab_size)  # disabled rows must not widen the topk
+    top_values = logits.topk(max_k, dim=-1).values
+    k_index = _to_device([k - 1 for k in top_k], torch.long, logits.device).unsqueeze(1)
+    threshold = top_values.gather(1, k_index.clamp(max=max_k - 1))
+    # Rows without top-k (k == V) keep everything.
+    disabled = _to_device([k >= vocab_size for k in top_k], torch.bool, logits.device).unsqueeze(1)
+    threshold = threshold.masked_fill(disabled, _NEG_INF)
+    return logits.masked_fill(logits < threshold, _NEG_INF)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor:
+    """Mask everything outside each row's top-k, then outside its top-p nucleus, with one sort.
+
+    k: [B] long (V = disabled), p: [B] float (1.0 = disabled). Same algorithm as vLLM: sort
+    ascending; top-k keeps values >= the k-th largest (ties at the boundary are kept); top-p
+    drops the low tail whose cumulative probability is <= 1 - p, which keeps the smallest
+    set of top tokens whose probability reaches p, and always keeps the top token.
+    """
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    if k is not None:
+        kth_largest = logits_sort.gather(1, (logits_sort.shape[1] - k).unsqueeze(1))
+        logits_sort.masked_fill_(logits_sort < kth_largest, _NEG_INF)
+    cum = logits_sort.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum <= (1.0 - p).unsqueeze(1)
+    drop[:, -1] = False
+    logits_sort.masked_fill_(drop, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, logits_idx, logits_sort)

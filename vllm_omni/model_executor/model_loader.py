@@ -1,0 +1,101 @@
+"""Build a registered model on its device and dtype and fill it from safetensors."""
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import PretrainedConfig
+
+from vllm_omni.model_executor.models.registry import resolve_model_class
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_DTYPE_NAMES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def _parse_dtype(value: str | torch.dtype, what: str) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        if value not in _DTYPE_NAMES.values():
+            raise ValueError(f"{what}: unsupported dtype {value}; supported: {sorted(_DTYPE_NAMES)}")
+        return value
+    name = value.removeprefix("torch.")
+    if name not in _DTYPE_NAMES:
+        raise ValueError(f"{what}: unsupported dtype {value!r}; supported: 'auto', {sorted(_DTYPE_NAMES)}")
+    return _DTYPE_NAMES[name]
+
+
+def resolve_dtype(hf_config: PretrainedConfig, dtype: str | torch.dtype) -> torch.dtype:
+    """"auto" -> the checkpoint's dtype (config `dtype`, older `torch_dtype`), float32 if unset."""
+    if dtype != "auto":
+        return _parse_dtype(dtype, "dtype")
+    # transformers 5 names it `dtype`; reading `torch_dtype` there only adds a deprecation warning.
+    config_dtype = getattr(hf_config, "dtype", None)
+    if config_dtype is None:
+        config_dtype = getattr(hf_config, "torch_dtype", None)
+    if config_dtype is None:
+        return torch.float32
+    return _parse_dtype(config_dtype, "config dtype")
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    model_dir = Path(model_dir)
+    if (model_dir / INDEX_FILE).is_file():
+        weight_map = json.loads((model_dir / INDEX_FILE).read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    if (model_dir / SINGLE_FILE).is_file():
+        return [model_dir / SINGLE_FILE]
+    raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
+
+
+def iterate_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (checkpoint name, CPU tensor) for every tensor of the checkpoint in `model_dir`."""
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(
+    model_dir: str | Path,
+    hf_config: PretrainedConfig,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    architecture: str | None = None,
+    model_stage: str | None = None,
+) -> nn.Module:
+    """Construct the registered class for `architecture` (default: the config's first
+    architecture) directly on `device` in `dtype`, then load the checkpoint into it."""
+    if architecture is None:
+        if not hf_config.architectures:
+            raise ValueError(f"config of {model_dir} names no architecture; pass architecture=")
+        architecture = hf_config.architectures[0]
+    model_cls = resolve_model_class(architecture, model_stage)
+    torch_dtype = resolve_dtype(hf_config, dtype)
+    # Parameters are allocated (uninitialized) on the target device in the target dtype,
+    # so no full-size float32 CPU copy ever exists.
+    with default_dtype(torch_dtype), torch.device(device):
+        model = model_cls(hf_config)
+    model.load_weights(iterate_safetensors(model_dir))
+    return model.eval()

@@ -1,0 +1,39 @@
+"""Results returned to users (vLLM's shapes)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# token id -> logprob, for the sampled token and the top-N alternatives.
+TokenLogprobs = dict[int, float]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
+    stop_reason: int | str | None = None
+    # Tensors a stage exports for the next one (spec 003 reads `outputs[0].multimodal_output[key]`).
+    # For AR stages: hidden states keyed "0", "12", ..., "last" (transformers' output_hidden_states
+    # indices), one row per prompt and output token computed (the last sampled token has none yet).
+    multimodal_output: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache

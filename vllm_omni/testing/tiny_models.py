@@ -1,0 +1,188 @@
+"""Deterministic tiny random-weight HF checkpoints for tests and demos (built offline).
+
+    make_tiny_model("qwen3", "/tmp/m", seed=0, num_hidden_layers=3) -> Path("/tmp/m")
+
+The folder holds what a real hub checkpoint holds: config.json, model.safetensors,
+generation_config.json and the tokenizer files. Each architecture is one builder registered in
+`ARCH_BUILDERS`; new ones (e.g. the Omni models) are added with `@register_arch("name")`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from vllm_omni.testing.tokenizer import make_tiny_tokenizer
+
+# A builder gets the tokenizer, the output folder (for any extra files the model needs, such as
+# Qwen2.5-Omni's spk_dict.pt) and the config overrides, and returns the model. The caller seeds
+# torch before calling it, then saves the model, tokenizer and generation config.
+ArchBuilder = Callable[[PreTrainedTokenizerBase, Path, dict[str, Any]], PreTrainedModel]
+ARCH_BUILDERS: dict[str, ArchBuilder] = {}
+
+# Shared by all tiny text models. The default initializer_range (0.02) makes a tiny random
+# model's greedy output collapse into one repeated token within a few steps, so tests that
+# compare outputs would prove little. 0.5 keeps it diverse for dozens of tokens (measured over
+# 8 seeds x 5 prompts x 40 tokens: it beat 0.3 and 0.7, mostly for qwen3_moe).
+BASE_TEXT_CONFIG: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    initializer_range=0.5,
+    dtype="float32",
+)
+
+DEMO_MODEL_NAME = "demo-qwen3-v1"
+
+
+def register_arch(name: str) -> Callable[[ArchBuilder], ArchBuilder]:
+    def deco(fn: ArchBuilder) -> ArchBuilder:
+        ARCH_BUILDERS[name] = fn
+        return fn
+
+    return deco
+
+
+def tiny_vocab_size(tokenizer: PreTrainedTokenizerBase) -> int:
+    """Embedding rows: the tokenizer size rounded up to 64, like real checkpoints pad theirs."""
+    return -(-len(tokenizer) // 64) * 64
+
+
+def text_config_kwargs(tokenizer: PreTrainedTokenizerBase, **arch_defaults: Any) -> dict[str, Any]:
+    """Config kwargs shared by the tiny text models, updated with per-arch defaults."""
+    return dict(
+        BASE_TEXT_CONFIG,
+        vocab_size=tiny_vocab_size(tokenizer),
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+        **arch_defaults,
+    )
+
+
+def perturb_constant_params(model: PreTrainedModel, std: float = 0.2) -> None:
+    """Add noise to parameters that HF initialises to a constant (norm weights 1, biases 0).
+
+    Otherwise a loader that forgets to load them, or maps them to the wrong layer, would give
+    the same outputs as a correct one and the tests would not notice.
+    """
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.numel() > 1 and bool((param == param.flatten()[0]).all()):
+                param.add_(torch.randn_like(param) * std)
+
+
+def _build_causal_lm(model_cls: type, config_cls: type, kwargs: dict[str, Any]) -> PreTrainedModel:
+    config = config_cls(**kwargs)
+    model = model_cls(config)
+    perturb_constant_params(model)
+    # Weights are initialised in float32 whatever the config says; casting afterwards keeps a
+    # bf16 checkpoint the exact rounding of the fp32 one with the same seed.
+    dtype = config.dtype or torch.float32
+    return model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype).eval()
+
+
+@register_arch("qwen2")
+def _build_qwen2(tokenizer, out_dir, overrides):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    kwargs = text_config_kwargs(tokenizer, tie_word_embeddings=False)
+    return _build_causal_lm(Qwen2ForCausalLM, Qwen2Config, {**kwargs, **overrides})
+
+
+@register_arch("qwen3")
+def _build_qwen3(tokenizer, out_dir, overrides):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    # Tied by default (like the small real Qwen3 models) so loaders exercise both layouts.
+    kwargs = text_config_kwargs(tokenizer, head_dim=16, tie_word_embeddings=True)
+    return _build_causal_lm(Qwen3ForCausalLM, Qwen3Config, {**kwargs, **overrides})
+
+
+@register_arch("qwen3_moe")
+def _build_qwen3_moe(tokenizer, out_dir, overrides):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    kwargs = text_config_kwargs(
+        tokenizer,
+        head_dim=16,
+        tie_word_embeddings=False,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+    return _build_causal_lm(Qwen3MoeForCausalLM, Qwen3MoeConfig, {**kwargs, **overrides})
+
+
+def make_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, **config_overrides: Any) -> Path:
+    """Build a tiny random-weight checkpoint of `arch` into `out_dir` and return the path.
+
+    Same arch, seed and overrides give byte-identical weights. `config_overrides` update the HF
+    config kwargs (e.g. num_hidden_layers=3, tie_word_embeddings=False, dtype="bfloat16").
+    """
+    builder = ARCH_BUILDERS.get(arch)
+    if builder is None:
+        raise ValueError(f"unknown tiny-model arch {arch!r}; supported: {sorted(ARCH_BUILDERS)}")
+    if "torch_dtype" in config_overrides:  # transformers 5 renamed it; accept the old name
+        config_overrides["dtype"] = config_overrides.pop("torch_dtype")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = make_tiny_tokenizer()
+    # Seed just before the builder so weights depend only on (arch, seed, overrides); fork
+    # the RNG so the caller's random stream is left as it was.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = builder(tokenizer, out_dir, dict(config_overrides))
+
+    text_config = model.config.get_text_config()
+    if text_config.vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size {text_config.vocab_size} < tokenizer size {len(tokenizer)}")
+
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    special_ids = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    GenerationConfig(
+        bos_token_id=None, eos_token_id=special_ids, pad_token_id=tokenizer.pad_token_id
+    ).save_pretrained(out_dir)
+    return out_dir
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("VLLM_OMNI_CACHE") or Path.home() / ".cache" / "vllm_omni")
+
+
+def demo_model_path() -> Path:
+    """The embedded demo model: a tiny qwen3 (seed 0), built once into the cache dir.
+
+    Safe against concurrent builders: each builds into its own temp dir and renames it into
+    place; the folder therefore exists only when complete, and a losing builder discards its copy.
+    """
+    target = cache_dir() / DEMO_MODEL_NAME
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_NAME}.tmp-", dir=target.parent))
+    try:
+        make_tiny_model("qwen3", tmp, seed=0)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not target.is_dir():  # not a lost race: a real error
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

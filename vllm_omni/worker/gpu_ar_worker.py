@@ -1,0 +1,54 @@
+"""`GPUARWorker`: builds the autoregressive engine of one stage (spec 000 `worker_cls`).
+
+The name is the documented one; it runs on CPU too. The stage worker process calls
+`build_engine()` once; everything device-related happens inside it, after the
+process has applied the stage's visible devices.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_omni.config.stage_config import EngineOutputType, StageConfig
+from vllm_omni.engine.stage_engines import ARStageEngine
+
+# The config layer accepts these spellings of dtypes; the engine wants canonical names.
+_DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def engine_config_kwargs(stage: StageConfig, model: str, device: str) -> dict[str, Any]:
+    """EngineConfig arguments for a stage; unset (None) stage fields keep the engine's defaults."""
+    ea = stage.engine_args
+    if ea.tensor_parallel_size != 1:
+        raise ValueError(f"stage {stage.stage_id}: tensor_parallel_size={ea.tensor_parallel_size} is not "
+                         "supported yet: must be 1")
+    kwargs: dict[str, Any] = dict(
+        model=ea.model or model,
+        tokenizer=ea.tokenizer,
+        dtype=_DTYPE_ALIASES.get(ea.dtype, ea.dtype),
+        device=device,
+        # runtime.max_batch_size is the stage's batch limit unless max_num_seqs says otherwise.
+        max_num_seqs=ea.max_num_seqs or stage.runtime.max_batch_size,
+        enable_prefix_caching=ea.enable_prefix_caching,
+        gpu_memory_utilization=ea.gpu_memory_utilization,
+        enforce_eager=ea.enforce_eager,
+        architecture=ea.model_arch,
+    )
+    optional = dict(seed=ea.seed, max_model_len=ea.max_model_len, block_size=ea.block_size,
+                    max_num_batched_tokens=ea.max_num_batched_tokens)
+    kwargs.update({k: v for k, v in optional.items() if v is not None})
+    return kwargs
+
+
+class GPUARWorker:
+    def __init__(self, stage: StageConfig, model: str, *, device: str = "auto") -> None:
+        self.stage = stage
+        self.model = model
+        self.device = device
+
+    def build_engine(self) -> ARStageEngine:
+        from vllm_omni.engine.engine_config import EngineConfig
+        from vllm_omni.engine.llm_engine import LLMEngine
+
+        config = EngineConfig(**engine_config_kwargs(self.stage, self.model, self.device))
+        export = self.stage.engine_args.engine_output_type == EngineOutputType.LATENT
+        return ARStageEngine(LLMEngine(config), stage_id=self.stage.stage_id, export_hidden_states=export)

@@ -1,0 +1,45 @@
+"""`GPUGenerationWorker`: builds a non-autoregressive stage (spec 000 `worker_cls`), e.g. code2wav.
+
+The model class comes from `engine_args.model_arch`: a name in the model registry
+(looked up with the stage's `model_stage`) or a dotted path to a user's class. It must
+implement `stage_engines.GenerationModel`.
+"""
+from __future__ import annotations
+
+from vllm_omni.config.stage_config import StageConfig
+from vllm_omni.core.sched.omni_generation_scheduler import OmniGenerationScheduler
+from vllm_omni.engine.stage_engines import GenerationStageEngine
+from vllm_omni.engine.stage_init_utils import import_dotted
+
+
+def resolve_generation_model_class(stage: StageConfig) -> type:
+    arch = stage.engine_args.model_arch
+    if arch is None:
+        raise ValueError(f"stage {stage.stage_id}: a generation stage needs engine_args.model_arch")
+    if "." in arch:
+        return import_dotted(arch)
+    from vllm_omni.model_executor.models.registry import resolve_model_class
+
+    return resolve_model_class(arch, stage.engine_args.model_stage)
+
+
+class GPUGenerationWorker:
+    def __init__(self, stage: StageConfig, model: str, *, device: str = "auto") -> None:
+        self.stage = stage
+        self.model = model
+        self.device = device
+
+    def build_engine(self) -> GenerationStageEngine:
+        import torch
+
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        ea = self.stage.engine_args
+        model_cls = resolve_generation_model_class(self.stage)
+        model = model_cls.load(ea.model or self.model, model_stage=ea.model_stage, device=torch.device(device),
+                               dtype=ea.dtype)
+        # max_num_seqs, when given, bounds the batch like it does for AR stages.
+        batch = ea.max_num_seqs or self.stage.runtime.max_batch_size
+        return GenerationStageEngine(model, OmniGenerationScheduler(batch), stage_id=self.stage.stage_id,
+                                     device=device)

@@ -1,0 +1,153 @@
+"""Runs one scheduled step on the device: inputs, forward, sampling, hidden states."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from vllm_omni.core.sched.scheduler import SchedulerOutput
+from vllm_omni.model_executor.forward_context import AttentionMetadata, set_forward_context
+from vllm_omni.model_executor.layers.attention import Attention
+from vllm_omni.model_executor.layers.sampler import Sampler, SamplingBatch
+
+LAST_HIDDEN = "last"
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    # request id -> key -> hidden states of the tokens computed this step, on CPU
+    hidden_states: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+
+class ARModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+        num_blocks: int,
+        hidden_state_layers: tuple[int, ...] = (),
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.hidden_state_layers = tuple(hidden_state_layers)
+        self.sampler = Sampler()
+        self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self._allocate_kv_cache()
+
+    def _allocate_kv_cache(self) -> None:
+        for layer in self.attention_layers:
+            shape = (self.num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            # Zeroed, not empty: masked-out keys are still multiplied by 0 in SDPA, and
+            # uninitialised memory may hold NaN bit patterns.
+            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @staticmethod
+    def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return sum(
+            2 * block_size * m.num_kv_heads * m.head_dim * element for m in model.modules() if isinstance(m, Attention)
+        )
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        items = sched.scheduled
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        bs = self.block_size
+        for item in items:
+            req, start = item.request, item.request.num_computed_tokens
+            end = start + item.num_new_tokens
+            input_ids.extend(req.token_ids[start:end])
+            positions.extend(range(start, end))
+            blocks = req.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            query_lens.append(end - start)
+            seq_lens.append(end)
+
+        device = self.device
+        max_blocks = max(len(item.request.block_ids) for item in items)
+        block_tables = torch.zeros(len(items), max_blocks, dtype=torch.long)
+        for i, item in enumerate(items):
+            block_tables[i, : len(item.request.block_ids)] = torch.tensor(item.request.block_ids)
+        query_start = [0]
+        for n in query_lens:
+            query_start.append(query_start[-1] + n)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            query_start_loc=torch.tensor(query_start, dtype=torch.long, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device),
+            block_tables=block_tables.to(device),
+            block_size=bs,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        meta.backend_state = self.attention_layers[0].backend.prepare(meta)
+
+        ids = torch.tensor(input_ids, dtype=torch.long, device=device)
+        pos = torch.tensor(positions, dtype=torch.long, device=device)
+        embeds = self._prompt_embeds(items, ids, query_start)
+        want_hidden = any(item.request.return_hidden_states for item in items)
+        capture = self.hidden_state_layers if want_hidden else ()
+        with set_forward_context(meta):
+            hidden, captured = self.model(ids, pos, inputs_embeds=embeds, capture_layers=capture)
+
+        out = RunnerOutput()
+        if want_hidden:
+            self._slice_hidden_states(items, query_start, hidden, captured, out)
+        sample_rows = [i for i, item in enumerate(items) if item.completes_sequence]
+        if sample_rows:
+            last_token_idx = torch.tensor([query_start[i + 1] - 1 for i in sample_rows], device=device)
+            logits = self.model.compute_logits(hidden[last_token_idx])
+            reqs = [items[i].request for i in sample_rows]
+            batch = SamplingBatch(
+                params=[r.sampling_params for r in reqs],
+                prompt_token_ids=[r.prompt_token_ids for r in reqs],
+                output_token_ids=[r.output_token_ids for r in reqs],
+                generators=[r.generator for r in reqs],
+            )
+            result = self.sampler(logits, batch)
+            for r, token, lp in zip(reqs, result.token_ids, result.logprobs):
+                out.sampled[r.request_id] = token
+                if lp is not None:
+                    out.logprobs[r.request_id] = lp
+        return out
+
+    def _prompt_embeds(self, items, ids: torch.Tensor, query_start: list[int]) -> torch.Tensor | None:
+        """Token embeddings, with prompt positions replaced where a request brings its own."""
+        if not any(item.request.prompt_embeds is not None for item in items):
+            return None
+        embeds = self.model.get_input_embeddings(ids)
+        for i, item in enumerate(items):
+            req = item.request
+            start = req.num_computed_tokens
+            end = min(start + item.num_new_tokens, req.num_prompt_tokens)
+            if req.prompt_embeds is None or start >= end:
+                continue
+            rows = req.prompt_embeds[start:end].to(device=embeds.device, dtype=embeds.dtype)
+            embeds[query_start[i] : query_start[i] + end - start] = rows
+        return embeds
+
+    def _slice_hidden_states(self, items, query_start, hidden, captured, out: RunnerOutput) -> None:
+        for i, item in enumerate(items):
+            req = item.request
+            if not req.return_hidden_states:
+                continue
+            span = slice(query_start[i], query_start[i + 1])
+            states = {str(layer): t[span].cpu() for layer, t in captured.items()}
+            states[LAST_HIDDEN] = hidden[span].cpu()
+            out.hidden_states[req.request_id] = states
