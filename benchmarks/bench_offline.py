@@ -24,6 +24,7 @@ def parse_args() -> argparse.Namespace:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="checkpoint directory")
     src.add_argument("--tiny", default="qwen3", help="build a tiny random checkpoint of this arch")
+    p.add_argument("--tiny-config", default="{}", help='JSON config overrides for --tiny, e.g. \'{"hidden_size": 512}\'')
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
@@ -91,11 +92,12 @@ def main() -> None:
     if model is None:
         from vllm_omni.testing import make_tiny_model
 
-        model = str(make_tiny_model(args.tiny, Path(tempfile.mkdtemp()) / args.tiny, seed=0))
+        overrides = json.loads(args.tiny_config)
+        model = str(make_tiny_model(args.tiny, Path(tempfile.mkdtemp()) / args.tiny, seed=0, **overrides))
     vocab = transformers.AutoConfig.from_pretrained(model).vocab_size
     prompts = make_prompts(vocab, args.num_prompts, args.input_len)
     result = {
-        "model": args.model or f"tiny {args.tiny}",
+        "model": args.model or f"tiny {args.tiny} {args.tiny_config}",
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "torch": torch.__version__, "transformers": transformers.__version__, "host": platform.node(),
         "threads": torch.get_num_threads(),

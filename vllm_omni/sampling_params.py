@@ -5,6 +5,7 @@ field and the allowed range, so nothing below this edge re-checks.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -94,6 +95,13 @@ class SamplingParams:
         return cls(**values)
 
     def clone(self, **changes: Any) -> "SamplingParams":
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        values.update(changes)
-        return SamplingParams(**values)
+        new = copy.copy(self)
+        new.stop = list(self.stop)
+        new.stop_token_ids = list(self.stop_token_ids)
+        for name, value in changes.items():
+            if not hasattr(self, name):
+                raise ValueError(f"SamplingParams has no field {name!r}")
+            setattr(new, name, value)
+        if changes:
+            new.__post_init__()
+        return new

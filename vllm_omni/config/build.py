@@ -136,7 +136,7 @@ def _sampling(stage_id: int, m: _Merged) -> SamplingParams:
     except (TypeError, ValueError) as exc:
         # Each value passed on its own when read, so this is a combination (e.g. min_tokens
         # > max_tokens) possibly from different layers: name them all.
-        sources = sorted({m.source(p) for p in m.values if p.startswith(_DSP)}) or [DOCUMENTED]
+        sources = list(dict.fromkeys(m.source(p) for p in m.values if p.startswith(_DSP))) or [DOCUMENTED]
         raise ConfigError(f"default_sampling_params are inconsistent: {exc}", source=", ".join(sources),
                           stage_id=stage_id) from None
 

@@ -47,7 +47,7 @@ def parse_stage_overrides(overrides: str | Mapping[Any, Any] | None, *,
         except (TypeError, ValueError):
             stage_id = -1
         if stage_id < 0 or isinstance(key, bool) or (isinstance(key, float) and not key.is_integer()):
-            raise ConfigError("keys must be stage ids", source=source, field=str(key), value=key,
+            raise ConfigError(f"key {key!r} is not a stage id", source=source,
                               allowed='non-negative integers such as "0"')
         if not isinstance(fields, Mapping):
             raise ConfigError("must be an object of field -> value", source=source, stage_id=stage_id,

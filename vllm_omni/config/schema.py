@@ -227,7 +227,9 @@ def check_sampling_value(name: str, value: Any) -> Any:
     if not ok:
         raise BadValue(" or ".join(kinds).replace("None", "null"))
     try:
-        SamplingParams.from_dict({**SAMPLING_DEFAULTS, name: value})
+        # max_tokens=None switches off the cross-field check (min_tokens <= max_tokens): the
+        # other value may come from another layer, so build.py checks the merged set.
+        SamplingParams.from_dict({**SAMPLING_DEFAULTS, "max_tokens": None, name: value})
     except (TypeError, ValueError) as exc:
         raise BadValue(str(exc).split("must be ", 1)[-1]) from None
     return value

@@ -238,7 +238,10 @@ class OrchestratorChannel:
         Waits with poll (which consumes nothing), so a timeout never cancels a read halfway.
         """
         if not await self.from_worker.poll(timeout_ms, zmq.POLLIN):
-            return None
+            # A timer and a ready socket can fire in the same loop iteration (e.g. after the
+            # loop was busy); a message that is already queued is not a silent worker.
+            if not self.from_worker.get(zmq.EVENTS) & zmq.POLLIN:
+                return None
         frames = await self.from_worker.recv_multipart(copy=False)
         return self.codec.decode(frames)
 

@@ -5,7 +5,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any, Union
 
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from vllm_omni.engine.engine_config import EngineConfig
 from vllm_omni.engine.llm_engine import LLMEngine

@@ -1,0 +1,198 @@
+"""The orchestrator's handle on one stage: launch, readiness, health, messages.
+
+Each client owns one task that awaits its stage's socket and hands every message on
+the moment it arrives. Liveness has two sources: the process sentinel (a local process
+that exits is DOWN at once) and heartbeats (a stage silent for `heartbeat_timeout_s`
+is DOWN and is killed, so a hung stage does not keep its GPU).
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from vllm_omni.engine.messages import (
+    Heartbeat, Shutdown, StageFatal, StageInitFailed, StageReady, StageStats, StatsRequest,
+)
+from vllm_omni.engine.stage_launcher import StageLauncher
+from vllm_omni.engine.transport import OrchestratorChannel
+
+logger = logging.getLogger(__name__)
+
+
+class StageState(str, enum.Enum):
+    STARTING = "starting"
+    UP = "up"
+    DOWN = "down"
+    STOPPED = "stopped"  # closed on purpose
+
+
+class StageDownError(RuntimeError):
+    """A request needed a stage that is down (HTTP 503 material)."""
+
+    def __init__(self, stage_id: int, message: str) -> None:
+        super().__init__(message)
+        self.stage_id = stage_id
+
+
+@dataclass(frozen=True)
+class StageHealth:
+    stage_id: int
+    model_stage: str | None
+    state: StageState
+    reason: str | None  # why it is DOWN
+    pid: int | None
+    seconds_since_heard: float | None
+
+
+class StageClient:
+    def __init__(
+        self,
+        stage_id: int,
+        name: str,
+        launcher: StageLauncher,
+        channel: OrchestratorChannel,
+        *,
+        on_message: Callable[[int, Any], None],
+        on_down: Callable[[int, str], None],
+        heartbeat_timeout_s: float,
+    ) -> None:
+        self.stage_id = stage_id
+        self.name = name  # "stage 1 (talker)", for messages
+        self.launcher = launcher
+        self.channel = channel
+        self._on_message = on_message
+        self._on_down = on_down
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.state = StageState.STARTING
+        self.reason: str | None = None
+        self.info: dict[str, Any] = {}
+        self.pid: int | None = None
+        self._last_heard: float | None = None
+        self._ready: asyncio.Future[None] | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._stats: dict[int, asyncio.Future[StageStats]] = {}
+        self._nonces = itertools.count()
+
+    # --- lifecycle ------------------------------------------------------------
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._ready = loop.create_future()
+        self.launcher.start(on_exit=self._on_exit)
+        self.pid = self.launcher.pid
+        self._reader = loop.create_task(self._read_loop(), name=f"{self.name} reader")
+
+    async def wait_ready(self, deadline: float, what: str) -> None:
+        """Wait for StageReady until `deadline` (time.monotonic); `what` names the limit."""
+        assert self._ready is not None, "start() first"
+        try:
+            await asyncio.wait_for(asyncio.shield(self._ready), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{self.name} did not come up within {what}") from None
+
+    async def close(self, timeout_s: float) -> None:
+        """Ask the worker to stop, wait up to `timeout_s`, then terminate it and its group."""
+        was_up = self.state == StageState.UP
+        self.state = StageState.STOPPED
+        if was_up:
+            try:
+                self.channel.send_nowait(Shutdown())
+            except zmq.ZMQError as e:
+                logger.warning("%s: cannot send shutdown (%s); terminating it", self.name, e)
+        await self.launcher.wait_exit(timeout_s)
+        await asyncio.to_thread(self.launcher.stop, timeout_s)
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        self.channel.close()
+        for fut in self._stats.values():
+            if not fut.done():
+                fut.set_exception(StageDownError(self.stage_id, f"{self.name} was shut down"))
+
+    # --- requests -------------------------------------------------------------
+    def send(self, msg: Any) -> None:
+        if self.state != StageState.UP:
+            raise StageDownError(self.stage_id, f"{self.name} is {self.state.value}: {self.reason or 'not ready'}")
+        try:
+            self.channel.send_nowait(msg)
+        except zmq.Again:
+            self.mark_down("its worker is not connected")
+            raise StageDownError(self.stage_id, f"{self.name} is down: {self.reason}") from None
+
+    async def stats(self, timeout_s: float) -> StageStats:
+        nonce = next(self._nonces)
+        fut: asyncio.Future[StageStats] = asyncio.get_running_loop().create_future()
+        self._stats[nonce] = fut
+        try:
+            self.send(StatsRequest(nonce))
+            return await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{self.name} did not answer a stats request within {timeout_s}s") from None
+        finally:
+            self._stats.pop(nonce, None)
+
+    def health(self) -> StageHealth:
+        heard = None if self._last_heard is None else time.monotonic() - self._last_heard
+        model_stage = self.name.partition("(")[2].rstrip(")") or None
+        return StageHealth(self.stage_id, model_stage, self.state, self.reason, self.pid, heard)
+
+    # --- events ---------------------------------------------------------------
+    def mark_down(self, reason: str) -> None:
+        if self.state in (StageState.DOWN, StageState.STOPPED):
+            return
+        self.state = StageState.DOWN
+        self.reason = reason
+        logger.error("%s is DOWN: %s", self.name, reason)
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(RuntimeError(f"{self.name} failed to start: {reason}"))
+        for fut in self._stats.values():
+            if not fut.done():
+                fut.set_exception(StageDownError(self.stage_id, f"{self.name} is down: {reason}"))
+        self.launcher.kill()  # a silent stage may be hung: do not let it hold its devices
+        self._on_down(self.stage_id, reason)
+
+    def _on_exit(self, description: str) -> None:
+        if self.state != StageState.STOPPED:
+            self.mark_down(description)
+
+    async def _read_loop(self) -> None:
+        timeout_ms = max(1, int(self.heartbeat_timeout_s * 1000))
+        while self.state != StageState.STOPPED:
+            msg = await self.channel.recv(timeout_ms)
+            now = time.monotonic()
+            if msg is None:
+                silent = now - (self._last_heard or now)
+                if self.state == StageState.UP and silent >= self.heartbeat_timeout_s:
+                    self.mark_down(f"no heartbeat for {silent:.1f}s (deadline {self.heartbeat_timeout_s}s)")
+                continue
+            self._last_heard = now
+            self._dispatch(msg)
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, Heartbeat):
+            return
+        if isinstance(msg, StageReady):
+            self.info = dict(msg.info)
+            if self.state == StageState.STARTING:
+                self.state = StageState.UP
+                assert self._ready is not None
+                if not self._ready.done():
+                    self._ready.set_result(None)
+            logger.info("%s is UP (pid %d): %s", self.name, msg.pid, self.info)
+        elif isinstance(msg, StageInitFailed):
+            self.mark_down(f"initialization failed:\n{msg.error}")
+        elif isinstance(msg, StageFatal):
+            self.mark_down(f"worker loop failed:\n{msg.error}")
+        elif isinstance(msg, StageStats):
+            fut = self._stats.get(msg.nonce)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        else:
+            self._on_message(self.stage_id, msg)

@@ -1,0 +1,195 @@
+"""The one stage worker main: read messages, step the engine, send outputs, heartbeat.
+
+The same `run_stage_worker` runs in a spawned child (`runtime.process: true`, through
+`stage_process_main`) and in a thread of the caller's process (`process: false`); only
+the launcher differs. Startup: build the engine, then send StageReady (or
+StageInitFailed with the traceback). A heartbeat thread with its own socket reports
+every `heartbeat_interval_s`, so a long forward pass does not look like a dead stage.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+
+import zmq
+
+from vllm_omni.config.stage_config import StageConfig, WorkerType
+from vllm_omni.engine import stage_init_utils as siu
+from vllm_omni.engine.messages import (
+    AbortRequests, Heartbeat, Shutdown, StageFatal, StageInitFailed, StageOutput, StageOutputBatch, StageReady,
+    StageRequest, StageStats, StatsRequest, error_output,
+)
+from vllm_omni.engine.stage_engines import StageEngine
+from vllm_omni.engine.transport import MessageCodec, WorkerChannel
+
+logger = logging.getLogger(__name__)
+
+# How long an idle worker waits for a message before re-checking that its parent lives.
+# A message wakes it at once; this is not a polling interval for work.
+_IDLE_WAIT_MS = 1000
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a stage worker needs; picklable, since spawned children receive it."""
+
+    stage: StageConfig
+    model: str  # the served model; a stage's engine_args.model overrides it
+    in_addr: str
+    out_addr: str
+    shm_threshold_bytes: int
+    shm_prefix: str
+    heartbeat_interval_s: float
+    stage_init_timeout_s: float
+    parent_pid: int
+    in_process: bool
+    torch_threads: int | None = None  # set in the child; None leaves torch's default
+    log_level: int = logging.WARNING  # the parent's level; spawned children start unconfigured
+
+    @property
+    def stage_id(self) -> int:
+        return self.stage.stage_id
+
+
+def stage_process_main(spec: WorkerSpec) -> None:
+    """Entry point of a spawned stage process."""
+    siu.set_death_signal(signal.SIGKILL)
+    if os.getppid() != spec.parent_pid:  # the parent died before the death signal was armed
+        os._exit(1)
+    os.setpgid(0, 0)  # own process group: shutdown kills the stage and anything it started
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which shuts us down
+    logging.basicConfig(level=spec.log_level, format=f"[stage {spec.stage_id}] %(levelname)s %(name)s: %(message)s")
+    runtime = {"env": spec.stage.runtime.env_dict(), "devices": spec.stage.runtime.devices}
+    # Visible devices are set before anything initializes CUDA (torch does so lazily).
+    with siu.stage_runtime_setup(spec.stage_id, runtime):
+        if spec.torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(spec.torch_threads)
+        code = run_stage_worker(spec, device="auto")
+    sys.exit(code)
+
+
+def run_stage_worker(spec: WorkerSpec, device: str) -> int:
+    """Serve one stage until Shutdown (0) or a fatal error (1)."""
+    ctx = zmq.Context()
+    chan = WorkerChannel(ctx, spec.in_addr, spec.out_addr, spec.shm_threshold_bytes, spec.shm_prefix)
+    stop = threading.Event()
+    beat = threading.Thread(target=_heartbeat_loop, args=(ctx, spec, stop), name=f"stage{spec.stage_id}-heartbeat",
+                            daemon=True)
+    beat.start()
+    try:
+        try:
+            engine = _build_engine(spec, device)
+        except Exception:  # noqa: BLE001 - reported to the orchestrator, which names the stage
+            chan.send(StageInitFailed(spec.stage_id, os.getpid(), traceback.format_exc()))
+            return 1
+        chan.send(StageReady(spec.stage_id, os.getpid(), engine.describe()))
+        try:
+            return _serve(engine, chan, spec)
+        except Exception:  # noqa: BLE001 - the loop itself broke: tell the orchestrator, then exit
+            logger.exception("stage %d worker loop failed", spec.stage_id)
+            chan.send(StageFatal(spec.stage_id, traceback.format_exc()))
+            return 1
+    finally:
+        stop.set()
+        beat.join(timeout=5.0)
+        chan.close()
+        ctx.term()
+
+
+def _build_engine(spec: WorkerSpec, device: str) -> StageEngine:
+    import torch
+
+    worker_cls = _worker_class(spec.stage)
+    locks: list[int] = []
+    # Serialize initialization per GPU so co-located stages do not size their KV caches while
+    # another stage is still allocating. Threads of one process cannot use file locks that way.
+    if torch.cuda.is_available() and not spec.in_process:
+        locks = siu.acquire_device_locks(spec.stage_id, {"tensor_parallel_size": 1}, spec.stage_init_timeout_s)
+    try:
+        return worker_cls(spec.stage, spec.model, device=device).build_engine()
+    finally:
+        siu.release_device_locks(locks)
+
+
+def _worker_class(stage: StageConfig) -> type:
+    if stage.engine_args.worker_cls:
+        return siu.import_dotted(stage.engine_args.worker_cls)
+    if stage.worker_type == WorkerType.AR:
+        from vllm_omni.worker.gpu_ar_worker import GPUARWorker
+
+        return GPUARWorker
+    if stage.worker_type == WorkerType.GENERATION:
+        from vllm_omni.worker.gpu_generation_worker import GPUGenerationWorker
+
+        return GPUGenerationWorker
+    raise ValueError(f"stage {stage.stage_id}: worker_type={stage.worker_type.value!r} has no engine yet")
+
+
+def _serve(engine: StageEngine, chan: WorkerChannel, spec: WorkerSpec) -> int:
+    while True:
+        busy = engine.has_unfinished()
+        msg = chan.recv(0 if busy else _IDLE_WAIT_MS)
+        while msg is not None:  # drain everything queued before the next step
+            if isinstance(msg, Shutdown):
+                return 0
+            _handle(msg, engine, chan, spec.stage_id)
+            msg = chan.recv(0)
+        if not engine.has_unfinished():
+            if not spec.in_process and os.getppid() != spec.parent_pid:
+                logger.error("stage %d: parent process is gone; exiting", spec.stage_id)
+                return 1
+            continue
+        try:
+            outputs = engine.step()
+        except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving new ones
+            logger.exception("stage %d: engine step failed", spec.stage_id)
+            outputs = engine.fail_all(f"stage {spec.stage_id}: engine step failed: {type(e).__name__}: {e}")
+        if outputs:
+            _send_outputs(chan, spec.stage_id, outputs)
+
+
+def _handle(msg: object, engine: StageEngine, chan: WorkerChannel, stage_id: int) -> None:
+    if isinstance(msg, StageRequest):
+        engine.add_request(msg)
+    elif isinstance(msg, AbortRequests):
+        engine.abort(msg.request_ids)
+    elif isinstance(msg, StatsRequest):
+        chan.send(StageStats(nonce=msg.nonce, stage_id=stage_id, **engine.stats()))
+    else:
+        raise TypeError(f"stage {stage_id}: unexpected message {type(msg).__name__}")
+
+
+def _send_outputs(chan: WorkerChannel, stage_id: int, outputs: list[StageOutput]) -> None:
+    try:
+        chan.send(StageOutputBatch(stage_id, outputs))
+        return
+    except (TypeError, ValueError) as e:  # an output that cannot be encoded fails alone
+        logger.warning("stage %d: an output batch could not be encoded (%s); sending one by one", stage_id, e)
+    for out in outputs:
+        try:
+            chan.send(StageOutputBatch(stage_id, [out]))
+        except (TypeError, ValueError) as e:
+            chan.send(StageOutputBatch(stage_id, [error_output(out.request_id, f"stage {stage_id}: output "
+                                                                               f"cannot be sent: {e}")]))
+
+
+def _heartbeat_loop(ctx: zmq.Context, spec: WorkerSpec, stop: threading.Event) -> None:
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(spec.out_addr)
+    codec = MessageCodec(Heartbeat, spec.shm_threshold_bytes, spec.shm_prefix)
+    beat = codec.encode(Heartbeat(spec.stage_id, os.getpid()))
+    try:
+        while True:
+            sock.send_multipart(beat)
+            if stop.wait(spec.heartbeat_interval_s):
+                return
+    finally:
+        sock.close()
