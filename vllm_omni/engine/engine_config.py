@@ -26,7 +26,8 @@ class EngineConfig:
     # Hidden states exported per request (transformers' output_hidden_states indices);
     # "last" (the final post-norm states) is always exported when a request asks for hidden states.
     hidden_state_layers: tuple[int, ...] = ()
-    architecture: str | None = None  # override config.architectures[0]
+    architecture: str | None = None  # override config.architectures[0] (spec 000 `model_arch`)
+    model_stage: str | None = None  # which stage model of a multi-stage checkpoint (thinker, talker, ...)
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:

@@ -35,7 +35,10 @@ def plan_kv_cache(
     config: EngineConfig, model: nn.Module, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device
 ) -> KVCachePlan:
     bs = config.block_size
-    model_limit = getattr(hf_config, "max_position_embeddings", None) or 4096
+    # A stage model of a multi-stage checkpoint knows its own limit; the top-level config may not.
+    model_limit = (
+        getattr(model, "max_position_embeddings", None) or getattr(hf_config, "max_position_embeddings", None) or 4096
+    )
     wanted_len = config.max_model_len or model_limit
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks

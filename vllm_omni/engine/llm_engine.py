@@ -44,7 +44,9 @@ class LLMEngine:
             self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         self.eos_token_ids = self._eos_token_ids()
 
-        self.model = load_model(config.model, self.hf_config, self.dtype, self.device, config.architecture)
+        self.model = load_model(
+            config.model, self.hf_config, self.dtype, self.device, config.architecture, config.model_stage
+        )
         plan = plan_kv_cache(config, self.model, self.hf_config, self.dtype, self.device)
         self.max_model_len = plan.max_model_len
         self.runner = ARModelRunner(
@@ -87,6 +89,7 @@ class LLMEngine:
         prompt: str | None = None,
         prompt_embeds: torch.Tensor | None = None,
         return_hidden_states: bool = False,
+        model_inputs: dict | None = None,
     ) -> RequestOutput | None:
         """Queue a request. Returns a finished error output instead when the request cannot
         run at all (e.g. its prompt is longer than max_model_len); other requests are unaffected."""
@@ -98,6 +101,7 @@ class LLMEngine:
             prompt=prompt,
             prompt_embeds=prompt_embeds,
             return_hidden_states=return_hidden_states,
+            model_inputs=model_inputs,
         )
         if request.num_prompt_tokens >= self.max_model_len:
             request.error = (

@@ -99,8 +99,8 @@ class ARModelRunner:
         meta.backend_state = self.attention_layers[0].backend.prepare(meta)
 
         ids = torch.tensor(input_ids, dtype=torch.long, device=device)
-        pos = torch.tensor(positions, dtype=torch.long, device=device)
-        embeds = self._prompt_embeds(items, ids, query_start)
+        pos = self._positions(items, positions)
+        embeds = self._input_embeds(items, ids, query_start)
         want_hidden = any(item.request.return_hidden_states for item in items)
         capture = self.hidden_state_layers if want_hidden else ()
         with set_forward_context(meta):
@@ -127,8 +127,33 @@ class ARModelRunner:
                     out.logprobs[r.request_id] = lp
         return out
 
-    def _prompt_embeds(self, items, ids: torch.Tensor, query_start: list[int]) -> torch.Tensor | None:
-        """Token embeddings, with prompt positions replaced where a request brings its own."""
+    def _positions(self, items, positions: list[int]) -> torch.Tensor:
+        """[T] token positions, or [3, T] for models with multimodal rotary (M-RoPE), whose
+        positions depend on the request's inputs and are computed by the model."""
+        request_positions = getattr(self.model, "request_positions", None)
+        if request_positions is None:
+            return torch.tensor(positions, dtype=torch.long, device=self.device)
+        spans = [
+            request_positions(item.request, item.request.num_computed_tokens,
+                              item.request.num_computed_tokens + item.num_new_tokens)
+            for item in items
+        ]
+        return torch.cat(spans, dim=-1).to(self.device)
+
+    def _input_embeds(self, items, ids: torch.Tensor, query_start: list[int]) -> torch.Tensor | None:
+        """Input embeddings when some request's inputs are more than token ids.
+
+        Models with their own per-request inputs (`embed_request_span`) embed every span;
+        otherwise prompt positions are replaced where a request brings `prompt_embeds`.
+        """
+        embed_span = getattr(self.model, "embed_request_span", None)
+        if embed_span is not None:
+            spans = []
+            for i, item in enumerate(items):
+                start = item.request.num_computed_tokens
+                spans.append(embed_span(item.request, start, start + item.num_new_tokens,
+                                        ids[query_start[i] : query_start[i + 1]]))
+            return torch.cat(spans)
         if not any(item.request.prompt_embeds is not None for item in items):
             return None
         embeds = self.model.get_input_embeddings(ids)

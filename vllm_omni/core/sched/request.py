@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,6 +43,7 @@ class Request:
         prompt: str | None = None,
         prompt_embeds: torch.Tensor | None = None,
         return_hidden_states: bool = False,
+        model_inputs: dict[str, Any] | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: the prompt is empty")
@@ -58,6 +59,12 @@ class Request:
         # Rows replace the token embeddings of the prompt positions (a stage fed by another stage).
         self.prompt_embeds = prompt_embeds  # [num_prompt_tokens, hidden]
         self.return_hidden_states = return_hidden_states
+        # Model-specific per-request inputs (multimodal features, an upstream stage's hidden
+        # states...), read by models that implement `embed_request_span` / `request_positions`.
+        self.model_inputs: dict[str, Any] = dict(model_inputs or {})
+        # Scratch space such a model may fill once per request (merged prompt embeddings,
+        # M-RoPE positions); survives preemption because it depends only on the inputs.
+        self.model_state: dict[str, Any] = {}
         self.arrival_order = next(_arrival_counter)
 
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + output
@@ -97,7 +104,7 @@ class Request:
     def cacheable(self) -> bool:
         """Prefix caching keys blocks by token ids only: requests whose KV depends on more
         (injected embeddings) or that must export every position's hidden states opt out."""
-        return self.prompt_embeds is None and not self.return_hidden_states
+        return self.prompt_embeds is None and not self.model_inputs and not self.return_hidden_states
 
     def append_output_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
