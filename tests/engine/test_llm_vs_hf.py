@@ -32,8 +32,11 @@ def hf_model(path: str):
 def hf_greedy(path: str, prompt: list[int], n: int, **kwargs) -> list[int]:
     model = hf_model(path)
     kwargs.setdefault("eos_token_id", None)
+    ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0, **kwargs)
+        # An explicit mask: otherwise generate() masks every prompt token equal to pad_token_id.
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             pad_token_id=0, **kwargs)
     return out[0, len(prompt) :].tolist()
 
 
