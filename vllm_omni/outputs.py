@@ -37,3 +37,23 @@ class RequestOutput:
     finished: bool
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+
+
+@dataclass
+class OmniRequestOutput:
+    """One final output of a multi-stage request: what a `final_output: true` stage produced.
+
+    `request_output.outputs[0]` holds the tokens/text (text stages) or, in
+    `multimodal_output`, the tensors (e.g. audio) of that stage. A failed request's
+    output has `request_output.error` set and finish_reason "error".
+    """
+
+    request_id: str
+    stage_id: int
+    final_output_type: str  # "text" | "audio" | "image" | "video"
+    request_output: RequestOutput
+    finished: bool = True
+
+    @property
+    def error(self) -> str | None:
+        return self.request_output.error

@@ -164,3 +164,22 @@ def test_expected_format_is_enforced(write_yaml):
     legacy = write_yaml("stage_args:\n  - stage_id: 0\n")
     with pytest.raises(ConfigError, match="legacy stage_args config; pass it with --stage-configs-path"):
         load_pipeline_config(legacy, expected_format="deploy")
+
+
+def test_upstream_only_engine_args_are_ignored_with_a_warning(write_yaml, caplog):
+    # Keys from upstream's deploy files that do not change results on our engine.
+    path = write_yaml("""\
+        pipeline: qwen2_5_omni
+        distributed_executor_backend: mp
+        stages:
+          - stage_id: 0
+            mm_processor_cache_gb: 0
+          - stage_id: 2
+            enable_flashinfer_autotune: false
+            async_scheduling: false
+        """)
+    p = load_pipeline_config(path)
+    assert p.num_stages == 3
+    for key in ("distributed_executor_backend", "mm_processor_cache_gb", "enable_flashinfer_autotune",
+                "async_scheduling"):
+        assert f"{key} is ignored" in caplog.text

@@ -28,6 +28,11 @@ LEGACY_CASES = {
           - stage_id: 0
             final_outputs: true
         """, ["stage 0", "unknown key 'final_outputs'", "did you mean 'final_output'"]),
+    "engine arg outside engine_args": ("""\
+        stage_args:
+          - stage_id: 0
+            gpu_memory_utilization: 0.5
+        """, ["stage 0: gpu_memory_utilization: belongs in the 'engine_args:' section"]),
     "unknown top-level key": ("stage_arg: []\nstage_args:\n  - stage_id: 0\n",
                               ["unknown key 'stage_arg'", "allowed: async_chunk, connectors, runtime, stage_args"]),
     "bad type": ("""\
@@ -84,6 +89,17 @@ LEGACY_CASES = {
           - stage_id: 1
             engine_input_source: [5]
         """, ["stage 1", "engine_input_source=[5]", "stage 5 does not exist", "ids of other stages: 0, 1"]),
+    "stage 0 takes input": ("""\
+        stage_args:
+          - stage_id: 0
+            engine_input_source: [1]
+          - stage_id: 1
+        """, ["stage 0", "engine_input_source=[1]", "stage 0 receives the requests"]),
+    "unreachable stage": ("""\
+        stage_args:
+          - stage_id: 0
+          - stage_id: 1
+        """, ["stage 1", "engine_input_source=[]", "no request would reach it"]),
     "self loop": ("""\
         stage_args:
           - stage_id: 0

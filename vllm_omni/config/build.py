@@ -25,7 +25,10 @@ _DSP = "default_sampling_params."
 class _Merged:
     """path -> (value, source) for one stage or for the pipeline level."""
 
-    def __init__(self) -> None:
+    def __init__(self, default_source: str = DOCUMENTED) -> None:
+        # An unset field is reported against the file that defines the stage: that is
+        # where the user would add it.
+        self.default_source = default_source
         self.values: dict[str, tuple[Any, str]] = {}
 
     def set(self, path: str, value: Any, source: str) -> None:
@@ -38,7 +41,7 @@ class _Merged:
         return self.values[path][0] if path in self.values else default
 
     def source(self, path: str) -> str:
-        return self.values[path][1] if path in self.values else DOCUMENTED
+        return self.values[path][1] if path in self.values else self.default_source
 
 
 def build_pipeline(layers: Sequence[Layer], *, fmt: ConfigFormat, source: str,
@@ -48,8 +51,8 @@ def build_pipeline(layers: Sequence[Layer], *, fmt: ConfigFormat, source: str,
         raise ConfigError("no layer defines the pipeline's stages", source=source)
     graph.check_stage_ids(list(topo.stages), source=topo.source)
     stage_ids = sorted(topo.stages)
-    merged = {sid: _Merged() for sid in stage_ids}
-    top = _Merged()
+    merged = {sid: _Merged(topo.source) for sid in stage_ids}
+    top = _Merged(source)
     for layer in layers:
         for sid in layer.stages:
             if sid not in merged:
@@ -136,7 +139,7 @@ def _sampling(stage_id: int, m: _Merged) -> SamplingParams:
     except (TypeError, ValueError) as exc:
         # Each value passed on its own when read, so this is a combination (e.g. min_tokens
         # > max_tokens) possibly from different layers: name them all.
-        sources = list(dict.fromkeys(m.source(p) for p in m.values if p.startswith(_DSP))) or [DOCUMENTED]
+        sources = list(dict.fromkeys(m.source(p) for p in m.values if p.startswith(_DSP))) or [m.default_source]
         raise ConfigError(f"default_sampling_params are inconsistent: {exc}", source=", ".join(sources),
                           stage_id=stage_id) from None
 

@@ -84,8 +84,9 @@ def _check_top_keys(data: dict[str, Any], *, source: str) -> None:
     if "stage_args" in data:
         raise ConfigError("is a legacy stage_args config, not a deploy config (pass it with "
                           "--stage-configs-path, or name it in `pipeline:`)", source=source)
-    for key in [k for k in data if k in schema.REJECTED_ENGINE_ARGS]:
-        raise ConfigError(f"is not supported: {schema.REJECTED_ENGINE_ARGS[key]}", source=source, field=key)
+    if rejected := [k for k in data if k in schema.REJECTED_ENGINE_ARGS]:
+        raise ConfigError(f"is not supported: {schema.REJECTED_ENGINE_ARGS[rejected[0]]}", source=source,
+                          field=rejected[0])
     if unknown := [k for k in data if k not in DEPLOY_KEYS and k not in schema.IGNORED_ENGINE_ARGS]:
         raise unknown_keys(unknown, DEPLOY_KEYS, source=source)
     for key in [k for k in data if k in schema.IGNORED_ENGINE_ARGS]:

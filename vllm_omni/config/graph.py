@@ -41,6 +41,17 @@ def check_graph(stages: Sequence[StageConfig], *, source_of: SourceOf, source: s
         if len(set(stage.engine_input_source)) != len(stage.engine_input_source):
             raise ConfigError("a source stage is listed twice", source=where, stage_id=stage.stage_id,
                               field="engine_input_source", value=list(stage.engine_input_source))
+    # Requests enter the pipeline at stage 0 (spec 003's orchestrator); any other stage
+    # without inputs would never receive work.
+    for stage in stages:
+        if (stage.stage_id == 0) != (not stage.engine_input_source):
+            problem = ("stage 0 receives the requests, so it takes no input from other stages"
+                       if stage.stage_id == 0 else
+                       f"stage {stage.stage_id} has no engine_input_source, so no request would reach it")
+            raise ConfigError(problem, source=source_of(stage.stage_id, "engine_input_source"),
+                              stage_id=stage.stage_id, field="engine_input_source",
+                              value=list(stage.engine_input_source),
+                              allowed="[] for stage 0, a list of upstream stage ids for every other stage")
     cycle = _find_cycle({s.stage_id: s.engine_input_source for s in stages})
     if cycle:
         path = " -> ".join(str(i) for i in cycle)

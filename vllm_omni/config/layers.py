@@ -42,10 +42,11 @@ _FLAT = {**{k: f"runtime.{k}" for k in schema.RUNTIME_KEYS},
 
 
 def read_stage_list(entries: Any, *, source: str, section: str, style: Style) -> dict[int, dict[str, Any]]:
-    """Read a YAML list of stage entries; duplicate stage ids are caught here."""
-    if not isinstance(entries, list) or not entries:
-        raise ConfigError("must be a non-empty list of stage entries", source=source, field=section,
-                          value=entries)
+    """Read a YAML list of stage entries; duplicate stage ids are caught here. A legacy file
+    defines the stages, so its list may not be empty; a deploy list of tweaks may."""
+    if not isinstance(entries, list) or (style == "legacy" and not entries):
+        raise ConfigError("must be a " + ("non-empty " if style == "legacy" else "") + "list of stage entries",
+                          source=source, field=section, value=entries)
     stages: dict[int, dict[str, Any]] = {}
     first_index: dict[int, int] = {}
     for index, entry in enumerate(entries):
@@ -81,6 +82,10 @@ def read_stage_fields(entry: dict[str, Any], *, source: str, stage_id: int | Non
         unknown = [k for k in unknown if k not in ignored]
     if style == "deploy":
         _reject_deploy_specials(unknown, source=source, stage_id=stage_id)
+    if style == "legacy" and (misplaced := [k for k in unknown if k in _FLAT]):
+        section = _FLAT[misplaced[0]].split(".")[0]
+        raise ConfigError(f"belongs in the '{section}:' section of a legacy stage entry", source=source,
+                          stage_id=stage_id, field=misplaced[0])
     if unknown:
         raise unknown_keys(unknown, allowed, source=source, stage_id=stage_id)
     for key, value in entry.items():

@@ -94,19 +94,22 @@ def validate_dotted_names(pipeline: PipelineConfig) -> None:
                     archs = supported_architectures()
                 except ConfigError as exc:
                     problems.append(f"stage {stage.stage_id}: engine_args.model_arch={arch!r}: "
-                                    f"cannot check it, the model registry is unavailable ({exc})")
+                                    f"cannot check it, the model registry is unavailable ({_what(exc)})")
                     archs = frozenset()
                     continue
-            if archs and arch not in archs:
-                problems.append(f"stage {stage.stage_id}: engine_args.model_arch={arch!r}: not a registered "
-                                f"architecture; allowed: {', '.join(sorted(archs))} or a dotted path")
+            # The registry lists stage models of omni checkpoints as "Arch[model_stage]"; like
+            # its resolve_model_class, a plain architecture serves any stage name.
+            if archs and arch not in archs and f"{arch}[{args.model_stage}]" not in archs:
+                problems.append(f"stage {stage.stage_id}: engine_args.model_arch={arch!r} "
+                                f"(model_stage={args.model_stage!r}): not a registered architecture; "
+                                f"allowed: {', '.join(sorted(archs))} or a dotted path")
         for field, name in names.items():
             if name is None:
                 continue
             try:
                 obj = resolve_dotted(name)
             except ConfigError as exc:
-                problems.append(f"stage {stage.stage_id}: {field}={name!r}: {exc.problem}")
+                problems.append(f"stage {stage.stage_id}: {field}={name!r}: {_what(exc)}")
                 continue
             if not callable(obj):
                 problems.append(f"stage {stage.stage_id}: {field}={name!r}: resolves to a "
@@ -116,7 +119,11 @@ def validate_dotted_names(pipeline: PipelineConfig) -> None:
             try:
                 resolve_dotted(conn.name)
             except ConfigError as exc:
-                problems.append(f"connectors.{conn.key}.name={conn.name!r}: {exc.problem}")
+                problems.append(f"connectors.{conn.key}.name={conn.name!r}: {_what(exc)}")
     if problems:
         raise ConfigError("dotted names do not resolve:\n  " + "\n  ".join(problems),
                           source=pipeline.source)
+
+
+def _what(exc: ConfigError) -> str:
+    return exc.problem + (f"; allowed: {exc.allowed}" if exc.allowed else "")

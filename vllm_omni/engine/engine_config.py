@@ -28,6 +28,7 @@ class EngineConfig:
     hidden_state_layers: tuple[int, ...] = ()
     architecture: str | None = None  # override config.architectures[0] (spec 000 `model_arch`)
     model_stage: str | None = None  # which stage model of a multi-stage checkpoint (thinker, talker, ...)
+    load_format: str = "auto"  # "dummy": random weights of the real shapes (benchmarks)
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
@@ -45,5 +46,7 @@ class EngineConfig:
             raise bad("block_size", "a positive power of two")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise bad("gpu_memory_utilization", "in (0, 1]")
+        if self.load_format not in ("auto", "dummy"):
+            raise bad("load_format", "'auto' or 'dummy'")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise bad("num_kv_blocks", ">= 1 or None")

@@ -45,8 +45,11 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
 
         self.model = load_model(
-            config.model, self.hf_config, self.dtype, self.device, config.architecture, config.model_stage
+            config.model, self.hf_config, self.dtype, self.device, config.architecture, config.model_stage,
+            config.load_format,
         )
+        # A stage model whose vocabulary is not the tokenizer's (a talker's codec) names its own EOS.
+        self.eos_token_ids = tuple(getattr(self.model, "eos_token_ids", ()) or self.eos_token_ids)
         plan = plan_kv_cache(config, self.model, self.hf_config, self.dtype, self.device)
         self.max_model_len = plan.max_model_len
         self.runner = ARModelRunner(
@@ -55,7 +58,10 @@ class LLMEngine:
             dtype=self.dtype,
             block_size=config.block_size,
             num_blocks=plan.num_blocks,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
             hidden_state_layers=config.hidden_state_layers,
+            enforce_eager=config.enforce_eager,
         )
         self.block_manager = BlockManager(plan.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -94,6 +100,8 @@ class LLMEngine:
         """Queue a request. Returns a finished error output instead when the request cannot
         run at all (e.g. its prompt is longer than max_model_len); other requests are unaffected."""
         params = params.clone(_eos_token_ids=self.eos_token_ids)
+        if model_inputs and hasattr(self.model, "prepare_prompt_token_ids"):  # model-owned prompt layout
+            prompt_token_ids = self.model.prepare_prompt_token_ids(prompt_token_ids, model_inputs)
         request = Request(
             request_id,
             prompt_token_ids,

@@ -56,7 +56,7 @@ class StageClient:
     def __init__(
         self,
         stage_id: int,
-        name: str,
+        model_stage: str | None,
         launcher: StageLauncher,
         channel: OrchestratorChannel,
         *,
@@ -65,7 +65,8 @@ class StageClient:
         heartbeat_timeout_s: float,
     ) -> None:
         self.stage_id = stage_id
-        self.name = name  # "stage 1 (talker)", for messages
+        self.model_stage = model_stage
+        self.name = f"stage {stage_id}" + (f" ({model_stage})" if model_stage else "")  # for messages
         self.launcher = launcher
         self.channel = channel
         self._on_message = on_message
@@ -106,8 +107,8 @@ class StageClient:
                 self.channel.send_nowait(Shutdown())
             except zmq.ZMQError as e:
                 logger.warning("%s: cannot send shutdown (%s); terminating it", self.name, e)
-        await self.launcher.wait_exit(timeout_s)
-        await asyncio.to_thread(self.launcher.stop, timeout_s)
+        # Only a worker that is serving can act on Shutdown; any other is terminated at once.
+        await self.launcher.stop(timeout_s, graceful=was_up)
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
@@ -122,8 +123,8 @@ class StageClient:
             raise StageDownError(self.stage_id, f"{self.name} is {self.state.value}: {self.reason or 'not ready'}")
         try:
             self.channel.send_nowait(msg)
-        except zmq.Again:
-            self.mark_down("its worker is not connected")
+        except zmq.ZMQError as e:  # unlimited queue: only a broken socket gets here
+            self.mark_down(f"cannot send to its worker: {e}")
             raise StageDownError(self.stage_id, f"{self.name} is down: {self.reason}") from None
 
     async def stats(self, timeout_s: float) -> StageStats:
@@ -140,8 +141,7 @@ class StageClient:
 
     def health(self) -> StageHealth:
         heard = None if self._last_heard is None else time.monotonic() - self._last_heard
-        model_stage = self.name.partition("(")[2].rstrip(")") or None
-        return StageHealth(self.stage_id, model_stage, self.state, self.reason, self.pid, heard)
+        return StageHealth(self.stage_id, self.model_stage, self.state, self.reason, self.pid, heard)
 
     # --- events ---------------------------------------------------------------
     def mark_down(self, reason: str) -> None:
@@ -156,6 +156,7 @@ class StageClient:
             if not fut.done():
                 fut.set_exception(StageDownError(self.stage_id, f"{self.name} is down: {reason}"))
         self.launcher.kill()  # a silent stage may be hung: do not let it hold its devices
+        self.channel.close_sender()  # nothing more goes to it; stops reconnect attempts too
         self._on_down(self.stage_id, reason)
 
     def _on_exit(self, description: str) -> None:

@@ -7,9 +7,11 @@ at `shm_threshold_bytes` and above, at a `multiprocessing.shared_memory` segment
 the receiver copies out and unlinks. Tensors are sent as raw bytes plus the torch
 dtype name, so dtypes numpy lacks (bfloat16) travel unchanged.
 
-Topology, per stage: the orchestrator binds a PUSH socket (to the worker) and a PULL
-socket (from the worker); the worker connects. Binding on the orchestrator side keeps
-the addresses stable when a worker restarts or runs on another host later.
+Topology, per stage: the orchestrator binds the PULL socket that receives from the
+worker, and connects a PUSH socket to the PULL socket the worker binds. A connecting
+PUSH queues messages from the start (zmq creates its pipe at connect), so a request
+sent the moment a stage is ready can never meet a half-made connection; whether the
+worker is alive is the heartbeat's and the process sentinel's business, not the socket's.
 """
 from __future__ import annotations
 
@@ -189,7 +191,7 @@ class WorkerChannel:
         # Outputs already produced are worth flushing on shutdown, for a bounded time.
         _configure(self.inbox, 0)
         _configure(self.outbox, 2000)
-        self.inbox.connect(in_addr)
+        self.inbox.bind(in_addr)  # before StageReady is sent, so the orchestrator's queue drains here
         self.outbox.connect(out_addr)
         self.codec = MessageCodec(ToWorker, shm_threshold_bytes, shm_prefix)
 
@@ -211,11 +213,11 @@ class WorkerChannel:
 
 
 class OrchestratorChannel:
-    """The orchestrator's end of one stage: bound sockets, awaited by the stage client.
+    """The orchestrator's end of one stage, awaited by the stage client.
 
-    Sending uses a plain (sync) socket: with no high-water mark a send never blocks, and
-    NOBLOCK makes "no worker connected" an immediate zmq.Again rather than a future that
-    nobody awaits. Receiving uses an asyncio socket so the stage client awaits it.
+    Sending uses a plain (sync) socket: connected, with no high-water mark, a send only
+    queues and never blocks the loop. Receiving uses an asyncio socket so the stage
+    client awaits it.
     """
 
     def __init__(self, ctx: zmq.Context, in_addr: str, out_addr: str, shm_threshold_bytes: int,
@@ -224,12 +226,14 @@ class OrchestratorChannel:
         self.from_worker = zmq.asyncio.Context.shadow(ctx.underlying).socket(zmq.PULL)
         _configure(self.to_worker, 0)
         _configure(self.from_worker, 0)
-        self.to_worker.bind(in_addr)
+        # Retry the connect quickly: the worker binds only once its process is up.
+        self.to_worker.setsockopt(zmq.RECONNECT_IVL, 20)
+        self.to_worker.connect(in_addr)
         self.from_worker.bind(out_addr)
         self.codec = MessageCodec(FromWorker, shm_threshold_bytes, shm_prefix)
 
     def send_nowait(self, msg: Any) -> None:
-        """Queue a message for the worker. Raises zmq.Again when no worker is connected."""
+        """Queue a message for the worker (NOBLOCK: a full queue would be an error, never a hang)."""
         self.to_worker.send_multipart(self.codec.encode(msg), flags=zmq.NOBLOCK, copy=False)
 
     async def recv(self, timeout_ms: int) -> Any | None:
@@ -244,6 +248,10 @@ class OrchestratorChannel:
                 return None
         frames = await self.from_worker.recv_multipart(copy=False)
         return self.codec.decode(frames)
+
+    def close_sender(self) -> None:
+        """Stop sending (and reconnecting) to a worker that is gone."""
+        self.to_worker.close()
 
     def close(self) -> None:
         self.to_worker.close()

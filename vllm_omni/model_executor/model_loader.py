@@ -84,9 +84,13 @@ def load_model(
     device: str | torch.device = "cpu",
     architecture: str | None = None,
     model_stage: str | None = None,
+    load_format: str = "auto",
 ) -> nn.Module:
     """Construct the registered class for `architecture` (default: the config's first
-    architecture) directly on `device` in `dtype`, then load the checkpoint into it."""
+    architecture) directly on `device` in `dtype`, then load the checkpoint into it.
+
+    load_format "dummy" skips the checkpoint and fills every parameter with seeded random
+    values: the real architecture's shapes and cost, for benchmarks without weights."""
     if architecture is None:
         if not hf_config.architectures:
             raise ValueError(f"config of {model_dir} names no architecture; pass architecture=")
@@ -97,5 +101,21 @@ def load_model(
     # so no full-size float32 CPU copy ever exists.
     with default_dtype(torch_dtype), torch.device(device):
         model = model_cls(hf_config)
-    model.load_weights(iterate_safetensors(model_dir))
+    if load_format == "dummy":
+        fill_dummy_weights(model)
+    elif load_format == "auto":
+        model.load_weights(iterate_safetensors(model_dir))
+    else:
+        raise ValueError(f"load_format={load_format!r} is invalid: must be 'auto' or 'dummy'")
     return model.eval()
+
+
+@torch.no_grad()
+def fill_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights, small enough that activations stay finite in bf16; norms at 1."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight") or param.dim() == 1 and "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, std, generator=generator)

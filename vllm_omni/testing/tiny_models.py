@@ -186,3 +186,8 @@ def demo_model_path() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+# Builders living in their own modules register themselves on import. Imported last: they use
+# the helpers above.
+from vllm_omni.testing import tiny_omni  # noqa: E402,F401  (registers "qwen2_5_omni")

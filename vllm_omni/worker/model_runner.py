@@ -1,15 +1,24 @@
-"""Runs one scheduled step on the device: inputs, forward, sampling, hidden states."""
+"""Runs one scheduled step on the device: inputs, forward, sampling, hidden states.
+
+On CUDA, attention uses the Triton/FlashAttention backend and pure-decode steps replay
+CUDA graphs (unless `enforce_eager`); on CPU everything runs eagerly on the portable
+torch backend. Both paths compute the same function.
+"""
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from vllm_omni.core.sched.scheduler import SchedulerOutput
+from vllm_omni.core.sched.scheduler import ScheduledRequest, SchedulerOutput
 from vllm_omni.model_executor.forward_context import AttentionMetadata, set_forward_context
-from vllm_omni.model_executor.layers.attention import Attention
+from vllm_omni.model_executor.layers.attention import Attention, TorchAttentionBackend
 from vllm_omni.model_executor.layers.sampler import Sampler, SamplingBatch
+
+logger = logging.getLogger(__name__)
 
 LAST_HIDDEN = "last"
 
@@ -22,6 +31,25 @@ class RunnerOutput:
     hidden_states: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T] or [3, T]
+    inputs_embeds: torch.Tensor | None  # [T, H]
+    meta: AttentionMetadata
+    query_start: list[int]
+
+
+def select_attention_backend(device: torch.device, dtype: torch.dtype):
+    """Triton/FlashAttention on CUDA, the torch reference elsewhere (or when forced with
+    VLLM_OMNI_ATTENTION_BACKEND=torch, e.g. to compare the two)."""
+    if device.type == "cuda" and os.environ.get("VLLM_OMNI_ATTENTION_BACKEND", "auto") != "torch":
+        from vllm_omni.model_executor.layers.triton_attention import TritonAttentionBackend
+
+        return TritonAttentionBackend(dtype)
+    return TorchAttentionBackend()
+
+
 class ARModelRunner:
     def __init__(
         self,
@@ -31,7 +59,10 @@ class ARModelRunner:
         dtype: torch.dtype,
         block_size: int,
         num_blocks: int,
+        max_num_seqs: int = 256,
+        max_model_len: int = 4096,
         hidden_state_layers: tuple[int, ...] = (),
+        enforce_eager: bool = False,
     ) -> None:
         self.model = model
         self.device = device
@@ -41,15 +72,42 @@ class ARModelRunner:
         self.hidden_state_layers = tuple(hidden_state_layers)
         self.sampler = Sampler()
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.backend = select_attention_backend(device, dtype)
+        for layer in self.attention_layers:
+            layer.backend = self.backend
         self._allocate_kv_cache()
+        self.graphs = None
+        if device.type == "cuda" and not enforce_eager and not isinstance(self.backend, TorchAttentionBackend):
+            self._capture_graphs(max_num_seqs, max_model_len)
 
     def _allocate_kv_cache(self) -> None:
+        # One block more than the block manager hands out: padded rows of a CUDA-graph
+        # batch write their KV there.
         for layer in self.attention_layers:
-            shape = (self.num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            shape = (self.num_blocks + 1, self.block_size, layer.num_kv_heads, layer.head_dim)
             # Zeroed, not empty: masked-out keys are still multiplied by 0 in SDPA, and
             # uninitialised memory may hold NaN bit patterns.
             layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        if not getattr(self.model, "supports_cuda_graphs", True):
+            logger.info("%s does not support CUDA graphs: decode runs eagerly", type(self.model).__name__)
+            return
+        from vllm_omni.worker.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(
+            self.model,
+            device=self.device,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            block_size=self.block_size,
+            scratch_block=self.num_blocks,
+            mrope=hasattr(self.model, "request_positions"),
+            embeds=hasattr(self.model, "embed_request_span"),
+            capture_layers=self.hidden_state_layers,
+        )
+        self.graphs.capture()
 
     @staticmethod
     def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -58,9 +116,42 @@ class ARModelRunner:
             2 * block_size * m.num_kv_heads * m.head_dim * element for m in model.modules() if isinstance(m, Attention)
         )
 
+    # --- one step -----------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         items = sched.scheduled
+        inputs = self._prepare(items)
+        want_hidden = any(item.request.return_hidden_states for item in items)
+        decode_only = inputs.meta.max_query_len == 1
+        if self.graphs is not None and decode_only and self.graphs.fits(len(items)):
+            meta = inputs.meta
+            hidden, all_logits, captured = self.graphs.replay(
+                inputs.input_ids, inputs.positions, inputs.inputs_embeds,
+                meta.slot_mapping, meta.block_tables, meta.seq_lens,
+            )
+        else:
+            inputs.meta.backend_state = self.backend.prepare(inputs.meta)
+            capture = self.hidden_state_layers if want_hidden else ()
+            with set_forward_context(inputs.meta):
+                hidden, captured = self.model(
+                    inputs.input_ids, inputs.positions, inputs_embeds=inputs.inputs_embeds, capture_layers=capture
+                )
+            all_logits = None
+
+        out = RunnerOutput()
+        if want_hidden:
+            self._slice_hidden_states(items, inputs.query_start, hidden, captured, out)
+        sample_rows = [i for i, item in enumerate(items) if item.completes_sequence]
+        if sample_rows:
+            if all_logits is not None:  # decode graph: every row samples
+                logits = all_logits
+            else:
+                last_token_idx = torch.tensor([inputs.query_start[i + 1] - 1 for i in sample_rows], device=self.device)
+                logits = self.model.compute_logits(hidden[last_token_idx])
+            self._sample([items[i].request for i in sample_rows], logits, out)
+        return out
+
+    def _prepare(self, items: list[ScheduledRequest]) -> StepInputs:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -76,8 +167,6 @@ class ARModelRunner:
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             query_lens.append(end - start)
             seq_lens.append(end)
-
-        device = self.device
         max_blocks = max(len(item.request.block_ids) for item in items)
         block_tables = torch.zeros(len(items), max_blocks, dtype=torch.long)
         for i, item in enumerate(items):
@@ -85,54 +174,46 @@ class ARModelRunner:
         query_start = [0]
         for n in query_lens:
             query_start.append(query_start[-1] + n)
+        device = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            query_start_loc=torch.tensor(query_start, dtype=torch.long, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device),
-            block_tables=block_tables.to(device),
+            slot_mapping=torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True),
+            query_start_loc=torch.tensor(query_start, dtype=torch.long).to(device, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long).to(device, non_blocking=True),
+            block_tables=block_tables.to(device, non_blocking=True),
             block_size=bs,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
         )
-        meta.backend_state = self.attention_layers[0].backend.prepare(meta)
+        ids = torch.tensor(input_ids, dtype=torch.long).to(device, non_blocking=True)
+        return StepInputs(
+            input_ids=ids,
+            positions=self._positions(items, positions),
+            inputs_embeds=self._input_embeds(items, ids, query_start),
+            meta=meta,
+            query_start=query_start,
+        )
 
-        ids = torch.tensor(input_ids, dtype=torch.long, device=device)
-        pos = self._positions(items, positions)
-        embeds = self._input_embeds(items, ids, query_start)
-        want_hidden = any(item.request.return_hidden_states for item in items)
-        capture = self.hidden_state_layers if want_hidden else ()
-        with set_forward_context(meta):
-            hidden, captured = self.model(ids, pos, inputs_embeds=embeds, capture_layers=capture)
-
-        out = RunnerOutput()
-        if want_hidden:
-            self._slice_hidden_states(items, query_start, hidden, captured, out)
-        sample_rows = [i for i, item in enumerate(items) if item.completes_sequence]
-        if sample_rows:
-            last_token_idx = torch.tensor([query_start[i + 1] - 1 for i in sample_rows], device=device)
-            logits = self.model.compute_logits(hidden[last_token_idx])
-            reqs = [items[i].request for i in sample_rows]
-            batch = SamplingBatch(
-                params=[r.sampling_params for r in reqs],
-                prompt_token_ids=[r.prompt_token_ids for r in reqs],
-                output_token_ids=[r.output_token_ids for r in reqs],
-                generators=[r.generator for r in reqs],
-            )
-            result = self.sampler(logits, batch)
-            for r, token, lp in zip(reqs, result.token_ids, result.logprobs):
-                out.sampled[r.request_id] = token
-                if lp is not None:
-                    out.logprobs[r.request_id] = lp
-        return out
+    def _sample(self, reqs, logits: torch.Tensor, out: RunnerOutput) -> None:
+        batch = SamplingBatch(
+            params=[r.sampling_params for r in reqs],
+            prompt_token_ids=[r.prompt_token_ids for r in reqs],
+            output_token_ids=[r.output_token_ids for r in reqs],
+            generators=[r.generator for r in reqs],
+        )
+        result = self.sampler(logits, batch)
+        for r, token, lp in zip(reqs, result.token_ids, result.logprobs):
+            out.sampled[r.request_id] = token
+            if lp is not None:
+                out.logprobs[r.request_id] = lp
 
     def _positions(self, items, positions: list[int]) -> torch.Tensor:
         """[T] token positions, or [3, T] for models with multimodal rotary (M-RoPE), whose
         positions depend on the request's inputs and are computed by the model."""
         request_positions = getattr(self.model, "request_positions", None)
         if request_positions is None:
-            return torch.tensor(positions, dtype=torch.long, device=self.device)
+            return torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
         spans = [
             request_positions(item.request, item.request.num_computed_tokens,
                               item.request.num_computed_tokens + item.num_new_tokens)

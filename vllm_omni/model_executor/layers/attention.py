@@ -94,7 +94,7 @@ class Attention(nn.Module):
         self.scale = scale if scale is not None else head_dim**-0.5
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
-        self.backend = TorchAttentionBackend
+        self.backend = TorchAttentionBackend()  # the model runner installs the device's backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]."""

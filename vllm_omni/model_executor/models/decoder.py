@@ -153,6 +153,7 @@ class DecoderForCausalLM(nn.Module):
         self.head_dim = config_head_dim(config)
         self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
+        self.max_position_embeddings = config.max_position_embeddings
         self.tie_word_embeddings = bool(config.tie_word_embeddings)
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens  # same Parameter, listed once by named_parameters

@@ -18,8 +18,22 @@ _TEXT_MODELS: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": (f"{_MODELS}.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
+_QWEN2_5_OMNI_THINKER = (f"{_MODELS}.qwen2_5_omni.thinker", "Qwen2_5OmniThinkerForConditionalGeneration")
+# A thinker-only checkpoint names the thinker class itself.
+_TEXT_MODELS["Qwen2_5OmniThinkerForConditionalGeneration"] = _QWEN2_5_OMNI_THINKER
+
 # (architecture, model_stage) -> (module path, class name); filled as stage models land.
-_STAGE_MODELS: dict[tuple[str, str], tuple[str, str]] = {}
+_STAGE_MODELS: dict[tuple[str, str], tuple[str, str]] = {
+    # Released checkpoints say Qwen2_5OmniModel; transformers saves Qwen2_5OmniForConditionalGeneration.
+    ("Qwen2_5OmniModel", "thinker"): _QWEN2_5_OMNI_THINKER,
+    ("Qwen2_5OmniForConditionalGeneration", "thinker"): _QWEN2_5_OMNI_THINKER,
+}
+_QWEN2_5_OMNI_TALKER = (f"{_MODELS}.qwen2_5_omni.talker", "Qwen2_5OmniTalkerForConditionalGeneration")
+# code2wav (spec 000's stage name) is a generation-stage model (GenerationModel), not a decoder.
+_QWEN2_5_OMNI_CODE2WAV = (f"{_MODELS}.qwen2_5_omni.token2wav", "Qwen2_5OmniToken2Wav")
+for _arch in ("Qwen2_5OmniModel", "Qwen2_5OmniForConditionalGeneration"):
+    _STAGE_MODELS[(_arch, "talker")] = _QWEN2_5_OMNI_TALKER
+    _STAGE_MODELS[(_arch, "code2wav")] = _QWEN2_5_OMNI_CODE2WAV
 
 
 def supported_architectures() -> list[str]:

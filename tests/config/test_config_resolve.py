@@ -1,0 +1,171 @@
+"""Dotted names (documented ones and user plugins), bundled-config lookup, one-stage LLMs."""
+import importlib.util
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from vllm_omni.config import (DOCUMENTED_DOTTED_NAMES, ConfigError, ConfigFormat, find_bundled_config,
+                              load_pipeline_config, pipeline_for_model, resolve_dotted,
+                              single_stage_pipeline, validate_dotted_names)
+from vllm_omni.config.bundled import DEPLOY_DIR, STAGE_CONFIGS_DIR
+
+
+def test_parsing_imports_nothing_heavy(tmp_path):
+    # Loading a config must not import the documented workers, schedulers or bridges (they
+    # pull in the models); those are imported when a stage starts or by check-config.
+    code = textwrap.dedent(f"""
+        import sys
+        from vllm_omni.config import load_pipeline_config
+        load_pipeline_config({str(STAGE_CONFIGS_DIR / 'qwen3_omni_moe.yaml')!r})
+        heavy = [m for m in sys.modules if m.startswith(('vllm_omni.worker.', 'vllm_omni.model_executor.models',
+                 'vllm_omni.core.sched.omni', 'vllm_omni.model_executor.stage_input_processors.'))]
+        print(heavy)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("name", sorted(DOCUMENTED_DOTTED_NAMES))
+def test_documented_dotted_names_resolve(name):
+    module = name.rpartition(".")[0]
+    try:
+        present = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        present = False
+    if not present:
+        pytest.skip(f"{module} is not written yet")
+    assert callable(resolve_dotted(name))
+
+
+@pytest.fixture
+def plugins(plugin_package):
+    return plugin_package({
+        "sched": "class MyScheduler:\n    pass\nNOT_CALLABLE = 3\n",
+        "worker": "class MyWorker:\n    pass\n",
+        "bridge": "def encoder2decoder(stage_list, engine_input_source, prompt=None, mm=False):\n    return []\n",
+        "model": "class MyModel:\n    pass\n",
+    })
+
+
+def _plugin_yaml(pkg: str, **change: str) -> str:
+    names = {"scheduler_cls": f"{pkg}.sched.MyScheduler", "worker_cls": f"{pkg}.worker.MyWorker",
+             "model_arch": f"{pkg}.model.MyModel", "func": f"{pkg}.bridge.encoder2decoder", **change}
+    return f"""\
+        stage_args:
+          - stage_id: 0
+            engine_args: {{model_stage: encoder, model_arch: {names['model_arch']}}}
+          - stage_id: 1
+            engine_input_source: [0]
+            custom_process_input_func: {names['func']}
+            engine_args:
+              model_arch: {names['model_arch']}
+              worker_cls: {names['worker_cls']}
+              scheduler_cls: {names['scheduler_cls']}
+        """
+
+
+def test_user_plugins_are_imported(plugins, write_yaml):
+    p = load_pipeline_config(write_yaml(_plugin_yaml(plugins)))
+    validate_dotted_names(p)
+    s1 = p.stage(1)
+    assert resolve_dotted(s1.engine_args.scheduler_cls).__name__ == "MyScheduler"
+    assert resolve_dotted(s1.custom_process_input_func)([], [0]) == []
+    assert s1.engine_args.worker_type.value == "ar"
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"scheduler_cls": "{pkg}.sched.Missing"}, ["stage 1: engine_args.scheduler_cls=", "has no attribute 'Missing'",
+                                                "allowed: MyScheduler, NOT_CALLABLE"]),
+    ({"func": "{pkg}.nowhere.fn"}, ["stage 1: custom_process_input_func=", "not found on sys.path"]),
+    ({"worker_cls": "{pkg}.sched.NOT_CALLABLE"}, ["stage 1: engine_args.worker_cls=", "resolves to a int"]),
+    ({"model_arch": "NoSuchArchForCausalLM"}, ["stage 0: engine_args.model_arch='NoSuchArchForCausalLM'"]),
+])
+def test_unresolvable_dotted_names(plugins, write_yaml, change, expected):
+    change = {k: v.format(pkg=plugins) for k, v in change.items()}
+    p = load_pipeline_config(write_yaml(_plugin_yaml(plugins, **change)))
+    with pytest.raises(ConfigError) as info:
+        validate_dotted_names(p)
+    message = str(info.value)
+    assert "stages.yaml: dotted names do not resolve" in message
+    for part in expected:
+        assert part in message, f"{part!r} not in {message!r}"
+
+
+def test_plugin_import_error_is_reported(plugin_package, write_yaml):
+    pkg = plugin_package({"broken": "raise RuntimeError('plugin exploded')\n"})
+    p = load_pipeline_config(write_yaml(f"stage_args:\n  - stage_id: 0\n    engine_args: "
+                                        f"{{scheduler_cls: {pkg}.broken.S}}\n"))
+    with pytest.raises(ConfigError, match="RuntimeError: plugin exploded"):
+        validate_dotted_names(p)
+
+
+@pytest.mark.parametrize("hf, expected", [
+    ({"model_type": "qwen2_5_omni", "architectures": ["Qwen2_5OmniModel"]}, "qwen2_5_omni"),
+    ({"model_type": "something", "architectures": ["Qwen2_5OmniForConditionalGeneration"]}, "qwen2_5_omni"),
+    ({"model_type": "qwen3_omni_moe", "architectures": []}, "qwen3_omni_moe"),
+    ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}, None),
+])
+def test_bundled_lookup(hf, expected, tmp_path):
+    assert (pipeline_for_model(hf).name if expected else pipeline_for_model(hf)) == expected
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    legacy = find_bundled_config(tmp_path)
+    assert legacy == (STAGE_CONFIGS_DIR / f"{expected}.yaml" if expected else None)
+    if expected:
+        assert find_bundled_config(hf, kind="deploy") == DEPLOY_DIR / f"{expected}.yaml"
+        assert legacy.is_file() and find_bundled_config(hf, kind="deploy").is_file()
+
+
+def test_hf_config_object_and_hub_cache(tmp_path, monkeypatch):
+    class FakeConfig:
+        model_type = "qwen3_omni_moe"
+        architectures = ["Qwen3OmniMoeForConditionalGeneration"]
+
+    assert pipeline_for_model(FakeConfig()).name == "qwen3_omni_moe"
+    snap = tmp_path / "hub" / "models--Qwen--Qwen2.5-Omni-7B" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(json.dumps({"model_type": "qwen2_5_omni"}))
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("abc")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert pipeline_for_model("Qwen/Qwen2.5-Omni-7B").name == "qwen2_5_omni"
+    with pytest.raises(ConfigError, match="no config.json found"):
+        pipeline_for_model("Qwen/Not-Downloaded")
+
+
+def test_unknown_model_kind_is_an_error():
+    with pytest.raises(ConfigError, match="no bundled stage config for model_type='qwen3_tts'"):
+        pipeline_for_model({"model_type": "qwen3_tts", "architectures": ["Qwen3TTSForConditionalGeneration"]})
+
+
+def test_plain_llm_is_one_stage(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2",
+                                                      "architectures": ["Qwen2ForCausalLM"]}))
+    p = load_pipeline_config(model=str(tmp_path))
+    assert p == single_stage_pipeline(str(tmp_path))
+    assert p.format is ConfigFormat.SINGLE_STAGE and p.num_stages == 1 and p.edges == ()
+    s = p.stage(0)
+    assert s.final_output and s.final_output_type.value == "text" and s.is_comprehension
+    assert s.engine_args.engine_output_type.value == "text" and s.engine_args.model_arch == "Qwen2ForCausalLM"
+    assert s.engine_args.worker_type.value == "ar"
+    assert s.default_sampling_params.repetition_penalty == 1.0
+    tuned = load_pipeline_config(model=str(tmp_path), stage_overrides='{"0": {"max_num_seqs": 4}}')
+    assert tuned.stage(0).engine_args.max_num_seqs == 4
+
+
+def test_model_arch_checked_against_the_registry(monkeypatch, write_yaml):
+    import vllm_omni.config.resolve as resolve
+
+    monkeypatch.setattr(resolve, "supported_architectures",
+                        lambda: frozenset({"Qwen2ForCausalLM", "OmniX[thinker]"}))
+    def config(arch, stage):
+        return load_pipeline_config(write_yaml(
+            f"stage_args:\n  - stage_id: 0\n    engine_args: {{model_arch: {arch}, model_stage: {stage},"
+            f" worker_type: diffusion}}\n"))
+    validate_dotted_names(config("OmniX", "thinker"))
+    validate_dotted_names(config("Qwen2ForCausalLM", "anything"))
+    with pytest.raises(ConfigError, match=r"model_arch='OmniX' \(model_stage='talker'\): not a registered "
+                                          r"architecture; allowed: OmniX\[thinker\], Qwen2ForCausalLM"):
+        validate_dotted_names(config("OmniX", "talker"))

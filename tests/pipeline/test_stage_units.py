@@ -1,0 +1,109 @@
+"""In-process units of the runtime: bridges, the generation scheduler and engine, params."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_omni.config.stage_config import StageConfig, StageEngineArgs, StageRuntimeConfig
+from vllm_omni.core.sched.omni_generation_scheduler import OmniGenerationScheduler
+from vllm_omni.engine.messages import StageRequest
+from vllm_omni.engine.stage_engines import GenerationStageEngine
+from vllm_omni.engine.stage_input import StageView, build_stage_input, default_input_processor
+from vllm_omni.inputs import OmniTokensPrompt
+from vllm_omni.outputs import CompletionOutput, RequestOutput
+from vllm_omni.sampling_params import SamplingParams
+
+
+def request_output(request_id, prompt_ids, token_ids):
+    return RequestOutput(request_id, None, prompt_ids, [CompletionOutput(0, "", token_ids, finish_reason="stop")], True)
+
+
+def stage(stage_id=1, sources=(0,)):
+    return StageConfig(stage_id=stage_id, runtime=StageRuntimeConfig(), engine_args=StageEngineArgs(),
+                       default_sampling_params=SamplingParams(), engine_input_source=sources)
+
+
+def test_default_bridge_passes_the_source_output_tokens():
+    out = request_output("r", [1, 2], [7, 8, 9])
+    inp = build_stage_input(default_input_processor, "default", stage(), 2, {0: out}, {"prompt": "x"}, "r")
+    assert inp["prompt_token_ids"] == [7, 8, 9] and inp["additional_information"] == {}
+
+
+def test_bridges_see_only_their_request():
+    seen = []
+
+    def bridge(stage_list, engine_input_source, prompt, requires_multimodal_data):
+        seen.append([o.request_id for o in stage_list[0].engine_outputs])
+        return [OmniTokensPrompt(prompt_token_ids=[1], additional_information={"k": torch.ones(1)})]
+
+    for rid in ("a", "b"):
+        build_stage_input(bridge, "bridge", stage(), 2, {0: request_output(rid, [1], [2])}, None, rid)
+    assert seen == [["a"], ["b"]]
+
+
+@pytest.mark.parametrize("result, match", [
+    ([], "one input per request; got 0 inputs"),
+    ([OmniTokensPrompt(prompt_token_ids=[1])] * 2, "got 2 inputs"),
+    ([OmniTokensPrompt(prompt_token_ids=[])], "no prompt_token_ids"),
+    ([{"prompt_token_ids": [1], "additional_information": [1]}], "must be a dict"),
+])
+def test_bad_bridge_results_are_errors(result, match):
+    with pytest.raises(ValueError, match=match):
+        build_stage_input(lambda *a: result, "b", stage(), 2, {0: request_output("r", [1], [2])}, None, "r")
+
+
+def test_bridge_exception_names_stage_and_request():
+    def broken(*args):
+        raise KeyError("code_predictor_codes")
+
+    with pytest.raises(ValueError, match=r"stage 1: broken failed for request r: KeyError"):
+        build_stage_input(broken, "broken", stage(), 2, {0: request_output("r", [1], [2])}, None, "r")
+
+
+def test_mismatched_request_is_an_error():
+    with pytest.raises(ValueError, match="belongs to request other"):
+        build_stage_input(default_input_processor, "d", stage(), 2, {0: request_output("other", [1], [2])}, None, "r")
+
+
+def test_default_bridge_signature_is_spec_003():
+    views = [StageView(0, [request_output("r", [1], [5, 6])])]
+    assert default_input_processor(views, [0], None, False) == [{"prompt_token_ids": [5, 6], "multi_modal_data": None}]
+
+
+def req(rid, ids):
+    return StageRequest(request_id=rid, prompt_token_ids=ids, sampling_params=SamplingParams())
+
+
+def test_generation_scheduler_is_fifo_and_bounded():
+    sched = OmniGenerationScheduler(2)
+    for i in range(5):
+        sched.add_request(req(str(i), [i]))
+    assert sched.abort(["1", "zz"]) == ["1"]
+    assert [r.request_id for r in sched.schedule()] == ["0", "2"]
+    assert [r.request_id for r in sched.schedule()] == ["3", "4"]
+    assert sched.schedule() == [] and not sched.has_unfinished()
+
+
+class FlakyModel:
+    calls: list[int]
+
+    def __init__(self):
+        self.calls = []
+
+    def generate_batch(self, inputs):
+        self.calls.append(len(inputs))
+        if any(r.request_id == "bad" for r in inputs):
+            raise RuntimeError("boom")
+        return [{"x": torch.tensor(r.prompt_token_ids)} for r in inputs]
+
+
+def test_generation_engine_batches_and_isolates_a_failing_request():
+    model = FlakyModel()
+    engine = GenerationStageEngine(model, OmniGenerationScheduler(4), stage_id=2)
+    for rid in ("a", "bad", "c"):
+        engine.add_request(req(rid, [1, 2]))
+    outs = {o.request_id: o for o in engine.step()}
+    assert model.calls == [3, 1, 1, 1]  # one batch, then one by one to find the culprit
+    assert outs["bad"].error is not None and "boom" in outs["bad"].error and outs["bad"].finished
+    assert torch.equal(outs["a"].multimodal_output["x"], torch.tensor([1, 2])) and outs["c"].error is None
+    assert not engine.has_unfinished()

@@ -1,0 +1,304 @@
+"""The orchestrator: owns request state and the stage graph; routes every output at once.
+
+It lives on one asyncio loop (see `runtime.OmniRuntime`). Each stage client awaits its
+own socket and calls `_on_message` for every message as it arrives. When a request
+finishes at a stage, each downstream stage whose sources have all finished it gets its
+input from the bridge (spec 003 `_forward_to_next_stage`). A request is done when every
+stage has finished it; a failure anywhere fails it everywhere (abort in every stage).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from vllm_omni.config.stage_config import PipelineConfig, StageConfig
+from vllm_omni.engine.messages import AbortRequests, StageOutput, StageOutputBatch, StageRequest, StageStats
+from vllm_omni.engine.request_state import RequestDone, RequestSink, RequestState
+from vllm_omni.engine.stage_client import StageClient, StageDownError, StageHealth, StageState
+from vllm_omni.engine.stage_input import build_stage_input, resolve_input_processor
+from vllm_omni.engine.stage_launcher import ProcessLauncher, StageLauncher, ThreadLauncher
+from vllm_omni.engine.stage_worker import WorkerSpec
+from vllm_omni.engine.transport import OrchestratorChannel, make_ipc_dir, stage_addresses, sweep_shared_memory
+from vllm_omni.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    stage_init_timeout_s: float = 300.0
+    init_timeout_s: float = 600.0
+    shm_threshold_bytes: int = 65536
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 10.0  # a stage silent this long is DOWN
+    shutdown_timeout_s: float = 10.0
+    log_stats: bool = False
+
+
+@dataclass
+class Submission:
+    request_id: str
+    prompt: Any  # parsed prompt (inputs.parse_prompt), handed to bridges
+    prompt_token_ids: list[int]
+    params: list[SamplingParams]  # one per stage
+    sink: RequestSink
+
+
+class Orchestrator:
+    def __init__(self, pipeline: PipelineConfig, model: str, options: RuntimeOptions) -> None:
+        _check_supported(pipeline)
+        self.pipeline = pipeline
+        self.model = model
+        self.options = options
+        self.stages: dict[int, StageConfig] = {s.stage_id: s for s in pipeline.stages}
+        self._downstream = {sid: [s.stage_id for s in pipeline.stages if sid in s.engine_input_source]
+                            for sid in self.stages}
+        self._bridges = {s.stage_id: resolve_input_processor(s) for s in pipeline.stages if s.engine_input_source}
+        self.clients: dict[int, StageClient] = {}
+        self._requests: dict[str, RequestState] = {}  # internal key -> state
+        self._keys: dict[str, str] = {}  # user request id -> internal key
+        self._counter = itertools.count()
+        # Names every shared memory segment this pipeline creates, so close() can sweep leftovers.
+        self._shm_prefix = f"vomni-{os.getpid()}-{uuid.uuid4().hex[:6]}-"
+        self._ipc_dir: str | None = None
+        self._ctx: zmq.Context | None = None
+        self.stage_counters: dict[int, Counter[str]] = {sid: Counter() for sid in self.stages}
+
+    # --- lifecycle ------------------------------------------------------------
+    async def start(self) -> None:
+        """Launch every stage at once and wait until all are UP; on any failure, stop them all."""
+        self._ipc_dir = make_ipc_dir()
+        self._ctx = zmq.Context()
+        t0 = time.monotonic()
+        try:
+            for stage in self.pipeline.stages:
+                self._launch(stage)
+            opts = self.options
+            stage_deadline, overall = t0 + opts.stage_init_timeout_s, t0 + opts.init_timeout_s
+            what = (f"stage_init_timeout={opts.stage_init_timeout_s}s" if stage_deadline <= overall
+                    else f"init_timeout={opts.init_timeout_s}s")
+            waits = [asyncio.ensure_future(c.wait_ready(min(stage_deadline, overall), what))
+                     for c in self.clients.values()]
+            # The first stage that fails (or times out) fails the start: waiting for the others
+            # to finish loading their models would only delay the error.
+            done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
+            for task in pending:
+                task.cancel()
+            errors = [t.exception() for t in done if t.exception() is not None]
+            if errors:
+                kind = TimeoutError if any(isinstance(e, TimeoutError) for e in errors) else RuntimeError
+                raise kind("pipeline failed to start: " + "; ".join(str(e) for e in errors))
+        except BaseException:
+            await self.close()
+            raise
+        logger.info("pipeline of %d stages is up in %.1fs", len(self.clients), time.monotonic() - t0)
+
+    def _launch(self, stage: StageConfig) -> None:
+        assert self._ipc_dir is not None and self._ctx is not None
+        in_addr, out_addr = stage_addresses(self._ipc_dir, stage.stage_id)
+        opts = self.options
+        spec = WorkerSpec(
+            stage=stage, model=self.model, in_addr=in_addr, out_addr=out_addr,
+            shm_threshold_bytes=opts.shm_threshold_bytes, shm_prefix=self._shm_prefix,
+            heartbeat_interval_s=opts.heartbeat_interval_s, stage_init_timeout_s=opts.stage_init_timeout_s,
+            parent_pid=os.getpid(), in_process=not stage.runtime.process, torch_threads=self._torch_threads(stage),
+            log_level=logging.getLogger().getEffectiveLevel(),
+        )
+        launcher: StageLauncher = (ProcessLauncher(spec) if stage.runtime.process
+                                   else ThreadLauncher(spec, _in_process_device(stage)))
+        channel = OrchestratorChannel(self._ctx, in_addr, out_addr, opts.shm_threshold_bytes, self._shm_prefix)
+        client = StageClient(stage.stage_id, stage.model_stage, launcher, channel, on_message=self._on_message,
+                             on_down=self._on_stage_down, heartbeat_timeout_s=opts.heartbeat_timeout_s)
+        self.clients[stage.stage_id] = client
+        client.start()
+
+    def _torch_threads(self, stage: StageConfig) -> int | None:
+        # Stages on one host share its cores; without a limit each would use all of them.
+        if "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in stage.runtime.env_dict():
+            return None
+        num_processes = sum(1 for s in self.pipeline.stages if s.runtime.process)
+        return max(1, (os.cpu_count() or 1) // max(1, num_processes))
+
+    async def close(self) -> None:
+        for state in list(self._requests.values()):
+            self._fail(state, "the pipeline is shutting down", None)
+        await asyncio.gather(*(c.close(self.options.shutdown_timeout_s) for c in self.clients.values()))
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
+        leaked = sweep_shared_memory(self._shm_prefix)
+        if leaked:
+            logger.warning("removed %d shared memory segment(s) that were never received", leaked)
+        if self.options.log_stats:
+            for sid, counters in self.stage_counters.items():
+                logger.info("%s: %s", self.clients[sid].name if sid in self.clients else sid, dict(counters))
+
+    # --- requests -------------------------------------------------------------
+    def submit(self, sub: Submission) -> None:
+        if sub.request_id in self._keys:
+            sub.sink.put(RequestDone(sub.request_id, error=f"request id {sub.request_id!r} is already in flight"))
+            return
+        down = [c for c in self.clients.values() if c.state != StageState.UP]
+        if down:
+            reason = "; ".join(f"{c.name} is {c.state.value}: {c.reason}" for c in down)
+            sub.sink.put(RequestDone(sub.request_id, error=reason, failed_stage=down[0].stage_id))
+            return
+        key = f"{sub.request_id}#{next(self._counter)}"
+        state = RequestState(sub.request_id, key, sub.prompt, sub.prompt_token_ids, sub.params, sub.sink)
+        self._requests[key] = state
+        self._keys[sub.request_id] = key
+        text = sub.prompt.get("prompt")
+        info = sub.prompt.get("additional_information") or {}
+        for stage in self.pipeline.entry_stages:
+            if not self._send(state, stage.stage_id, sub.prompt_token_ids, text, info,
+                              sub.prompt.get("multi_modal_data")):
+                return
+
+    def abort(self, request_id: str) -> None:
+        key = self._keys.get(request_id)
+        if key is None:
+            return  # finished (or never existed): nothing to abort
+        state = self._requests[key]
+        self._drop(state)
+        state.sink.put(RequestDone(request_id, aborted=True))
+
+    def health(self) -> list[StageHealth]:
+        return [c.health() for c in self.clients.values()]
+
+    async def stage_stats(self, stage_id: int, timeout_s: float) -> StageStats:
+        if stage_id not in self.clients:
+            raise KeyError(f"no stage {stage_id}; stages: {sorted(self.clients)}")
+        return await self.clients[stage_id].stats(timeout_s)
+
+    # --- routing --------------------------------------------------------------
+    def _send(self, state: RequestState, stage_id: int, ids: list[int], text: str | None,
+              info: dict[str, Any], mm: Any) -> bool:
+        state.start_stage(stage_id, ids, text)
+        req = StageRequest(request_id=state.key, prompt_token_ids=ids, sampling_params=state.params[stage_id],
+                           prompt=text, additional_information=info, multi_modal_data=mm)
+        try:
+            self.clients[stage_id].send(req)
+        except StageDownError as e:
+            self._fail(state, str(e), stage_id)
+            return False
+        except (TypeError, ValueError) as e:  # a payload that cannot be encoded
+            self._fail(state, f"{self.clients[stage_id].name}: cannot send the request: {e}", stage_id)
+            return False
+        return True
+
+    def _on_message(self, stage_id: int, msg: Any) -> None:
+        if not isinstance(msg, StageOutputBatch):
+            logger.error("%s sent an unexpected %s", self.clients[stage_id].name, type(msg).__name__)
+            return
+        for out in msg.outputs:
+            self._on_output(stage_id, out)
+
+    def _on_output(self, stage_id: int, out: StageOutput) -> None:
+        state = self._requests.get(out.request_id)
+        if state is None or stage_id not in state.outputs or stage_id in state.finished_stages:
+            return  # aborted or failed meanwhile; the stage was told to drop it
+        if out.error is not None:
+            self._fail(state, out.error, stage_id)
+            return
+        state.apply(stage_id, out)
+        stage = self.stages[stage_id]
+        if stage.final_output and (out.finished or state.sink.wants_partial):
+            state.sink.put(state.final_output(stage_id, stage.final_output_type.value, partial=not out.finished))
+        if not out.finished:
+            return
+        self._count(state, stage_id)
+        for dst in self._downstream[stage_id]:
+            if all(src in state.finished_stages for src in self.stages[dst].engine_input_source):
+                if not self._forward(state, dst):
+                    return
+        if len(state.finished_stages) == len(self.stages):
+            self._drop(state, abort_in_stages=False)
+            if self.options.log_stats:
+                logger.info(state.timing_summary({sid: c.name for sid, c in self.clients.items()}))
+            state.sink.put(RequestDone(state.request_id))
+
+    def _forward(self, state: RequestState, dst: int) -> bool:
+        stage = self.stages[dst]
+        fn, fn_name = self._bridges[dst]
+        sources = {src: state.outputs[src] for src in stage.engine_input_source}
+        try:
+            # Bridges are small tensor reshuffles; they run inline on the loop.
+            inp = build_stage_input(fn, fn_name, stage, len(self.stages), sources, state.prompt, state.request_id)
+        except ValueError as e:
+            self._fail(state, str(e), dst)
+            return False
+        return self._send(state, dst, inp["prompt_token_ids"], None, inp.get("additional_information") or {},
+                          inp.get("multi_modal_data"))
+
+    def _count(self, state: RequestState, stage_id: int) -> None:
+        c = self.stage_counters[stage_id]
+        t = state.timings[stage_id]
+        c["requests"] += 1
+        c["output_tokens"] += len(state.outputs[stage_id].outputs[0].token_ids)
+        c["busy_ms"] += int(1000 * ((t.finished_at or t.sent_at) - t.sent_at))
+
+    # --- failures -------------------------------------------------------------
+    def _fail(self, state: RequestState, error: str, stage_id: int | None) -> None:
+        if state.key not in self._requests:
+            return
+        self._drop(state)
+        logger.warning("request %s failed: %s", state.request_id, error)
+        state.sink.put(RequestDone(state.request_id, error=error, failed_stage=stage_id))
+
+    def _drop(self, state: RequestState, abort_in_stages: bool = True) -> None:
+        self._requests.pop(state.key, None)
+        if self._keys.get(state.request_id) == state.key:
+            del self._keys[state.request_id]
+        if not abort_in_stages:
+            return
+        for sid in state.outputs:  # every stage that got it and has not finished it
+            client = self.clients[sid]
+            if sid not in state.finished_stages and client.state == StageState.UP:
+                try:
+                    client.send(AbortRequests([state.key]))  # frees its KV blocks there
+                except StageDownError as e:
+                    logger.info("abort of %s not delivered: %s", state.request_id, e)  # a down stage holds nothing
+
+    def _on_stage_down(self, stage_id: int, reason: str) -> None:
+        name = self.clients[stage_id].name
+        for state in list(self._requests.values()):
+            if stage_id not in state.finished_stages:
+                self._fail(state, f"{name} is down: {reason}", stage_id)
+
+    def fail_all(self, error: str) -> None:
+        """Used when the loop stops for good: no request may wait forever."""
+        for state in list(self._requests.values()):
+            self._fail(state, error, None)
+
+
+def _check_supported(pipeline: PipelineConfig) -> None:
+    for edge in pipeline.edges:
+        if edge.window_size != -1:
+            raise ValueError(f"edge {edge.from_stage} -> {edge.to_stage}: window_size={edge.window_size} is not "
+                             "supported yet: only -1 (the downstream stage starts after the upstream one finishes)")
+    for stage in pipeline.stages:
+        if stage.runtime.num_replicas != 1:
+            raise ValueError(f"stage {stage.stage_id}: runtime.num_replicas={stage.runtime.num_replicas} is not "
+                             "supported yet: must be 1")
+
+
+def _in_process_device(stage: StageConfig) -> str:
+    # Threads share one CUDA_VISIBLE_DEVICES, so an in-process stage picks its device by index.
+    import torch
+
+    if torch.cuda.is_available():
+        return f"cuda:{stage.runtime.device_ids[0]}"
+    return "auto"

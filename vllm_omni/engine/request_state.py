@@ -1,0 +1,109 @@
+"""Per-request bookkeeping of the orchestrator: accumulated outputs per stage and timings."""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from vllm_omni.engine.messages import StageOutput
+from vllm_omni.outputs import CompletionOutput, OmniRequestOutput, RequestOutput
+from vllm_omni.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestDone:
+    """The last item a sink receives for a request."""
+
+    request_id: str
+    error: str | None = None
+    failed_stage: int | None = None
+    aborted: bool = False
+
+
+class RequestSink(Protocol):
+    """Where the orchestrator delivers a request's outputs; called on the orchestrator's thread."""
+
+    wants_partial: bool  # also deliver unfinished outputs of final stages (streaming)
+
+    def put(self, item: OmniRequestOutput | RequestDone) -> None: ...
+
+
+@dataclass
+class StageTiming:
+    sent_at: float
+    first_output_at: float | None = None
+    finished_at: float | None = None
+
+
+@dataclass
+class RequestState:
+    request_id: str  # the user's id
+    key: str  # unique per submission; the id the stages see
+    prompt: Any  # the parsed user prompt (TextPrompt / OmniTokensPrompt), passed to bridges
+    prompt_token_ids: list[int]
+    params: list[SamplingParams]  # one per stage
+    sink: RequestSink
+    arrived_at: float = field(default_factory=time.monotonic)
+    outputs: dict[int, RequestOutput] = field(default_factory=dict)  # stage id -> accumulated output
+    finished_stages: set[int] = field(default_factory=set)
+    timings: dict[int, StageTiming] = field(default_factory=dict)
+
+    def start_stage(self, stage_id: int, prompt_token_ids: list[int], prompt: str | None) -> None:
+        self.outputs[stage_id] = RequestOutput(
+            request_id=self.request_id,
+            prompt=prompt,
+            prompt_token_ids=list(prompt_token_ids),
+            outputs=[CompletionOutput(index=0, text="", token_ids=[])],
+            finished=False,
+        )
+        self.timings[stage_id] = StageTiming(sent_at=time.monotonic())
+
+    def apply(self, stage_id: int, delta: StageOutput) -> RequestOutput:
+        """Fold one delta into the stage's accumulated output."""
+        out = self.outputs[stage_id]
+        comp = out.outputs[0]
+        comp.token_ids.extend(delta.new_token_ids)
+        comp.text += delta.new_text
+        if delta.new_logprobs is not None:
+            comp.logprobs = (comp.logprobs or []) + list(delta.new_logprobs)
+        comp.cumulative_logprob = delta.cumulative_logprob
+        comp.finish_reason = delta.finish_reason
+        comp.stop_reason = delta.stop_reason
+        for key, tensor in delta.multimodal_output.items():
+            # Tensor deltas of streaming stages are chunks along the first dimension.
+            prev = comp.multimodal_output.get(key)
+            comp.multimodal_output[key] = tensor if prev is None else torch.cat([prev, tensor])
+        out.finished = delta.finished
+        out.error = delta.error
+        timing = self.timings[stage_id]
+        now = time.monotonic()
+        if timing.first_output_at is None:
+            timing.first_output_at = now
+        if delta.finished:
+            timing.finished_at = now
+            self.finished_stages.add(stage_id)
+        return out
+
+    def final_output(self, stage_id: int, final_output_type: str, partial: bool) -> OmniRequestOutput:
+        out = self.outputs[stage_id]
+        if partial:  # a snapshot: the accumulated object keeps changing
+            out = copy.copy(out)
+            out.outputs = [copy.copy(out.outputs[0])]
+            out.outputs[0].token_ids = list(out.outputs[0].token_ids)
+        return OmniRequestOutput(self.request_id, stage_id, final_output_type, out, finished=out.finished)
+
+    def timing_summary(self, names: dict[int, str]) -> str:
+        now = time.monotonic()
+        parts = [f"request {self.request_id}: e2e {now - self.arrived_at:.3f}s"]
+        for stage_id in sorted(self.timings):
+            t = self.timings[stage_id]
+            first = f"{t.first_output_at - t.sent_at:.3f}s" if t.first_output_at else "-"
+            total = f"{t.finished_at - t.sent_at:.3f}s" if t.finished_at else "-"
+            n = len(self.outputs[stage_id].outputs[0].token_ids)
+            parts.append(f"{names[stage_id]}: start +{t.sent_at - self.arrived_at:.3f}s, first output {first}, "
+                         f"done {total}, {n} tokens")
+        return "; ".join(parts)
+

@@ -1,0 +1,186 @@
+"""`OmniRuntime`: hosts the orchestrator on its own thread and event loop.
+
+Both `Omni` (sync) and `AsyncOmni` talk to it. A dedicated loop keeps bridges and
+routing off the caller's loop, and the thread that spawns the stage processes lives
+exactly as long as the pipeline, which matters because a child's parent-death signal
+fires when the spawning *thread* exits. Closing is idempotent and also runs at exit.
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from vllm_omni.config.stage_config import PipelineConfig
+from vllm_omni.engine.orchestrator import Orchestrator, RuntimeOptions, Submission
+from vllm_omni.engine.request_state import RequestSink
+from vllm_omni.engine.stage_client import StageHealth
+from vllm_omni.engine.stage_init_utils import prepare_engine_environment
+from vllm_omni.engine.messages import StageStats
+from vllm_omni.inputs import parse_prompt
+from vllm_omni.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_START_MARGIN_S = 60.0  # teardown after a failed start, beyond init_timeout
+
+
+class OmniRuntime:
+    def __init__(self, pipeline: PipelineConfig, model: str, options: RuntimeOptions) -> None:
+        prepare_engine_environment()
+        self.pipeline = pipeline
+        self.model = model
+        self.options = options
+        self._tokenizer: Any = None
+        self._closed = False
+        self.orchestrator = Orchestrator(pipeline, model, options)  # validates before anything starts
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="vllm-omni-orchestrator", daemon=True)
+        self._thread.start()
+        future = asyncio.run_coroutine_threadsafe(self.orchestrator.start(), self._loop)
+        try:
+            future.result(timeout=options.init_timeout_s + _START_MARGIN_S)
+        except BaseException:
+            self._stop_loop()
+            raise
+        atexit.register(self.close)
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_forever()
+        finally:
+            # Whatever stopped the loop, no caller may keep waiting for an output.
+            self.orchestrator.fail_all("the orchestrator stopped")
+            self._loop.close()
+
+    def _stop_loop(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=self.options.shutdown_timeout_s)
+
+    # --- requests (any thread) ------------------------------------------------
+    def prepare(self, request_id: str, prompt: Any, sampling_params_list: Any, sink: RequestSink) -> Submission:
+        """Validate and tokenize in the caller's thread; raises ValueError on bad input."""
+        parsed = parse_prompt(prompt)
+        ids = parsed.get("prompt_token_ids")
+        if ids is None:
+            ids = self._tokenize(parsed["prompt"])
+        return Submission(request_id, parsed, list(ids), self.resolve_params(sampling_params_list), sink)
+
+    def submit(self, sub: Submission) -> None:
+        self._call_soon(self.orchestrator.submit, sub)
+
+    def abort(self, request_id: str) -> None:
+        self._call_soon(self.orchestrator.abort, request_id)
+
+    def _call_soon(self, fn: Any, *args: Any) -> None:
+        if self._closed or not self._thread.is_alive():
+            raise RuntimeError("the Omni pipeline is closed")
+        self._loop.call_soon_threadsafe(fn, *args)
+
+    def resolve_params(self, sampling_params_list: Any) -> list[SamplingParams]:
+        """One SamplingParams per stage: the stage defaults, overridden per request.
+
+        Accepts None, a list with one entry per stage (SamplingParams, a dict of fields
+        that override the stage default, or None for the default), or a single
+        SamplingParams when the pipeline has one stage.
+        """
+        stages = self.pipeline.stages
+        if sampling_params_list is None:
+            return [s.new_sampling_params() for s in stages]
+        if isinstance(sampling_params_list, (SamplingParams, dict)):
+            sampling_params_list = [sampling_params_list]
+        if not isinstance(sampling_params_list, Sequence) or len(sampling_params_list) != len(stages):
+            n = len(sampling_params_list) if isinstance(sampling_params_list, Sequence) else 1
+            raise ValueError(f"sampling_params_list has {n} entries; the pipeline has {len(stages)} stages "
+                             "(one entry per stage, None for a stage's defaults)")
+        out = []
+        for stage, item in zip(stages, sampling_params_list):
+            if item is None:
+                out.append(stage.new_sampling_params())
+            elif isinstance(item, SamplingParams):
+                out.append(item)
+            elif isinstance(item, dict):
+                defaults = {k: v for k, v in vars(stage.default_sampling_params).items() if not k.startswith("_")}
+                out.append(SamplingParams.from_dict({**defaults, **item}, where=f"stage {stage.stage_id} sampling params"))
+            else:
+                raise ValueError(f"stage {stage.stage_id}: sampling params must be SamplingParams, a dict or None, "
+                                 f"got {type(item).__name__}")
+        return out
+
+    def _tokenize(self, text: str) -> list[int]:
+        """String prompts are tokenized here, in the caller's process, with the tokenizer of
+        the first comprehension stage (spec 000 `is_comprehension`); stages get token ids."""
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise ValueError("no stage has is_comprehension: true, so string prompts cannot be tokenized; "
+                             "pass {'prompt_token_ids': [...]}")
+        # Same rule as `LLM`: chat templates carry their own special tokens.
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The first comprehension stage's tokenizer (None when no stage is one); loaded on first use."""
+        stage = self.pipeline.comprehension_stage
+        if self._tokenizer is None and stage is not None:
+            from transformers import AutoTokenizer
+
+            ea = stage.engine_args
+            self._tokenizer = AutoTokenizer.from_pretrained(ea.tokenizer or ea.model or self.model)
+        return self._tokenizer
+
+    # --- introspection --------------------------------------------------------
+    def health(self) -> list[StageHealth]:
+        # A snapshot of plain attributes that only the loop thread writes: no round trip needed,
+        # so /health answers even when the loop is busy.
+        return self.orchestrator.health()
+
+    def stage_stats(self, stage_id: int) -> StageStats:
+        timeout = self.options.heartbeat_timeout_s
+        return self._run(self.orchestrator.stage_stats(stage_id, timeout), timeout + 1.0)
+
+    async def stage_stats_async(self, stage_id: int) -> StageStats:
+        timeout = self.options.heartbeat_timeout_s
+        future = asyncio.run_coroutine_threadsafe(self.orchestrator.stage_stats(stage_id, timeout), self._loop)
+        return await asyncio.wait_for(asyncio.wrap_future(future), timeout + 1.0)
+
+    def _run(self, coro: Any, timeout_s: float) -> Any:
+        if self._closed:
+            coro.close()
+            raise RuntimeError("the Omni pipeline is closed")
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout_s)
+        except FutureTimeout:
+            future.cancel()
+            raise TimeoutError(f"the orchestrator did not answer within {timeout_s}s") from None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # --- shutdown -------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        if self._thread.is_alive():
+            future = asyncio.run_coroutine_threadsafe(self.orchestrator.close(), self._loop)
+            budget = 3 * self.options.shutdown_timeout_s + 5.0  # Shutdown, SIGTERM and SIGKILL waits
+            try:
+                future.result(budget)
+            except FutureTimeout:
+                logger.error("the pipeline did not shut down within %ss; killing its stages", budget)
+            except Exception:  # noqa: BLE001 - still stop the loop and the stages below
+                logger.exception("shutting the pipeline down failed; killing its stages")
+        self._stop_loop()
+        # If the loop died or timed out, make sure no stage process outlives us.
+        for client in self.orchestrator.clients.values():
+            client.launcher.stop_blocking(self.options.shutdown_timeout_s)

@@ -1,0 +1,159 @@
+"""How a stage worker is started and stopped: a spawned process or a thread.
+
+Both run `stage_worker.run_stage_worker` with the same sockets; the orchestrator sees
+the same StageClient either way. Exits are reported to the event loop as they happen
+(the process sentinel is watched by the loop; the thread posts its own exit), and all
+reaping happens on the loop thread, so no two threads ever wait on one child.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+from collections.abc import Callable
+from typing import Protocol
+
+from vllm_omni.engine.stage_init_utils import terminate_alive_proc
+from vllm_omni.engine.stage_worker import WorkerSpec, run_stage_worker, stage_process_main
+
+logger = logging.getLogger(__name__)
+
+OnExit = Callable[[str], None]
+
+
+class StageLauncher(Protocol):
+    pid: int | None
+
+    def start(self, on_exit: OnExit) -> None: ...  # call from the event loop thread
+    async def stop(self, timeout_s: float, graceful: bool) -> None: ...  # graceful: a Shutdown was sent
+    def kill(self) -> None: ...  # immediate, does not wait
+    def stop_blocking(self, timeout_s: float) -> None: ...  # when no event loop is left
+
+
+class ProcessLauncher:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.pid: int | None = None
+        self.proc: mp.process.BaseProcess | None = None
+        self._exited = asyncio.Event()
+        self._on_exit: OnExit | None = None
+
+    def start(self, on_exit: OnExit) -> None:
+        self._on_exit = on_exit
+        ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
+        self.proc = ctx.Process(target=stage_process_main, args=(self.spec,), daemon=False,
+                                name=f"vllm-omni-stage-{self.spec.stage_id}")
+        self.proc.start()
+        self.pid = self.proc.pid
+        asyncio.get_running_loop().add_reader(self.proc.sentinel, self._sentinel_ready)
+
+    def _sentinel_ready(self) -> None:
+        assert self.proc is not None
+        asyncio.get_running_loop().remove_reader(self.proc.sentinel)
+        # The sentinel fires when the child closes its end of the pipe, a moment before it is
+        # a reapable zombie; this join returns within microseconds.
+        self.proc.join(5.0)
+        code = self.proc.exitcode
+        if code is not None and code < 0:
+            how = f"was killed by {signal.Signals(-code).name}"
+        else:
+            how = f"exited with code {code}"
+        self._exited.set()
+        if self._on_exit is not None:
+            self._on_exit(f"process {self.pid} {how}")
+
+    async def stop(self, timeout_s: float, graceful: bool) -> None:
+        if self.proc is None:
+            return
+        if not graceful or not await self._wait(timeout_s):
+            if graceful:
+                logger.warning("stage %d (pid %s) did not exit within %ss; terminating it",
+                               self.spec.stage_id, self.pid, timeout_s)
+            self._signal_group(signal.SIGTERM)
+            if not await self._wait(timeout_s):
+                self._signal_group(signal.SIGKILL)
+                await self._wait(timeout_s)
+        self._signal_group(signal.SIGKILL)  # whatever the stage started and left behind
+
+    async def _wait(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self._exited.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def kill(self) -> None:
+        self._signal_group(signal.SIGKILL)
+
+    def _signal_group(self, sig: int) -> None:
+        if self.pid is None:
+            return
+        try:
+            # The child made itself a group leader; the group outlives it while any member lives.
+            os.killpg(self.pid, sig)
+            return
+        except ProcessLookupError:
+            pass  # no such group: all gone, or the child has not run setpgid yet
+        if not self._exited.is_set():  # not reaped, so the pid is still this child's
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                return
+
+    def stop_blocking(self, timeout_s: float) -> None:
+        if self.proc is None:
+            return
+        terminate_alive_proc(self.proc, timeout_s)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # leftovers of its group; never a bare pid here
+        except ProcessLookupError:
+            return
+
+
+class ThreadLauncher:
+    """`runtime.process: false`: the worker runs in a thread of this process (debugging)."""
+
+    def __init__(self, spec: WorkerSpec, device: str) -> None:
+        self.spec = spec
+        self.device = device
+        self.pid: int | None = os.getpid()
+        self._exited = asyncio.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, on_exit: OnExit) -> None:
+        loop = asyncio.get_running_loop()
+
+        def run() -> None:
+            code = 1
+            try:
+                code = run_stage_worker(self.spec, self.device)
+            finally:
+                try:
+                    loop.call_soon_threadsafe(self._finished, code, on_exit)
+                except RuntimeError:  # the loop is closed: nobody is waiting any more
+                    logger.debug("stage %d thread ended after the event loop closed", self.spec.stage_id)
+
+        self._thread = threading.Thread(target=run, name=f"vllm-omni-stage-{self.spec.stage_id}", daemon=True)
+        self._thread.start()
+
+    def _finished(self, code: int, on_exit: OnExit) -> None:
+        self._exited.set()
+        on_exit(f"in-process worker thread exited with code {code}")
+
+    async def stop(self, timeout_s: float, graceful: bool) -> None:
+        # A thread cannot be terminated: it stops at its next message (Shutdown) or not at all.
+        try:
+            await asyncio.wait_for(self._exited.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            logger.error("in-process stage %d did not stop within %ss (threads cannot be killed)",
+                         self.spec.stage_id, timeout_s)
+
+    def kill(self) -> None:
+        logger.warning("in-process stage %d cannot be killed; it stops at its next message", self.spec.stage_id)
+
+    def stop_blocking(self, timeout_s: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout_s)

@@ -1,0 +1,184 @@
+"""Qwen2.5-Omni thinker stage: audio + vision encoders feeding our Qwen2 decoder with TMRoPE.
+
+The decoder is the shared Qwen2 stack (qkv bias) whose rotary is M-RoPE (`mrope_section`
+in the text config). Per request, the model runner asks for
+- `request_positions(request, start, end)`: [3, n] TMRoPE positions (positions.py), computed
+  once from the prompt and `request.model_inputs` and kept in `request.model_state`; output
+  tokens continue from the last prompt position like transformers' generate;
+- `embed_request_span(request, start, end, token_ids)`: token embeddings with the encoder
+  outputs written over the audio/image/video placeholder tokens. The encoders run once, at
+  the request's first prompt span, so chunked prefill may cut the prompt anywhere.
+
+`request.model_inputs` holds the processor outputs (tensors, CPU is fine):
+  input_features [num_audios, mel, frames] + feature_attention_mask [num_audios, frames]
+    (or audio_feature_lengths [num_audios]),
+  pixel_values [patches, C*T*P*P] + image_grid_thw [num_images, 3],
+  pixel_values_videos + video_grid_thw [num_videos, 3] + video_second_per_grid [num_videos],
+  use_audio_in_video (bool).
+
+Checkpoint: the full Omni checkpoint; only `thinker.*` is ours (strictly), the talker and
+token2wav tensors belong to other stages and are skipped. A thinker-only checkpoint (config
+`Qwen2_5OmniThinkerConfig`, unprefixed names) loads too.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from vllm_omni.model_executor.models.decoder import DecoderForCausalLM, DecoderModel
+from vllm_omni.model_executor.models.qwen2 import make_qwen2_layer
+from vllm_omni.model_executor.models.qwen2_5_omni.positions import MRopeTokenConfig, omni_rope_index
+from vllm_omni.model_executor.models.qwen2_5_omni.towers import (
+    audio_feature_lengths,
+    build_audio_tower,
+    build_vision_tower,
+    encode_audio,
+    encode_vision,
+)
+
+# Checkpoint name (after the stage prefix) -> our module prefix. Saved checkpoints use the
+# last four; the first three are transformers 5's in-memory layout, accepted in case a
+# checkpoint was written that way.
+_PREFIXES = (
+    ("model.language_model.", "model."),
+    ("model.audio_tower.", "audio_tower."),
+    ("model.visual.", "visual."),
+    ("audio_tower.", "audio_tower."),
+    ("visual.", "visual."),
+    ("model.", "model."),
+    ("lm_head.", "lm_head."),
+)
+_POSITIONS_KEY = "thinker_mrope"  # (prompt positions [3, P] CPU long, HF rope delta)
+_MM_KEY = "thinker_mm"  # (rows [P] CPU long: row in embeds or -1, embeds [N, H] on device)
+
+
+def _has_mm_features(inputs: dict[str, Any]) -> bool:
+    return any(inputs.get(k) is not None for k in ("input_features", "pixel_values", "pixel_values_videos"))
+
+
+class Qwen2_5OmniThinkerForConditionalGeneration(DecoderForCausalLM):
+    def __init__(self, config: PretrainedConfig):
+        # The stage is built from the whole Omni config; a bare thinker config works too.
+        thinker_config = getattr(config, "thinker_config", config)
+        text_config = thinker_config.text_config
+        super().__init__(text_config, DecoderModel(text_config, lambda i: make_qwen2_layer(text_config, i)))
+        self.thinker_config = thinker_config
+        # Full Omni checkpoints prefix the thinker's tensors; a thinker-only checkpoint does not.
+        self.checkpoint_prefix = "thinker." if thinker_config is not config else ""
+        self.max_position_embeddings = text_config.max_position_embeddings
+        self.rope_tokens = MRopeTokenConfig.from_config(thinker_config)
+        self.audio_tower = build_audio_tower(thinker_config.audio_config)
+        self.visual = build_vision_tower(thinker_config.vision_config)
+
+    # --- weights ----------------------------------------------------------------
+    def map_weight_name(self, name: str) -> tuple[str, object] | None:
+        if not name.startswith(self.checkpoint_prefix):
+            return None  # talker.* / token2wav.*: other stages of the same checkpoint
+        name = name[len(self.checkpoint_prefix) :]
+        for prefix, ours in _PREFIXES:
+            if name.startswith(prefix):
+                local = ours + name[len(prefix) :]
+                break
+        else:
+            return name, None  # a thinker tensor we do not know: the strict loader reports it
+        if local.startswith(("audio_tower.", "visual.")):
+            # HF modules under their own names; inv_freq is a derived buffer some checkpoints carry.
+            return None if local.endswith(".inv_freq") else (local, None)
+        return super().map_weight_name(local)
+
+    # --- per-request inputs -----------------------------------------------------
+    def _prompt_positions(self, request) -> tuple[torch.Tensor, int]:
+        cached = request.model_state.get(_POSITIONS_KEY)
+        if cached is None:
+            inputs = request.model_inputs
+            lengths = None
+            if inputs.get("input_features") is not None or inputs.get("audio_feature_lengths") is not None:
+                lengths = audio_feature_lengths(
+                    inputs.get("input_features"), inputs.get("feature_attention_mask"), inputs.get("audio_feature_lengths")
+                )
+            cached = omni_rope_index(
+                request.prompt_token_ids,
+                self.rope_tokens,
+                image_grid_thw=inputs.get("image_grid_thw"),
+                video_grid_thw=inputs.get("video_grid_thw"),
+                audio_seqlens=lengths,
+                second_per_grids=inputs.get("video_second_per_grid"),
+                use_audio_in_video=bool(inputs.get("use_audio_in_video", False)),
+            )
+            limit = self.model.rotary_emb.max_position
+            if int(cached[0].max()) >= limit:
+                raise ValueError(f"request {request.request_id}: M-RoPE position {int(cached[0].max())} >= {limit}")
+            request.model_state[_POSITIONS_KEY] = cached
+        return cached
+
+    def request_positions(self, request, start: int, end: int) -> torch.Tensor:
+        """[3, end - start] positions of tokens start..end-1 of `request` (prompt and output)."""
+        num_prompt = request.num_prompt_tokens
+        if not request.model_inputs:  # text only: HF's positions are plain 0, 1, 2, ...
+            return torch.arange(start, end).view(1, -1).expand(3, -1)
+        positions, _ = self._prompt_positions(request)
+        spans = [positions[:, start : min(end, num_prompt)]] if start < num_prompt else []
+        if end > num_prompt:
+            # Generated tokens continue each row from the last prompt position, as transformers'
+            # generate does (it extends position_ids by +1). This is not always max + 1: with
+            # use_audio_in_video the closing markers can sit below the video's largest t.
+            steps = torch.arange(max(start, num_prompt) - num_prompt, end - num_prompt) + 1
+            generated = positions[:, -1:] + steps
+            if int(generated.max()) >= self.model.rotary_emb.max_position:
+                raise ValueError(f"request {request.request_id}: M-RoPE position beyond the rotary table")
+            spans.append(generated)
+        return torch.cat(spans, dim=1)
+
+    def _encode_prompt_features(self, request) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the encoders over the request's media; map each prompt position to its feature row."""
+        inputs = request.model_inputs
+        ids = torch.tensor(request.prompt_token_ids, dtype=torch.long)
+        rows = torch.full_like(ids, -1)
+        features: list[torch.Tensor] = []
+        items = []
+        if inputs.get("input_features") is not None:
+            lengths = audio_feature_lengths(
+                inputs["input_features"], inputs.get("feature_attention_mask"), inputs.get("audio_feature_lengths")
+            )
+            items.append(("audio", self.rope_tokens.audio_token_id,
+                          lambda: encode_audio(self.audio_tower, inputs["input_features"], lengths)))
+        if inputs.get("pixel_values") is not None:
+            items.append(("image", self.rope_tokens.image_token_id,
+                          lambda: encode_vision(self.visual, inputs["pixel_values"], inputs["image_grid_thw"])))
+        if inputs.get("pixel_values_videos") is not None:
+            items.append(("video", self.rope_tokens.video_token_id,
+                          lambda: encode_vision(self.visual, inputs["pixel_values_videos"], inputs["video_grid_thw"])))
+        offset = 0
+        for kind, token_id, encode in items:
+            feats = encode()
+            mask = ids == token_id
+            count = int(mask.sum())
+            if count != feats.shape[0]:
+                raise ValueError(
+                    f"request {request.request_id}: {count} {kind} placeholder tokens but {feats.shape[0]} {kind} features"
+                )
+            rows[mask] = torch.arange(offset, offset + count)
+            offset += count
+            features.append(feats)
+        return rows, torch.cat(features)
+
+    def embed_request_span(self, request, start: int, end: int, token_ids: torch.Tensor) -> torch.Tensor:
+        """[end - start, H] input embeddings of tokens start..end-1 (`token_ids` are those tokens)."""
+        embeds = self.get_input_embeddings(token_ids)
+        num_prompt = request.num_prompt_tokens
+        if start >= num_prompt or not _has_mm_features(request.model_inputs):
+            return embeds
+        cached = request.model_state.get(_MM_KEY)
+        if cached is None:
+            cached = request.model_state[_MM_KEY] = self._encode_prompt_features(request)
+        rows, features = cached
+        span_rows = rows[start : min(end, num_prompt)]
+        dst = torch.nonzero(span_rows >= 0).squeeze(1)  # CPU: no device sync
+        if dst.numel():
+            embeds[dst.to(embeds.device)] = features[span_rows[dst].to(features.device)].to(embeds.dtype)
+        if end >= num_prompt:
+            # Prompt done: free the encoder outputs (a recompute after preemption encodes again).
+            del request.model_state[_MM_KEY]
+        return embeds

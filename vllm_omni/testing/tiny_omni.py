@@ -1,0 +1,121 @@
+"""Tiny random Qwen2.5-Omni checkpoint (thinker + talker + token2wav), registered as "qwen2_5_omni".
+
+    make_tiny_model("qwen2_5_omni", d)                                    # notes' tiny sizes
+    make_tiny_model("qwen2_5_omni", d, thinker_hidden_size=96)            # prefixed shorthand
+    make_tiny_model("qwen2_5_omni", d, thinker_config={"text_config": {"num_hidden_layers": 3}})
+
+Overrides are described in tiny_omni_config.py. Besides what `make_tiny_model` writes, the
+folder gets the Omni chat template (in the tokenizer files), preprocessor_config.json (Whisper
+features + Qwen2-VL images, the released values), video_preprocessor_config.json (qwen-omni-utils'
+frame sampling and per-frame pixel bounds) and spk_dict.pt (speakers "Chelsie" and "Ethan"),
+which `Qwen2_5OmniForConditionalGeneration.from_pretrained` requires.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm_omni.multimodal.chat_template import QWEN2_5_OMNI_CHAT_TEMPLATE
+from vllm_omni.testing.tiny_models import perturb_constant_params, register_arch
+from vllm_omni.testing.tiny_omni_config import (
+    BIGVGAN_PERTURB_STD,
+    CODEC_EMBED_STD,
+    build_config_dict,
+)
+
+# Per-speaker text-side bos token (embedded by the thinker's table, like the real spk_dict's
+# ids). Any distinct ids work; these tokens are otherwise unused by Qwen2.5-Omni prompts.
+SPEAKER_BOS_TOKENS = {"Chelsie": "<tts_text_bos_single>", "Ethan": "<|audio_start|>"}
+REF_MEL_FRAMES = 30
+
+# The released checkpoint's preprocessor_config.json (audio: 300 s max, 128 mels at 16 kHz).
+PREPROCESSOR_CONFIG = {
+    "processor_class": "Qwen2_5OmniProcessor",
+    "feature_extractor_type": "WhisperFeatureExtractor",
+    "feature_size": 128,
+    "sampling_rate": 16000,
+    "hop_length": 160,
+    "n_fft": 400,
+    "chunk_length": 300,
+    "n_samples": 4800000,
+    "nb_max_frames": 30000,
+    "dither": 0.0,
+    "padding_side": "right",
+    "padding_value": 0.0,
+    "return_attention_mask": True,
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "min_pixels": 3136,
+    "max_pixels": 12845056,
+    "patch_size": 14,
+    "merge_size": 2,
+    "temporal_patch_size": 2,
+}
+
+# What qwen-omni-utils applies to videos (a released folder may lack this file; our processor
+# then falls back to these same values): per-frame 128..768 tokens' worth of pixels, 2 fps, 4..768
+# frames, and a whole-video budget of 90% of 128k tokens.
+VIDEO_PREPROCESSOR_CONFIG = {
+    "video_processor_type": "Qwen2VLVideoProcessor",
+    "processor_class": "Qwen2_5OmniProcessor",
+    "min_pixels": 128 * 28 * 28,
+    "max_pixels": 768 * 28 * 28,
+    "total_pixels": int(128000 * 28 * 28 * 0.9),
+    "fps": 2.0,
+    "min_frames": 4,
+    "max_frames": 768,
+    "patch_size": 14,
+    "merge_size": 2,
+    "temporal_patch_size": 2,
+    "image_mean": PREPROCESSOR_CONFIG["image_mean"],
+    "image_std": PREPROCESSOR_CONFIG["image_std"],
+}
+
+
+def _write_speakers(out_dir: Path, tokenizer, dit: dict[str, Any]) -> None:
+    # Seeded by the caller's torch seed (make_tiny_model seeds before the builder runs).
+    speakers = {
+        name: {
+            "bos_token": tokenizer.convert_tokens_to_ids(token),
+            "cond": torch.randn(1, dit["enc_emb_dim"]),
+            "ref_mel": torch.randn(1, REF_MEL_FRAMES, dit["mel_dim"]),
+        }
+        for name, token in SPEAKER_BOS_TOKENS.items()
+    }
+    torch.save(speakers, out_dir / "spk_dict.pt")
+
+
+@register_arch("qwen2_5_omni")
+def _build_qwen2_5_omni(tokenizer, out_dir: Path, overrides: dict[str, Any]):
+    from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
+
+    # The builder's tokenizer object is what make_tiny_model saves: give it the Omni template.
+    tokenizer.chat_template = QWEN2_5_OMNI_CHAT_TEMPLATE
+    cfg = build_config_dict(tokenizer, overrides)
+    dtype = cfg.pop("dtype")
+    config = Qwen2_5OmniConfig(**cfg)
+    config.dtype = dtype
+    model = Qwen2_5OmniForConditionalGeneration(config)
+    if config.enable_audio_output:
+        t2w = model.token2wav
+        perturb_constant_params(model.thinker)
+        perturb_constant_params(model.talker)
+        perturb_constant_params(t2w.code2wav_dit_model)
+        perturb_constant_params(t2w.code2wav_bigvgan_model, std=BIGVGAN_PERTURB_STD)
+        with torch.no_grad():
+            t2w.code2wav_dit_model.text_embed.codec_embed.weight.normal_(0.0, CODEC_EMBED_STD)
+    else:
+        perturb_constant_params(model)
+    model = model.to(getattr(torch, dtype)).eval()
+
+    _write_speakers(out_dir, tokenizer, cfg["token2wav_config"]["dit_config"])
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2))
+    (out_dir / "video_preprocessor_config.json").write_text(
+        json.dumps(VIDEO_PREPROCESSOR_CONFIG, indent=2)
+    )
+    return model

@@ -1,0 +1,119 @@
+"""CUDA graphs for pure-decode steps, one per batch-size bucket.
+
+A decode step of a large model at small batch is dominated by kernel launch gaps;
+replaying a captured graph removes them. Inputs live in static buffers sized for the
+largest bucket; a batch is padded up to the next bucket, and padded rows write their
+KV into a scratch block that no request owns.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from vllm_omni.model_executor.forward_context import AttentionMetadata, set_forward_context
+from vllm_omni.model_executor.layers.triton_attention import TritonAttentionState
+
+logger = logging.getLogger(__name__)
+
+_BUCKETS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [b for b in _BUCKETS if b < max_num_seqs]
+    return sizes + [max_num_seqs]
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        device: torch.device,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        scratch_block: int,
+        mrope: bool,
+        embeds: bool,
+        capture_layers: tuple[int, ...],
+    ) -> None:
+        self.model = model
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.capture_layers = capture_layers
+        n = self.sizes[-1]
+        max_blocks = -(-max_model_len // block_size)
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros((3, n) if mrope else (n,), dtype=torch.long, device=device)
+        dtype = next(model.parameters()).dtype
+        self.inputs_embeds = torch.zeros(n, model.hidden_size, dtype=dtype, device=device) if embeds else None
+        self.slot_mapping = torch.zeros(n, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.long, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.long, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]] = {}
+        self.pool = None
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:b],
+            query_start_loc=self.query_start_loc[: b + 1],
+            seq_lens=self.seq_lens[:b],
+            block_tables=self.block_tables[:b],
+            block_size=self.block_size,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            query_lens_cpu=[1] * b,
+            seq_lens_cpu=[1] * b,
+        )
+        meta.backend_state = TritonAttentionState(decode_only=True, grid_max_seq_len=self.max_model_len)
+        return meta
+
+    def _run(self, b: int):
+        embeds = self.inputs_embeds[:b] if self.inputs_embeds is not None else None
+        with set_forward_context(self._meta(b)):
+            hidden, captured = self.model(self.input_ids[:b], self.positions[..., :b], inputs_embeds=embeds,
+                                          capture_layers=self.capture_layers)
+        return hidden, self.model.compute_logits(hidden), captured
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        self.slot_mapping.fill_(self.scratch_block * self.block_size)
+        self.block_tables.fill_(self.scratch_block)
+        for b in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool memory
+            self._run(b)  # warm-up: Triton compiles and autotunes outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[b] = self._run(b)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+        logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def fits(self, num_seqs: int) -> bool:
+        return num_seqs <= self.sizes[-1]
+
+    def replay(self, input_ids, positions, inputs_embeds, slot_mapping, block_tables, seq_lens):
+        """All arguments are device tensors for the real batch b; returns (hidden, logits, captured)[:b]."""
+        b = input_ids.shape[0]
+        size = next(s for s in self.sizes if s >= b)
+        self.input_ids[:b].copy_(input_ids)
+        self.positions[..., :b].copy_(positions)
+        if self.inputs_embeds is not None:
+            self.inputs_embeds[:b].copy_(inputs_embeds)
+        self.slot_mapping[:b].copy_(slot_mapping)
+        self.slot_mapping[b:size].fill_(self.scratch_block * self.block_size)
+        width = block_tables.shape[1]
+        self.block_tables[:b, :width].copy_(block_tables)
+        self.block_tables[b:size].fill_(self.scratch_block)
+        self.seq_lens[:b].copy_(seq_lens)
+        self.seq_lens[b:size].fill_(1)
+        self.graphs[size].replay()
+        hidden, logits, captured = self.outputs[size]
+        return hidden[:b], logits[:b], {k: v[:b] for k, v in captured.items()}
