@@ -56,7 +56,8 @@ def _build_inline(out_dir):
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = Qwen2_5OmniForConditionalGeneration(Qwen2_5OmniConfig(thinker_config=thinker, enable_audio_output=False))
+        config = Qwen2_5OmniConfig(thinker_config=thinker, enable_audio_output=False)
+        model = Qwen2_5OmniForConditionalGeneration(config)
         tiny_models.perturb_constant_params(model)
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
@@ -263,8 +264,9 @@ def test_registry_and_strict_loading(ckpt):
         assert resolve_model_class(arch, "thinker") is Qwen2_5OmniThinkerForConditionalGeneration
     config = AutoConfig.from_pretrained(ckpt)
     model = load_model(ckpt, config, "float32", "cpu", model_stage="thinker")
-    assert (model.num_layers, model.hidden_size, model.vocab_size) == (2, 64, config.thinker_config.text_config.vocab_size)
-    assert model.max_position_embeddings == config.thinker_config.text_config.max_position_embeddings
+    text_config = config.thinker_config.text_config
+    assert (model.num_layers, model.hidden_size, model.vocab_size) == (2, 64, text_config.vocab_size)
+    assert model.max_position_embeddings == text_config.max_position_embeddings
     weights = list(iterate_safetensors(ckpt))
     # Other stages' tensors are skipped; every thinker tensor must land somewhere.
     loaded = model.load_weights(weights + [("talker.model.norm.weight", torch.zeros(3)),

@@ -81,8 +81,8 @@ def run_reference(pipeline, prompts_ids: list[list[int]]) -> list[Reference]:
     s0, s1, s2 = pipeline.stages
     key = tuple(repr(s) for s in pipeline.stages)
     if key not in _ENGINES:  # engines are reused across tests; every request runs alone anyway
-        _ENGINES[key] = (LLMEngine(EngineConfig(**engine_config_kwargs(s0, "", "cpu"))),
-                         LLMEngine(EngineConfig(**engine_config_kwargs(s1, "", "cpu"))))
+        _ENGINES[key] = (LLMEngine(EngineConfig(**engine_config_kwargs(s0, "", "auto"))),
+                         LLMEngine(EngineConfig(**engine_config_kwargs(s1, "", "auto"))))
     e0, e1 = _ENGINES[key]
     toy = ToyCode2Wav.load(s2.engine_args.model, model_stage=None, device=torch.device("cpu"), dtype="auto")
     refs = []

@@ -114,8 +114,7 @@ class Orchestrator:
             parent_pid=os.getpid(), in_process=not stage.runtime.process, torch_threads=self._torch_threads(stage),
             log_level=logging.getLogger().getEffectiveLevel(),
         )
-        launcher: StageLauncher = (ProcessLauncher(spec) if stage.runtime.process
-                                   else ThreadLauncher(spec, _in_process_device(stage)))
+        launcher: StageLauncher = ProcessLauncher(spec) if stage.runtime.process else ThreadLauncher(spec)
         channel = OrchestratorChannel(self._ctx, in_addr, out_addr, opts.shm_threshold_bytes, self._shm_prefix)
         client = StageClient(stage.stage_id, stage.model_stage, launcher, channel, on_message=self._on_message,
                              on_down=self._on_stage_down, heartbeat_timeout_s=opts.heartbeat_timeout_s)
@@ -293,12 +292,3 @@ def _check_supported(pipeline: PipelineConfig) -> None:
         if stage.runtime.num_replicas != 1:
             raise ValueError(f"stage {stage.stage_id}: runtime.num_replicas={stage.runtime.num_replicas} is not "
                              "supported yet: must be 1")
-
-
-def _in_process_device(stage: StageConfig) -> str:
-    # Threads share one CUDA_VISIBLE_DEVICES, so an in-process stage picks its device by index.
-    import torch
-
-    if torch.cuda.is_available():
-        return f"cuda:{stage.runtime.device_ids[0]}"
-    return "auto"

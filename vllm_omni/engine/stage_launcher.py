@@ -116,9 +116,9 @@ class ProcessLauncher:
 class ThreadLauncher:
     """`runtime.process: false`: the worker runs in a thread of this process (debugging)."""
 
-    def __init__(self, spec: WorkerSpec, device: str) -> None:
+    def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
-        self.device = device
+        self.device = _in_process_device(spec)
         self.pid: int | None = os.getpid()
         self._exited = asyncio.Event()
         self._thread: threading.Thread | None = None
@@ -157,3 +157,12 @@ class ThreadLauncher:
     def stop_blocking(self, timeout_s: float) -> None:
         if self._thread is not None:
             self._thread.join(timeout_s)
+
+
+def _in_process_device(spec: WorkerSpec) -> str:
+    # Threads share one CUDA_VISIBLE_DEVICES, so an in-process stage picks its device by index.
+    import torch
+
+    if torch.cuda.is_available():
+        return f"cuda:{spec.stage.runtime.device_ids[0]}"
+    return "auto"

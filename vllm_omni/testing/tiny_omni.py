@@ -6,9 +6,9 @@
 
 Overrides are described in tiny_omni_config.py. Besides what `make_tiny_model` writes, the
 folder gets the Omni chat template (in the tokenizer files), preprocessor_config.json (Whisper
-features + Qwen2-VL images, the released values), video_preprocessor_config.json (qwen-omni-utils'
-frame sampling and per-frame pixel bounds) and spk_dict.pt (speakers "Chelsie" and "Ethan"),
-which `Qwen2_5OmniForConditionalGeneration.from_pretrained` requires.
+features + Qwen2-VL images, the released values) and spk_dict.pt (speakers "Chelsie" and
+"Ethan"), which `Qwen2_5OmniForConditionalGeneration.from_pretrained` requires. No video config:
+like the released folder, video sampling uses qwen-omni-utils' values (vllm_omni.multimodal.video).
 """
 
 from __future__ import annotations
@@ -57,26 +57,6 @@ PREPROCESSOR_CONFIG = {
     "temporal_patch_size": 2,
 }
 
-# What qwen-omni-utils applies to videos (a released folder may lack this file; our processor
-# then falls back to these same values): per-frame 128..768 tokens' worth of pixels, 2 fps, 4..768
-# frames, and a whole-video budget of 90% of 128k tokens.
-VIDEO_PREPROCESSOR_CONFIG = {
-    "video_processor_type": "Qwen2VLVideoProcessor",
-    "processor_class": "Qwen2_5OmniProcessor",
-    "min_pixels": 128 * 28 * 28,
-    "max_pixels": 768 * 28 * 28,
-    "total_pixels": int(128000 * 28 * 28 * 0.9),
-    "fps": 2.0,
-    "min_frames": 4,
-    "max_frames": 768,
-    "patch_size": 14,
-    "merge_size": 2,
-    "temporal_patch_size": 2,
-    "image_mean": PREPROCESSOR_CONFIG["image_mean"],
-    "image_std": PREPROCESSOR_CONFIG["image_std"],
-}
-
-
 def _write_speakers(out_dir: Path, tokenizer, dit: dict[str, Any]) -> None:
     # Seeded by the caller's torch seed (make_tiny_model seeds before the builder runs).
     speakers = {
@@ -115,7 +95,4 @@ def _build_qwen2_5_omni(tokenizer, out_dir: Path, overrides: dict[str, Any]):
 
     _write_speakers(out_dir, tokenizer, cfg["token2wav_config"]["dit_config"])
     (out_dir / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2))
-    (out_dir / "video_preprocessor_config.json").write_text(
-        json.dumps(VIDEO_PREPROCESSOR_CONFIG, indent=2)
-    )
     return model

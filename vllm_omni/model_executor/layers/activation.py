@@ -14,6 +14,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1:
+            from vllm_omni.model_executor.layers import cuda_ops
+
+            return cuda_ops.silu_and_mul(x)
         return silu_and_mul(x)
 
 

@@ -119,6 +119,10 @@ class Attention(nn.Module):
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    if k.is_cuda and k.stride(-1) == 1 and v.stride(-1) == 1 and k.stride(1) == k.shape[2] == v.stride(1):
+        from vllm_omni.model_executor.layers import cuda_ops
+
+        return cuda_ops.store_kv(k, v, k_cache, v_cache, slots)
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, num_kv_heads, head_dim)[slots] = k
     v_cache.view(-1, num_kv_heads, head_dim)[slots] = v

@@ -34,7 +34,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos/sin: [T, D] in x's dtype."""
+    """x: [T, H, D]; cos/sin: [T, D] in x's dtype. On CUDA, rotates x in place (one kernel)."""
+    if x.is_cuda and x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(0) == cos.stride(0):
+        from vllm_omni.model_executor.layers import cuda_ops
+
+        return cuda_ops.rotary_(x, cos, sin)
     cos, sin = cos[:, None, :], sin[:, None, :]
     return x * cos + rotate_half(x) * sin
 

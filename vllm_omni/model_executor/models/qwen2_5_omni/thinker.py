@@ -58,6 +58,14 @@ def _has_mm_features(inputs: dict[str, Any]) -> bool:
     return any(inputs.get(k) is not None for k in ("input_features", "pixel_values", "pixel_values_videos"))
 
 
+def _audio_lengths(inputs: dict[str, Any]) -> torch.Tensor | None:
+    """Valid mel frames per audio, or None without audio."""
+    features, lengths = inputs.get("input_features"), inputs.get("audio_feature_lengths")
+    if features is None and lengths is None:
+        return None
+    return audio_feature_lengths(features, inputs.get("feature_attention_mask"), lengths)
+
+
 class Qwen2_5OmniThinkerForConditionalGeneration(DecoderForCausalLM):
     def __init__(self, config: PretrainedConfig):
         # The stage is built from the whole Omni config; a bare thinker config works too.
@@ -93,17 +101,12 @@ class Qwen2_5OmniThinkerForConditionalGeneration(DecoderForCausalLM):
         cached = request.model_state.get(_POSITIONS_KEY)
         if cached is None:
             inputs = request.model_inputs
-            lengths = None
-            if inputs.get("input_features") is not None or inputs.get("audio_feature_lengths") is not None:
-                lengths = audio_feature_lengths(
-                    inputs.get("input_features"), inputs.get("feature_attention_mask"), inputs.get("audio_feature_lengths")
-                )
             cached = omni_rope_index(
                 request.prompt_token_ids,
                 self.rope_tokens,
                 image_grid_thw=inputs.get("image_grid_thw"),
                 video_grid_thw=inputs.get("video_grid_thw"),
-                audio_seqlens=lengths,
+                audio_seqlens=_audio_lengths(inputs),
                 second_per_grids=inputs.get("video_second_per_grid"),
                 use_audio_in_video=bool(inputs.get("use_audio_in_video", False)),
             )
@@ -131,34 +134,31 @@ class Qwen2_5OmniThinkerForConditionalGeneration(DecoderForCausalLM):
             spans.append(generated)
         return torch.cat(spans, dim=1)
 
+    def _encode_media(self, inputs: dict[str, Any]) -> list[tuple[str, int, torch.Tensor]]:
+        """(kind, placeholder token id, encoder output rows in prompt order) per media kind present."""
+        media = []
+        if inputs.get("input_features") is not None:
+            rows = encode_audio(self.audio_tower, inputs["input_features"], _audio_lengths(inputs))
+            media.append(("audio", self.rope_tokens.audio_token_id, rows))
+        if inputs.get("pixel_values") is not None:
+            rows = encode_vision(self.visual, inputs["pixel_values"], inputs["image_grid_thw"])
+            media.append(("image", self.rope_tokens.image_token_id, rows))
+        if inputs.get("pixel_values_videos") is not None:
+            rows = encode_vision(self.visual, inputs["pixel_values_videos"], inputs["video_grid_thw"])
+            media.append(("video", self.rope_tokens.video_token_id, rows))
+        return media
+
     def _encode_prompt_features(self, request) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the encoders over the request's media; map each prompt position to its feature row."""
-        inputs = request.model_inputs
+        """(rows [P] CPU: each prompt position's row in features, or -1; features [N, H])."""
         ids = torch.tensor(request.prompt_token_ids, dtype=torch.long)
         rows = torch.full_like(ids, -1)
-        features: list[torch.Tensor] = []
-        items = []
-        if inputs.get("input_features") is not None:
-            lengths = audio_feature_lengths(
-                inputs["input_features"], inputs.get("feature_attention_mask"), inputs.get("audio_feature_lengths")
-            )
-            items.append(("audio", self.rope_tokens.audio_token_id,
-                          lambda: encode_audio(self.audio_tower, inputs["input_features"], lengths)))
-        if inputs.get("pixel_values") is not None:
-            items.append(("image", self.rope_tokens.image_token_id,
-                          lambda: encode_vision(self.visual, inputs["pixel_values"], inputs["image_grid_thw"])))
-        if inputs.get("pixel_values_videos") is not None:
-            items.append(("video", self.rope_tokens.video_token_id,
-                          lambda: encode_vision(self.visual, inputs["pixel_values_videos"], inputs["video_grid_thw"])))
-        offset = 0
-        for kind, token_id, encode in items:
-            feats = encode()
+        features, offset = [], 0
+        for kind, token_id, feats in self._encode_media(request.model_inputs):
             mask = ids == token_id
             count = int(mask.sum())
             if count != feats.shape[0]:
-                raise ValueError(
-                    f"request {request.request_id}: {count} {kind} placeholder tokens but {feats.shape[0]} {kind} features"
-                )
+                raise ValueError(f"request {request.request_id}: {count} {kind} placeholder tokens "
+                                 f"but {feats.shape[0]} {kind} features")
             rows[mask] = torch.arange(offset, offset + count)
             offset += count
             features.append(feats)

@@ -1,0 +1,62 @@
+"""Fused CUDA kernels against the torch implementations they replace."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from vllm_omni.model_executor.layers import activation, cuda_ops, layernorm, rotary  # noqa: E402
+from vllm_omni.model_executor.layers.attention import store_kv  # noqa: E402
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def ulp_close(got, ref, dtype):
+    # Within one unit in the last place of the dtype (exp/rsqrt implementations differ).
+    tol = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-6}[dtype]
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7, 3584), (300, 64), (5, 4, 128)])
+def test_rms_norm(dtype, shape):
+    x = torch.randn(shape, device="cuda", dtype=dtype)
+    w = (torch.randn(shape[-1], device="cuda") * 0.2 + 1).to(dtype)
+    ulp_close(cuda_ops.rms_norm(x, w, 1e-6), layernorm.rms_norm(x, w, 1e-6), dtype)
+    if len(shape) == 2:
+        r = torch.randn(shape, device="cuda", dtype=dtype)
+        out, res = cuda_ops.rms_norm(x, w, 1e-6, r)
+        assert torch.equal(res, x + r)
+        ulp_close(out, layernorm.rms_norm(x + r, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_strided_view(dtype):
+    t, h, d = 9, 28, 128
+    qkv = torch.randn(t, (h + 8) * d, device="cuda", dtype=dtype)
+    q = qkv[:, : h * d].view(t, h, d)  # strided rows, like the fused QKV output
+    rope = rotary.RotaryEmbedding(d, 1e6, 4096).cuda()
+    cos, sin = rope.cos_sin(torch.randint(0, 4000, (t,), device="cuda"), dtype)
+    ref = q * cos[:, None] + rotary.rotate_half(q) * sin[:, None]
+    cuda_ops.rotary_(q, cos, sin)
+    ulp_close(q, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    x = torch.randn(13, 2 * 1000, device="cuda", dtype=dtype)
+    ulp_close(cuda_ops.silu_and_mul(x), activation.silu_and_mul(x), dtype)
+
+
+def test_store_kv_writes_the_right_slots():
+    k_cache = torch.zeros(10, 16, 4, 64, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    kv = torch.randn(5, 2, 4 * 64, device="cuda", dtype=torch.bfloat16)
+    k, v = kv[:, 0].view(5, 4, 64), kv[:, 1].view(5, 4, 64)
+    slots = torch.tensor([3, 17, 159, 40, 0], device="cuda")
+    store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(-1, 4, 64)[slots], k)
+    assert torch.equal(v_cache.view(-1, 4, 64)[slots], v)
+    assert int((k_cache != 0).any(dim=(2, 3)).sum()) == 5

@@ -1,0 +1,127 @@
+"""Fused Triton kernels for the small ops of a decoder layer (CUDA only).
+
+At batch 1 a decode step is a few large matrix-vector products plus dozens of tiny
+element-wise kernels; unfused, each RMSNorm is ~6 kernels and each rotary ~16. These
+kernels do each op in one launch and round to the model dtype at the same points as the
+torch reference (HF's numerics), so results match within one bf16 ulp.
+Layers call them only for CUDA tensors; CPU keeps the torch implementations.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
+                     stride_x0, stride_x1, stride_r0, stride_r1, n_inner,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    outer, inner = row // n_inner, row % n_inner
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + outer * stride_x0 + inner * stride_x1 + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + outer * stride_r0 + inner * stride_r1 + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the add rounds like torch's
+        tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / n_cols
+    y = (xf * tl.rsqrt(var + eps)).to(x.dtype)  # cast back before the weight multiply (HF order)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    out = (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * n_cols + cols, out, mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """x: [N, D] or [N, H, D] (rows may be strided views). Returns norm(x) or, with residual,
+    (norm(x + residual), x + residual); outputs are contiguous."""
+    d = x.shape[-1]
+    rows3 = x.view(x.shape[0], -1, d) if x.dim() == 3 else x.view(x.shape[0], 1, d)
+    n_outer, n_inner = rows3.shape[0], rows3.shape[1]
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype) if x.dtype != weight.dtype
+                      else x.dtype, device=x.device)
+    res3 = residual.view(n_outer, n_inner, d) if residual is not None else rows3
+    res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
+    _rms_norm_kernel[(n_outer * n_inner,)](
+        rows3, res3, weight, out, res_out, d, eps,
+        rows3.stride(0), rows3.stride(1), res3.stride(0), res3.stride(1), n_inner,
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(d), num_warps=4 if d <= 4096 else 8,
+    )
+    return out if residual is None else (out, res_out)
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, stride_t, stride_h, stride_c, num_heads,
+                   HALF: tl.constexpr, HEADS_PAD: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    mask = h < num_heads
+    cos1 = tl.load(cos_ptr + t * stride_c + d).to(tl.float32)
+    cos2 = tl.load(cos_ptr + t * stride_c + HALF + d).to(tl.float32)
+    sin1 = tl.load(sin_ptr + t * stride_c + d).to(tl.float32)
+    sin2 = tl.load(sin_ptr + t * stride_c + HALF + d).to(tl.float32)
+    base = x_ptr + t * stride_t + h * stride_h + d
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    dt = x1.dtype
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    # x * cos + rotate_half(x) * sin, each product and the sum rounded as torch does.
+    o1 = ((x1 * cos1).to(dt).to(tl.float32) + (-x2 * sin1).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2 * cos2).to(dt).to(tl.float32) + (x1 * sin2).to(dt).to(tl.float32)).to(dt)
+    tl.store(base, o1, mask=mask)
+    tl.store(base + HALF, o2, mask=mask)
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """In place: x [T, H, D] (head dim contiguous), cos/sin [T, D] in x's dtype."""
+    num_tokens, num_heads, head_dim = x.shape
+    _rotary_kernel[(num_tokens,)](
+        x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), num_heads,
+        HALF=head_dim // 2, HEADS_PAD=triton.next_power_of_2(num_heads), num_warps=4,
+    )
+    return x
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    u = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # silu rounds to the dtype, then the product does
+    tl.store(out_ptr + row * n_cols + cols, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
+    num_tokens, width = x.shape
+    n = width // 2
+    out = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
+    block = 1024
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(n, block))](x, out, n, x.stride(0), BLOCK=block, num_warps=4)
+    return out
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_k, stride_v, width,
+                     BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slots_ptr + t)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < width
+    tl.store(k_cache_ptr + slot * width + cols, tl.load(k_ptr + t * stride_k + cols, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + slot * width + cols, tl.load(v_ptr + t * stride_v + cols, mask=mask), mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """k/v: [T, Hkv, D] (rows may be strided), caches [blocks, block_size, Hkv, D] contiguous."""
+    num_tokens = k.shape[0]
+    width = k_cache.shape[2] * k_cache.shape[3]
+    _store_kv_kernel[(num_tokens,)](k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), width,
+                                    BLOCK=triton.next_power_of_2(width), num_warps=4)
