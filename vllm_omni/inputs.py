@@ -15,6 +15,7 @@ from typing_extensions import NotRequired, Required  # typing has them from 3.11
 class TextPrompt(TypedDict, total=False):
     prompt: Required[str]
     multi_modal_data: NotRequired[dict[str, Any] | None]
+    additional_information: NotRequired[dict[str, Any] | None]  # e.g. processed media, a voice
 
 
 class TokensPrompt(TypedDict, total=False):
@@ -44,6 +45,9 @@ def parse_prompt(prompt: Any) -> OmniTokensPrompt | TextPrompt:
         return TextPrompt(prompt=prompt)
     if not isinstance(prompt, Mapping):
         raise ValueError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
+    info = prompt.get("additional_information")
+    if info is not None and not isinstance(info, Mapping):
+        raise ValueError(f"additional_information must be a dict, got {type(info).__name__}")
     allowed = {"prompt", "prompt_token_ids", "multi_modal_data", "additional_information"}
     unknown = sorted(set(prompt) - allowed)
     if unknown:
@@ -52,16 +56,18 @@ def parse_prompt(prompt: Any) -> OmniTokensPrompt | TextPrompt:
         ids = prompt["prompt_token_ids"]
         if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(t, int) for t in ids):
             raise ValueError("prompt_token_ids must be a non-empty list of integers")
-        out = OmniTokensPrompt(prompt_token_ids=[int(t) for t in ids])
+        out: OmniTokensPrompt = OmniTokensPrompt(prompt_token_ids=[int(t) for t in ids])
         for key in ("prompt", "multi_modal_data", "additional_information"):
             if prompt.get(key) is not None:
                 out[key] = prompt[key]  # type: ignore[literal-required]
         return out
     if not isinstance(prompt.get("prompt"), str):
         raise ValueError("a dict prompt needs 'prompt' (a string) or 'prompt_token_ids'")
-    if prompt.get("additional_information"):
-        raise ValueError("additional_information needs prompt_token_ids (it is per token position)")
-    return TextPrompt(prompt=prompt["prompt"], multi_modal_data=prompt.get("multi_modal_data"))
+    out = TextPrompt(prompt=prompt["prompt"])
+    for key in ("multi_modal_data", "additional_information"):
+        if prompt.get(key) is not None:
+            out[key] = prompt[key]  # type: ignore[literal-required]
+    return out
 
 
 __all__ = ["TextPrompt", "TokensPrompt", "OmniTokensPrompt", "PromptType", "parse_prompt"]

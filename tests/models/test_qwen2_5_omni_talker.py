@@ -133,10 +133,6 @@ def run_talker(engine: LLMEngine, prompts: dict[str, dict]) -> dict[str, Request
     return done
 
 
-def prompt_ids(seed: int, length: int) -> torch.Tensor:
-    return torch.randint(0, 420, (length,), generator=torch.Generator().manual_seed(seed))
-
-
 # (seed, prompt length, speaker): random text prompts whose talker stops by codec pad, by codec
 # end, at the length limit, and at once (an empty speech; transformers' token2wav fails on it).
 TEXT_CASES = {"pad-stop": (0, 6, "Chelsie"), "end-stop": (0, 8, "Chelsie"), "length": (0, 12, "Chelsie"),
@@ -144,8 +140,9 @@ TEXT_CASES = {"pad-stop": (0, 6, "Chelsie"), "end-stop": (0, 8, "Chelsie"), "len
 
 
 def text_prompt(seed: int, length: int) -> torch.Tensor:
+    # Prompts of growing length drawn from one stream; the cases above were picked from it.
     gen = torch.Generator().manual_seed(seed)
-    for n in range(6, length + 1):  # the same stream stop.py-style sweeps walk through
+    for n in range(6, length + 1):
         ids = torch.randint(0, 420, (n,), generator=gen)
     return ids
 
@@ -159,7 +156,10 @@ def test_talker_codes_match_transformers(omni_dir, hf_model):
         user_prompt = {"prompt_token_ids": ids.tolist(), "additional_information": {"speaker": speaker}}
         [prompts[name]] = thinker2talker([StageView(0, [thinker_outs[name]])], [0], user_prompt, False)
 
-    outs = run_talker(talker_engine(omni_dir), prompts)  # all requests share the engine's batches
+    engine = talker_engine(omni_dir)
+    outs = run_talker(engine, prompts)  # all requests share the engine's batches
+    # transformers generates with suppress_tokens=[codec bos]; random weights never pick it anyway.
+    assert engine.model.compute_logits(torch.randn(2, engine.model.hidden_size))[:, 125].eq(float("-inf")).all()
 
     endings = set()
     for name, ref in refs.items():
@@ -260,7 +260,8 @@ def test_bridges_keep_requests_apart(omni_dir, hf_model):
     for name, got in zip(("r1", "r2"), both):
         [alone] = thinker2talker([StageView(0, [outs[name]])], [0], None, False)
         assert got["prompt_token_ids"] == alone["prompt_token_ids"]
-        a, b = TalkerInputs.from_info(got["additional_information"]), TalkerInputs.from_info(alone["additional_information"])
+        a = TalkerInputs.from_info(got["additional_information"])
+        b = TalkerInputs.from_info(alone["additional_information"])
         assert a.thinker_prompt_token_ids == outs[name].prompt_token_ids == b.thinker_prompt_token_ids
         assert torch.equal(a.thinker_hidden, b.thinker_hidden) and torch.equal(a.thinker_embeds, b.thinker_embeds)
     assert len(both[0]["prompt_token_ids"]) == 6 + 2 and len(both[1]["prompt_token_ids"]) == 9 + 2
@@ -286,3 +287,20 @@ def test_registry_resolves_talker_and_code2wav():
     for arch in ("Qwen2_5OmniForConditionalGeneration", "Qwen2_5OmniModel"):
         assert resolve_model_class(arch, "talker").__name__ == "Qwen2_5OmniTalkerForConditionalGeneration"
         assert resolve_model_class(arch, "code2wav").__name__ == "Qwen2_5OmniToken2Wav"
+
+
+def test_our_thinker_feeds_the_talker_like_transformers(omni_dir, hf_model):
+    """End to end on our engines: thinker (exporting hidden states "0" and "last") -> bridge -> talker."""
+    ids = text_prompt(*TEXT_CASES["pad-stop"][:2])
+    ref = hf_reference(hf_model, ids)
+    thinker = LLMEngine(EngineConfig(model=str(omni_dir), model_stage="thinker", device="cpu", dtype="float32",
+                                     enable_prefix_caching=False, hidden_state_layers=(0,), num_kv_blocks=64))
+    thinker.add_request("r", ids.tolist(), SamplingParams(temperature=0.0, max_tokens=THINKER_TOKENS, detokenize=False),
+                        return_hidden_states=True)
+    out = None
+    while thinker.has_unfinished_requests():
+        out = next((o for o in thinker.step() if o.finished), out)
+    assert out.outputs[0].token_ids == ref["thinker"].sequences[0, ids.numel():].tolist()
+    [talker_in] = thinker2talker([StageView(0, [out])], [0], None, False)
+    codes = run_talker(talker_engine(omni_dir), {"r": talker_in})["r"].outputs[0].token_ids
+    assert codes == ref["talker"][0, ids.numel() + 2:].tolist()

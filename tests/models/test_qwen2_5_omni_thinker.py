@@ -1,8 +1,9 @@
 """Qwen2.5-Omni thinker stage against transformers on a tiny random checkpoint (float32, CPU).
 
-Greedy tokens through our engine (text, audio, image, video, video with its audio track,
-chunked prefill), the hidden states the talker consumes, TMRoPE positions, M-RoPE cos/sin,
-and strict loading that skips the other stages' tensors.
+Greedy tokens through our engine (text, audio, image, video, video with its audio track;
+chunked prefill, preemption, bfloat16), the hidden states the talker consumes, TMRoPE
+positions, M-RoPE cos/sin, and strict loading that skips the other stages' tensors.
+Prompts are expanded by hand the way Qwen2_5OmniProcessor does (no torchvision here).
 """
 from __future__ import annotations
 
@@ -27,49 +28,13 @@ from vllm_omni.model_executor.models.qwen2_5_omni import Qwen2_5OmniThinkerForCo
 from vllm_omni.model_executor.models.qwen2_5_omni.positions import MRopeTokenConfig, omni_rope_index  # noqa: E402
 from vllm_omni.model_executor.models.registry import resolve_model_class  # noqa: E402
 from vllm_omni.sampling_params import SamplingParams  # noqa: E402
-from vllm_omni.testing import tiny_models  # noqa: E402
 
 NEW_TOKENS = 12
 
 
-def _build_inline(out_dir):
-    """Stand-in until `make_tiny_model("qwen2_5_omni")` lands: the thinker sizes of notes/offline-models.md."""
-    from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
-
-    from vllm_omni.testing.tokenizer import make_tiny_tokenizer
-
-    tok = make_tiny_tokenizer()
-    ids = tok.convert_tokens_to_ids
-    thinker = dict(
-        text_config=dict(vocab_size=tiny_models.tiny_vocab_size(tok), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.5,
-                         tie_word_embeddings=False,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}),
-        audio_config=dict(num_mel_bins=128, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64,
-                          d_model=32, output_dim=64, n_window=100, max_source_positions=1500),
-        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2, window_size=112, out_hidden_size=64,
-                           fullatt_block_indexes=[0]),
-        audio_token_index=ids("<|AUDIO|>"), image_token_index=ids("<|IMAGE|>"), video_token_index=ids("<|VIDEO|>"),
-        audio_start_token_id=ids("<|audio_bos|>"), audio_end_token_id=ids("<|audio_eos|>"),
-        vision_start_token_id=ids("<|vision_bos|>"), vision_end_token_id=ids("<|vision_eos|>"),
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        config = Qwen2_5OmniConfig(thinker_config=thinker, enable_audio_output=False)
-        model = Qwen2_5OmniForConditionalGeneration(config)
-        tiny_models.perturb_constant_params(model)
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-    return out_dir
-
-
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny-qwen2_5_omni")
-    if "qwen2_5_omni" in tiny_models.ARCH_BUILDERS:
-        return str(tiny_models.make_tiny_model("qwen2_5_omni", out))
-    return str(_build_inline(out))
+def ckpt(tiny_model):
+    return str(tiny_model("qwen2_5_omni"))  # thinker + talker + token2wav
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +77,11 @@ def make_prompt(tok, kind: str) -> tuple[list[int], dict]:
     text = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
     inputs: dict = {}
     media: list[int] = []
-    if kind in ("audio", "image_audio"):
+    if kind in ("audio", "audio_lengths", "image_audio"):
         inputs |= _audio(2.5, seed=1)
         media += [t("<|audio_bos|>")] + [t("<|AUDIO|>")] * _num_audio_tokens(inputs) + [t("<|audio_eos|>")]
+    if kind == "audio_lengths":  # valid frame counts instead of the mask
+        inputs["audio_feature_lengths"] = inputs.pop("feature_attention_mask").sum(-1)
     if kind in ("image", "image_audio"):
         inputs |= _image()
         n = int(inputs["image_grid_thw"].prod()) // 4
@@ -137,7 +104,10 @@ def make_prompt(tok, kind: str) -> tuple[list[int], dict]:
 
 
 def hf_kwargs(inputs: dict) -> dict:
-    kw = {k: v for k, v in inputs.items() if k != "use_audio_in_video"}
+    kw = {k: v for k, v in inputs.items() if k not in ("use_audio_in_video", "audio_feature_lengths")}
+    if "audio_feature_lengths" in inputs:  # transformers' thinker needs the mask
+        frames = torch.arange(inputs["input_features"].shape[-1])
+        kw["feature_attention_mask"] = (frames[None, :] < inputs["audio_feature_lengths"][:, None]).long()
     kw["use_audio_in_video"] = bool(inputs.get("use_audio_in_video", False))
     return kw
 
@@ -161,7 +131,7 @@ def run_engine(engine, prompt, inputs, rid, hidden=False):
     return final
 
 
-KINDS = ["text", "audio", "image", "video", "video_audio", "image_audio"]
+KINDS = ["text", "audio", "audio_lengths", "image", "video", "video_audio", "image_audio"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -268,6 +238,7 @@ def test_registry_and_strict_loading(ckpt):
     assert (model.num_layers, model.hidden_size, model.vocab_size) == (2, 64, text_config.vocab_size)
     assert model.max_position_embeddings == text_config.max_position_embeddings
     weights = list(iterate_safetensors(ckpt))
+    assert {n.split(".")[0] for n, _ in weights} == {"thinker", "talker", "token2wav"}
     # Other stages' tensors are skipped; every thinker tensor must land somewhere.
     loaded = model.load_weights(weights + [("talker.model.norm.weight", torch.zeros(3)),
                                            ("token2wav.x.weight", torch.zeros(1))])
@@ -276,3 +247,31 @@ def test_registry_and_strict_loading(ckpt):
         model.load_weights(weights + [("thinker.visual.extra.weight", torch.zeros(1))])
     with pytest.raises(ValueError, match="not loaded"):
         model.load_weights([(n, t) for n, t in weights if n != "thinker.audio_tower.conv1.weight"])
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["resaved", "fresh"])
+def test_thinker_only_checkpoint(hf, ckpt, tmp_path, fresh):
+    """A checkpoint of the thinker alone loads into the same weights. Its names carry the
+    `thinker.` prefix or not (transformers 5.23 keeps it when re-saving a thinker loaded from a
+    full checkpoint, 5.17 does not); both load, and the prefix is not required."""
+    model = hf
+    if fresh:
+        model = HFThinker(hf.config)
+        model.load_state_dict(hf.state_dict())
+    model.save_pretrained(tmp_path)
+    if fresh:
+        assert not any(n.startswith("thinker.") for n, _ in iterate_safetensors(tmp_path))
+    alone = load_model(tmp_path, AutoConfig.from_pretrained(tmp_path), "float32", "cpu")
+    assert type(alone) is Qwen2_5OmniThinkerForConditionalGeneration and not alone.whole_omni_checkpoint
+    full = load_model(ckpt, AutoConfig.from_pretrained(ckpt), "float32", "cpu", model_stage="thinker")
+    theirs = dict(full.named_parameters())
+    assert all(torch.equal(p, theirs[n]) for n, p in alone.named_parameters())
+
+
+def test_bfloat16_media_prompt(ckpt, hf):
+    engine = LLMEngine(EngineConfig(model=ckpt, model_stage="thinker", device="cpu", dtype="bfloat16"))
+    assert all(p.dtype == torch.bfloat16 for p in engine.model.parameters())
+    prompt, inputs = make_prompt(engine.tokenizer, "image_audio")
+    out = run_engine(engine, prompt, inputs, "bf16")
+    ref = HFThinker.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
+    assert out.outputs[0].token_ids == hf_generate(ref, prompt, inputs)

@@ -80,7 +80,7 @@ def test_parent_killed_with_sigkill_leaves_no_stage_process(toy_pipeline, tmp_pa
             print(json.dumps([h.pid for h in omni.stage_health()]), flush=True)
             time.sleep(600)
     """))
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, cwd=str(REPO), env=env, text=True)
     try:
         line = _read_line(proc, 120.0)

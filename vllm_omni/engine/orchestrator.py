@@ -160,7 +160,7 @@ class Orchestrator:
         self._requests[key] = state
         self._keys[sub.request_id] = key
         text = sub.prompt.get("prompt")
-        info = sub.prompt.get("additional_information") or {}
+        info = dict(sub.prompt.get("additional_information") or {})
         for stage in self.pipeline.entry_stages:
             if not self._send(state, stage.stage_id, sub.prompt_token_ids, text, info,
                               sub.prompt.get("multi_modal_data")):

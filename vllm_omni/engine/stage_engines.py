@@ -75,44 +75,36 @@ class ARStageEngine:
         self._ready: list[StageOutput] = []  # immediate errors, returned by the next step()
 
     def add_request(self, req: StageRequest) -> None:
+        if req.request_id in self._sent:  # the orchestrator's keys are unique; never fail the running one
+            self._ready.append(error_output(req.request_id, f"stage {self.stage_id}: request is already running"))
+            return
         try:
             self._add(req)
-        except (ValueError, TypeError) as e:  # a bad request fails alone
+        except Exception as e:  # noqa: BLE001 - model input parsing included: a bad request fails alone
             self._sent.pop(req.request_id, None)
-            self._ready.append(error_output(req.request_id, f"stage {self.stage_id}: {e}"))
+            self._ready.append(error_output(req.request_id, f"stage {self.stage_id}: {type(e).__name__}: {e}"))
 
     def _add(self, req: StageRequest) -> None:
         rid = req.request_id
-        if rid in self._sent:
-            raise ValueError(f"request {rid} is already running in this stage")
         if req.multi_modal_data:
             raise ValueError("multi_modal_data is not supported by this stage's engine yet")
         info = dict(req.additional_information)
         embeds = info.pop(PROMPT_EMBEDS_KEY, None)
         if embeds is not None and (not isinstance(embeds, torch.Tensor) or embeds.dim() != 2):
             raise ValueError(f"additional_information['{PROMPT_EMBEDS_KEY}'] must be a [prompt_len, hidden] tensor")
-        self._model_specific_inputs(req, info)
         params = req.sampling_params
         hold = 0
         if params.stop and not params.include_stop_str_in_output:
             hold = max(len(s) for s in params.stop) - 1
         self._sent[rid] = _Sent(hold_back=hold)
+        # Every other key is the stage model's own input (e.g. a talker's thinker states, a
+        # thinker's processed media); the model parses and validates them.
         early = self.engine.add_request(
             rid, req.prompt_token_ids, params, prompt=req.prompt, prompt_embeds=embeds,
-            return_hidden_states=self.export_hidden_states,
+            return_hidden_states=self.export_hidden_states, model_inputs=info or None,
         )
         if early is not None:
             self._ready.append(self._delta(early))
-
-    def _model_specific_inputs(self, req: StageRequest, info: dict[str, Any]) -> None:
-        """Hook for model-specific `additional_information` keys (e.g. a talker's thinker
-        states). No stage model consumes any yet, so unknown keys are an error rather than
-        silently dropped."""
-        if info:
-            raise ValueError(
-                f"additional_information keys {sorted(info)} are not understood by this stage "
-                f"(only '{PROMPT_EMBEDS_KEY}' is)"
-            )
 
     def abort(self, request_ids: Sequence[str]) -> None:
         ids = [rid for rid in request_ids if self._sent.pop(rid, None) is not None]

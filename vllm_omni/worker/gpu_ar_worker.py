@@ -32,6 +32,7 @@ def engine_config_kwargs(stage: StageConfig, model: str, device: str) -> dict[st
         gpu_memory_utilization=ea.gpu_memory_utilization,
         enforce_eager=ea.enforce_eager,
         architecture=ea.model_arch,
+        model_stage=ea.model_stage,
     )
     optional = dict(seed=ea.seed, max_model_len=ea.max_model_len, block_size=ea.block_size,
                     max_num_batched_tokens=ea.max_num_batched_tokens)
@@ -49,6 +50,31 @@ class GPUARWorker:
         from vllm_omni.engine.engine_config import EngineConfig
         from vllm_omni.engine.llm_engine import LLMEngine
 
-        config = EngineConfig(**engine_config_kwargs(self.stage, self.model, self.device))
+        kwargs = engine_config_kwargs(self.stage, self.model, self.device)
         export = self.stage.engine_args.engine_output_type == EngineOutputType.LATENT
-        return ARStageEngine(LLMEngine(config), stage_id=self.stage.stage_id, export_hidden_states=export)
+        if export:
+            kwargs["hidden_state_layers"] = exported_hidden_state_layers(kwargs["model"], self.stage)
+        return ARStageEngine(LLMEngine(EngineConfig(**kwargs)), stage_id=self.stage.stage_id,
+                             export_hidden_states=export)
+
+
+# A latent stage exports its input embeddings ("0") besides the final states ("last", always):
+# that is what the spec 003 bridges read. A stage model that needs other layers says so with a
+# class attribute `hidden_state_layers` (transformers' output_hidden_states indices).
+DEFAULT_EXPORTED_LAYERS = (0,)
+
+
+def exported_hidden_state_layers(model: str, stage: StageConfig) -> tuple[int, ...]:
+    from transformers import AutoConfig
+
+    from vllm_omni.model_executor.models.registry import resolve_model_class
+
+    arch = stage.engine_args.model_arch
+    if arch is None:
+        architectures = AutoConfig.from_pretrained(model).architectures or []
+        if not architectures:
+            return DEFAULT_EXPORTED_LAYERS
+        arch = architectures[0]
+    model_cls = resolve_model_class(arch, stage.engine_args.model_stage)
+    # A capability of the model class, not a config value: absent means the default.
+    return tuple(getattr(model_cls, "hidden_state_layers", DEFAULT_EXPORTED_LAYERS))

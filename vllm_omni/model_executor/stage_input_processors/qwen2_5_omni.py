@@ -26,6 +26,7 @@ from vllm_omni.outputs import RequestOutput
 THINKER_EMBEDS_KEY = "0"  # transformers' output_hidden_states index 0: the input embeddings
 THINKER_HIDDEN_KEY = "last"  # final post-norm hidden states
 SPEAKER_KEY = "speaker"  # in the user's prompt additional_information: the voice to speak with
+NUM_STEPS_KEY = "num_steps"  # code2wav: DiT ODE steps of one request
 # The thinker's multimodal inputs (its request's model_inputs, as the prompt carries them) that
 # decide M-RoPE positions: the talker lays its prompt out at the thinker's positions.
 LAYOUT_TENSOR_KEYS = ("image_grid_thw", "video_grid_thw", "video_second_per_grid", "audio_feature_lengths")
@@ -57,7 +58,8 @@ class TalkerInputs:
             if not isinstance(t, torch.Tensor) or t.dim() != 2:
                 raise ValueError(f"talker inputs: {name} must be a [tokens, hidden] tensor, got {_describe(t)}")
             if t.shape[0] < num_prompt:
-                raise ValueError(f"talker inputs: {name} has {t.shape[0]} rows, fewer than the {num_prompt} prompt tokens")
+                raise ValueError(f"talker inputs: {name} has {t.shape[0]} rows, fewer than the "
+                                 f"{num_prompt} prompt tokens")
         if self.thinker_embeds.shape != self.thinker_hidden.shape:
             raise ValueError(f"talker inputs: thinker_embeds {tuple(self.thinker_embeds.shape)} and "
                              f"thinker_hidden {tuple(self.thinker_hidden.shape)} differ in shape")
@@ -108,17 +110,27 @@ class TalkerInputs:
 class Code2WavInputs:
     """talker2code2wav payload; the codec codes themselves are the prompt_token_ids."""
 
-    speaker: str | None
+    speaker: str | None = None  # None: the default voice
+    num_steps: int | None = None  # DiT ODE steps; None: the stage's default
+
+    def __post_init__(self) -> None:
+        if self.num_steps is not None and (not isinstance(self.num_steps, int) or self.num_steps < 2):
+            raise ValueError(f"code2wav inputs: num_steps must be an integer >= 2, got {self.num_steps!r}")
 
     def to_info(self) -> dict[str, Any]:
-        return {} if self.speaker is None else {SPEAKER_KEY: self.speaker}
+        info: dict[str, Any] = {}
+        if self.speaker is not None:
+            info[SPEAKER_KEY] = self.speaker
+        if self.num_steps is not None:
+            info[NUM_STEPS_KEY] = self.num_steps
+        return info
 
     @classmethod
     def from_info(cls, info: Mapping[str, Any]) -> Code2WavInputs:
-        unknown = sorted(set(info) - {SPEAKER_KEY})
+        unknown = sorted(set(info) - {SPEAKER_KEY, NUM_STEPS_KEY})
         if unknown:
-            raise ValueError(f"code2wav inputs: unknown key(s) {unknown}; expected ['{SPEAKER_KEY}']")
-        return cls(speaker=_check_speaker(info.get(SPEAKER_KEY)))
+            raise ValueError(f"code2wav inputs: unknown key(s) {unknown}; expected {[SPEAKER_KEY, NUM_STEPS_KEY]}")
+        return cls(speaker=_check_speaker(info.get(SPEAKER_KEY)), num_steps=info.get(NUM_STEPS_KEY))
 
 
 def thinker2talker(

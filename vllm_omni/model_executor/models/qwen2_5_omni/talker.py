@@ -38,7 +38,8 @@ from vllm_omni.model_executor.models.utils import load_weights_strict, map_stack
 from vllm_omni.model_executor.stage_input_processors.qwen2_5_omni import TalkerInputs
 
 _STATE_KEY = "qwen2_5_omni_talker"
-_THINKER_EMBED_WEIGHT = "thinker.model.embed_tokens.weight"
+# Saved checkpoints; transformers 5's in-memory layout (accepted in case one was saved so).
+_THINKER_EMBED_WEIGHTS = ("thinker.model.embed_tokens.weight", "thinker.model.language_model.embed_tokens.weight")
 _PREFIX = "talker."
 
 
@@ -53,6 +54,9 @@ class _RequestState:
 
 
 class Qwen2_5OmniTalkerForConditionalGeneration(nn.Module):
+    # A latent talker stage exports only its final states ("last"): code2wav reads the codes.
+    hidden_state_layers: tuple[int, ...] = ()
+
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         tc = config.talker_config
@@ -104,7 +108,7 @@ class Qwen2_5OmniTalkerForConditionalGeneration(nn.Module):
         return load
 
     def map_weight_name(self, name: str) -> tuple[str, object] | None:
-        if name == _THINKER_EMBED_WEIGHT:
+        if name in _THINKER_EMBED_WEIGHTS:
             return "thinker_text_embeds", None
         if not name.startswith(_PREFIX) or "rotary_emb.inv_freq" in name:
             return None  # thinker.* / token2wav.*: other stages; inv_freq: derived
@@ -137,7 +141,7 @@ class Qwen2_5OmniTalkerForConditionalGeneration(nn.Module):
         if len(prompt_token_ids) != num_prompt + 2:
             raise ValueError(f"talker prompt must have {num_prompt + 2} tokens (thinker prompt + 2), "
                              f"got {len(prompt_token_ids)}")
-        self._check_layout(inputs)
+        self._prompt_positions(inputs)  # layout errors surface here, for this request alone
         return [self.codec_mask] * num_prompt + [self.codec_pad, self.codec_bos]
 
     def embed_request_span(self, request, start: int, end: int, token_ids: torch.Tensor) -> torch.Tensor:
@@ -156,6 +160,9 @@ class Qwen2_5OmniTalkerForConditionalGeneration(nn.Module):
     def request_positions(self, request, start: int, end: int) -> torch.Tensor:
         """[3, end - start]: the thinker prompt's M-RoPE positions, then text positions."""
         st = self._state(request)
+        if end - 1 + st.delta >= self.model.rotary_emb.max_position:
+            raise ValueError(f"request {request.request_id}: talker position {end - 1 + st.delta} beyond the "
+                             f"rotary table ({self.model.rotary_emb.max_position})")
         positions = (torch.arange(start, end) + st.delta).view(1, -1).expand(3, -1).clone()
         if start < st.num_prompt:
             positions[:, : st.num_prompt - start] = st.prompt_positions[:, start : min(end, st.num_prompt)]
@@ -199,7 +206,7 @@ class Qwen2_5OmniTalkerForConditionalGeneration(nn.Module):
         self._check_layout(inputs)
         # HF runs get_rope_index on [thinker prompt, speaker bos, g_0]; the two trailing text
         # tokens only continue the prompt's positions, which `delta` does.
-        return omni_rope_index(
+        positions, delta = omni_rope_index(
             inputs.thinker_prompt_token_ids,
             self.rope_tokens,
             image_grid_thw=inputs.image_grid_thw,
@@ -208,3 +215,7 @@ class Qwen2_5OmniTalkerForConditionalGeneration(nn.Module):
             second_per_grids=inputs.video_second_per_grid,
             use_audio_in_video=inputs.use_audio_in_video,
         )
+        if int(positions.max()) >= self.model.rotary_emb.max_position:
+            raise ValueError(f"talker M-RoPE position {int(positions.max())} beyond the rotary table "
+                             f"({self.model.rotary_emb.max_position})")
+        return positions, delta

@@ -18,7 +18,7 @@ in the text config). Per request, the model runner asks for
 
 Checkpoint: the full Omni checkpoint; only `thinker.*` is ours (strictly), the talker and
 token2wav tensors belong to other stages and are skipped. A thinker-only checkpoint (config
-`Qwen2_5OmniThinkerConfig`, unprefixed names) loads too.
+`Qwen2_5OmniThinkerConfig`, names with or without `thinker.`) loads too.
 """
 from __future__ import annotations
 
@@ -73,8 +73,8 @@ class Qwen2_5OmniThinkerForConditionalGeneration(DecoderForCausalLM):
         text_config = thinker_config.text_config
         super().__init__(text_config, DecoderModel(text_config, lambda i: make_qwen2_layer(text_config, i)))
         self.thinker_config = thinker_config
-        # Full Omni checkpoints prefix the thinker's tensors; a thinker-only checkpoint does not.
-        self.checkpoint_prefix = "thinker." if thinker_config is not config else ""
+        # Built from the whole Omni config, the checkpoint holds every stage and ours are `thinker.*`.
+        self.whole_omni_checkpoint = thinker_config is not config
         self.max_position_embeddings = text_config.max_position_embeddings
         self.rope_tokens = MRopeTokenConfig.from_config(thinker_config)
         self.audio_tower = build_audio_tower(thinker_config.audio_config)
@@ -82,9 +82,11 @@ class Qwen2_5OmniThinkerForConditionalGeneration(DecoderForCausalLM):
 
     # --- weights ----------------------------------------------------------------
     def map_weight_name(self, name: str) -> tuple[str, object] | None:
-        if not name.startswith(self.checkpoint_prefix):
+        if name.startswith("thinker."):
+            name = name[len("thinker.") :]
+        elif self.whole_omni_checkpoint:
             return None  # talker.* / token2wav.*: other stages of the same checkpoint
-        name = name[len(self.checkpoint_prefix) :]
+        # else a thinker-only checkpoint: transformers saves it with or without `thinker.`
         for prefix, ours in _PREFIXES:
             if name.startswith(prefix):
                 local = ours + name[len(prefix) :]

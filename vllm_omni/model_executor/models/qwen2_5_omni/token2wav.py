@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from vllm_omni.engine.messages import StageRequest
-from vllm_omni.model_executor.model_loader import iterate_safetensors
+from vllm_omni.model_executor.model_loader import safetensors_files
 from vllm_omni.model_executor.stage_input_processors.qwen2_5_omni import Code2WavInputs
 
 logger = logging.getLogger(__name__)
@@ -52,7 +54,8 @@ def load_speakers(model_dir: str | Path) -> dict[str, Speaker]:
     return {name: Speaker(int(v["bos_token"]), v["cond"], v["ref_mel"]) for name, v in raw.items()}
 
 
-def select_speaker(speakers: dict[str, Speaker], name: str | None) -> str:
+def select_speaker(speakers: Mapping[str, Any], name: str | None) -> str:
+    """The voice to use (transformers' default when None); ValueError for an unknown one."""
     name = DEFAULT_SPEAKER if name is None else name
     if name not in speakers:
         raise ValueError(f"unknown speaker {name!r}; available: {sorted(speakers)}")
@@ -84,12 +87,12 @@ class Qwen2_5OmniToken2Wav:
         t2w_config = getattr(config, "token2wav_config", None)
         if t2w_config is None:
             raise ValueError(f"{model_path}: config has no token2wav_config (not a Qwen2.5-Omni checkpoint?)")
-        module = Qwen2_5OmniToken2WavModel(t2w_config).float()
-        # from_pretrained would not strip the `token2wav.` prefix of the full checkpoint.
-        state = {k[len(WEIGHT_PREFIX):]: v for k, v in iterate_safetensors(model_path) if k.startswith(WEIGHT_PREFIX)}
-        module.load_state_dict(state, strict=True)
         device = torch.device(device)
-        return cls(module.to(device).eval(), load_speakers(model_path), device, num_steps)
+        with torch.device(device):  # random init (overwritten below) is much faster on a GPU
+            module = Qwen2_5OmniToken2WavModel(t2w_config).float()
+        # from_pretrained would not strip the `token2wav.` prefix of the full checkpoint.
+        module.load_state_dict(_prefixed_tensors(model_path, WEIGHT_PREFIX), strict=True)
+        return cls(module.eval(), load_speakers(model_path), device, num_steps)
 
     # ------------------------------------------------------------------ batch entry point
     @torch.inference_mode()
@@ -108,9 +111,9 @@ class Qwen2_5OmniToken2Wav:
         return [{"audio": wav} for wav in results]
 
     def _job(self, req: StageRequest) -> _Job:
-        info = dict(req.additional_information)
-        num_steps = int(info.pop("num_steps", self.num_steps))
-        speaker = select_speaker(self.speakers, Code2WavInputs.from_info(info).speaker)
+        inputs = Code2WavInputs.from_info(req.additional_information)
+        num_steps = self.num_steps if inputs.num_steps is None else inputs.num_steps
+        speaker = select_speaker(self.speakers, inputs.speaker)
         dit = self.module.code2wav_dit_model
         codes = torch.tensor(req.prompt_token_ids, dtype=torch.long)
         if codes.numel() and not (0 <= int(codes.min()) and int(codes.max()) <= dit.config.num_embeds):
@@ -135,6 +138,20 @@ class Qwen2_5OmniToken2Wav:
         mel = _sample_mel(dit, cond, ref_mel, codes, noise, jobs[0].num_steps)
         wav = self.module.code2wav_bigvgan_model(mel)  # squeezed and on CPU: [B, N] or [N]
         return list(wav.reshape(batch, -1).float().unbind(0))
+
+
+def _prefixed_tensors(model_path: str, prefix: str) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors under `prefix`, unprefixed; reads nothing else (the thinker
+    next to them is many GB)."""
+    from safetensors import safe_open
+
+    state = {}
+    for path in safetensors_files(model_path):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            state.update((k[len(prefix):], f.get_tensor(k)) for k in f.keys() if k.startswith(prefix))
+    if not state:
+        raise ValueError(f"{model_path}: the checkpoint has no {prefix}* tensors")
+    return state
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,263 @@
+"""Chat messages or a text prompt + media -> the Qwen2.5-Omni thinker's inputs.
+
+    proc = Qwen2_5OmniInputProcessor.from_pretrained(model_dir)
+    prompt = proc.process_messages(
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                      {"type": "text", "text": "What is this?"}]}])
+    prompt.prompt_token_ids   # chat template applied, placeholders expanded
+    prompt.mm_inputs          # input_features, pixel_values, image_grid_thw, ...
+
+Same ids and tensors as transformers' Qwen2_5OmniProcessor (tests/multimodal compare them),
+built from the three pieces that work without torchvision: the tokenizer, WhisperFeatureExtractor
+and Qwen2VLImageProcessorPil; videos are decoded and patchified here (video.py, vision.py).
+One difference: `input_features` keep only the unmasked frames (see whisper_features).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_omni.multimodal import qwen2_5_omni_placeholders as ph
+from vllm_omni.multimodal.chat_parts import MediaItem, items_from_multi_modal_data, parse_messages
+from vllm_omni.multimodal.chat_template import QWEN2_5_OMNI_CHAT_TEMPLATE
+from vllm_omni.multimodal.media import (
+    DEFAULT_OPTIONS,
+    MediaError,
+    MediaOptions,
+    load_audio,
+    load_image,
+)
+from vllm_omni.multimodal.video import load_video
+from vllm_omni.multimodal.vision import VideoSampling, patchify_video
+
+# Image processor settings read from preprocessor_config.json (the rest of that file is the
+# feature extractor's, or informational).
+_IMAGE_KEYS = ("min_pixels", "max_pixels", "patch_size", "merge_size", "temporal_patch_size",
+               "image_mean", "image_std")
+
+
+@dataclass
+class ThinkerPrompt:
+    """What the thinker stage needs for one request."""
+
+    prompt_token_ids: list[int]
+    # input_features [N_audio, 128, T] f32 + feature_attention_mask [N_audio, T] i32;
+    # pixel_values [N_patches, 1176] f32 + image_grid_thw [N_image, 3] i64;
+    # pixel_values_videos + video_grid_thw [N_video, 3] + video_second_per_grid [N_video] f32.
+    # Only the modalities present; items in prompt order (for audio: the order of the audio
+    # tokens, which with use_audio_in_video includes each video's track at its position).
+    mm_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    use_audio_in_video: bool = False
+
+
+class Qwen2_5OmniInputProcessor:
+    def __init__(
+        self,
+        tokenizer,
+        feature_extractor,
+        image_processor,
+        chat_template: str | None = None,
+        video_sampling: VideoSampling | None = None,
+        media_options: MediaOptions = DEFAULT_OPTIONS,
+        position_id_per_seconds: float = 25,
+        seconds_per_chunk: float = 2.0,
+    ):
+        self.tokenizer = tokenizer
+        self.feature_extractor = feature_extractor
+        self.image_processor = image_processor
+        self.chat_template = chat_template or tokenizer.chat_template or QWEN2_5_OMNI_CHAT_TEMPLATE
+        self.video_sampling = video_sampling or VideoSampling(
+            frame_factor=image_processor.temporal_patch_size,
+            image_factor=image_processor.patch_size * image_processor.merge_size,
+        )
+        self.media_options = media_options
+        self.position_id_per_seconds = position_id_per_seconds
+        self.seconds_per_chunk = seconds_per_chunk
+        self.ids = ph.OmniTokenIds.from_tokenizer(tokenizer)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, tokenizer=None, **kwargs) -> "Qwen2_5OmniInputProcessor":
+        """From a checkpoint folder: tokenizer files, preprocessor_config.json, the chat
+        template (chat_template.json / .jinja, else the tokenizer's) and config.json's thinker
+        timing (position_id_per_seconds, seconds_per_chunk). kwargs go to __init__."""
+        from transformers import AutoTokenizer, WhisperFeatureExtractor
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        model_dir = Path(model_dir)
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
+        pre = json.loads((model_dir / "preprocessor_config.json").read_text())
+        feature_extractor = WhisperFeatureExtractor(
+            **{k: v for k, v in pre.items() if k in inspect.signature(WhisperFeatureExtractor).parameters}
+        )
+        image_processor = Qwen2VLImageProcessorPil(**{k: pre[k] for k in _IMAGE_KEYS if k in pre})
+        kwargs.setdefault("chat_template", _folder_chat_template(model_dir))
+        thinker = _thinker_config(model_dir)
+        for key in ("position_id_per_seconds", "seconds_per_chunk"):
+            if key in thinker:
+                kwargs.setdefault(key, thinker[key])
+        return cls(tokenizer, feature_extractor, image_processor, **kwargs)
+
+    # ------------------------------------------------------------------ entry points
+
+    def process_messages(
+        self,
+        messages: list[dict[str, Any]],
+        use_audio_in_video: bool = False,
+        add_generation_prompt: bool = True,
+        video_options: dict[str, Any] | None = None,
+        **chat_template_kwargs: Any,
+    ) -> ThinkerPrompt:
+        """Chat messages (see chat_parts.py for the content parts) -> ThinkerPrompt.
+
+        `video_options`: VideoSampling overrides for every video of the request (a video part's
+        own options win). Raises ValueError (MediaError) for bad input."""
+        rendered, items = parse_messages(messages)
+        text = self.tokenizer.apply_chat_template(
+            rendered, chat_template=self.chat_template, tokenize=False,
+            add_generation_prompt=add_generation_prompt, **chat_template_kwargs,
+        )
+        return self._finish(self._encode(text), items, use_audio_in_video, video_options)
+
+    def process_prompt(
+        self,
+        prompt: str | list[int],
+        multi_modal_data: dict[str, Any] | None = None,
+        use_audio_in_video: bool = False,
+        video_options: dict[str, Any] | None = None,
+    ) -> ThinkerPrompt:
+        """A prompt already in template form (text or ids) with one placeholder per item
+        (<|audio_bos|><|AUDIO|><|audio_eos|>, <|vision_bos|><|IMAGE|><|vision_eos|>, ...) and
+        vLLM-style multi_modal_data {"image": ..., "audio": ..., "video": ...}."""
+        ids = self._encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        items = items_from_multi_modal_data(multi_modal_data)
+        return self._finish(ids, items, use_audio_in_video, video_options)
+
+    # ------------------------------------------------------------------ internals
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def _finish(self, prompt_ids, items: list[MediaItem], use_audio_in_video, video_options) -> ThinkerPrompt:
+        by_kind = {k: [it for it in items if it.kind == k] for k in ("image", "audio", "video")}
+        counts = ph.count_placeholders(prompt_ids, self.ids)
+        for kind, found in counts.items():
+            if found != len(by_kind[kind]):
+                raise MediaError(f"the prompt has {found} {kind} placeholder(s) but {len(by_kind[kind])} {kind} item(s)")
+        use_audio_in_video = bool(use_audio_in_video and by_kind["video"])
+        mm: dict[str, torch.Tensor] = {}
+
+        image_lengths = self._images(by_kind["image"], mm)
+        videos = [self._load_video(it, use_audio_in_video, video_options) for it in by_kind["video"]]
+        standalone = [load_audio(it.source, self.media_options) for it in by_kind["audio"]]
+        # Audio features follow the order of audio tokens in the prompt: standalone audio at its
+        # <|AUDIO|>, a video's track at its <|VIDEO|> (use_audio_in_video).
+        order, it_a, it_v = [], iter(standalone), iter(videos)
+        for token in prompt_ids:
+            if token == self.ids.audio:
+                order.append(next(it_a))
+            elif token == self.ids.video and use_audio_in_video:
+                order.append(next(it_v).audio)
+        audio_tokens = []
+        if order:
+            feats, mask = ph.whisper_features(self.feature_extractor, order)
+            mm["input_features"], mm["feature_attention_mask"] = feats, mask
+            audio_tokens = [ph.audio_tokens_for_frames(int(n)) for n in mask.sum(-1)]
+            if min(audio_tokens) <= 0:
+                raise MediaError("an audio is too short (under 0.02 s)")
+        video_expansions = self._videos(videos, prompt_ids, audio_tokens, use_audio_in_video, mm)
+        standalone_tokens = self._standalone_audio_tokens(prompt_ids, audio_tokens, use_audio_in_video)
+        ids = ph.expand(prompt_ids, self.ids, image_lengths, standalone_tokens, video_expansions)
+        return ThinkerPrompt(ids, mm, use_audio_in_video)
+
+    def _images(self, items: list[MediaItem], mm: dict[str, torch.Tensor]) -> list[int]:
+        if not items:
+            return []
+        pixels, grids = [], []
+        for item in items:
+            image = load_image(item.source, self.media_options)
+            kwargs = {}
+            if item.options:  # per-image pixel bounds, as transformers' size dict
+                size = self.image_processor.size  # a SizeDict in transformers 5
+                kwargs["size"] = {
+                    "shortest_edge": int(item.options.get("min_pixels", size["shortest_edge"])),
+                    "longest_edge": int(item.options.get("max_pixels", size["longest_edge"])),
+                }
+            try:
+                out = self.image_processor(images=[image], return_tensors="np", **kwargs)
+            except ValueError as e:  # e.g. an extreme aspect ratio
+                raise MediaError(f"cannot process image: {e}") from None
+            pixels.append(torch.from_numpy(np.asarray(out["pixel_values"], dtype=np.float32)))
+            grids.append([int(x) for x in out["image_grid_thw"][0]])
+        mm["pixel_values"] = torch.cat(pixels)
+        mm["image_grid_thw"] = torch.tensor(grids, dtype=torch.int64)
+        merge = self.image_processor.merge_size
+        return [t * h * w // merge**2 for t, h, w in grids]
+
+    def _load_video(self, item: MediaItem, with_audio: bool, video_options):
+        sampling = self.video_sampling.updated(video_options).updated(item.options)
+        clip = load_video(item.source, self.media_options, sampling, with_audio=with_audio)
+        if with_audio and clip.audio is None:
+            # The thinker's position ids assume every video has its audio interleaved.
+            raise MediaError("use_audio_in_video is set but a video has no audio track")
+        return clip
+
+    def _videos(self, clips, prompt_ids, audio_tokens, use_audio_in_video, mm) -> list[list[int]]:
+        if not clips:
+            return []
+        ip = self.image_processor
+        pixels, grids, seconds = [], [], []
+        for clip in clips:
+            values, grid = patchify_video(
+                clip.frames, ip.image_mean, ip.image_std, ip.patch_size, ip.temporal_patch_size, ip.merge_size
+            )
+            pixels.append(values)
+            grids.append(grid)
+            seconds.append(ip.temporal_patch_size / clip.sample_fps)
+        mm["pixel_values_videos"] = torch.cat(pixels)
+        mm["video_grid_thw"] = torch.tensor(grids, dtype=torch.int64)
+        mm["video_second_per_grid"] = torch.tensor(seconds, dtype=torch.float32)
+        if not use_audio_in_video:
+            return [[self.ids.video] * (t * h * w // ip.merge_size**2) for t, h, w in grids]
+        # Each video's track is the audio at the same position among the prompt's audio tokens.
+        video_audio = [n for n, is_video in zip(audio_tokens, self._audio_slots(prompt_ids)) if is_video]
+        return [
+            ph.video_with_audio_ids(
+                self.ids, grid, ip.merge_size, sec, n_audio, self.position_id_per_seconds, self.seconds_per_chunk
+            )
+            for grid, sec, n_audio in zip(grids, seconds, video_audio)
+        ]
+
+    def _audio_slots(self, prompt_ids) -> list[bool]:
+        """For each audio (in feature order): does it come from a video?"""
+        return [t == self.ids.video for t in prompt_ids if t in (self.ids.audio, self.ids.video)]
+
+    def _standalone_audio_tokens(self, prompt_ids, audio_tokens, use_audio_in_video) -> list[int]:
+        if not use_audio_in_video:
+            return audio_tokens
+        return [n for n, is_video in zip(audio_tokens, self._audio_slots(prompt_ids)) if not is_video]
+
+
+def _folder_chat_template(model_dir: Path) -> str | None:
+    # The processor's template (chat_template.json / .jinja) is the multimodal one; a
+    # tokenizer_config.json template may be a text-only ChatML.
+    jinja, js = model_dir / "chat_template.jinja", model_dir / "chat_template.json"
+    if js.is_file():
+        return json.loads(js.read_text())["chat_template"]
+    if jinja.is_file():
+        return jinja.read_text()
+    return None
+
+
+def _thinker_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    return config.get("thinker_config", config)
