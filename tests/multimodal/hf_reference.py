@@ -17,21 +17,24 @@ import transformers.processing_utils as processing_utils
 from transformers import AutoTokenizer, Qwen2_5OmniProcessor, WhisperFeatureExtractor
 from transformers.feature_extraction_utils import BatchFeature
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-from transformers.video_processing_utils import VideoProcessorMixin
+from transformers import video_processing_utils
 
 # The processor type-checks its sub-processors against classes looked up on this module, and
-# VideoProcessorMixin is not exported there when torchvision is missing.
-setattr(processing_utils.transformers_module, "VideoProcessorMixin", VideoProcessorMixin)
+# the video base class (VideoProcessorMixin in 5.23, BaseVideoProcessor in 5.17) is not
+# exported there when torchvision is missing.
+_VIDEO_BASE_NAME = processing_utils.MODALITY_TO_BASE_CLASS_MAPPING["video_processor"]
+VideoProcessorBase = getattr(video_processing_utils, _VIDEO_BASE_NAME)
+setattr(processing_utils.transformers_module, _VIDEO_BASE_NAME, VideoProcessorBase)
 
 # transformers >= 5.2x: audio of a video passed with audio_from_video_indices; before: in order.
 NEW_OMNI_API = hasattr(processing_utils, "OmniModalProcessorMixin")
 
 
-class StubVideoProcessor(VideoProcessorMixin):
+class StubVideoProcessor(VideoProcessorBase):
     patch_size, temporal_patch_size, merge_size = 14, 2, 2
     model_input_names = ["pixel_values_videos", "video_grid_thw"]
 
-    def __init__(self):
+    def __init__(self):  # no super().__init__: the real one wants torchvision
         self.outputs: list[tuple[torch.Tensor, list[int]]] = []
 
     def __call__(self, videos=None, **kwargs):
@@ -135,4 +138,6 @@ def assert_same(ours, ref, atol=1e-5):
             )
 
 
-__all__ = ["NEW_OMNI_API", "assert_same", "make_reference", "reference_patchify", "run_reference", "transformers"]
+__all__ = [
+    "NEW_OMNI_API", "assert_same", "make_reference", "reference_patchify", "run_reference", "transformers",
+]

@@ -10,7 +10,8 @@ import numpy as np
 def sine(seconds: float, sr: int, channels: int = 1, freq: float = 440.0) -> np.ndarray:
     """[samples, channels] float32; channel c at freq * (c + 1) so a downmix is not trivial."""
     t = np.arange(int(seconds * sr)) / sr
-    return np.stack([0.4 * np.sin(2 * np.pi * freq * (c + 1) * t) for c in range(channels)], 1).astype(np.float32)
+    waves = [0.4 * np.sin(2 * np.pi * freq * (c + 1) * t) for c in range(channels)]
+    return np.stack(waves, 1).astype(np.float32)
 
 
 def audio_bytes(fmt: str, seconds: float = 1.0, sr: int = 44100, channels: int = 2) -> bytes:
@@ -22,7 +23,9 @@ def audio_bytes(fmt: str, seconds: float = 1.0, sr: int = 44100, channels: int =
     return buf.getvalue()
 
 
-def image_bytes(fmt: str = "PNG", size: tuple[int, int] = (90, 60), mode: str = "RGB", seed: int = 0) -> bytes:
+def image_bytes(
+    fmt: str = "PNG", size: tuple[int, int] = (90, 60), mode: str = "RGB", seed: int = 0
+) -> bytes:
     from PIL import Image
 
     rng = np.random.default_rng(seed)

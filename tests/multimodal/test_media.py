@@ -57,6 +57,8 @@ def test_bad_sources():
         load_image("ftp://host/x.png")
     with pytest.raises(ValueError, match="unsupported media source"):
         load_image(12345)
+    with pytest.raises(ValueError, match="not a URL, data URL or readable file"):
+        load_image(base64.b64encode(image_bytes()).decode())  # base64 without its data: prefix
 
 
 def test_local_files_policy(tmp_path):
@@ -99,6 +101,7 @@ def test_audio_from_arrays():
     stereo = sine(0.5, 8000, 2)  # [samples, channels]
     wave = load_audio((stereo.T, 8000))  # [channels, samples] with its rate
     np.testing.assert_allclose(wave, soxr.resample(stereo.mean(1), 8000, 16000, quality="HQ"), atol=1e-6)
+    np.testing.assert_array_equal(load_audio((stereo, 8000)), wave)  # [samples, channels] too
     mono = sine(0.5, 16000)[:, 0]
     np.testing.assert_array_equal(load_audio(mono), mono)  # a bare array is taken as 16 kHz
     pcm = (mono * 32767).astype(np.int16)
@@ -139,6 +142,15 @@ def test_video_sampling_and_resize():
     assert clip.audio is None
 
 
+def test_video_from_files(tmp_path):
+    path = tmp_path / "v.mp4"
+    path.write_bytes(mp4_bytes(with_audio=True))
+    clips = [load_video(s, with_audio=True) for s in (path, str(path), f"file://{path}")]
+    for clip in clips:
+        np.testing.assert_array_equal(clip.frames, clips[0].frames)
+        np.testing.assert_array_equal(clip.audio, clips[0].audio)
+
+
 def test_video_options_and_min_frames():
     data = mp4_bytes(n_frames=40, fps=10)
     clip = load_video(data, sampling=VideoSampling(fps=1.0, min_pixels=28 * 28, max_pixels=56 * 56))
@@ -148,6 +160,10 @@ def test_video_options_and_min_frames():
     assert len(clip.frames) == 10
     short = load_video(mp4_bytes(n_frames=1))  # fewer frames than 2: the frame repeats
     assert len(short.frames) == 2 and np.array_equal(short.frames[0], short.frames[1])
+    with pytest.raises(ValueError, match="must be positive"):
+        VideoSampling().updated({"fps": 0})
+    with pytest.raises(ValueError, match="unknown video option"):
+        VideoSampling().updated({"frames": 3})
 
 
 def test_video_audio_track_and_webm_like_containers():

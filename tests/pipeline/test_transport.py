@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 
 import pytest
 import torch
@@ -22,9 +23,16 @@ def shm_segments():
 
 
 @pytest.fixture
-def channels():
+def ipc_dir():
+    path = make_ipc_dir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def channels(ipc_dir):
     ctx = zmq.Context()
-    in_addr, out_addr = stage_addresses(make_ipc_dir(), 0)
+    in_addr, out_addr = stage_addresses(ipc_dir, 0)
     orch = OrchestratorChannel(ctx, in_addr, out_addr, 1024, PREFIX)
     worker = WorkerChannel(ctx, in_addr, out_addr, 1024, PREFIX)
     yield orch, worker
@@ -84,9 +92,9 @@ def test_unreceived_segments_are_swept(channels):
     assert sweep_shared_memory(PREFIX) == 1 and shm_segments() == []
 
 
-def test_messages_sent_before_the_worker_binds_are_delivered():
+def test_messages_sent_before_the_worker_binds_are_delivered(ipc_dir):
     ctx = zmq.Context()
-    in_addr, out_addr = stage_addresses(make_ipc_dir(), 1)
+    in_addr, out_addr = stage_addresses(ipc_dir, 1)
     orch = OrchestratorChannel(ctx, in_addr, out_addr, 1024, PREFIX)
     orch.send_nowait(StatsRequest(1))  # queued: no worker yet
     assert asyncio.run(orch.recv(10)) is None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import time
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ class MediaOptions:
     """Limits for fetching media. A server should set `allow_local_files=False` (or confine
     it with `local_root`): otherwise any client can make it read any file it can read."""
 
-    timeout_s: float = 10.0
+    timeout_s: float = 10.0  # for a whole download
     max_bytes: int = 256 * 1024 * 1024
     allow_local_files: bool = True
     local_root: str | None = None  # when set, local files must lie under this folder
@@ -66,6 +67,9 @@ def _fetch_http(url: str, options: MediaOptions) -> bytes:
     import httpx
 
     chunks, size = [], 0
+    # httpx's timeout bounds each network wait; the deadline bounds the whole download (a
+    # server dripping bytes would otherwise hold the request forever).
+    deadline = time.monotonic() + options.timeout_s
     try:
         with httpx.stream("GET", url, timeout=options.timeout_s, follow_redirects=True) as resp:
             if resp.status_code != 200:
@@ -77,6 +81,8 @@ def _fetch_http(url: str, options: MediaOptions) -> bytes:
                 size += len(chunk)
                 if size > options.max_bytes:  # the header can lie or be absent
                     raise MediaError(f"{url} is over the {options.max_bytes} byte limit")
+                if time.monotonic() > deadline:
+                    raise httpx.ReadTimeout("download deadline passed")
                 chunks.append(chunk)
     except httpx.TimeoutException:
         raise MediaError(f"fetching {url} timed out after {options.timeout_s} s") from None
@@ -88,13 +94,16 @@ def _fetch_http(url: str, options: MediaOptions) -> bytes:
 def _local_path(path: Path, options: MediaOptions) -> Path:
     if not options.allow_local_files:
         raise MediaError("local file paths are not allowed here; send a URL or base64 data")
-    path = path.expanduser().resolve()
-    if options.local_root is not None:
-        root = Path(options.local_root).expanduser().resolve()
-        if not path.is_relative_to(root):
-            raise MediaError(f"{path} is outside the allowed media folder")
-    if not path.is_file():
-        raise MediaError(f"no such file: {path}")
+    try:
+        path = path.expanduser().resolve()
+        if options.local_root is not None:
+            root = Path(options.local_root).expanduser().resolve()
+            if not path.is_relative_to(root):
+                raise MediaError(f"{path} is outside the allowed media folder")
+        if not path.is_file():
+            raise MediaError(f"no such file: {path}")
+    except OSError as e:  # e.g. a base64 blob sent without its "data:" prefix: name too long
+        raise MediaError(f"not a URL, data URL or readable file: {e.strerror}") from None
     return path
 
 
@@ -163,7 +172,7 @@ def load_image(source: Source, options: MediaOptions = DEFAULT_OPTIONS):
 
 
 def to_mono_resampled(wave: np.ndarray, sr: int, target_sr: int = AUDIO_SAMPLE_RATE) -> np.ndarray:
-    """[channels, samples] or [samples] float -> float32 mono at target_sr.
+    """[channels, samples], [samples, channels] or [samples] float -> float32 mono at target_sr.
 
     Channel mean then soxr "HQ": what librosa.load(sr=16000) does (the reference pipeline),
     without librosa's slow first-call warm-up.
@@ -172,7 +181,9 @@ def to_mono_resampled(wave: np.ndarray, sr: int, target_sr: int = AUDIO_SAMPLE_R
 
     wave = np.asarray(wave, dtype=np.float32)
     if wave.ndim == 2:
-        wave = wave.mean(axis=0)
+        # librosa/torchaudio give [channels, samples], soundfile [samples, channels]; there
+        # are always far fewer channels than samples.
+        wave = wave.mean(axis=0 if wave.shape[0] <= wave.shape[1] else 1)
     if wave.ndim != 1:
         raise MediaError(f"audio must be 1-D or [channels, samples], got shape {wave.shape}")
     if wave.size == 0:
@@ -231,7 +242,7 @@ def load_audio(
     """A float32 mono waveform at `target_sr`.
 
     `source`: a `(waveform, sample_rate)` tuple; a bare array or tensor (taken to be at
-    `target_sr` already; 2-D means [channels, samples]); or any `read_source` source holding
+    `target_sr` already; 2-D is multichannel, either layout); or any `read_source` source holding
     an encoded file (wav, flac, ogg, mp3, and whatever FFmpeg decodes).
     """
     if isinstance(source, tuple) and len(source) == 2:

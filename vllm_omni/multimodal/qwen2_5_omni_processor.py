@@ -146,35 +146,43 @@ class Qwen2_5OmniInputProcessor:
 
     def _finish(self, prompt_ids, items: list[MediaItem], use_audio_in_video, video_options) -> ThinkerPrompt:
         by_kind = {k: [it for it in items if it.kind == k] for k in ("image", "audio", "video")}
-        counts = ph.count_placeholders(prompt_ids, self.ids)
-        for kind, found in counts.items():
+        for kind, found in ph.count_placeholders(prompt_ids, self.ids).items():
             if found != len(by_kind[kind]):
-                raise MediaError(f"the prompt has {found} {kind} placeholder(s) but {len(by_kind[kind])} {kind} item(s)")
+                raise MediaError(
+                    f"the prompt has {found} {kind} placeholder(s) but {len(by_kind[kind])} {kind} item(s)"
+                )
         use_audio_in_video = bool(use_audio_in_video and by_kind["video"])
         mm: dict[str, torch.Tensor] = {}
 
         image_lengths = self._images(by_kind["image"], mm)
         videos = [self._load_video(it, use_audio_in_video, video_options) for it in by_kind["video"]]
         standalone = [load_audio(it.source, self.media_options) for it in by_kind["audio"]]
-        # Audio features follow the order of audio tokens in the prompt: standalone audio at its
-        # <|AUDIO|>, a video's track at its <|VIDEO|> (use_audio_in_video).
-        order, it_a, it_v = [], iter(standalone), iter(videos)
-        for token in prompt_ids:
-            if token == self.ids.audio:
-                order.append(next(it_a))
-            elif token == self.ids.video and use_audio_in_video:
-                order.append(next(it_v).audio)
-        audio_tokens = []
-        if order:
-            feats, mask = ph.whisper_features(self.feature_extractor, order)
-            mm["input_features"], mm["feature_attention_mask"] = feats, mask
-            audio_tokens = [ph.audio_tokens_for_frames(int(n)) for n in mask.sum(-1)]
-            if min(audio_tokens) <= 0:
-                raise MediaError("an audio is too short (under 0.02 s)")
-        video_expansions = self._videos(videos, prompt_ids, audio_tokens, use_audio_in_video, mm)
-        standalone_tokens = self._standalone_audio_tokens(prompt_ids, audio_tokens, use_audio_in_video)
+        # Audio features go in the order of the audio tokens in the prompt: a standalone audio
+        # at its <|AUDIO|>, a video's track at its <|VIDEO|> (use_audio_in_video). True = track.
+        from_video = [
+            t == self.ids.video
+            for t in prompt_ids
+            if t == self.ids.audio or (use_audio_in_video and t == self.ids.video)
+        ]
+        it_audio, it_video = iter(standalone), iter(videos)
+        waves = [next(it_video).audio if v else next(it_audio) for v in from_video]
+        audio_tokens = self._audio(waves, mm)
+        track_tokens = [n for n, v in zip(audio_tokens, from_video) if v]
+        video_expansions = self._videos(videos, track_tokens if use_audio_in_video else None, mm)
+        standalone_tokens = [n for n, v in zip(audio_tokens, from_video) if not v]
         ids = ph.expand(prompt_ids, self.ids, image_lengths, standalone_tokens, video_expansions)
         return ThinkerPrompt(ids, mm, use_audio_in_video)
+
+    def _audio(self, waves: list[np.ndarray], mm: dict[str, torch.Tensor]) -> list[int]:
+        """Whisper features of `waves` into mm; -> audio tokens per wave."""
+        if not waves:
+            return []
+        feats, mask = ph.whisper_features(self.feature_extractor, waves)
+        mm["input_features"], mm["feature_attention_mask"] = feats, mask
+        tokens = [ph.audio_tokens_for_frames(int(n)) for n in mask.sum(-1)]
+        if min(tokens) <= 0:  # the encoder would get an empty sequence
+            raise MediaError("an audio is too short (under 0.02 s)")
+        return tokens
 
     def _images(self, items: list[MediaItem], mm: dict[str, torch.Tensor]) -> list[int]:
         if not items:
@@ -208,7 +216,9 @@ class Qwen2_5OmniInputProcessor:
             raise MediaError("use_audio_in_video is set but a video has no audio track")
         return clip
 
-    def _videos(self, clips, prompt_ids, audio_tokens, use_audio_in_video, mm) -> list[list[int]]:
+    def _videos(self, clips, track_tokens: list[int] | None, mm) -> list[list[int]]:
+        """Patchify into mm; -> each <|VIDEO|>'s expansion (interleaved with its audio track's
+        `track_tokens` tokens when given, i.e. use_audio_in_video)."""
         if not clips:
             return []
         ip = self.image_processor
@@ -219,29 +229,19 @@ class Qwen2_5OmniInputProcessor:
             )
             pixels.append(values)
             grids.append(grid)
-            seconds.append(ip.temporal_patch_size / clip.sample_fps)
+            seconds.append(ip.temporal_patch_size / clip.sample_fps)  # time covered by one grid_t
         mm["pixel_values_videos"] = torch.cat(pixels)
         mm["video_grid_thw"] = torch.tensor(grids, dtype=torch.int64)
         mm["video_second_per_grid"] = torch.tensor(seconds, dtype=torch.float32)
-        if not use_audio_in_video:
+        if track_tokens is None:
             return [[self.ids.video] * (t * h * w // ip.merge_size**2) for t, h, w in grids]
-        # Each video's track is the audio at the same position among the prompt's audio tokens.
-        video_audio = [n for n, is_video in zip(audio_tokens, self._audio_slots(prompt_ids)) if is_video]
         return [
             ph.video_with_audio_ids(
-                self.ids, grid, ip.merge_size, sec, n_audio, self.position_id_per_seconds, self.seconds_per_chunk
+                self.ids, grid, ip.merge_size, sec, n_audio,
+                self.position_id_per_seconds, self.seconds_per_chunk,
             )
-            for grid, sec, n_audio in zip(grids, seconds, video_audio)
+            for grid, sec, n_audio in zip(grids, seconds, track_tokens)
         ]
-
-    def _audio_slots(self, prompt_ids) -> list[bool]:
-        """For each audio (in feature order): does it come from a video?"""
-        return [t == self.ids.video for t in prompt_ids if t in (self.ids.audio, self.ids.video)]
-
-    def _standalone_audio_tokens(self, prompt_ids, audio_tokens, use_audio_in_video) -> list[int]:
-        if not use_audio_in_video:
-            return audio_tokens
-        return [n for n, is_video in zip(audio_tokens, self._audio_slots(prompt_ids)) if not is_video]
 
 
 def _folder_chat_template(model_dir: Path) -> str | None:

@@ -39,9 +39,13 @@ class VideoSampling:
         if unknown:
             raise ValueError(f"unknown video option(s) {unknown}; known: {sorted(known)}")
         try:
-            return replace(self, **{k: type(getattr(self, k))(v) for k, v in options.items()})
+            values = {k: type(getattr(self, k))(v) for k, v in options.items()}
         except (TypeError, ValueError) as e:
             raise ValueError(f"bad video option value in {options}: {e}") from None
+        bad = sorted(k for k, v in values.items() if v <= 0)
+        if bad:
+            raise ValueError(f"video option(s) {bad} must be positive")
+        return replace(self, **values)
 
 
 def smart_resize(

@@ -184,13 +184,17 @@ def _mrope_section(head_dim: int) -> list[int]:
     return [half - 2 * hw, hw, hw]
 
 
-def _with_mrope(section: dict[str, Any], head_dim: int) -> None:
-    if "rope_parameters" not in section:
-        section["rope_parameters"] = {
-            "rope_type": "default",
-            "rope_theta": 1e6,
-            "mrope_section": _mrope_section(head_dim),
-        }
+def _mrope(head_dim: int) -> dict[str, Any]:
+    return {"rope_type": "default", "rope_theta": 1e6, "mrope_section": _mrope_section(head_dim)}
+
+
+def _walk_fields(path: tuple[str, ...], value: dict[str, Any]):
+    """Yield (section path, fields set there) for a nested override dict."""
+    leaves = {k for k, v in value.items() if not isinstance(v, dict) or k == "rope_parameters"}
+    yield path, leaves
+    for k, v in value.items():
+        if isinstance(v, dict) and k != "rope_parameters":
+            yield from _walk_fields((*path, k), v)
 
 
 def build_config_dict(tokenizer, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -235,12 +239,10 @@ def build_config_dict(tokenizer, overrides: dict[str, Any]) -> dict[str, Any]:
         if unset(path, field):
             section[field] = hidden
     if unset(("thinker_config", "text_config"), "rope_parameters"):
-        text.pop("rope_parameters", None)
-    _with_mrope(text, text.get("head_dim") or hidden // text["num_attention_heads"])
+        text["rope_parameters"] = _mrope(text.get("head_dim") or hidden // text["num_attention_heads"])
     talker = cfg["talker_config"]
     if unset(("talker_config",), "rope_parameters"):
-        talker.pop("rope_parameters", None)
-    _with_mrope(talker, talker["head_dim"])
+        talker["rope_parameters"] = _mrope(talker["head_dim"])
     _check_field_names(cfg, _default_config(tokenizer))
     return cfg
 
@@ -274,12 +276,3 @@ def _check_field_names(cfg: dict[str, Any], defaults: dict[str, Any]) -> None:
         unknown = sorted(set(section) - known)
         if unknown:
             raise ValueError(f"unknown field(s) {unknown} in {'.'.join(path)} ({cls_name})")
-
-
-def _walk_fields(path: tuple[str, ...], value: dict[str, Any]):
-    """Yield (section path, fields set there) for a nested override dict."""
-    leaves = {k for k, v in value.items() if not isinstance(v, dict) or k == "rope_parameters"}
-    yield path, leaves
-    for k, v in value.items():
-        if isinstance(v, dict) and k != "rope_parameters":
-            yield from _walk_fields((*path, k), v)
