@@ -12,12 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import transformers
 import transformers.processing_utils as processing_utils
-from transformers import AutoTokenizer, Qwen2_5OmniProcessor, WhisperFeatureExtractor
+from transformers import AutoTokenizer, Qwen2_5OmniProcessor, WhisperFeatureExtractor, video_processing_utils
 from transformers.feature_extraction_utils import BatchFeature
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-from transformers import video_processing_utils
 
 # The processor type-checks its sub-processors against classes looked up on this module, and
 # the video base class (VideoProcessorMixin in 5.23, BaseVideoProcessor in 5.17) is not
@@ -138,6 +136,4 @@ def assert_same(ours, ref, atol=1e-5):
             )
 
 
-__all__ = [
-    "NEW_OMNI_API", "assert_same", "make_reference", "reference_patchify", "run_reference", "transformers",
-]
+__all__ = ["NEW_OMNI_API", "assert_same", "make_reference", "reference_patchify", "run_reference"]

@@ -12,7 +12,7 @@ import soxr
 from PIL import Image
 
 from tests.multimodal.media_files import audio_bytes, image_bytes, m4a_bytes, mp4_bytes, sine
-from vllm_omni.multimodal.media import MediaError, MediaOptions, load_audio, load_image
+from vllm_omni.multimodal.media import MediaOptions, load_audio, load_image
 from vllm_omni.multimodal.video import load_video
 from vllm_omni.multimodal.vision import VideoSampling
 

@@ -96,6 +96,7 @@ class LLMEngine:
         prompt_embeds: torch.Tensor | None = None,
         return_hidden_states: bool = False,
         model_inputs: dict | None = None,
+        stream: bool = True,
     ) -> RequestOutput | None:
         """Queue a request. Returns a finished error output instead when the request cannot
         run at all (e.g. its prompt is longer than max_model_len); other requests are unaffected."""
@@ -110,6 +111,7 @@ class LLMEngine:
             prompt_embeds=prompt_embeds,
             return_hidden_states=return_hidden_states,
             model_inputs=model_inputs,
+            stream=stream,
         )
         if request.num_prompt_tokens >= self.max_model_len:
             request.error = (
@@ -162,7 +164,8 @@ class LLMEngine:
             if token is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
             self._append_token(request, token, result)
-            outputs.append(self._make_output(request))
+            if request.stream or request.status.finished:
+                outputs.append(self._make_output(request))
         return outputs
 
     def _collect_hidden_states(self, request: Request, result: RunnerOutput) -> None:

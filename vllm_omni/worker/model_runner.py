@@ -168,9 +168,11 @@ class ARModelRunner:
             query_lens.append(end - start)
             seq_lens.append(end)
         max_blocks = max(len(item.request.block_ids) for item in items)
-        block_tables = torch.zeros(len(items), max_blocks, dtype=torch.long)
-        for i, item in enumerate(items):
-            block_tables[i, : len(item.request.block_ids)] = torch.tensor(item.request.block_ids)
+        # One tensor from one padded list: a tensor per row costs ~15 us each at large batch.
+        block_tables = torch.tensor(
+            [item.request.block_ids + [0] * (max_blocks - len(item.request.block_ids)) for item in items],
+            dtype=torch.long,
+        )
         query_start = [0]
         for n in query_lens:
             query_start.append(query_start[-1] + n)

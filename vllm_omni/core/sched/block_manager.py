@@ -70,6 +70,10 @@ class BlockManager:
         return hits
 
     # --- allocation -----------------------------------------------------------
+    def has_room(self, request: Request, num_new_tokens: int) -> bool:
+        """The request's blocks already hold `num_new_tokens` more (most decode steps)."""
+        return request.num_computed_tokens + num_new_tokens <= len(request.block_ids) * self.block_size
+
     def allocate(self, request: Request, num_new_tokens: int, cached_prefix: list[int] = ()) -> bool:
         """Give the request blocks for `num_new_tokens` more tokens (after taking the cached
         prefix blocks, if any). Returns False, changing nothing, if the pool is too small."""

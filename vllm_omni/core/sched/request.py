@@ -44,6 +44,7 @@ class Request:
         prompt_embeds: torch.Tensor | None = None,
         return_hidden_states: bool = False,
         model_inputs: dict[str, Any] | None = None,
+        stream: bool = True,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: the prompt is empty")
@@ -59,6 +60,8 @@ class Request:
         # Rows replace the token embeddings of the prompt positions (a stage fed by another stage).
         self.prompt_embeds = prompt_embeds  # [num_prompt_tokens, hidden]
         self.return_hidden_states = return_hidden_states
+        # Outputs every step (streaming consumers) or only when finished (LLM.generate).
+        self.stream = stream
         # Model-specific per-request inputs (multimodal features, an upstream stage's hidden
         # states...), read by models that implement `embed_request_span` / `request_positions`.
         self.model_inputs: dict[str, Any] = dict(model_inputs or {})

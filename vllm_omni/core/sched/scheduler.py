@@ -77,7 +77,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.block_manager.allocate(request, num_new):
+            while not self.block_manager.has_room(request, num_new) and not self.block_manager.allocate(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is request:
