@@ -3,6 +3,14 @@
 They are TypedDicts (vLLM's shape), so a user's plain dict prompt and the
 `OmniTokensPrompt(prompt_token_ids=..., additional_information=...)` a bridge builds
 (spec 003) are the same kind of object.
+
+A user prompt is one of (see docs/architecture.md, "Omni prompts and modalities"):
+- `"text"` or `{"prompt": "text"}`: tokenized as is (vLLM's semantics: no chat template);
+- `{"prompt_token_ids": [...]}`;
+- `{"messages": [...chat messages...]}`: the stage-0 model's input processor applies the chat
+  template, loads the media parts and builds the model's inputs;
+- `{"prompt": "text with placeholders", "multi_modal_data": {"image": ..., "audio": ...}}`.
+Dict prompts may add `mm_processor_kwargs` (e.g. `use_audio_in_video`) and `speaker` (the voice).
 """
 from __future__ import annotations
 
@@ -15,6 +23,8 @@ from typing_extensions import NotRequired, Required  # typing has them from 3.11
 class TextPrompt(TypedDict, total=False):
     prompt: Required[str]
     multi_modal_data: NotRequired[dict[str, Any] | None]
+    mm_processor_kwargs: NotRequired[dict[str, Any] | None]
+    speaker: NotRequired[str | None]
     additional_information: NotRequired[dict[str, Any] | None]  # e.g. processed media, a voice
 
 
@@ -22,10 +32,22 @@ class TokensPrompt(TypedDict, total=False):
     prompt_token_ids: Required[list[int]]
     prompt: NotRequired[str]  # the text the ids came from, reported back in outputs
     multi_modal_data: NotRequired[dict[str, Any] | None]
+    mm_processor_kwargs: NotRequired[dict[str, Any] | None]
+    speaker: NotRequired[str | None]
+
+
+class ChatPrompt(TypedDict, total=False):
+    """OpenAI-style chat messages; content is a string or a list of text / media parts."""
+
+    messages: Required[list[dict[str, Any]]]
+    mm_processor_kwargs: NotRequired[dict[str, Any] | None]
+    speaker: NotRequired[str | None]
+    additional_information: NotRequired[dict[str, Any] | None]
 
 
 class OmniTokensPrompt(TokensPrompt, total=False):
-    """A stage's input built from upstream outputs (spec 003).
+    """A stage's input built from upstream outputs (spec 003), or a user prompt after input
+    processing (then `additional_information` holds the stage-0 model's inputs and the voice).
 
     `additional_information` carries per-request payloads to the next stage: tensors
     travel as zero-copy frames or shared memory, other values must be msgpack data
@@ -36,38 +58,64 @@ class OmniTokensPrompt(TokensPrompt, total=False):
     additional_information: NotRequired[dict[str, Any] | None]
 
 
-PromptType = Union[str, TextPrompt, TokensPrompt, OmniTokensPrompt]
+PromptType = Union[str, TextPrompt, TokensPrompt, ChatPrompt, OmniTokensPrompt]
+
+_OPTIONAL_KEYS = ("multi_modal_data", "mm_processor_kwargs", "speaker", "additional_information")
+_ALLOWED_KEYS = frozenset({"prompt", "prompt_token_ids", "messages", *_OPTIONAL_KEYS})
 
 
-def parse_prompt(prompt: Any) -> OmniTokensPrompt | TextPrompt:
-    """Validate one user prompt; a string becomes a TextPrompt. Raises ValueError on bad shapes."""
+def parse_prompt(prompt: Any) -> OmniTokensPrompt | TextPrompt | ChatPrompt:
+    """Validate the shape of one user prompt; a string becomes a TextPrompt. Raises ValueError.
+
+    Only shapes are checked here; what the keys mean for a model (media, kwargs, voices) is
+    the input processor's business (vllm_omni.multimodal.input_processors)."""
     if isinstance(prompt, str):
         return TextPrompt(prompt=prompt)
     if not isinstance(prompt, Mapping):
         raise ValueError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
-    info = prompt.get("additional_information")
-    if info is not None and not isinstance(info, Mapping):
-        raise ValueError(f"additional_information must be a dict, got {type(info).__name__}")
-    allowed = {"prompt", "prompt_token_ids", "multi_modal_data", "additional_information"}
-    unknown = sorted(set(prompt) - allowed)
+    unknown = sorted(set(prompt) - _ALLOWED_KEYS)
     if unknown:
-        raise ValueError(f"prompt has unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+        raise ValueError(f"prompt has unknown key(s) {unknown}; allowed: {sorted(_ALLOWED_KEYS)}")
+    for key in ("additional_information", "multi_modal_data", "mm_processor_kwargs"):
+        value = prompt.get(key)
+        if value is not None and not isinstance(value, Mapping):
+            raise ValueError(f"{key} must be a dict, got {type(value).__name__}")
+    speaker = prompt.get("speaker")
+    if speaker is not None and not isinstance(speaker, str):
+        raise ValueError(f"speaker must be a voice name (a string), got {type(speaker).__name__}")
+    sources = [k for k in ("prompt_token_ids", "messages") if k in prompt]
+    if len(sources) > 1 or ("messages" in prompt and "prompt" in prompt):
+        raise ValueError("a prompt has one of 'prompt', 'prompt_token_ids' or 'messages', not several "
+                         "('prompt' may accompany 'prompt_token_ids' as the text the ids came from)")
+    out: dict[str, Any]
     if "prompt_token_ids" in prompt:
         ids = prompt["prompt_token_ids"]
         if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(t, int) for t in ids):
             raise ValueError("prompt_token_ids must be a non-empty list of integers")
-        out: OmniTokensPrompt = OmniTokensPrompt(prompt_token_ids=[int(t) for t in ids])
-        for key in ("prompt", "multi_modal_data", "additional_information"):
-            if prompt.get(key) is not None:
-                out[key] = prompt[key]  # type: ignore[literal-required]
-        return out
-    if not isinstance(prompt.get("prompt"), str):
-        raise ValueError("a dict prompt needs 'prompt' (a string) or 'prompt_token_ids'")
-    out = TextPrompt(prompt=prompt["prompt"])
-    for key in ("multi_modal_data", "additional_information"):
+        out = {"prompt_token_ids": [int(t) for t in ids]}
+        if prompt.get("prompt") is not None:
+            out["prompt"] = prompt["prompt"]
+    elif "messages" in prompt:
+        messages = prompt["messages"]
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of chat messages")
+        if "multi_modal_data" in prompt:
+            raise ValueError("with 'messages', media go in the message content parts, not multi_modal_data")
+        out = {"messages": list(messages)}
+    else:
+        if not isinstance(prompt.get("prompt"), str):
+            raise ValueError("a dict prompt needs 'prompt' (a string), 'prompt_token_ids' or 'messages'")
+        out = {"prompt": prompt["prompt"]}
+    for key in _OPTIONAL_KEYS:
         if prompt.get(key) is not None:
-            out[key] = prompt[key]  # type: ignore[literal-required]
-    return out
+            out[key] = prompt[key]
+    return out  # type: ignore[return-value]
 
 
-__all__ = ["TextPrompt", "TokensPrompt", "OmniTokensPrompt", "PromptType", "parse_prompt"]
+def needs_input_processing(prompt: Mapping[str, Any]) -> bool:
+    """Whether a parsed prompt needs the model's input processor (more than a tokenizer)."""
+    return any(prompt.get(k) is not None for k in ("messages", "multi_modal_data", "mm_processor_kwargs", "speaker"))
+
+
+__all__ = ["ChatPrompt", "TextPrompt", "TokensPrompt", "OmniTokensPrompt", "PromptType", "needs_input_processing",
+           "parse_prompt"]

@@ -44,8 +44,17 @@ class OmniRequestOutput:
     """One final output of a multi-stage request: what a `final_output: true` stage produced.
 
     `request_output.outputs[0]` holds the tokens/text (text stages) or, in
-    `multimodal_output`, the tensors (e.g. audio) of that stage. A failed request's
-    output has `request_output.error` set and finish_reason "error".
+    `multimodal_output`, the tensors (e.g. audio) of that stage, CUMULATIVE: everything the
+    stage produced for the request so far. A failed request's output has
+    `request_output.error` set and finish_reason "error".
+
+    `delta` holds what this output adds to the previous output of the same stage delivered
+    for the same request: new token ids, new text, new tensor rows (tensor outputs grow by
+    chunks along dim 0, e.g. audio samples). Streaming (AsyncOmni `output_partial=True`)
+    yields `finished=False` outputs whose deltas are the step's new tokens / the new audio
+    chunk, then the `finished=True` one with the rest; without streaming the one output's
+    delta is the whole result. So `"".join(o.delta.text for o in outputs_of_a_stage)` is
+    always the final text.
     """
 
     request_id: str
@@ -53,6 +62,7 @@ class OmniRequestOutput:
     final_output_type: str  # "text" | "audio" | "image" | "video"
     request_output: RequestOutput
     finished: bool = True
+    delta: CompletionOutput | None = None
 
     @property
     def error(self) -> str | None:

@@ -214,7 +214,8 @@ DEPLOY_CASES = {
                 max_num_seqs: 0
         """, ["(platforms.npu)", "stage 0", "max_num_seqs=0", "an integer >= 1"]),
     "unknown pipeline": ("pipeline: qwen9\nstages:\n  - stage_id: 0\n",
-                         ["pipeline='qwen9'", "qwen2_5_omni | qwen3_omni_moe"]),
+                         ["pipeline='qwen9'", "qwen2_5_omni | qwen2_5_omni_single_gpu | qwen2_5_omni_thinker_only "
+                                              "| qwen3_omni_moe"]),
     "no pipeline and no model": ("stages:\n  - stage_id: 0\n    max_num_seqs: 2\n",
                                  ["needs a pipeline", "pass --model"]),
     "missing base": ("base_config: nowhere.yaml\n", ["base_config='nowhere.yaml'", "file not found"]),

@@ -51,7 +51,7 @@ def rel_err(a, b):
 
 
 @pytest.mark.parametrize("heads", [(28, 4, 128), (16, 16, 64), (32, 8, 128), (8, 1, 64)])
-@pytest.mark.parametrize("seq_lens", [[1], [17, 600, 3000, 40], [4097] * 3])
+@pytest.mark.parametrize("seq_lens", [[1], [17, 600, 3000, 40], [4097] * 3, [40000, 65]])
 def test_decode_kernel_matches_torch_backend(heads, seq_lens):
     num_heads, num_kv, head_dim = heads
     q, k, v, meta = build_case([1] * len(seq_lens), seq_lens, num_heads, num_kv, head_dim, torch.bfloat16)
@@ -59,6 +59,17 @@ def test_decode_kernel_matches_torch_backend(heads, seq_lens):
     ref = run(TorchAttentionBackend(), q.float(), k.float(), v.float(), meta, scale)
     got = run(TritonAttentionBackend(torch.bfloat16), q, k, v, meta, scale)
     assert torch.isfinite(got).all()
+    assert rel_err(got, ref) < 1e-2
+
+
+def test_decode_grid_bound_above_the_real_lengths():
+    # Under CUDA graphs the grid is sized for max_model_len; programs past a sequence's end
+    # must contribute nothing.
+    from vllm_omni.model_executor.layers.triton_attention import paged_decode_attention
+
+    q, k, v, meta = build_case([1, 1, 1], [5, 300, 1000], 28, 4, 128, torch.bfloat16)
+    ref = run(TorchAttentionBackend(), q.float(), k.float(), v.float(), meta, 0.1)
+    got = paged_decode_attention(q, k, v, meta.block_tables, meta.seq_lens, 0.1, max_seq_len=32768).float()
     assert rel_err(got, ref) < 1e-2
 
 

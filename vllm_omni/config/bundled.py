@@ -34,13 +34,18 @@ class BundledPipeline:
         return DEPLOY_DIR / f"{self.name}.yaml"
 
 
-BUNDLED_PIPELINES = ("qwen2_5_omni", "qwen3_omni_moe")
-_BY_MODEL_TYPE = {"qwen2_5_omni": "qwen2_5_omni", "qwen3_omni_moe": "qwen3_omni_moe"}
+BUNDLED_PIPELINES = ("qwen2_5_omni", "qwen2_5_omni_single_gpu", "qwen2_5_omni_thinker_only", "qwen3_omni_moe")
+_BY_MODEL_TYPE = {"qwen2_5_omni": "qwen2_5_omni", "qwen2_5_omni_thinker": "qwen2_5_omni_thinker_only",
+                  "qwen3_omni_moe": "qwen3_omni_moe"}
 _BY_ARCH = {
     "Qwen2_5OmniModel": "qwen2_5_omni",
     "Qwen2_5OmniForConditionalGeneration": "qwen2_5_omni",
+    "Qwen2_5OmniThinkerForConditionalGeneration": "qwen2_5_omni_thinker_only",
     "Qwen3OmniMoeForConditionalGeneration": "qwen3_omni_moe",
 }
+# Variants of a pipeline: without audio output (no talker / code2wav), and for one device.
+_TEXT_ONLY = {"qwen2_5_omni": "qwen2_5_omni_thinker_only"}
+_SINGLE_DEVICE = {"qwen2_5_omni": "qwen2_5_omni_single_gpu"}
 # Architectures that run as one AR stage: the usual HF names of plain decoders.
 _PLAIN_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
@@ -90,20 +95,27 @@ def _as_hf_dict(model_dir_or_hf_config: Any) -> Mapping[str, Any]:
         return read_hf_config(model_dir_or_hf_config)
     # A transformers PretrainedConfig (or anything shaped like one).
     return {"model_type": getattr(model_dir_or_hf_config, "model_type", None),
-            "architectures": getattr(model_dir_or_hf_config, "architectures", None) or []}
+            "architectures": getattr(model_dir_or_hf_config, "architectures", None) or [],
+            "enable_audio_output": getattr(model_dir_or_hf_config, "enable_audio_output", None)}
 
 
-def pipeline_for_model(model_dir_or_hf_config: Any) -> BundledPipeline | None:
+def pipeline_for_model(model_dir_or_hf_config: Any, *, audio_output: bool | None = None,
+                       num_devices: int | None = None) -> BundledPipeline | None:
     """The bundled pipeline for a model, or None for a plain LM. Other models are an error:
-    running a TTS or diffusion model as a one-stage LM would fail far from the cause."""
+    running a TTS or diffusion model as a one-stage LM would fail far from the cause.
+
+    audio_output=False (or a config with enable_audio_output: false) picks the text-only
+    variant; num_devices=1 (one visible GPU) the single-device one, where they exist."""
     hf = _as_hf_dict(model_dir_or_hf_config)
     model_type = hf.get("model_type")
     archs = list(hf.get("architectures") or [])
-    if model_type in _BY_MODEL_TYPE:
-        return BundledPipeline(_BY_MODEL_TYPE[model_type])
-    for arch in archs:
-        if arch in _BY_ARCH:
-            return BundledPipeline(_BY_ARCH[arch])
+    name = _BY_MODEL_TYPE.get(model_type) or next((_BY_ARCH[a] for a in archs if a in _BY_ARCH), None)
+    if name is not None:
+        if audio_output is False or hf.get("enable_audio_output") is False:
+            name = _TEXT_ONLY.get(name, name)
+        elif num_devices == 1:
+            name = _SINGLE_DEVICE.get(name, name)
+        return BundledPipeline(name)
     if any(a.endswith(_PLAIN_LM_SUFFIXES) for a in archs):
         return None
     raise ConfigError(f"no bundled stage config for model_type={model_type!r}, architectures={archs}",

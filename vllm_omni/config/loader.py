@@ -10,13 +10,15 @@ Precedence, highest first (DESIGN 6):
   bundled pipeline found from --model. The pipeline's stage_args YAML is the
   "bundled defaults" layer and fixes the topology.
 - No file: the model's bundled deploy YAML over its bundled pipeline, or a
-  one-stage pipeline for a plain causal LM.
+  one-stage pipeline for a plain causal LM. The bundled pipeline has variants: text only
+  when `output_modalities` leaves audio out (or the checkpoint has no audio output), one
+  device when only one GPU is visible.
 """
 from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,6 +45,7 @@ def load_pipeline_config(
     cli_stage_id: int | None = None,
     async_chunk: bool | None = None,
     platform: str = "cuda",
+    output_modalities: Sequence[str] | None = None,
 ) -> PipelineConfig:
     """Read, merge and validate everything; raise ConfigError on the first problem.
 
@@ -51,9 +54,11 @@ def load_pipeline_config(
     expected_format: "legacy" for --stage-configs-path, "deploy" for --deploy-config.
     cli_args: explicitly given engine flags (None values are skipped); cli_stage_id limits
     them to one stage. async_chunk: --async-chunk / --no-async-chunk (None: keep the YAML's).
+    output_modalities: what the caller will ever ask for (picks a bundled variant; no effect on a file).
     """
     if path is None:
-        layers, fmt, source, name = _bundled_layers(model, platform)
+        audio = None if output_modalities is None else "audio" in output_modalities
+        layers, fmt, source, name = _bundled_layers(model, platform, audio, _visible_devices(platform))
     else:
         layers, fmt, source, name = _file_layers(Path(path), model, expected_format, platform)
     layers.append(cli_flags_layer(cli_args, stage_id=cli_stage_id))
@@ -109,11 +114,19 @@ def _file_layers(path: Path, model: ModelRef, expected: str | None, platform: st
     return [topo, *chain.layers], ConfigFormat.DEPLOY, source, name
 
 
-def _bundled_layers(model: ModelRef, platform: str):
+def _visible_devices(platform: str) -> int | None:
+    if platform != "cuda":
+        return None
+    import torch
+
+    return torch.cuda.device_count()  # asks the driver; creates no CUDA context
+
+
+def _bundled_layers(model: ModelRef, platform: str, audio_output: bool | None, num_devices: int | None):
     if model is None:
         raise ConfigError("no stage config given and no model to find a bundled one for",
                           allowed="a config file path or --model")
-    pipeline = bundled.pipeline_for_model(model)
+    pipeline = bundled.pipeline_for_model(model, audio_output=audio_output, num_devices=num_devices)
     if pipeline is None:
         return [_single_stage_layer(model)], ConfigFormat.SINGLE_STAGE, _single_stage_source(model), None
     topo = _legacy_file_layer(pipeline.legacy_path, bundled_default=True)

@@ -48,6 +48,10 @@ class LLMEngine:
             config.model, self.hf_config, self.dtype, self.device, config.architecture, config.model_stage,
             config.load_format,
         )
+        # Optional model hook: finished_request_outputs(request) -> {key: CPU tensor}, what the
+        # model made for a request besides tokens (Qwen3-Omni's talker: its codec frames), added
+        # to the finished request's multimodal_output.
+        self.model_request_outputs = getattr(self.model, "finished_request_outputs", None)
         # A stage model whose vocabulary is not the tokenizer's (a talker's codec) names its own EOS.
         self.eos_token_ids = tuple(getattr(self.model, "eos_token_ids", ()) or self.eos_token_ids)
         plan = plan_kv_cache(config, self.model, self.hf_config, self.dtype, self.device)
@@ -216,6 +220,8 @@ class LLMEngine:
         )
         if finished and request.hidden_chunks:
             completion.multimodal_output = {key: torch.cat(chunks) for key, chunks in request.hidden_chunks.items()}
+        if finished and self.model_request_outputs is not None:
+            completion.multimodal_output.update(self.model_request_outputs(request))
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,

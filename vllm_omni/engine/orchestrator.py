@@ -23,6 +23,7 @@ import zmq
 
 from vllm_omni.config.stage_config import PipelineConfig, StageConfig
 from vllm_omni.engine.messages import AbortRequests, StageOutput, StageOutputBatch, StageRequest, StageStats
+from vllm_omni.engine.request_plan import RequestPlan
 from vllm_omni.engine.request_state import RequestDone, RequestSink, RequestState
 from vllm_omni.engine.stage_client import StageClient, StageDownError, StageHealth, StageState
 from vllm_omni.engine.stage_input import build_stage_input, resolve_input_processor
@@ -48,10 +49,11 @@ class RuntimeOptions:
 @dataclass
 class Submission:
     request_id: str
-    prompt: Any  # parsed prompt (inputs.parse_prompt), handed to bridges
+    prompt: Any  # the processed prompt (OmniTokensPrompt), handed to bridges
     prompt_token_ids: list[int]
     params: list[SamplingParams]  # one per stage
     sink: RequestSink
+    plan: RequestPlan  # which stages run, which outputs are returned
 
 
 class Orchestrator:
@@ -63,7 +65,8 @@ class Orchestrator:
         self.stages: dict[int, StageConfig] = {s.stage_id: s for s in pipeline.stages}
         self._downstream = {sid: [s.stage_id for s in pipeline.stages if sid in s.engine_input_source]
                             for sid in self.stages}
-        self._bridges = {s.stage_id: resolve_input_processor(s) for s in pipeline.stages if s.engine_input_source}
+        self._bridges = {s.stage_id: resolve_input_processor(s, model) for s in pipeline.stages
+                         if s.engine_input_source}
         self.clients: dict[int, StageClient] = {}
         self._requests: dict[str, RequestState] = {}  # internal key -> state
         self._keys: dict[str, str] = {}  # user request id -> internal key
@@ -125,8 +128,11 @@ class Orchestrator:
         # Stages on one host share its cores; without a limit each would use all of them.
         if "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in stage.runtime.env_dict():
             return None
+        # One core stays with this process (prompt and media processing, routing): a stage whose
+        # OpenMP threads compete with it for every core spin-waits, measured 30-50x slower per
+        # step on a 2-core machine (one stage with 2 threads vs 1).
         num_processes = sum(1 for s in self.pipeline.stages if s.runtime.process)
-        return max(1, (os.cpu_count() or 1) // max(1, num_processes))
+        return max(1, ((os.cpu_count() or 1) - 1) // max(1, num_processes))
 
     async def close(self) -> None:
         for state in list(self._requests.values()):
@@ -156,12 +162,15 @@ class Orchestrator:
             sub.sink.put(RequestDone(sub.request_id, error=reason, failed_stage=down[0].stage_id))
             return
         key = f"{sub.request_id}#{next(self._counter)}"
-        state = RequestState(sub.request_id, key, sub.prompt, sub.prompt_token_ids, sub.params, sub.sink)
+        state = RequestState(sub.request_id, key, sub.prompt, sub.prompt_token_ids, sub.params, sub.sink,
+                             stages=sub.plan.stages, output_stages=sub.plan.outputs)
         self._requests[key] = state
         self._keys[sub.request_id] = key
         text = sub.prompt.get("prompt")
         info = dict(sub.prompt.get("additional_information") or {})
         for stage in self.pipeline.entry_stages:
+            if stage.stage_id not in state.stages:
+                continue
             if not self._send(state, stage.stage_id, sub.prompt_token_ids, text, info,
                               sub.prompt.get("multi_modal_data")):
                 return
@@ -214,16 +223,18 @@ class Orchestrator:
             return
         state.apply(stage_id, out)
         stage = self.stages[stage_id]
-        if stage.final_output and (out.finished or state.sink.wants_partial):
+        if stage_id in state.output_stages and (out.finished or state.sink.wants_partial):
             state.sink.put(state.final_output(stage_id, stage.final_output_type.value, partial=not out.finished))
         if not out.finished:
             return
         self._count(state, stage_id)
         for dst in self._downstream[stage_id]:
-            if all(src in state.finished_stages for src in self.stages[dst].engine_input_source):
+            # Stages no requested output needs do not run (request_plan).
+            sources = self.stages[dst].engine_input_source
+            if dst in state.stages and all(src in state.finished_stages for src in sources):
                 if not self._forward(state, dst):
                     return
-        if len(state.finished_stages) == len(self.stages):
+        if state.done:
             self._drop(state, abort_in_stages=False)
             if self.options.log_stats:
                 logger.info(state.timing_summary({sid: c.name for sid, c in self.clients.items()}))

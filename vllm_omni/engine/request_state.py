@@ -38,6 +38,20 @@ class StageTiming:
     finished_at: float | None = None
 
 
+def _rows(tensor: torch.Tensor) -> int:
+    return tensor.shape[0] if tensor.dim() else 1  # a scalar counts as one row
+
+
+@dataclass
+class _Delivered:
+    """How much of one stage's output the caller has received."""
+
+    text: int = 0
+    tokens: int = 0
+    logprobs: int = 0
+    rows: dict[str, int] = field(default_factory=dict)  # tensor rows per multimodal_output key
+
+
 @dataclass
 class RequestState:
     request_id: str  # the user's id
@@ -46,10 +60,17 @@ class RequestState:
     prompt_token_ids: list[int]
     params: list[SamplingParams]  # one per stage
     sink: RequestSink
+    stages: frozenset[int]  # the stages that run for this request (request_plan.RequestPlan)
+    output_stages: frozenset[int]  # the final stages whose outputs go to the caller
     arrived_at: float = field(default_factory=time.monotonic)
     outputs: dict[int, RequestOutput] = field(default_factory=dict)  # stage id -> accumulated output
     finished_stages: set[int] = field(default_factory=set)
     timings: dict[int, StageTiming] = field(default_factory=dict)
+    delivered: dict[int, _Delivered] = field(default_factory=dict)  # stage id -> what the caller has
+
+    @property
+    def done(self) -> bool:
+        return self.finished_stages >= self.stages
 
     def start_stage(self, stage_id: int, prompt_token_ids: list[int], prompt: str | None) -> None:
         self.outputs[stage_id] = RequestOutput(
@@ -73,9 +94,10 @@ class RequestState:
         comp.finish_reason = delta.finish_reason
         comp.stop_reason = delta.stop_reason
         for key, tensor in delta.multimodal_output.items():
-            # Tensor deltas of streaming stages are chunks along the first dimension.
+            # Tensor deltas of streaming stages are chunks along the first dimension; a 0-dim
+            # tensor is metadata (e.g. an audio sample rate) and replaces the previous value.
             prev = comp.multimodal_output.get(key)
-            comp.multimodal_output[key] = tensor if prev is None else torch.cat([prev, tensor])
+            comp.multimodal_output[key] = tensor if prev is None or tensor.dim() == 0 else torch.cat([prev, tensor])
         out.finished = delta.finished
         out.error = delta.error
         timing = self.timings[stage_id]
@@ -93,7 +115,28 @@ class RequestState:
             out = copy.copy(out)
             out.outputs = [copy.copy(out.outputs[0])]
             out.outputs[0].token_ids = list(out.outputs[0].token_ids)
-        return OmniRequestOutput(self.request_id, stage_id, final_output_type, out, finished=out.finished)
+            out.outputs[0].multimodal_output = dict(out.outputs[0].multimodal_output)
+        return OmniRequestOutput(self.request_id, stage_id, final_output_type, out, finished=out.finished,
+                                 delta=self._delta(stage_id, out.outputs[0]))
+
+    def _delta(self, stage_id: int, comp: CompletionOutput) -> CompletionOutput:
+        """What the caller has not seen yet of a stage's output (see OmniRequestOutput.delta)."""
+        seen = self.delivered.setdefault(stage_id, _Delivered())
+        new_tensors = {}
+        for key, tensor in comp.multimodal_output.items():
+            start = seen.rows.get(key, 0)
+            if _rows(tensor) > start:
+                new_tensors[key] = tensor[start:] if tensor.dim() else tensor
+            seen.rows[key] = _rows(tensor)
+        delta = CompletionOutput(
+            index=comp.index, text=comp.text[seen.text:], token_ids=comp.token_ids[seen.tokens:],
+            cumulative_logprob=comp.cumulative_logprob,
+            logprobs=comp.logprobs[seen.logprobs:] if comp.logprobs is not None else None,
+            finish_reason=comp.finish_reason, stop_reason=comp.stop_reason, multimodal_output=new_tensors,
+        )
+        seen.text, seen.tokens = len(comp.text), len(comp.token_ids)
+        seen.logprobs = len(comp.logprobs) if comp.logprobs is not None else 0
+        return delta
 
     def timing_summary(self, names: dict[int, str]) -> str:
         now = time.monotonic()

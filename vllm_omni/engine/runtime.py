@@ -12,16 +12,18 @@ import atexit
 import logging
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from vllm_omni.config.stage_config import PipelineConfig
 from vllm_omni.engine.orchestrator import Orchestrator, RuntimeOptions, Submission
+from vllm_omni.engine.request_plan import check_modalities, plan_request
 from vllm_omni.engine.request_state import RequestSink
 from vllm_omni.engine.stage_client import StageHealth
 from vllm_omni.engine.stage_init_utils import prepare_engine_environment
 from vllm_omni.engine.messages import StageStats
-from vllm_omni.inputs import parse_prompt
+from vllm_omni.inputs import needs_input_processing, parse_prompt
 from vllm_omni.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -30,12 +32,18 @@ _START_MARGIN_S = 60.0  # teardown after a failed start, beyond init_timeout
 
 
 class OmniRuntime:
-    def __init__(self, pipeline: PipelineConfig, model: str, options: RuntimeOptions) -> None:
+    def __init__(self, pipeline: PipelineConfig, model: str, options: RuntimeOptions,
+                 output_modalities: Sequence[str] | None = None) -> None:
         prepare_engine_environment()
         self.pipeline = pipeline
         self.model = model
         self.options = options
+        # The modalities a request gets when it names none (None: every final output).
+        self.default_modalities = check_modalities(pipeline, output_modalities)
         self._tokenizer: Any = None
+        self._input_processor: Any = None
+        # Tokenizers are not safe to share between threads (AsyncOmni prepares in worker threads).
+        self._processing = threading.Lock()
         self._closed = False
         self.orchestrator = Orchestrator(pipeline, model, options)  # validates before anything starts
         self._loop = asyncio.new_event_loop()
@@ -43,11 +51,38 @@ class OmniRuntime:
         self._thread.start()
         future = asyncio.run_coroutine_threadsafe(self.orchestrator.start(), self._loop)
         try:
+            # The caller's half of the startup runs while the stages load their models.
+            self._input_processor = self._load_input_processor()
+        except BaseException:
+            self._abandon_start(future)
+            raise
+        try:
             future.result(timeout=options.init_timeout_s + _START_MARGIN_S)
         except BaseException:
             self._stop_loop()
             raise
         atexit.register(self.close)
+
+    def _abandon_start(self, future: Any) -> None:
+        # Let the start finish (or fail) so that close() meets stages in a known state.
+        try:
+            future.result(timeout=self.options.init_timeout_s + _START_MARGIN_S)
+        except BaseException:  # noqa: BLE001 - the caller's own error is the one to report
+            self._stop_loop()
+            return
+        self.close()
+
+    def _load_input_processor(self) -> Any:
+        """The entry stage's input processor, by its model architecture (multimodal.input_processors)."""
+        from vllm_omni.config.bundled import read_hf_config
+        from vllm_omni.multimodal.input_processors import TextInputProcessor, get_input_processor
+
+        entry = self.pipeline.entry_stages[0]
+        path = entry.engine_args.model or self.model
+        hf_config = read_hf_config(path) if (Path(path) / "config.json").is_file() else None
+        if hf_config is None:  # e.g. a hub id resolved by the stage itself: text prompts only
+            return TextInputProcessor(self.tokenizer, model_name=path)
+        return get_input_processor(path, hf_config, self.tokenizer, architecture=entry.engine_args.model_arch)
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -65,13 +100,19 @@ class OmniRuntime:
         self._thread.join(timeout=self.options.shutdown_timeout_s)
 
     # --- requests (any thread) ------------------------------------------------
-    def prepare(self, request_id: str, prompt: Any, sampling_params_list: Any, sink: RequestSink) -> Submission:
-        """Validate and tokenize in the caller's thread; raises ValueError on bad input."""
+    def prepare(self, request_id: str, prompt: Any, sampling_params_list: Any, sink: RequestSink,
+                modalities: Sequence[str] | None = None) -> Submission:
+        """Validate and process a prompt in the caller's thread (chat template, media, features);
+        raises ValueError on bad input, before anything is queued."""
+        plan = plan_request(self.pipeline, modalities if modalities is not None else self.default_modalities)
+        params = self.resolve_params(sampling_params_list)
         parsed = parse_prompt(prompt)
-        ids = parsed.get("prompt_token_ids")
-        if ids is None:
-            ids = self._tokenize(parsed["prompt"])
-        return Submission(request_id, parsed, list(ids), self.resolve_params(sampling_params_list), sink)
+        if "prompt_token_ids" in parsed and not needs_input_processing(parsed):
+            processed = parsed  # nothing to do: skip the processor's lock
+        else:
+            with self._processing:
+                processed = self._input_processor.process(parsed)
+        return Submission(request_id, processed, list(processed["prompt_token_ids"]), params, sink, plan)
 
     def submit(self, sub: Submission) -> None:
         self._call_soon(self.orchestrator.submit, sub)
@@ -113,16 +154,6 @@ class OmniRuntime:
                 raise ValueError(f"stage {stage.stage_id}: sampling params must be SamplingParams, a dict or None, "
                                  f"got {type(item).__name__}")
         return out
-
-    def _tokenize(self, text: str) -> list[int]:
-        """String prompts are tokenized here, in the caller's process, with the tokenizer of
-        the first comprehension stage (spec 000 `is_comprehension`); stages get token ids."""
-        tokenizer = self.tokenizer
-        if tokenizer is None:
-            raise ValueError("no stage has is_comprehension: true, so string prompts cannot be tokenized; "
-                             "pass {'prompt_token_ids': [...]}")
-        # Same rule as `LLM`: chat templates carry their own special tokens.
-        return tokenizer.encode(text, add_special_tokens=False)
 
     @property
     def tokenizer(self) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from vllm_omni.config.stage_config import StageConfig
@@ -40,9 +41,17 @@ def default_input_processor(
     ]
 
 
-def resolve_input_processor(stage: StageConfig) -> tuple[InputProcessor, str]:
-    """The stage's bridge and a name for messages; import errors name the stage."""
+def resolve_input_processor(stage: StageConfig, model: str | None = None) -> tuple[InputProcessor, str]:
+    """The stage's bridge and a name for messages; import errors name the stage.
+
+    No custom_process_input_func: the stage model's own default bridge if the registry has
+    one (looked up by model_arch, else the architecture in `model`'s config.json), else the
+    spec 003 default."""
     path = stage.custom_process_input_func
+    if path is None:
+        from vllm_omni.model_executor.models.registry import default_stage_input_processor
+
+        path = default_stage_input_processor(_architecture(stage, model), stage.model_stage)
     if path is None:
         return default_input_processor, "the default input processor"
     try:
@@ -52,6 +61,17 @@ def resolve_input_processor(stage: StageConfig) -> tuple[InputProcessor, str]:
     if not callable(fn):
         raise ValueError(f"stage {stage.stage_id}: custom_process_input_func {path!r} is not callable")
     return fn, path
+
+
+def _architecture(stage: StageConfig, model: str | None) -> str | None:
+    if stage.engine_args.model_arch is not None:
+        return stage.engine_args.model_arch
+    folder = stage.engine_args.model or model
+    if folder is None or not (Path(folder) / "config.json").is_file():
+        return None  # nothing to look up: the stage keeps the spec 003 default
+    from vllm_omni.config.bundled import model_architecture
+
+    return model_architecture(folder)
 
 
 def build_stage_input(

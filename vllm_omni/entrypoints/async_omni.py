@@ -3,6 +3,8 @@
     omni = AsyncOmni(model="Qwen/Qwen2.5-Omni-7B")
     async for out in omni.generate("Hello", request_id="r1"):
         ...  # one OmniRequestOutput per final-output stage, as each finishes
+    async for out in omni.generate(prompt, request_id="r2", modalities=["text"], output_partial=True):
+        print(out.delta.text, end="")  # streamed text; out.finished marks the last one
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Any
 
 from vllm_omni.config.stage_config import PipelineConfig
 from vllm_omni.engine.messages import StageStats
+from vllm_omni.engine.request_plan import available_modalities
 from vllm_omni.engine.request_state import RequestDone
 from vllm_omni.engine.stage_client import StageHealth
 from vllm_omni.entrypoints.omni import start_runtime
@@ -33,9 +36,8 @@ class RequestFailedError(RuntimeError):
 
 
 class _AsyncSink:
-    wants_partial = False
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, wants_partial: bool = False) -> None:
+        self.wants_partial = wants_partial
         self.loop = loop
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
 
@@ -57,11 +59,13 @@ class AsyncOmni:
         init_timeout: float = 600,
         shm_threshold_bytes: int = 65536,
         log_stats: bool = False,
+        output_modalities: Sequence[str] | None = None,
         **engine_args: Any,
     ) -> None:
         # Startup blocks (stages load their models); run it in a thread from async code.
+        # output_modalities: as for Omni (picks a bundled variant; generate's default).
         self._runtime = start_runtime(model, stage_configs_path, deploy_config, stage_overrides, stage_init_timeout,
-                                      init_timeout, shm_threshold_bytes, log_stats, engine_args)
+                                      init_timeout, shm_threshold_bytes, log_stats, engine_args, output_modalities)
 
     @property
     def pipeline(self) -> PipelineConfig:
@@ -70,20 +74,38 @@ class AsyncOmni:
     def get_tokenizer(self) -> Any:
         return self._runtime.tokenizer
 
+    @property
+    def output_modalities(self) -> list[str]:
+        """What generate can return (the pipeline's final output types, e.g. ["text", "audio"])."""
+        return self._runtime.default_modalities or available_modalities(self.pipeline)
+
     async def generate(
         self,
         prompt: Any,
         sampling_params_list: Sequence[Any] | None = None,
+        *,
         request_id: str | None = None,
+        modalities: Sequence[str] | None = None,
+        output_partial: bool = False,
     ) -> AsyncIterator[OmniRequestOutput]:
         """Yield each final-output stage's OmniRequestOutput as it finishes.
 
-        Raises RequestFailedError when a stage fails the request; closing the generator
-        early (e.g. the client disconnected) aborts the request in every stage.
+        `modalities`: as in Omni.generate (only these outputs; only the stages they need).
+        `output_partial`: also yield `finished=False` outputs of the final stages as they grow
+        (text: every step; audio: every chunk), each with the cumulative output in
+        `request_output` and the new part in `delta` (OmniRequestOutput's docstring).
+
+        The prompt is processed (chat template, media, features) in a worker thread, so the
+        caller's loop keeps serving; a bad prompt raises ValueError from the first iteration,
+        before anything is queued. Raises RequestFailedError when a stage fails the request;
+        closing the generator early (e.g. the client disconnected) aborts the request in
+        every stage.
         """
         request_id = request_id or f"omni-{uuid.uuid4().hex}"
-        sink = _AsyncSink(asyncio.get_running_loop())
-        self._runtime.submit(self._runtime.prepare(request_id, prompt, sampling_params_list, sink))
+        sink = _AsyncSink(asyncio.get_running_loop(), wants_partial=output_partial)
+        sub = await asyncio.to_thread(self._runtime.prepare, request_id, prompt, sampling_params_list, sink,
+                                      modalities)
+        self._runtime.submit(sub)
         done = False
         try:
             while True:

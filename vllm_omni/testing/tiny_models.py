@@ -42,7 +42,9 @@ BASE_TEXT_CONFIG: dict[str, Any] = dict(
     dtype="float32",
 )
 
-DEMO_MODEL_NAME = "demo-qwen3-v1"
+# The embedded demo models, by arch: versioned folder names, so a changed builder gets a new folder.
+DEMO_MODEL_NAMES = {"qwen2_5_omni": "demo-qwen2_5_omni-v1", "qwen3": "demo-qwen3-v1"}
+DEMO_ARCH = "qwen2_5_omni"  # what `vllm-omni generate` / `serve` run without a model
 
 
 def register_arch(name: str) -> Callable[[ArchBuilder], ArchBuilder]:
@@ -165,19 +167,23 @@ def cache_dir() -> Path:
     return Path(os.environ.get("VLLM_OMNI_CACHE") or Path.home() / ".cache" / "vllm_omni")
 
 
-def demo_model_path() -> Path:
-    """The embedded demo model: a tiny qwen3 (seed 0), built once into the cache dir.
+def demo_model_path(arch: str = DEMO_ARCH) -> Path:
+    """An embedded demo model (seed 0), built once into the cache dir: by default the tiny
+    Qwen2.5-Omni (text + speech out), "qwen3" for a plain text LM.
 
     Safe against concurrent builders: each builds into its own temp dir and renames it into
     place; the folder therefore exists only when complete, and a losing builder discards its copy.
     """
-    target = cache_dir() / DEMO_MODEL_NAME
+    if arch not in DEMO_MODEL_NAMES:
+        raise ValueError(f"no demo model for {arch!r}; available: {sorted(DEMO_MODEL_NAMES)}")
+    name = DEMO_MODEL_NAMES[arch]
+    target = cache_dir() / name
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_NAME}.tmp-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=target.parent))
     try:
-        make_tiny_model("qwen3", tmp, seed=0)
+        make_tiny_model(arch, tmp, seed=0)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -191,3 +197,4 @@ def demo_model_path() -> Path:
 # Builders living in their own modules register themselves on import. Imported last: they use
 # the helpers above.
 from vllm_omni.testing import tiny_omni  # noqa: E402,F401  (registers "qwen2_5_omni")
+from vllm_omni.testing import tiny_qwen3_omni  # noqa: E402,F401  (registers "qwen3_omni_moe")

@@ -47,13 +47,21 @@ class DecodeGraphs:
         self.capture_layers = capture_layers
         n = self.sizes[-1]
         max_blocks = -(-max_model_len // block_size)
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros((3, n) if mrope else (n,), dtype=torch.long, device=device)
+        # Per-token inputs in one [rows, n] buffer so a step needs one host-to-device copy:
+        # row 0 ids, 1 slots, 2 KV lengths, 3 (or 3..5 for M-RoPE) positions.
+        self.mrope = mrope
+        self.token_rows = torch.zeros(6 if mrope else 4, n, dtype=torch.long, device=device)
+        self.staging = torch.zeros(self.token_rows.shape, dtype=torch.long, pin_memory=True)
+        self.input_ids, self.slot_mapping, self.seq_lens = self.token_rows[0], self.token_rows[1], self.token_rows[2]
+        self.positions = self.token_rows[3:6] if mrope else self.token_rows[3]
+        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.long, device=device)
+        self.block_staging = torch.zeros(self.block_tables.shape, dtype=torch.long, pin_memory=True)
+        # numpy views of the pinned buffers: filling rows from Python lists through numpy
+        # costs ~1 us a row, through torch.tensor ~15 us.
+        self.staging_np = self.staging.numpy()
+        self.block_staging_np = self.block_staging.numpy()
         dtype = next(model.parameters()).dtype
         self.inputs_embeds = torch.zeros(n, model.hidden_size, dtype=dtype, device=device) if embeds else None
-        self.slot_mapping = torch.zeros(n, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.long, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.long, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]] = {}
@@ -84,6 +92,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         self.slot_mapping.fill_(self.scratch_block * self.block_size)
+        self.seq_lens.fill_(1)
         self.block_tables.fill_(self.scratch_block)
         for b in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool memory
             self._run(b)  # warm-up: Triton compiles and autotunes outside the capture
@@ -99,21 +108,39 @@ class DecodeGraphs:
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
 
-    def replay(self, input_ids, positions, inputs_embeds, slot_mapping, block_tables, seq_lens):
-        """All arguments are device tensors for the real batch b; returns (hidden, logits, captured)[:b]."""
-        b = input_ids.shape[0]
+    def replay(
+        self,
+        input_ids: list[int],
+        positions: list[int] | torch.Tensor,  # host list, or [3, b] device tensor (M-RoPE)
+        inputs_embeds: torch.Tensor | None,
+        slot_mapping: list[int],
+        block_rows: list[list[int]],
+        seq_lens: list[int],
+    ):
+        """Run the graph for the real batch b (padded to its bucket); returns
+        (hidden, logits, captured)[:b]. Padding is written on the host: padded rows read and
+        write only the scratch block."""
+        b = len(input_ids)
         size = next(s for s in self.sizes if s >= b)
-        self.input_ids[:b].copy_(input_ids)
-        self.positions[..., :b].copy_(positions)
+        staging = self.staging_np
+        staging[:, b:size] = 0
+        staging[1, b:size] = self.scratch_block * self.block_size
+        staging[2, b:size] = 1
+        staging[0, :b] = input_ids
+        staging[1, :b] = slot_mapping
+        staging[2, :b] = seq_lens
+        if not isinstance(positions, torch.Tensor):
+            staging[3:, :b] = positions
+        blocks = self.block_staging_np
+        blocks[b:size] = self.scratch_block
+        for i, row in enumerate(block_rows):
+            blocks[i, : len(row)] = row
+        self.token_rows[:, :size].copy_(self.staging[:, :size], non_blocking=True)
+        self.block_tables[:size].copy_(self.block_staging[:size], non_blocking=True)
+        if isinstance(positions, torch.Tensor):
+            self.positions[..., :b].copy_(positions)
         if self.inputs_embeds is not None:
             self.inputs_embeds[:b].copy_(inputs_embeds)
-        self.slot_mapping[:b].copy_(slot_mapping)
-        self.slot_mapping[b:size].fill_(self.scratch_block * self.block_size)
-        width = block_tables.shape[1]
-        self.block_tables[:b, :width].copy_(block_tables)
-        self.block_tables[b:size].fill_(self.scratch_block)
-        self.seq_lens[:b].copy_(seq_lens)
-        self.seq_lens[b:size].fill_(1)
         self.graphs[size].replay()
         hidden, logits, captured = self.outputs[size]
         return hidden[:b], logits[:b], {k: v[:b] for k, v in captured.items()}

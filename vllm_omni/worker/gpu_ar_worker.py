@@ -69,12 +69,17 @@ def exported_hidden_state_layers(model: str, stage: StageConfig) -> tuple[int, .
 
     from vllm_omni.model_executor.models.registry import resolve_model_class
 
+    config = AutoConfig.from_pretrained(model)
     arch = stage.engine_args.model_arch
     if arch is None:
-        architectures = AutoConfig.from_pretrained(model).architectures or []
+        architectures = config.architectures or []
         if not architectures:
             return DEFAULT_EXPORTED_LAYERS
         arch = architectures[0]
     model_cls = resolve_model_class(arch, stage.engine_args.model_stage)
-    # A capability of the model class, not a config value: absent means the default.
+    # Some layers depend on the checkpoint (Qwen3-Omni's accept_hidden_layer): ask the class.
+    layers_for = getattr(model_cls, "hidden_state_layers_for", None)
+    if layers_for is not None:
+        return tuple(layers_for(config))
+    # Otherwise a capability of the model class; absent means the default.
     return tuple(getattr(model_cls, "hidden_state_layers", DEFAULT_EXPORTED_LAYERS))

@@ -71,6 +71,12 @@ class ARModelRunner:
         self.num_blocks = num_blocks
         self.hidden_state_layers = tuple(hidden_state_layers)
         self.sampler = Sampler()
+        # Optional model hook for models whose step goes on past sampling: Qwen3-Omni's talker
+        # runs its code predictor on each sampled row. Called as on_tokens_sampled(requests,
+        # hidden [B, H], token_ids) with the final hidden states that produced the B sampled
+        # tokens, before the engine appends them (`request.num_output_tokens` is the new
+        # token's index). Results stay in `request.model_state` (they survive preemption).
+        self.on_tokens_sampled = getattr(model, "on_tokens_sampled", None)
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.backend = select_attention_backend(device, dtype)
         for layer in self.attention_layers:
@@ -120,16 +126,14 @@ class ARModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         items = sched.scheduled
-        inputs = self._prepare(items)
         want_hidden = any(item.request.return_hidden_states for item in items)
-        decode_only = inputs.meta.max_query_len == 1
+        decode_only = all(item.num_new_tokens == 1 for item in items)
         if self.graphs is not None and decode_only and self.graphs.fits(len(items)):
-            meta = inputs.meta
-            hidden, all_logits, captured = self.graphs.replay(
-                inputs.input_ids, inputs.positions, inputs.inputs_embeds,
-                meta.slot_mapping, meta.block_tables, meta.seq_lens,
-            )
+            hidden, all_logits, captured = self._replay_decode_graph(items)
+            query_start = list(range(len(items) + 1))
         else:
+            inputs = self._prepare(items)
+            query_start = inputs.query_start
             inputs.meta.backend_state = self.backend.prepare(inputs.meta)
             capture = self.hidden_state_layers if want_hidden else ()
             with set_forward_context(inputs.meta):
@@ -140,16 +144,36 @@ class ARModelRunner:
 
         out = RunnerOutput()
         if want_hidden:
-            self._slice_hidden_states(items, inputs.query_start, hidden, captured, out)
+            self._slice_hidden_states(items, query_start, hidden, captured, out)
         sample_rows = [i for i, item in enumerate(items) if item.completes_sequence]
         if sample_rows:
             if all_logits is not None:  # decode graph: every row samples
-                logits = all_logits
+                logits, sampled_hidden = all_logits, hidden
             else:
-                last_token_idx = torch.tensor([inputs.query_start[i + 1] - 1 for i in sample_rows], device=self.device)
-                logits = self.model.compute_logits(hidden[last_token_idx])
-            self._sample([items[i].request for i in sample_rows], logits, out)
+                last_token_idx = torch.tensor([query_start[i + 1] - 1 for i in sample_rows], device=self.device)
+                sampled_hidden = hidden[last_token_idx]
+                logits = self.model.compute_logits(sampled_hidden)
+            reqs = [items[i].request for i in sample_rows]
+            self._sample(reqs, logits, out)
+            if self.on_tokens_sampled is not None:
+                self.on_tokens_sampled(reqs, sampled_hidden, [out.sampled[r.request_id] for r in reqs])
         return out
+
+    def _replay_decode_graph(self, items: list[ScheduledRequest]):
+        """A pure-decode step through the captured graph: inputs go in as host lists."""
+        bs = self.block_size
+        reqs = [item.request for item in items]
+        input_ids = [r.token_ids[r.num_computed_tokens] for r in reqs]
+        positions: list[int] | torch.Tensor = [r.num_computed_tokens for r in reqs]
+        slots = [r.block_ids[p // bs] * bs + p % bs for r, p in zip(reqs, positions)]
+        seq_lens = [p + 1 for p in positions]
+        embeds = None
+        if hasattr(self.model, "request_positions") or hasattr(self.model, "embed_request_span"):
+            ids = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
+            if hasattr(self.model, "request_positions"):
+                positions = self._positions(items, positions)
+            embeds = self._input_embeds(items, ids, list(range(len(items) + 1)))
+        return self.graphs.replay(input_ids, positions, embeds, slots, [r.block_ids for r in reqs], seq_lens)
 
     def _prepare(self, items: list[ScheduledRequest]) -> StepInputs:
         input_ids: list[int] = []

@@ -1,42 +1,109 @@
-"""`vllm-omni generate`: offline generation, on the embedded tiny demo model by default."""
+"""`vllm-omni generate`: offline generation through `Omni`, on the embedded demo model by default.
+
+Without MODEL it runs the tiny random-weight Qwen2.5-Omni (thinker -> talker -> code2wav, three
+stage processes): it prints each reply's text and writes its speech to a wav file. Any model
+works the same way (a plain LM runs as a one-stage pipeline and prints text only).
+"""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import Any
+
+DEFAULT_PROMPTS = ["Hello, who are you?", "What is the capital of France?"]
+DEFAULT_SAMPLE_RATE = 24000  # Qwen2.5-Omni / Qwen3-Omni speech, when an output does not say
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "generate",
-        help="generate text offline (no MODEL: the embedded tiny demo model, random weights)",
+        help="generate text (and speech) offline; no MODEL: the embedded tiny Qwen2.5-Omni demo (random weights)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("model", nargs="?", default=None, help="checkpoint directory (Hugging Face layout)")
-    p.add_argument("--prompt", action="append", help="a prompt (repeatable); chat-formatted when --chat")
-    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to each prompt")
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="send each prompt as a user chat message (default: yes for multi-stage models, "
+                        "no for plain LMs, whose prompts are tokenized as is)")
+    p.add_argument("--image", action="append", default=[], help="image file/URL added to every prompt")
+    p.add_argument("--audio", action="append", default=[], help="audio file/URL added to every prompt")
+    p.add_argument("--video", action="append", default=[], help="video file/URL added to every prompt")
+    p.add_argument("--use-audio-in-video", action="store_true", help="also listen to the videos' sound")
+    p.add_argument("--speaker", default=None, help="voice of the spoken reply (e.g. Chelsie, Ethan)")
+    p.add_argument("--modalities", default=None, help="comma-separated outputs, e.g. text or text,audio")
+    p.add_argument("--max-tokens", type=int, default=32, help="text tokens per reply")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--stage-configs-path", default=None, help="a legacy stage_args YAML")
+    p.add_argument("--deploy-config", default=None, help="a deploy YAML")
+    p.add_argument("--stage-overrides", default=None, help="per-stage JSON overrides")
+    p.add_argument("--output-dir", default="vllm_omni_output", help="where audio replies are written")
+
+
+def build_prompts(args: argparse.Namespace, chat: bool) -> list[Any]:
+    texts = args.prompt or DEFAULT_PROMPTS
+    media = ([{"type": "image", "image": m} for m in args.image] + [{"type": "audio", "audio": m} for m in args.audio]
+             + [{"type": "video", "video": m} for m in args.video])
+    if media and not chat:
+        raise SystemExit("--image/--audio/--video need --chat (a multimodal model)")
+    prompts = []
+    for text in texts:
+        prompt: dict[str, Any] = (
+            {"messages": [{"role": "user", "content": [*media, {"type": "text", "text": text}]}]} if chat
+            else {"prompt": text})
+        if args.speaker is not None:
+            prompt["speaker"] = args.speaker
+        if args.use_audio_in_video:
+            prompt["mm_processor_kwargs"] = {"use_audio_in_video": True}
+        prompts.append(prompt)
+    return prompts
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_omni import LLM, SamplingParams
+    from vllm_omni import Omni, SamplingParams
+    from vllm_omni.config import ConfigFormat
     from vllm_omni.testing import demo_model_path
 
+    from vllm_omni.engine.stage_init_utils import prepare_engine_environment
+
+    prepare_engine_environment()  # before anything (building the demo) picks a start method
     model = args.model or str(demo_model_path())
-    prompts = args.prompt or ["Hello, my name is", "The capital of France is"]
-    llm = LLM(model, dtype=args.dtype, device=args.device)
-    params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens
-    )
-    if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
-    else:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+    modalities = args.modalities.split(",") if args.modalities else None
+    engine_args = {"dtype": args.dtype} if args.dtype else {}
+    with Omni(model, stage_configs_path=args.stage_configs_path, deploy_config=args.deploy_config,
+              stage_overrides=args.stage_overrides, output_modalities=modalities, **engine_args) as omni:
+        # A plain LM runs as a one-stage pipeline; anything bundled (Omni models) is chat-first.
+        chat = args.chat if args.chat is not None else omni.pipeline.format is not ConfigFormat.SINGLE_STAGE
+        prompts = build_prompts(args, chat)
+        stage0 = omni.pipeline.stages[0].new_sampling_params(
+            temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens)
+        params: list[SamplingParams | None] = [stage0] + [None] * (len(omni.pipeline.stages) - 1)
+        outputs = omni.generate(prompts, params, use_tqdm=False, modalities=modalities)
     if args.model is None:
-        print(f"(embedded demo model at {model}: random weights, so the text is gibberish)")
-    for prompt, output in zip(prompts, outputs):
-        print(f"prompt: {prompt!r}\noutput: {output.outputs[0].text!r}  [{output.outputs[0].finish_reason}]")
-    return 0
+        print(f"(embedded demo model at {model}: random weights, so the text is gibberish and the speech noise)")
+    texts = args.prompt or DEFAULT_PROMPTS
+    order = list(dict.fromkeys(o.request_id for o in outputs))
+    for out in outputs:
+        index = order.index(out.request_id)
+        comp = out.request_output.outputs[0]
+        if out.error is not None:
+            print(f"[{index}] error: {out.error}")
+        elif out.final_output_type == "audio":
+            print(f"[{index}] audio: {_write_audio(comp.multimodal_output, Path(args.output_dir), index)}")
+        else:
+            print(f"[{index}] prompt: {texts[index]!r}\n[{index}] {out.final_output_type}: {comp.text!r}  "
+                  f"[{comp.finish_reason}]")
+    return 1 if any(o.error is not None for o in outputs) else 0
+
+
+def _write_audio(tensors: dict, out_dir: Path, index: int) -> str:
+    import soundfile as sf
+
+    wav = tensors["audio"].float().reshape(-1).numpy()
+    rate = int(tensors["sample_rate"]) if "sample_rate" in tensors else DEFAULT_SAMPLE_RATE
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = (out_dir / f"reply_{index}.wav").resolve()
+    sf.write(str(path), wav.clip(-1.0, 1.0), rate, subtype="PCM_16")
+    return f"{path} ({len(wav) / rate:.2f} s at {rate} Hz)"

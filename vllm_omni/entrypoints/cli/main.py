@@ -9,6 +9,7 @@ import sys
 SUBCOMMANDS = {
     "generate": "vllm_omni.entrypoints.cli.generate",
     "check-config": "vllm_omni.entrypoints.cli.check_config",
+    "serve": "vllm_omni.entrypoints.cli.serve",
 }
 
 

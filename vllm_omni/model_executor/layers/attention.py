@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_omni.model_executor.forward_context import AttentionMetadata, get_forward_context
+from vllm_omni.model_executor.layers.rotary import apply_rotary_emb
 
 
 @dataclass
@@ -96,13 +97,28 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.backend = TorchAttentionBackend()  # the model runner installs the device's backend
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]."""
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]. `rotary` = (cos, sin), each [T, D]:
+        rotary embedding applied to q and k here, fused with the KV-cache write on CUDA."""
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         meta = get_forward_context()
+        if meta is not None and self.k_cache is not None and rotary is not None and _fusable(q, k, v):
+            from vllm_omni.model_executor.layers import cuda_ops
+
+            cuda_ops.rotary_store_kv(q, k, v, *rotary, self.k_cache, self.v_cache, meta.slot_mapping)
+            out = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale)
+            return out.reshape(num_tokens, self.num_heads * self.head_dim)
+        if rotary is not None:
+            q, k = apply_rotary_emb(q, *rotary), apply_rotary_emb(k, *rotary)
         if meta is None or self.k_cache is None:
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None],
@@ -116,6 +132,11 @@ class Attention(nn.Module):
             store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             out = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+
+def _fusable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """The fused CUDA rotary + KV-store kernel needs each row's heads contiguous."""
+    return q.is_cuda and all(t.stride(-1) == 1 and t.stride(1) == t.shape[2] for t in (q, k, v))
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:

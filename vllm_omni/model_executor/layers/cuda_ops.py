@@ -125,3 +125,61 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     width = k_cache.shape[2] * k_cache.shape[3]
     _store_kv_kernel[(num_tokens,)](k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), width,
                                     BLOCK=triton.next_power_of_2(width), num_warps=4)
+
+
+@triton.jit
+def _rotate_tile(ptr, cos1, cos2, sin1, sin2, h, d, mask, HALF: tl.constexpr):
+    """Load a [heads, D] tile at ptr + h + d, return its two rotated halves (HF rounding)."""
+    x1 = tl.load(ptr + h + d, mask=mask, other=0.0)
+    x2 = tl.load(ptr + h + HALF + d, mask=mask, other=0.0)
+    dt = x1.dtype
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    o1 = ((x1 * cos1).to(dt).to(tl.float32) + (-x2 * sin1).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2 * cos2).to(dt).to(tl.float32) + (x1 * sin2).to(dt).to(tl.float32)).to(dt)
+    return o1, o2
+
+
+@triton.jit
+def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+                            stride_q, stride_k, stride_v, stride_c, num_heads, num_kv_heads,
+                            HALF: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr):
+    t = tl.program_id(0)
+    d = tl.arange(0, HALF)[None, :]
+    cos1 = tl.load(cos_ptr + t * stride_c + d).to(tl.float32)
+    cos2 = tl.load(cos_ptr + t * stride_c + HALF + d).to(tl.float32)
+    sin1 = tl.load(sin_ptr + t * stride_c + d).to(tl.float32)
+    sin2 = tl.load(sin_ptr + t * stride_c + HALF + d).to(tl.float32)
+    # q: rotated in place.
+    hq = tl.arange(0, HEADS_PAD)[:, None]
+    mq = hq < num_heads
+    q_base = q_ptr + t * stride_q
+    o1, o2 = _rotate_tile(q_base, cos1, cos2, sin1, sin2, hq * 2 * HALF, d, mq, HALF)
+    tl.store(q_base + hq * 2 * HALF + d, o1, mask=mq)
+    tl.store(q_base + hq * 2 * HALF + HALF + d, o2, mask=mq)
+    # k: rotated straight into the cache slot; v: copied there.
+    hk = tl.arange(0, KV_HEADS_PAD)[:, None]
+    mk = hk < num_kv_heads
+    slot = tl.load(slots_ptr + t)
+    cache_off = slot * num_kv_heads * 2 * HALF + hk * 2 * HALF + d
+    k1, k2 = _rotate_tile(k_ptr + t * stride_k, cos1, cos2, sin1, sin2, hk * 2 * HALF, d, mk, HALF)
+    tl.store(k_cache_ptr + cache_off, k1, mask=mk)
+    tl.store(k_cache_ptr + cache_off + HALF, k2, mask=mk)
+    v_base = v_ptr + t * stride_v + hk * 2 * HALF + d
+    tl.store(v_cache_ptr + cache_off, tl.load(v_base, mask=mk), mask=mk)
+    tl.store(v_cache_ptr + cache_off + HALF, tl.load(v_base + HALF, mask=mk), mask=mk)
+
+
+def rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots) -> None:
+    """One launch per layer: rotate q in place, write rotated k and v into their cache slots.
+
+    q: [T, H, D], k/v: [T, Hkv, D] (rows may be strided, heads contiguous), cos/sin [T, D],
+    caches [blocks, block_size, Hkv, D] contiguous. The cache then holds exactly what
+    `store_kv(rotary(k), v)` would write.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    _rotary_store_kv_kernel[(num_tokens,)](
+        q, k, v, cos, sin, k_cache, v_cache, slots, q.stride(0), k.stride(0), v.stride(0), cos.stride(0),
+        num_heads, num_kv_heads, HALF=head_dim // 2, HEADS_PAD=triton.next_power_of_2(num_heads),
+        KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), num_warps=4,
+    )

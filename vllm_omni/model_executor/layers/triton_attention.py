@@ -19,9 +19,16 @@ from torch.nn.attention import varlen
 from vllm_omni.model_executor.forward_context import AttentionMetadata
 from vllm_omni.model_executor.layers.attention import TorchAttentionBackend
 
-# Context tokens handled by one decode program. 512 keeps ~2 programs per SM busy at
-# batch 1 for contexts of a few thousand tokens while the merge stays cheap.
-PARTITION_SIZE = 512
+# Decode splits the context into at most this many partitions, one program each, so a
+# single sequence still spreads over many SMs; each program walks its partition in
+# TILE-token steps (fewer, larger steps: every step waits on a global load).
+MAX_PARTITIONS = 32
+MIN_PARTITION = 64
+TILE_TOKENS = 64
+
+
+def partition_size(max_seq_len: int) -> int:
+    return max(MIN_PARTITION, triton.next_power_of_2(triton.cdiv(max_seq_len, MAX_PARTITIONS)))
 _VARLEN_HAS_IS_CAUSAL = "is_causal" in inspect.signature(varlen.varlen_attn).parameters
 
 
@@ -117,11 +124,12 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    num_partitions = triton.cdiv(max_seq_len, PARTITION_SIZE)
+    partition = partition_size(max_seq_len)
+    num_partitions = triton.cdiv(max_seq_len, partition)
     part_out = torch.empty(num_seqs, num_heads, num_partitions, head_dim, dtype=torch.float32, device=q.device)
     part_max = torch.empty(num_seqs, num_heads, num_partitions, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
-    tile = max(16, min(64, triton.next_power_of_2(block_size)))
+    tile = min(TILE_TOKENS, partition)
     _paged_decode_partial[(num_seqs, num_kv_heads, num_partitions)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_max, part_sum, scale,
         q.stride(0), q.stride(1),
@@ -130,7 +138,7 @@ def paged_decode_attention(
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         num_partitions,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        PARTITION=PARTITION_SIZE, TILE=tile, num_warps=4,
+        PARTITION=partition, TILE=tile, num_warps=4,
         # float32 caches are for exactness checks: keep full precision instead of TF32.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
@@ -139,7 +147,7 @@ def paged_decode_attention(
         part_out, part_max, part_sum, seq_lens, out,
         part_out.stride(0), part_out.stride(1), part_out.stride(2), out.stride(0), out.stride(1),
         num_heads, num_partitions,
-        PARTITION=PARTITION_SIZE, PARTS_PAD=max(2, triton.next_power_of_2(num_partitions)), HEAD_DIM=head_dim,
+        PARTITION=partition, PARTS_PAD=max(2, triton.next_power_of_2(num_partitions)), HEAD_DIM=head_dim,
     )
     return out
 

@@ -24,7 +24,7 @@ from vllm_omni.model_executor.layers.activation import get_gated_act
 from vllm_omni.model_executor.layers.attention import Attention
 from vllm_omni.model_executor.layers.layernorm import RMSNorm
 from vllm_omni.model_executor.layers.linear import Linear, MergedGateUpLinear, QKVLinear, VocabEmbedding
-from vllm_omni.model_executor.layers.rotary import apply_rotary_emb, get_rope
+from vllm_omni.model_executor.layers.rotary import get_rope
 from vllm_omni.model_executor.layers.moe import map_expert_weight_name
 from vllm_omni.model_executor.models.utils import load_weights_strict, map_stacked_name
 
@@ -62,8 +62,7 @@ class DecoderAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
-        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
+        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, rotary=(cos, sin))
         return self.o_proj(out)
 
 

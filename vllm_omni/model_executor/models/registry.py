@@ -36,6 +36,23 @@ for _arch in ("Qwen2_5OmniModel", "Qwen2_5OmniForConditionalGeneration"):
     _STAGE_MODELS[(_arch, "code2wav")] = _QWEN2_5_OMNI_CODE2WAV
 
 
+# Bridges a stage model needs when its stage config names none (spec 000's qwen2_5_omni.yaml
+# names the talker's but not code2wav's, whose input must lose the talker's stop token and
+# carry the requested voice; the spec 003 default would pass the raw token ids).
+_BRIDGES = "vllm_omni.model_executor.stage_input_processors"
+_DEFAULT_BRIDGES: dict[tuple[str, str], str] = {}
+for _arch in ("Qwen2_5OmniModel", "Qwen2_5OmniForConditionalGeneration"):
+    _DEFAULT_BRIDGES[(_arch, "talker")] = f"{_BRIDGES}.qwen2_5_omni.thinker2talker"
+    _DEFAULT_BRIDGES[(_arch, "code2wav")] = f"{_BRIDGES}.qwen2_5_omni.talker2code2wav"
+
+
+def default_stage_input_processor(architecture: str | None, model_stage: str | None) -> str | None:
+    """Dotted name of the bridge a stage model expects by default, or None (spec 003 default)."""
+    if architecture is None or model_stage is None:
+        return None
+    return _DEFAULT_BRIDGES.get((architecture, model_stage))
+
+
 def supported_architectures() -> list[str]:
     """Plain architecture names, then "Arch[stage]" for stage models."""
     return sorted(_TEXT_MODELS) + sorted(f"{arch}[{stage}]" for arch, stage in _STAGE_MODELS)
@@ -58,3 +75,16 @@ def resolve_model_class(architecture: str, model_stage: str | None = None) -> ty
         )
     module_path, class_name = entry
     return getattr(importlib.import_module(module_path), class_name)
+
+
+# Qwen3-Omni-MoE thinker: a stage of the whole checkpoint, or a thinker-only checkpoint.
+_QWEN3_OMNI_THINKER = (f"{_MODELS}.qwen3_omni.qwen3_omni_moe_thinker", "Qwen3OmniMoeThinkerForConditionalGeneration")
+_STAGE_MODELS[("Qwen3OmniMoeForConditionalGeneration", "thinker")] = _QWEN3_OMNI_THINKER
+_TEXT_MODELS["Qwen3OmniMoeThinkerForConditionalGeneration"] = _QWEN3_OMNI_THINKER
+
+# Qwen3-Omni-MoE talker (AR: codec frames, code predictor inside) and code2wav (GenerationModel);
+# qwen3_omni/qwen3_omni.py describes the stage -> class mapping.
+_STAGE_MODELS[("Qwen3OmniMoeForConditionalGeneration", "talker")] = (
+    f"{_MODELS}.qwen3_omni.qwen3_omni_moe_talker", "Qwen3OmniMoeTalkerForConditionalGeneration")
+_STAGE_MODELS[("Qwen3OmniMoeForConditionalGeneration", "code2wav")] = (
+    f"{_MODELS}.qwen3_omni.qwen3_omni_code2wav", "Qwen3OmniMoeCode2Wav")

@@ -63,7 +63,8 @@ def select_speaker(speakers: Mapping[str, Any], name: str | None) -> str:
 
 
 class Qwen2_5OmniToken2Wav:
-    """GenerationModel for the `code2wav` stage; `generate_batch` -> [{"audio": float32 [N]}]."""
+    """GenerationModel for the `code2wav` stage; `generate_batch` -> [{"audio": float32 [N],
+    "sample_rate": int32 []}]."""
 
     def __init__(self, module: torch.nn.Module, speakers: dict[str, Speaker], device: torch.device,
                  num_steps: int = DEFAULT_NUM_STEPS) -> None:
@@ -108,7 +109,10 @@ class Qwen2_5OmniToken2Wav:
         for members in groups.values():
             for i, wav in zip(members, self._synthesize([jobs[i] for i in members])):
                 results[i] = wav
-        return [{"audio": wav} for wav in results]
+        # The rate travels with the audio so that callers (CLI, server) can encode it without
+        # knowing the model; a 0-dim tensor is metadata, replaced rather than concatenated.
+        rate = torch.tensor(self.sample_rate, dtype=torch.int32)
+        return [{"audio": wav, "sample_rate": rate} for wav in results]
 
     def _job(self, req: StageRequest) -> _Job:
         inputs = Code2WavInputs.from_info(req.additional_information)

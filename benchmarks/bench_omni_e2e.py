@@ -1,0 +1,221 @@
+"""End to end Qwen2.5-Omni (thinker -> talker -> code2wav): our pipeline vs transformers.
+
+Each request is a chat prompt; the reply has a fixed length (EOS ignored): `--text-tokens`
+thinker tokens, `--codec-tokens` talker codes, greedy, code2wav with its default 10 ODE steps.
+Ours runs through `AsyncOmni` (real stage processes) with at most C requests in flight for
+each C in `--concurrency`, streaming (output_partial) to time the first text token. transformers
+runs `Qwen2_5OmniForConditionalGeneration.generate` one request at a time in this process.
+
+Reported per engine and concurrency: e2e latency (mean / p50 / p90), TTFT (first text token),
+time to first audio, RTF = generation seconds / audio seconds (per request, and the aggregate
+wall time / audio seconds), requests/s.
+
+    python benchmarks/bench_omni_e2e.py                                # tiny random checkpoint, CPU
+    python benchmarks/bench_omni_e2e.py --model DIR --concurrency 1,8,32 --num-requests 64 --skip-hf
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+WORDS = ("river mountain city music light garden ocean story morning window paper bridge voice "
+         "forest winter market dream silver orange travel").split()
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="Qwen2.5-Omni checkpoint directory (default: build the tiny one)")
+    p.add_argument("--concurrency", default="1,4", help="comma-separated in-flight request limits")
+    p.add_argument("--num-requests", type=int, default=8, help="requests per concurrency level (at least C)")
+    p.add_argument("--prompt-words", type=int, default=12)
+    p.add_argument("--text-tokens", type=int, default=16)
+    p.add_argument("--codec-tokens", type=int, default=64)
+    p.add_argument("--hf-requests", type=int, default=4, help="transformers requests (one at a time)")
+    p.add_argument("--dtype", default=None, help="stage dtype (default: the configs'); transformers: float32 "
+                                                 "on CPU, bfloat16 on GPU")
+    p.add_argument("--stage-configs-path", default=None)
+    p.add_argument("--deploy-config", default=None)
+    p.add_argument("--stage-overrides", default=None, help="JSON; default: max_num_seqs = max concurrency")
+    p.add_argument("--hf-threads", type=int, default=None, help="torch threads for transformers (default: torch's)")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--json", default="bench_omni_e2e.json")
+    return p.parse_args()
+
+
+def make_prompts(n: int, words: int) -> list[dict[str, Any]]:
+    g = torch.Generator().manual_seed(0)
+    prompts = []
+    for _ in range(n):
+        picks = torch.randint(0, len(WORDS), (words,), generator=g).tolist()
+        text = "Tell me about " + " ".join(WORDS[i] for i in picks) + "."
+        prompts.append({"messages": [{"role": "user", "content": text}]})
+    return prompts
+
+
+def fixed_length_params(args: argparse.Namespace) -> list[dict[str, Any]]:
+    return [{"temperature": 0.0, "max_tokens": args.text_tokens, "ignore_eos": True},
+            {"temperature": 0.0, "max_tokens": args.codec_tokens, "ignore_eos": True},
+            {"seed": 0}]
+
+
+def summarize(rows: list[dict[str, float]], wall: float) -> dict[str, Any]:
+    def stats(key: str) -> dict[str, float] | None:
+        values = sorted(r[key] for r in rows if r.get(key) is not None)
+        if not values:
+            return None
+        return {"mean": statistics.fmean(values), "p50": values[len(values) // 2],
+                "p90": values[min(len(values) - 1, int(0.9 * len(values)))]}
+
+    audio = sum(r["audio_s"] for r in rows)
+    return {"requests": len(rows), "wall_s": wall, "requests_per_s": len(rows) / wall, "audio_s": audio,
+            "e2e_s": stats("e2e_s"), "ttft_s": stats("ttft_s"), "ttfa_s": stats("ttfa_s"),
+            "rtf": stats("rtf"), "rtf_aggregate": wall / audio if audio else None}
+
+
+# ----------------------------------------------------------------------------------------- ours
+
+
+async def _one(omni, prompt, params) -> dict[str, float]:
+    t0 = time.perf_counter()
+    ttft = ttfa = None
+    audio_s = 0.0
+    async for out in omni.generate(prompt, params, output_partial=True):
+        now = time.perf_counter() - t0
+        if out.final_output_type == "text" and ttft is None and out.delta.token_ids:
+            ttft = now
+        if out.final_output_type == "audio":
+            ttfa = ttfa if ttfa is not None else now
+            if out.finished:
+                mm = out.request_output.outputs[0].multimodal_output
+                audio_s = mm["audio"].numel() / int(mm["sample_rate"])
+    e2e = time.perf_counter() - t0
+    return {"e2e_s": e2e, "ttft_s": ttft, "ttfa_s": ttfa, "audio_s": audio_s, "rtf": e2e / audio_s}
+
+
+async def _level(omni, prompts, params, concurrency: int) -> dict[str, Any]:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def limited(prompt):
+        async with gate:
+            return await _one(omni, prompt, params)
+
+    start = time.perf_counter()
+    rows = await asyncio.gather(*(limited(p) for p in prompts))
+    return summarize(rows, time.perf_counter() - start)
+
+
+def bench_ours(model: str, args: argparse.Namespace, levels: list[int]) -> dict[str, Any]:
+    from vllm_omni import AsyncOmni
+
+    overrides = args.stage_overrides or {str(s): {"max_num_seqs": max(levels)} for s in range(3)}
+    engine_args = {"dtype": args.dtype} if args.dtype else {}
+    t0 = time.perf_counter()
+    omni = AsyncOmni(model, stage_configs_path=args.stage_configs_path, deploy_config=args.deploy_config,
+                     stage_overrides=overrides, **engine_args)
+    startup = time.perf_counter() - t0
+    params = fixed_length_params(args)
+    try:
+        async def run() -> dict[str, Any]:
+            await _level(omni, make_prompts(2, args.prompt_words), params, 2)  # warm-up
+            return {str(c): await _level(omni, make_prompts(max(c, args.num_requests), args.prompt_words), params, c)
+                    for c in levels}
+        results = asyncio.run(run())
+    finally:
+        omni.close()
+    return {"startup_s": startup, "by_concurrency": results,
+            "stages": [{"stage": s.model_stage, "devices": s.runtime.devices} for s in omni.pipeline.stages]}
+
+
+# --------------------------------------------------------------------------------- transformers
+
+
+def bench_hf(model: str, args: argparse.Namespace) -> dict[str, Any]:
+    from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
+
+    if args.hf_threads is not None:
+        torch.set_num_threads(args.hf_threads)
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    tok = AutoTokenizer.from_pretrained(model)
+    hf = Qwen2_5OmniForConditionalGeneration.from_pretrained(model, dtype=dtype).to(device).eval()
+
+    def one(prompt) -> dict[str, float]:
+        text = tok.apply_chat_template(prompt["messages"], add_generation_prompt=True, tokenize=False)
+        ids = tok(text, return_tensors="pt")["input_ids"].to(device)
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            _, wav = hf.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), speaker="Chelsie",
+                thinker_max_new_tokens=args.text_tokens, thinker_min_new_tokens=args.text_tokens,
+                thinker_do_sample=False, talker_max_new_tokens=args.codec_tokens,
+                talker_min_new_tokens=args.codec_tokens, talker_do_sample=False)
+        sync(device)
+        e2e = time.perf_counter() - t0
+        audio_s = wav.numel() / 24000
+        return {"e2e_s": e2e, "ttft_s": None, "ttfa_s": e2e, "audio_s": audio_s, "rtf": e2e / audio_s}
+
+    one(make_prompts(1, args.prompt_words)[0])  # warm-up
+    start = time.perf_counter()
+    rows = [one(p) for p in make_prompts(args.hf_requests, args.prompt_words)]
+    return {"by_concurrency": {"1": summarize(rows, time.perf_counter() - start)}, "device": device,
+            "dtype": str(dtype), "threads": torch.get_num_threads()}
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def fmt(value: dict[str, float] | float | None, key: str | None = None) -> str:
+    if isinstance(value, dict):
+        value = value[key]
+    return "-" if value is None else f"{value:.3f}"
+
+
+def main() -> None:
+    args = parse_args()
+    from vllm_omni.engine.stage_init_utils import prepare_engine_environment
+
+    prepare_engine_environment()  # spawn for the stages, before building a model picks a start method
+    model = args.model
+    if model is None:
+        from vllm_omni.testing import make_tiny_model
+
+        model = str(make_tiny_model("qwen2_5_omni", Path(tempfile.mkdtemp()) / "qwen2_5_omni", seed=0))
+    levels = [int(c) for c in args.concurrency.split(",")]
+    result: dict[str, Any] = {
+        "model": args.model or "tiny qwen2_5_omni (vllm_omni.testing, seed 0)",
+        "text_tokens": args.text_tokens, "codec_tokens": args.codec_tokens, "prompt_words": args.prompt_words,
+        "torch": torch.__version__, "transformers": transformers.__version__, "host": platform.node(),
+        "cpu_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "ours": bench_ours(model, args, levels),
+    }
+    if not args.skip_hf:
+        result["transformers"] = bench_hf(model, args)
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    print(f"{'engine':<14}{'conc':>5}{'reqs':>6}{'e2e mean':>10}{'e2e p90':>9}{'TTFT':>8}{'TTFA':>8}"
+          f"{'RTF':>8}{'RTF agg':>9}{'req/s':>8}")
+    for name in ("ours", "transformers"):
+        for conc, r in result.get(name, {}).get("by_concurrency", {}).items():
+            print(f"{name:<14}{conc:>5}{r['requests']:>6}{fmt(r['e2e_s'], 'mean'):>10}{fmt(r['e2e_s'], 'p90'):>9}"
+                  f"{fmt(r['ttft_s'], 'p50'):>8}{fmt(r['ttfa_s'], 'p50'):>8}{fmt(r['rtf'], 'mean'):>8}"
+                  f"{fmt(r['rtf_aggregate']):>9}{r['requests_per_s']:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Shared pieces of the end-to-end tests: the tiny Qwen2.5-Omni checkpoint, media as a client
+sends them (data URLs, base64 audio, raw arrays) and small per-stage sampling params."""
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from tests.multimodal.media_files import audio_bytes, image_bytes, mp4_bytes, sine
+
+# Small budgets keep the whole folder fast on 2 CPU cores: thinker tokens, talker codes.
+THINKER_TOKENS, TALKER_TOKENS = 8, 24
+# Every stage batches up to 8 requests (the bundled deploy config runs them one by one).
+BATCH_8 = {str(s): {"max_num_seqs": 8} for s in range(3)}
+# Video frames of 2x2 merged patches instead of the default minimum of 128 (the vision tower's
+# cost on CPU); also exercises per-request video sampling options.
+SMALL_VIDEO = {"min_pixels": 28 * 28, "max_pixels": 4 * 28 * 28}
+
+
+@pytest.fixture(scope="session")
+def omni_dir(tiny_model):
+    return tiny_model("qwen2_5_omni")
+
+
+def short_params(thinker=THINKER_TOKENS, talker=TALKER_TOKENS, code2wav_seed=None) -> list:
+    """Per-stage overrides of the bundled defaults (the talker keeps its seeded sampling)."""
+    return [{"max_tokens": thinker}, {"max_tokens": talker}, None if code2wav_seed is None else {"seed": code2wav_seed}]
+
+
+def data_url(mime: str, data: bytes) -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def user(*parts) -> list[dict]:
+    return [{"role": "user", "content": list(parts)}]
+
+
+def mixed_prompts() -> list:
+    """8 prompts across text, audio+text, image+text and video+text, in the shapes clients use."""
+    wav = audio_bytes("WAV", seconds=0.8, sr=22050, channels=1)
+    png = image_bytes("PNG", size=(90, 60), seed=1)
+    mp4 = mp4_bytes(n_frames=20, fps=10, size=(48, 64))
+    mp4_sound = mp4_bytes(n_frames=20, fps=10, size=(48, 64), with_audio=True)
+    text = lambda s: {"type": "text", "text": s}  # noqa: E731
+    return [
+        "Tell me a story.",  # raw prompt: tokenized as is
+        {"messages": [{"role": "user", "content": "Hello there"}], "speaker": "Ethan"},
+        {"messages": user({"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(),
+                                                                   "format": "wav"}}, text("What is this?"))},
+        {"messages": user({"type": "audio", "audio": (sine(0.5, 16000)[:, 0], 16000)}, text("Transcribe."))},
+        {"messages": user({"type": "image_url", "image_url": {"url": data_url("image/png", png)}},
+                          text("Describe the image."))},
+        # vLLM style: a template-form prompt with placeholders + multi_modal_data.
+        {"prompt": "<|im_start|>user\n<|vision_bos|><|IMAGE|><|vision_eos|>What?<|im_end|>\n<|im_start|>assistant\n",
+         "multi_modal_data": {"image": png}, "speaker": "Chelsie"},
+        {"messages": user({"type": "video_url", "video_url": {"url": data_url("video/mp4", mp4)}},
+                          text("What happens?")),
+         "mm_processor_kwargs": SMALL_VIDEO},
+        {"messages": user({"type": "video_url", "video_url": {"url": data_url("video/mp4", mp4_sound)}},
+                          text("And here?")),
+         "mm_processor_kwargs": {"use_audio_in_video": True, **SMALL_VIDEO}},
+    ]
+
+
+def by_request(outputs) -> list[dict[str, object]]:
+    """Outputs grouped per request, in prompt order: {final_output_type: output}."""
+    grouped: dict[str, dict[str, object]] = {}
+    for out in outputs:
+        grouped.setdefault(out.request_id, {})[out.final_output_type] = out
+    return list(grouped.values())

@@ -1,0 +1,129 @@
+"""`vllm-omni serve [MODEL] [flags]`, also installed as `vllm serve MODEL --omni` (spec 001).
+
+With no MODEL the server runs the embedded tiny demo model (random weights, built locally on
+first use), so text and speech come out on any laptop with no GPU and no download.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from vllm_omni.entrypoints.cli import serve_args
+
+logger = logging.getLogger("vllm_omni.serve")
+
+DEMO_SERVED_NAME = "vllm-omni-demo"
+_VLLM_USAGE = ("this `vllm` command is vLLM-Omni's and only runs `vllm serve [MODEL] --omni [flags]`; "
+               "everything else is `vllm-omni --help`")
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve", help="start the OpenAI-compatible API server (no MODEL: the embedded tiny demo model)",
+        description="Start the OpenAI-compatible API server. Without MODEL it serves the embedded tiny demo "
+                    "omni model (random weights), so text and speech work with no GPU and no download.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    serve_args.add_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    return serve(args)
+
+
+def vllm_main(argv: list[str] | None = None) -> int:
+    """The `vllm` console script: only `vllm serve ... --omni`."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "serve":
+        print(f"error: {_VLLM_USAGE}", file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser(prog="vllm serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                     description="vLLM-Omni's OpenAI-compatible API server (needs --omni).")
+    serve_args.add_arguments(parser)
+    args = parser.parse_args(argv[1:])
+    if not args.omni:
+        print(f"error: add --omni: {_VLLM_USAGE}", file=sys.stderr)
+        return 2
+    return serve(args)
+
+
+def _configure_logging(log_file: str | None) -> None:
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=logging.INFO, format=fmt)
+    if log_file:
+        handler = logging.FileHandler(log_file)
+        handler.setFormatter(logging.Formatter(fmt))
+        logging.getLogger().addHandler(handler)
+
+
+def _check(args: argparse.Namespace) -> list[str]:
+    problems = serve_args.refused_flags(args)
+    if args.stage_configs_path is not None and args.deploy_config is not None:
+        problems.append("--stage-configs-path and --deploy-config are mutually exclusive (legacy stage_args YAML "
+                        "or a deploy YAML, not both)")
+    for name in ("max_concurrent_requests", "max_media_bytes"):
+        if getattr(args, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("max_queued_requests", "batch_timeout", "media_fetch_timeout"):
+        if getattr(args, name) < 0:
+            problems.append(f"--{name.replace('_', '-')} must be >= 0")
+    return problems
+
+
+def serve(args: argparse.Namespace) -> int:
+    problems = _check(args)  # before anything heavy: a bad flag costs no model loading
+    if problems:
+        for p in problems:
+            print(f"error: {p}", file=sys.stderr)
+        return 2
+    _configure_logging(args.log_file)
+    if args.replica_id is not None:
+        logger.warning("--replica-id is deprecated and ignored: replica ids are assigned automatically")
+
+    from vllm_omni.entrypoints.openai.api_server import ServerSettings, bind_socket, local_media_root, run_server
+    from vllm_omni.entrypoints.openai.media_fetch import MediaPolicy
+
+    try:
+        media = MediaPolicy(local_media_root(args.allowed_local_media_path), args.media_fetch_timeout,
+                            args.max_media_bytes)
+        sock = bind_socket(args.host, args.port)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    model, names = _model(args)
+    settings = ServerSettings(
+        model_path=model, served_names=names, host=args.host, port=args.port, api_key=args.api_key, media=media,
+        max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
+        admission_timeout_s=args.batch_timeout, uvicorn_log_level=args.uvicorn_log_level,
+    )
+    try:
+        engine = _start_engine(args, model)
+    except Exception as e:  # noqa: BLE001 - config errors, a stage that failed or timed out: say why, exit 1
+        logger.error("the pipeline failed to start: %s", e)
+        sock.close()
+        return 1
+    run_server(engine, settings, sock)
+    return 0
+
+
+def _model(args: argparse.Namespace) -> tuple[str, list[str]]:
+    if args.model is not None:
+        return args.model, args.served_model_name or [args.model]
+    from vllm_omni.testing import demo_model_path
+
+    path = str(demo_model_path())
+    logger.info("no MODEL given: serving the embedded tiny demo model (random weights, so its text and speech "
+                "are noise) from %s", path)
+    return path, args.served_model_name or [DEMO_SERVED_NAME]
+
+
+def _start_engine(args: argparse.Namespace, model: str):
+    from vllm_omni.entrypoints.async_omni import AsyncOmni
+
+    return AsyncOmni(
+        model=model, stage_configs_path=args.stage_configs_path, deploy_config=args.deploy_config,
+        stage_overrides=args.stage_overrides, stage_init_timeout=args.stage_init_timeout,
+        init_timeout=args.init_timeout, shm_threshold_bytes=args.shm_threshold_bytes, log_stats=args.log_stats,
+        **serve_args.engine_args(args),
+    )

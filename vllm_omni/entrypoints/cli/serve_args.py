@@ -1,0 +1,216 @@
+"""The flags of `vllm-omni serve` / `vllm serve --omni`: every OmniConfig flag of spec 001 with
+its documented default, plus the server and engine flags.
+
+A flag is either implemented or refused: a refused flag is parsed (so its documented default
+and help show in --help), and any value other than its default stops the server at startup
+with a message naming the flag and why (DESIGN 6: never silently ignored).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+_DIFFUSION = "diffusion models are not supported yet"
+_STAGE_CLI = "the stage-based CLI (one stage per process, headless workers, a remote master) is not implemented yet"
+_REPLICAS = "stage replicas are not supported yet (one replica per stage)"
+
+
+@dataclass(frozen=True)
+class Flag:
+    names: tuple[str, ...]
+    help: str
+    kwargs: dict[str, Any] = field(default_factory=dict)  # argparse: default, type, choices, action...
+    refused: str | None = None  # why a non-default value is refused; None: implemented
+
+    @property
+    def dest(self) -> str:
+        # The long spelling names the attribute (--usp / --ulysses-degree -> ulysses_degree).
+        return max((n for n in self.names if n.startswith("--")), key=len).lstrip("-").replace("-", "_")
+
+    @property
+    def default(self) -> Any:
+        return self.kwargs.get("default")
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _f(names: str, help: str, refused: str | None = None, **kwargs: Any) -> Flag:
+    return Flag(tuple(names.split()), help, kwargs, refused)
+
+
+def _bool(names: str, help: str, refused: str | None = None, default: Any = False) -> Flag:
+    return _f(names, help, refused, action="store_true", default=default)
+
+
+OMNI_FLAGS: tuple[Flag, ...] = (
+    _bool("--omni", "Enable vLLM-Omni mode for multi-modal and diffusion models (required by `vllm serve`; "
+          "`vllm-omni serve` is always in omni mode)."),
+    _bool("--enable-sleep-mode", "Enable GPU memory pool for sleep mode.", "sleep mode is not implemented"),
+    _f("--task-type", "Default task type for TTS models.", "TTS models are not supported yet",
+       choices=("CustomVoice", "VoiceDesign", "Base"), default=None),
+    _f("--stage-configs-path", "[Deprecated] Path to a legacy stage configs YAML (stage_args format). Prefer "
+       "--deploy-config for new-format deploy YAMLs.", default=None),
+    _f("--deploy-config", "Path to a deploy config YAML (new format with stages/engine_args). Mutually exclusive "
+       "with --stage-configs-path.", default=None),
+    _f("--stage-overrides", "Per-stage JSON overrides, e.g. '{\"0\": {\"gpu_memory_utilization\": 0.8}}'.",
+       default=None),
+    _f("--async-chunk", "Override the deploy YAML's async_chunk: bool. Unset leaves the YAML value in force.",
+       "streaming between stages is not implemented yet (edges run with window_size -1)",
+       action=argparse.BooleanOptionalAction, default=None),
+    _f("--stage-id", "Select and launch a single stage by stage_id.", _STAGE_CLI, type=int, default=None),
+    _f("--replica-id", "Deprecated and ignored: replica ids are auto-assigned by the master server. Specifying "
+       "it prints a warning and has no effect.", type=int, default=None),
+    _f("--stage-init-timeout", "The timeout for initializing a single stage, in seconds.", type=float, default=300),
+    _f("--init-timeout", "The timeout for initializing all the stages, in seconds.", type=float, default=600),
+    _f("--shm-threshold-bytes", "Tensors larger than this travel between processes through shared memory.",
+       type=int, default=65536),
+    _bool("--log-stats", "Log per-request stage timings and per-stage counters."),
+    _f("--log-file", "Also write the server's log to this file.", default=None),
+    _f("--batch-timeout", "The timeout for the batch: the longest a request waits in the server's admission "
+       "queue (see --max-concurrent-requests) before it is answered 429, in seconds.", type=float, default=10),
+    _f("--worker-backend", "The backend to use for stage workers.", "the Ray backend is not implemented yet",
+       choices=("multi_process", "ray"), default="multi_process"),
+    _f("--ray-address", "The address of the Ray cluster to connect to.", "the Ray backend is not implemented yet",
+       default=None),
+    _f("--omni-master-address -oma", "Hostname or IP address of the Omni orchestrator (master).", _STAGE_CLI,
+       default=None),
+    _f("--omni-master-port -omp", "Port of the Omni orchestrator (master).", _STAGE_CLI, type=int, default=None),
+    _f("--omni-replica-address -ora", "Local bind address that a headless stage advertises to the Omni master.",
+       _STAGE_CLI, default=None),
+    _f("--omni-dp-size-local", "Number of stage replicas this runtime launches locally for its own --stage-id.",
+       _REPLICAS, type=int, default=1),
+    _f("--omni-lb-policy", "Per-stage load-balancing policy across UP replicas (head runtime only).", _REPLICAS,
+       choices=("random", "round-robin", "least-queue-length"), default="random"),
+    _f("--omni-heartbeat-timeout", "Seconds before an unreporting replica is marked ERROR.",
+       "the stage heartbeat deadline is not configurable yet", type=float, default=30.0),
+    _f("--num-gpus", "Number of GPUs to use for diffusion model inference.", _DIFFUSION, type=int, default=None),
+    _f("--model-class-name", "Override the diffusion pipeline class name.", _DIFFUSION, default=None),
+    _f("--diffusion-load-format", "How to load the diffusion pipeline.", _DIFFUSION,
+       choices=("default", "custom_pipeline", "dummy", "diffusers"), default=None),
+    _f("--diffusers-load-kwargs", "JSON object passed to DiffusionPipeline.from_pretrained().", _DIFFUSION,
+       type=_json_object, default={}),
+    _f("--diffusers-call-kwargs", "JSON object passed to pipeline.call().", _DIFFUSION, type=_json_object,
+       default={}),
+    _f("--usp --ulysses-degree", "Ulysses Sequence Parallelism degree for diffusion models.", _DIFFUSION,
+       type=int, default=None),
+    _f("--ulysses-mode", "Ulysses sequence-parallel mode for diffusion models.", _DIFFUSION,
+       choices=("strict", "advanced_uaa"), default="strict"),
+    _f("--ring --ring-degree", "Ring Sequence Parallelism degree for diffusion models.", _DIFFUSION, type=int,
+       default=None),
+    _f("--diffusion-quantization-config", "JSON string for diffusion quantization_config.", _DIFFUSION,
+       default=None),
+    _bool("--force-cutlass-fp8", "Diffusion-only: force CUTLASS FP8 linear kernels.", _DIFFUSION, default=None),
+    _bool("--use-hsdp", "Enable HSDP (Hybrid Sharded Data Parallel) for diffusion models.", _DIFFUSION),
+    _f("--hsdp-shard-size", "Number of GPUs to shard weights across (-1: auto).", _DIFFUSION, type=int, default=-1),
+    _f("--hsdp-replicate-size", "Number of replica groups for HSDP.", _DIFFUSION, type=int, default=1),
+    _f("--diffusion-attention-backend", "Diffusion attention backend (shorthand).", _DIFFUSION, default=None),
+    _f("--diffusion-attention-config -dac", "Diffusion attention config (JSON).", _DIFFUSION, default=None),
+    _f("--cache-backend", "Cache backend for diffusion models: tea_cache, cache_dit, mag_cache.", _DIFFUSION,
+       default="none"),
+    _f("--cache-config", "JSON string of cache configuration.", _DIFFUSION, default=None),
+    _bool("--enable-cache-dit-summary", "Enable cache-dit summary logging.", _DIFFUSION),
+    _bool("--step-execution", "Enable per-step diffusion execution.", _DIFFUSION),
+    _bool("--vae-use-slicing", "Enable VAE slicing.", _DIFFUSION),
+    _bool("--vae-use-tiling", "Enable VAE tiling.", _DIFFUSION),
+    _bool("--disable-multithread-weight-load", "Disable multi-threaded safetensors loading. Our loader reads "
+          "weights on one thread, which is what this (default-on) flag asks for.", default=True),
+    _f("--num-weight-load-threads", "Number of threads for parallel weight loading.",
+       "the weight loader is single-threaded", type=int, default=4),
+    _bool("--enable-cpu-offload", "Enable CPU offloading for diffusion models.", _DIFFUSION),
+    _bool("--enable-layerwise-offload", "Enable layerwise offloading on DiT modules.", _DIFFUSION),
+    _f("--boundary-ratio", "Boundary split ratio for low/high DiT in video models.", _DIFFUSION, type=float,
+       default=None),
+    _f("--flow-shift", "Scheduler flow_shift for video models.", _DIFFUSION, type=float, default=None),
+    _f("--diffusion-kv-cache-dtype", "Diffusion attention KV cache dtype.", _DIFFUSION, default=None),
+    _f("--diffusion-kv-cache-skip-steps", "Diffusion KV-cache quantization skip-step selector.", _DIFFUSION,
+       default=None),
+    _f("--diffusion-kv-cache-skip-layers", "Diffusion KV-cache quantization skip-layer selector.", _DIFFUSION,
+       default=None),
+    _f("--cfg-parallel-size", "Number of devices for CFG parallel computation.", _DIFFUSION, type=int,
+       choices=(1, 2), default=1),
+    _f("--vae-patch-parallel-size", "VAE Patch Parallelism degree.", _DIFFUSION, type=int, default=1),
+    _f("--default-sampling-params", "JSON default sampling parameters per stage (diffusion models only).",
+       _DIFFUSION, default=None),
+    _f("--max-generated-image-size", "The max size of a generated image (height * width).", _DIFFUSION, type=int,
+       default=None),
+    _f("--tts-max-instructions-length", "Maximum length for TTS voice style instructions.",
+       "TTS models are not supported yet", type=int, default=None),
+    _bool("--no-guardrails", "Disable Cosmos3 text/video safety guardrails.", "Cosmos3 is not supported"),
+    _bool("--enable-diffusion-pipeline-profiler", "Enable the diffusion pipeline profiler.", _DIFFUSION),
+    _bool("--enable-ar-profiler", "Include AR stage timing in stage_durations.", "the AR profiler is not implemented"),
+    _f("--auxiliary-text-encoder", "Auxiliary text encoder model name or path.", _DIFFUSION, default=None),
+)
+
+SERVER_FLAGS: tuple[Flag, ...] = (
+    _f("--host", "Address to listen on.", default="0.0.0.0"),
+    _f("--port", "Port to listen on.", type=int, default=8000),
+    _f("--api-key", "Require 'Authorization: Bearer <key>' on /v1 routes.", default=None),
+    _f("--served-model-name", "Model name(s) clients use; the first is reported. Default: MODEL as given "
+       "(vllm-omni-demo without MODEL).", nargs="+", default=None),
+    _f("--allowed-local-media-path", "Allow media requests to read local files (file:// URLs, paths) under "
+       "this folder. Default: local files are refused.", default=None),
+    _f("--media-fetch-timeout", "Deadline for downloading one http(s) media URL, in seconds.", type=float,
+       default=10.0),
+    _f("--max-media-bytes", "Size limit of one downloaded media file.", type=int, default=64 * 1024 * 1024),
+    _f("--max-concurrent-requests", "Requests in the pipeline at once; more wait in the admission queue.",
+       type=int, default=256),
+    _f("--max-queued-requests", "Requests that may wait for admission; one more is answered 429 at once.",
+       type=int, default=1024),
+    _f("--uvicorn-log-level", "uvicorn's log level.", choices=("critical", "error", "warning", "info", "debug",
+       "trace"), default="info"),
+    _bool("--headless", "Run a stage without the API server (stage-based CLI).", _STAGE_CLI),
+)
+
+# Engine arguments applied to every stage (config precedence: --stage-overrides > these > YAML).
+# None: not given, the stage config's value stays. Must match config.STAGE_CLI_FIELDS.
+ENGINE_FLAGS: tuple[Flag, ...] = (
+    _f("--gpu-memory-utilization", "Fraction of device memory for weights, activations and KV cache.",
+       type=float, default=None),
+    _bool("--enforce-eager", "Disable CUDA graphs.", default=None),
+    _bool("--trust-remote-code", "Trust remote code in Hugging Face configs.", default=None),
+    _f("--enable-prefix-caching", "Reuse KV blocks of shared prompt prefixes.",
+       action=argparse.BooleanOptionalAction, default=None),
+    _f("--enable-chunked-prefill", "Split long prefills across steps.", action=argparse.BooleanOptionalAction,
+       default=None),
+    _f("--max-num-seqs", "Requests an AR stage runs in one batch.", type=int, default=None),
+    _f("--max-num-batched-tokens", "Token budget of one engine step.", type=int, default=None),
+    _f("--max-model-len", "Longest prompt + output, in tokens.", type=int, default=None),
+    _f("--dtype", "Model dtype (auto, float32, bfloat16, float16).", default=None),
+    _f("--block-size", "Tokens per KV cache block.", type=int, default=None),
+    _f("--tensor-parallel-size -tp", "Devices per stage for tensor parallelism.", type=int, default=None),
+    _f("--seed", "Random seed of the engines.", type=int, default=None),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="checkpoint directory or hub id; omitted: the embedded tiny demo omni model")
+    for title, flags in (("OmniConfig (spec 001)", OMNI_FLAGS), ("server", SERVER_FLAGS),
+                         ("engine (applied to every stage)", ENGINE_FLAGS)):
+        group = parser.add_argument_group(title)
+        for flag in flags:
+            help_text = flag.help if flag.refused is None else f"{flag.help} [Not supported yet: {flag.refused}; " \
+                                                               "any other value than the default is refused.]"
+            group.add_argument(*flag.names, dest=flag.dest, help=help_text, **flag.kwargs)
+
+
+def refused_flags(args: argparse.Namespace) -> list[str]:
+    """One message per refused flag the user set (to anything but its documented default)."""
+    return [f"{flag.names[0]}={getattr(args, flag.dest)!r} is not supported: {flag.refused}"
+            for flag in (*OMNI_FLAGS, *SERVER_FLAGS) if flag.refused is not None
+            and getattr(args, flag.dest) != flag.default]
+
+
+def engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags the user gave (forwarded to every stage)."""
+    return {f.dest: getattr(args, f.dest) for f in ENGINE_FLAGS if getattr(args, f.dest) is not None}

@@ -1,0 +1,102 @@
+"""Fold a request's stream of `OmniRequestOutput`s into what the API sends.
+
+AsyncOmni yields, per final-output stage, partial outputs (finished=False) and one finished
+output. Their text and audio are cumulative (the orchestrator accumulates stage deltas), so
+the new part of each is what lies past what was already handed on. `add()` returns that new
+part as events; streaming sends each at once, non-streaming keeps only the totals.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vllm_omni.outputs import OmniRequestOutput
+
+logger = logging.getLogger(__name__)
+
+AUDIO_KEY = "audio"  # contract: outputs[0].multimodal_output["audio"], float32 at 24 kHz
+
+
+@dataclass
+class TextEvent:
+    delta: str
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass
+class AudioEvent:
+    samples: np.ndarray  # [n] float32, the new samples only
+    finished: bool
+
+
+@dataclass
+class RequestAccumulator:
+    arrived_at: float = field(default_factory=time.monotonic)
+    text: str = ""
+    finish_reason: str | None = None
+    text_finished: bool = False
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    audio_chunks: list[np.ndarray] = field(default_factory=list)
+    audio_samples: int = 0
+    audio_finished: bool = False
+    first_text_at: float | None = None
+    first_audio_at: float | None = None
+    last_audio_at: float | None = None
+
+    def add(self, out: OmniRequestOutput) -> list[TextEvent | AudioEvent]:
+        if out.final_output_type == "text":
+            event = self._add_text(out)
+        elif out.final_output_type == "audio":
+            event = self._add_audio(out)
+        else:  # the chat/completions APIs have no place for images or video
+            logger.warning("request %s: ignoring a %s output", out.request_id, out.final_output_type)
+            return []
+        return [event] if event is not None else []
+
+    def _add_text(self, out: OmniRequestOutput) -> TextEvent | None:
+        ro = out.request_output
+        comp = ro.outputs[0]
+        self.prompt_tokens = len(ro.prompt_token_ids)
+        self.completion_tokens = len(comp.token_ids)
+        new = comp.text
+        if not new.startswith(self.text):
+            # Text already sent cannot be taken back; cumulative outputs only grow (stop strings
+            # are held back by the stage until they can no longer match).
+            logger.warning("request %s: text output is not an extension of what was sent", out.request_id)
+            delta = ""
+        else:
+            delta = new[len(self.text):]
+        self.text = new
+        if delta and self.first_text_at is None:
+            self.first_text_at = time.monotonic()
+        if out.finished:
+            self.text_finished = True
+            self.finish_reason = comp.finish_reason or "stop"
+        if not delta and not out.finished:
+            return None
+        return TextEvent(delta, out.finished, self.finish_reason if out.finished else None)
+
+    def _add_audio(self, out: OmniRequestOutput) -> AudioEvent | None:
+        tensor = out.request_output.outputs[0].multimodal_output.get(AUDIO_KEY)
+        wave = np.zeros(0, np.float32) if tensor is None else tensor.detach().float().cpu().numpy().reshape(-1)
+        new = wave[self.audio_samples:]
+        now = time.monotonic()
+        if new.size:
+            self.audio_chunks.append(new)
+            self.audio_samples += new.size
+            self.first_audio_at = self.first_audio_at or now
+            self.last_audio_at = now
+        if out.finished:
+            self.audio_finished = True
+            self.last_audio_at = now
+        if not new.size and not out.finished:
+            return None
+        return AudioEvent(new, out.finished)
+
+    def audio(self) -> np.ndarray:
+        return np.concatenate(self.audio_chunks) if self.audio_chunks else np.zeros(0, np.float32)

@@ -1,0 +1,86 @@
+"""Run the API server: one AsyncOmni, one uvicorn process.
+
+    sock = bind_socket(host, port)          # first: a taken port fails before models load
+    engine = AsyncOmni(model, ...)           # blocks until every stage is up (bounded)
+    run_server(engine, settings, sock)       # until SIGINT / SIGTERM; then closes the engine
+"""
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_omni.entrypoints.openai.admission import AdmissionGate
+from vllm_omni.entrypoints.openai.app import build_app
+from vllm_omni.entrypoints.openai.media_fetch import MediaPolicy
+from vllm_omni.entrypoints.openai.metrics import ServerMetrics
+from vllm_omni.entrypoints.openai.serving_base import PipelineShape, ServingContext
+
+logger = logging.getLogger(__name__)
+
+GRACEFUL_SHUTDOWN_S = 5.0  # open streams get this long after SIGTERM before they are cut
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_path: str
+    served_names: list[str]
+    host: str = "0.0.0.0"
+    port: int = 8000
+    api_key: str | None = None
+    media: MediaPolicy = field(default_factory=MediaPolicy)
+    max_concurrent_requests: int = 256
+    max_queued_requests: int = 1024
+    admission_timeout_s: float = 10.0  # --batch-timeout
+    uvicorn_log_level: str = "info"
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def build_context(engine: Any, settings: ServerSettings) -> ServingContext:
+    pipeline = engine.pipeline
+    names = {s.stage_id: s.model_stage or f"stage{s.stage_id}" for s in pipeline.stages}
+    gate = AdmissionGate(settings.max_concurrent_requests, settings.max_queued_requests,
+                         settings.admission_timeout_s)
+    return ServingContext(engine=engine, shape=PipelineShape.of(pipeline), served_names=list(settings.served_names),
+                          gate=gate, metrics=ServerMetrics(names), media=settings.media,
+                          model_path=settings.model_path, stage_names=names)
+
+
+def run_server(engine: Any, settings: ServerSettings, sock: socket.socket) -> None:
+    """Serve until a signal stops uvicorn, then close the engine (which stops every stage)."""
+    import uvicorn
+
+    app = build_app(build_context(engine, settings), api_key=settings.api_key)
+    config = uvicorn.Config(app, log_level=settings.uvicorn_log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                            access_log=settings.uvicorn_log_level == "debug")
+    server = uvicorn.Server(config)
+    host, port = sock.getsockname()[:2]
+    logger.info("serving %s as %s on http://%s:%d", settings.model_path, settings.served_names, host, port)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        logger.info("shutting down: stopping the pipeline")
+        engine.close()
+
+
+def local_media_root(path: str | None) -> Path | None:
+    if path is None:
+        return None
+    root = Path(path).expanduser().resolve()
+    if not root.is_dir():
+        raise ValueError(f"--allowed-local-media-path {path!r} is not a directory")
+    return root

@@ -1,0 +1,128 @@
+"""The FastAPI app: OpenAI-compatible routes over one AsyncOmni, plus health, version, metrics.
+
+    app = build_app(ctx, api_key="secret")   # ctx: serving_base.ServingContext
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health (503
+naming each stage that is down), GET /version, GET /metrics (Prometheus text format).
+With an API key, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise), as in
+vLLM; health, version and metrics stay open for probes and scrapers.
+"""
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import vllm_omni
+from vllm_omni.engine.stage_client import StageState
+from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected, install_error_handlers
+from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from vllm_omni.entrypoints.openai.serving_base import ServingContext, summarize_reason
+from vllm_omni.entrypoints.openai.serving_chat import ChatService
+from vllm_omni.entrypoints.openai.serving_completions import CompletionService
+
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version", "/metrics")
+
+
+class StatusMetricsMiddleware:
+    """Counts every request by route and final status. A stream reports its outcome (an in-band
+    error, a disconnect) through request.state.final_status, since its HTTP status is sent first."""
+
+    def __init__(self, app: ASGIApp, ctx: ServingContext) -> None:
+        self.app = app
+        self.ctx = ctx
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500  # an exception that escapes every handler
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            final = scope.get("state", {}).get("final_status")
+            path = scope.get("path", "")
+            self.ctx.metrics.observe_status(path if path in _ROUTES else "other", final or status)
+
+
+class APIKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path", "").startswith("/v1"):
+            auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            # Constant-time comparison: the key must not leak through response timing.
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                await APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')").response()(
+                    scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(ctx: ServingContext, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="vllm-omni", version=vllm_omni.__version__)
+    install_error_handlers(app)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+    chat, completions = ChatService(ctx), CompletionService(ctx)
+    created = int(time.time())
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Any:
+        return await chat.create(body, raw)
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, raw: Request) -> Any:
+        return await completions.create(body, raw)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        data = [{"id": name, "object": "model", "created": created, "owned_by": "vllm-omni",
+                 "root": ctx.model_path, "parent": None, "output_modalities": ctx.shape.modalities()}
+                for name in ctx.served_names]
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        stages = [{"stage_id": h.stage_id, "model_stage": h.model_stage, "state": h.state.value,
+                   "reason": h.reason, "pid": h.pid} for h in ctx.engine.stage_health()]
+        down = [s for s in stages if s["state"] != StageState.UP.value]
+        if not down:
+            return JSONResponse({"status": "ok", "stages": stages})
+        what = "; ".join(f"stage {s['stage_id']} ({s['model_stage']}) is {s['state']}: "
+                         f"{summarize_reason(s['reason'])}" for s in down)
+        body = APIError(503, f"unhealthy: {what}").body()
+        body["stages"] = stages
+        return JSONResponse(body, status_code=503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": vllm_omni.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await ctx.metrics.render(ctx.engine, ctx.gate), media_type=CONTENT_TYPE_LATEST)
+
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    # Added last, so it is the outermost layer: it also counts the 401s of the key check.
+    app.add_middleware(StatusMetricsMiddleware, ctx=ctx)
+    return app

@@ -1,0 +1,171 @@
+"""What the chat and completions endpoints share: the served pipeline's shape, checks that
+run before a request is admitted, and starting a generation with client-disconnect handling.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from vllm_omni.config.stage_config import PipelineConfig
+from vllm_omni.engine.stage_client import StageState
+from vllm_omni.entrypoints.async_omni import RequestFailedError
+from vllm_omni.entrypoints.openai.admission import AdmissionGate
+from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected, from_request_failure
+from vllm_omni.entrypoints.openai.media_fetch import MediaPolicy
+from vllm_omni.entrypoints.openai.metrics import ServerMetrics
+from vllm_omni.entrypoints.openai.protocol import SamplingFields
+from vllm_omni.outputs import OmniRequestOutput
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PipelineShape:
+    """The served pipeline as the API sees it: final outputs and who feeds whom."""
+
+    num_stages: int
+    comprehension_stage: int | None  # where the standard sampling parameters apply
+    final_types: dict[str, int]  # output type -> the final stage producing it (first one)
+    upstream: dict[int, frozenset[int]]  # stage -> every stage it (transitively) depends on
+
+    @classmethod
+    def of(cls, pipeline: PipelineConfig) -> PipelineShape:
+        final: dict[str, int] = {}
+        for s in pipeline.stages:
+            if s.final_output:
+                final.setdefault(s.final_output_type.value, s.stage_id)
+        upstream: dict[int, frozenset[int]] = {}
+        for sid in pipeline.topo_order():
+            srcs = pipeline.stage(sid).engine_input_source
+            upstream[sid] = frozenset(srcs).union(*(upstream[s] for s in srcs))
+        comp = pipeline.comprehension_stage
+        return cls(pipeline.num_stages, comp.stage_id if comp else None, final, upstream)
+
+    def modalities(self) -> list[str]:
+        """Output types in stage order (choice order of a chat response)."""
+        return sorted(self.final_types, key=self.final_types.__getitem__)
+
+    def needed_stages(self, modalities: list[str]) -> set[int]:
+        stages: set[int] = set()
+        for m in modalities:
+            sid = self.final_types[m]
+            stages |= {sid, *self.upstream[sid]}
+        return stages
+
+
+@dataclass
+class ServingContext:
+    engine: Any  # AsyncOmni (the contract in the package docs)
+    shape: PipelineShape
+    served_names: list[str]
+    gate: AdmissionGate
+    metrics: ServerMetrics
+    media: MediaPolicy
+    model_path: str
+    stage_names: dict[int, str] = field(default_factory=dict)
+
+    def check_model(self, model: str | None) -> str:
+        """The served name a request addresses (None: the first one); 404 for any other."""
+        if model is None:
+            return self.served_names[0]
+        if model not in self.served_names:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.served_names}",
+                           param="model")
+        return model
+
+    def check_stages_up(self, stages: set[int]) -> None:
+        down = [h for h in self.engine.stage_health() if h.stage_id in stages and h.state != StageState.UP]
+        if down:
+            what = "; ".join(f"stage {h.stage_id} ({self.stage_names.get(h.stage_id, '?')}) is {h.state.value}: "
+                             f"{summarize_reason(h.reason)}" for h in down)
+            raise APIError(503, f"a stage this request needs is not serving: {what}")
+
+    def sampling_params_list(self, body: SamplingFields) -> list[dict[str, Any] | None]:
+        """One entry per stage: the request's sampling_params_list, with the standard parameters
+        applied to the comprehension stage. Values are validated by the engine (-> 400)."""
+        n = self.shape.num_stages
+        given = body.sampling_params_list
+        if given is not None and len(given) != n:
+            raise APIError(400, f"sampling_params_list has {len(given)} entries; the pipeline has {n} stages (one "
+                                "entry per stage, null for a stage's defaults)", param="sampling_params_list")
+        out: list[dict[str, Any] | None] = list(given) if given is not None else [None] * n
+        overrides = body.stage_overrides()
+        if overrides:
+            idx = self.shape.comprehension_stage
+            if idx is None:
+                raise APIError(400, "this pipeline has no comprehension stage to apply sampling parameters to; "
+                                    "use sampling_params_list")
+            out[idx] = {**(out[idx] or {}), **overrides}
+        return out
+
+
+async def race_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (which aborts the request in every stage) if the client goes away.
+
+    Event driven: uvicorn answers `receive()` with http.disconnect the moment the socket closes."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientDisconnected()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def first_output(ctx: ServingContext, request: Request,
+                       gen: AsyncIterator[OmniRequestOutput]) -> OmniRequestOutput:
+    """Start a generation and wait for its first output, so that bad input, a too-long prompt or
+    a down stage become a proper HTTP error instead of a broken stream."""
+    try:
+        return await race_disconnect(request, _next(gen))
+    except StopAsyncIteration:
+        raise APIError(500, "the pipeline ended the request without any output") from None
+    except BaseException as e:
+        raise engine_error(ctx, e) from e
+
+
+async def _next(gen: AsyncIterator[OmniRequestOutput]) -> OmniRequestOutput:
+    return await gen.__anext__()
+
+
+def engine_error(ctx: ServingContext, exc: BaseException) -> BaseException:
+    """An exception out of AsyncOmni.generate -> the APIError the client gets."""
+    if isinstance(exc, (APIError, ClientDisconnected, asyncio.CancelledError)):
+        return exc
+    if isinstance(exc, RequestFailedError):
+        return from_request_failure(exc.stage_id, str(exc), ctx.engine.stage_health())
+    if isinstance(exc, ValueError):  # prompt, media, chat template or sampling parameter problems
+        return APIError(400, str(exc))
+    if isinstance(exc, Exception):
+        logger.exception("generation failed")
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+    return exc
+
+
+def summarize_reason(reason: str | None) -> str:
+    """A stage's DOWN reason on one line: a traceback's heading and its final exception line."""
+    lines = [line.strip() for line in (reason or "").strip().splitlines() if line.strip()]
+    if not lines:
+        return "unknown reason"
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+
+
+def set_final_status(request: Request, status: int) -> None:
+    """For streams, whose HTTP status (200) is sent before the outcome is known: the status the
+    request metrics record instead (see app.StatusMetricsMiddleware)."""
+    request.state.final_status = status

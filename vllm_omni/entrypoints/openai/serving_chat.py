@@ -1,0 +1,214 @@
+"""POST /v1/chat/completions: text and speech out of a multi-stage pipeline.
+
+Response layout (upstream vLLM-Omni): one choice per requested output modality, in stage
+order: text in `choices[i].message.content`, speech in `choices[j].message.audio =
+{id, data (base64 of the encoded file), expires_at, transcript}`. With `stream: true` the same
+choice indices carry SSE `chat.completion.chunk`s: text deltas as the stage generates them, and
+audio chunks (`delta.audio.data`, each chunk a complete file in the requested format) as soon
+as the audio stage hands them over; then `data: [DONE]`.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from vllm_omni.entrypoints.openai.accumulator import AudioEvent, RequestAccumulator, TextEvent
+from vllm_omni.entrypoints.openai.admission import Ticket
+from vllm_omni.entrypoints.openai.audio import OUTPUT_SAMPLE_RATE, check_format, encode_audio
+from vllm_omni.entrypoints.openai.errors import APIError
+from vllm_omni.entrypoints.openai.media_fetch import resolve_media
+from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest
+from vllm_omni.entrypoints.openai.serving_base import (
+    ServingContext, engine_error, first_output, race_disconnect, set_final_status,
+)
+from vllm_omni.outputs import OmniRequestOutput
+
+logger = logging.getLogger(__name__)
+
+ENDPOINT = "/v1/chat/completions"
+AUDIO_TTL_S = 24 * 3600  # `expires_at` of audio objects (upstream's value); nothing is stored
+
+
+class ChatView:
+    """Builds the JSON of one request's response or stream chunks."""
+
+    def __init__(self, request_id: str, model: str, modalities: list[str], audio_format: str) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.modalities = modalities  # what the client asked for, in stage (= choice) order
+        self.audio_format = audio_format
+        self.created = int(time.time())
+        self.audio_id = f"audio-{uuid.uuid4().hex[:16]}"
+
+    def index(self, modality: str) -> int | None:
+        return self.modalities.index(modality) if modality in self.modalities else None
+
+    def audio_object(self, samples: Any, transcript: str) -> dict[str, Any]:
+        data = base64.b64encode(encode_audio(samples, OUTPUT_SAMPLE_RATE, self.audio_format)).decode("ascii")
+        return {"id": self.audio_id, "data": data, "expires_at": self.created + AUDIO_TTL_S, "transcript": transcript}
+
+    def response(self, acc: RequestAccumulator) -> dict[str, Any]:
+        choices = []
+        for i, modality in enumerate(self.modalities):
+            if modality == "text":
+                message = {"role": "assistant", "content": acc.text}
+                reason = acc.finish_reason
+            else:
+                message = {"role": "assistant", "content": None, "audio": self.audio_object(acc.audio(), acc.text)}
+                reason = "stop"
+            choices.append({"index": i, "message": message, "logprobs": None, "finish_reason": reason})
+        return {"id": self.request_id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage(acc)}
+
+    def chunk(self, choices: list[dict[str, Any]], modality: str | None = None, **extra: Any) -> str:
+        body: dict[str, Any] = {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
+                                "model": self.model, "choices": choices, **extra}
+        if modality is not None:
+            body["modality"] = modality  # upstream vLLM-Omni marks each chunk with its modality
+        return f"data: {json.dumps(body)}\n\n"
+
+    def event_chunk(self, event: TextEvent | AudioEvent, acc: RequestAccumulator, first_audio: bool) -> str | None:
+        if isinstance(event, TextEvent):
+            i = self.index("text")
+            if i is None:  # audio-only request: the text is the transcript, sent with the audio
+                return None
+            delta = {"content": event.delta} if event.delta else {}
+            return self.chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": event.finish_reason}],
+                              "text")
+        i = self.index("audio")
+        if i is None:
+            return None
+        delta: dict[str, Any] = {"role": "assistant"} if first_audio else {}
+        if event.samples.size or event.finished:
+            delta["audio"] = self.audio_object(event.samples, acc.text if event.finished else "")
+        return self.chunk([{"index": i, "delta": delta, "logprobs": None,
+                            "finish_reason": "stop" if event.finished else None}], "audio")
+
+
+def usage(acc: RequestAccumulator) -> dict[str, int]:
+    return {"prompt_tokens": acc.prompt_tokens, "completion_tokens": acc.completion_tokens,
+            "total_tokens": acc.prompt_tokens + acc.completion_tokens}
+
+
+class ChatService:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    def _modalities(self, body: ChatCompletionRequest) -> tuple[list[str], list[str]]:
+        """-> (what the client gets, what the engine is asked for)."""
+        shape = self.ctx.shape
+        available = shape.modalities()
+        if body.modalities is None:
+            requested = [m for m in available if m in ("text", "audio")]
+        else:
+            missing = sorted(set(body.modalities) - set(available))
+            if missing:
+                raise APIError(400, f"this model cannot output {missing}; it produces {available}", param="modalities")
+            requested = [m for m in available if m in body.modalities]
+        if not requested:
+            raise APIError(400, f"this model produces {available}, none of which the chat API returns")
+        wanted = list(requested)
+        # The transcript of the speech is the text stage's output; when that stage runs anyway
+        # (it feeds the audio stage) its text is asked for too, so the audio gets a transcript.
+        if "audio" in wanted and "text" not in wanted and "text" in shape.final_types:
+            if shape.final_types["text"] in shape.upstream[shape.final_types["audio"]]:
+                wanted = [m for m in available if m in ("text", "audio")]
+        return requested, wanted
+
+    async def create(self, body: ChatCompletionRequest, raw: Request) -> Any:
+        ctx = self.ctx
+        acc = RequestAccumulator()  # starts the request's clock (TTFT, e2e)
+        model = ctx.check_model(body.model)
+        requested, wanted = self._modalities(body)
+        audio_format = body.audio.format if body.audio else "wav"
+        if "audio" in requested:
+            check_format(audio_format)
+        params = ctx.sampling_params_list(body)
+        messages = await race_disconnect(raw, resolve_media([m.to_engine() for m in body.messages], ctx.media))
+        prompt: dict[str, Any] = {"messages": messages}
+        if body.mm_processor_kwargs:
+            prompt["mm_processor_kwargs"] = body.mm_processor_kwargs
+        if body.audio is not None and body.audio.voice is not None:
+            prompt["speaker"] = body.audio.voice
+        ctx.check_stages_up(ctx.shape.needed_stages(wanted))
+        ticket = await race_disconnect(raw, ctx.gate.admit())  # a client gone while queued takes no slot
+        view = ChatView(f"chatcmpl-{uuid.uuid4().hex}", model, requested, audio_format)
+        try:
+            gen = ctx.engine.generate(prompt, params, request_id=view.request_id, modalities=wanted,
+                                      output_partial=True)
+            first = await first_output(ctx, raw, gen)
+        except BaseException:
+            ticket.release()
+            raise
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            stream = self._stream(raw, view, acc, first, gen, ticket, include_usage)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        try:
+            await race_disconnect(raw, _drain(first, gen, acc))
+        except BaseException as e:
+            raise engine_error(ctx, e) from e
+        finally:
+            ticket.release()
+        self._record(acc)
+        return JSONResponse(view.response(acc))
+
+    async def _stream(self, raw: Request, view: ChatView, acc: RequestAccumulator, first: OmniRequestOutput,
+                      gen: AsyncIterator[OmniRequestOutput], ticket: Ticket, include_usage: bool) -> AsyncIterator[str]:
+        status = 200
+        try:
+            i = view.index("text")
+            if i is not None:
+                yield view.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                   "finish_reason": None}], "text")
+            sent_audio = False
+            async for out in _chain(first, gen):
+                for event in acc.add(out):
+                    chunk = view.event_chunk(event, acc, first_audio=not sent_audio)
+                    if chunk is not None:
+                        sent_audio = sent_audio or isinstance(event, AudioEvent)
+                        yield chunk
+            if include_usage:
+                yield view.chunk([], usage=usage(acc))
+            yield "data: [DONE]\n\n"
+            self._record(acc)
+        except BaseException as e:  # noqa: BLE001 - a stream's failure can only be reported in-band
+            err = engine_error(self.ctx, e)
+            if not isinstance(err, APIError):
+                status = 499  # cancelled: the client disconnected (AsyncOmni aborted the request)
+                raise
+            status = err.status
+            yield f"data: {json.dumps(err.body())}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            ticket.release()
+            set_final_status(raw, status)
+
+    def _record(self, acc: RequestAccumulator) -> None:
+        m = self.ctx.metrics
+        m.observe_finished(ENDPOINT, time.monotonic() - acc.arrived_at, acc.prompt_tokens, acc.completion_tokens)
+        if acc.first_text_at is not None:
+            m.ttft.observe(acc.first_text_at - acc.arrived_at)
+        if acc.first_audio_at is not None and acc.last_audio_at is not None:
+            m.ttfa.observe(acc.first_audio_at - acc.arrived_at)
+            m.observe_audio(acc.last_audio_at - acc.arrived_at, acc.audio_samples / OUTPUT_SAMPLE_RATE)
+
+
+async def _chain(first: OmniRequestOutput, gen: AsyncIterator[OmniRequestOutput]) -> AsyncIterator[OmniRequestOutput]:
+    yield first
+    async for out in gen:
+        yield out
+
+
+async def _drain(first: OmniRequestOutput, gen: AsyncIterator[OmniRequestOutput], acc: RequestAccumulator) -> None:
+    acc.add(first)
+    async for out in gen:
+        acc.add(out)

@@ -1,0 +1,149 @@
+"""POST /v1/completions: raw-prompt text generation (OpenAI's legacy completions API).
+
+Meant for text-only pipelines; on a multi-stage pipeline only its text output is produced
+(modalities ["text"]), so the stages that only serve other outputs are not run. A batch of
+prompts gives one choice per prompt, each an independent request in the pipeline.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from vllm_omni.entrypoints.openai.accumulator import RequestAccumulator, TextEvent
+from vllm_omni.entrypoints.openai.admission import Ticket
+from vllm_omni.entrypoints.openai.errors import APIError
+from vllm_omni.entrypoints.openai.protocol import CompletionRequest
+from vllm_omni.entrypoints.openai.serving_base import (
+    ServingContext, engine_error, first_output, race_disconnect, set_final_status,
+)
+from vllm_omni.outputs import OmniRequestOutput
+
+ENDPOINT = "/v1/completions"
+
+
+class CompletionService:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create(self, body: CompletionRequest, raw: Request) -> Any:
+        ctx = self.ctx
+        arrived = time.monotonic()
+        model = ctx.check_model(body.model)
+        if "text" not in ctx.shape.final_types:
+            raise APIError(400, f"this model produces {ctx.shape.modalities()}, not text; use /v1/chat/completions")
+        prompts = body.prompts()
+        if body.stream and len(prompts) > 1:
+            raise APIError(400, "streaming takes one prompt per request", param="prompt")
+        params = ctx.sampling_params_list(body)
+        ctx.check_stages_up(ctx.shape.needed_stages(["text"]))
+        # One admission slot per HTTP request, batch or not: a batch larger than the limit must
+        # still be servable.
+        tickets = [await race_disconnect(raw, ctx.gate.admit())]
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        accs = [RequestAccumulator(arrived_at=arrived) for _ in prompts]
+        try:
+            if body.stream:
+                gen = self._generate(prompts[0], params, request_id)
+                first = await first_output(ctx, raw, gen)
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                stream = self._stream(raw, request_id, model, accs[0], first, gen, tickets, include_usage)
+                return StreamingResponse(stream, media_type="text/event-stream")
+            gens = [self._generate(p, params, f"{request_id}-{i}") for i, p in enumerate(prompts)]
+            await race_disconnect(raw, _all_or_none([self._collect(g, a) for g, a in zip(gens, accs)]))
+        except BaseException as e:
+            _release(tickets)
+            raise engine_error(ctx, e) from e
+        _release(tickets)
+        for acc in accs:
+            self._record(acc)
+        choices = [{"index": i, "text": a.text, "logprobs": None, "finish_reason": a.finish_reason}
+                   for i, a in enumerate(accs)]
+        total = _usage(accs)
+        return JSONResponse({"id": request_id, "object": "text_completion", "created": int(time.time()),
+                             "model": model, "choices": choices, "usage": total})
+
+    def _generate(self, prompt: dict[str, Any], params: Any, request_id: str) -> AsyncIterator[OmniRequestOutput]:
+        return self.ctx.engine.generate(prompt, params, request_id=request_id, modalities=["text"],
+                                        output_partial=True)
+
+    @staticmethod
+    async def _collect(gen: AsyncIterator[OmniRequestOutput], acc: RequestAccumulator) -> None:
+        async for out in gen:
+            acc.add(out)
+        if not acc.text_finished:
+            raise APIError(500, "the pipeline ended the request without a text output")
+
+    async def _stream(self, raw: Request, request_id: str, model: str, acc: RequestAccumulator,
+                      first: OmniRequestOutput, gen: AsyncIterator[OmniRequestOutput], tickets: list[Ticket],
+                      include_usage: bool) -> AsyncIterator[str]:
+        created, status = int(time.time()), 200
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            body = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                    "choices": choices, **extra}
+            return f"data: {json.dumps(body)}\n\n"
+
+        try:
+            for event in acc.add(first):
+                yield chunk([_choice(event)])
+            async for out in gen:
+                for event in acc.add(out):
+                    yield chunk([_choice(event)])
+            if include_usage:
+                yield chunk([], usage=_usage([acc]))
+            yield "data: [DONE]\n\n"
+            self._record(acc)
+        except BaseException as e:  # noqa: BLE001 - a stream's failure can only be reported in-band
+            err = engine_error(self.ctx, e)
+            if not isinstance(err, APIError):
+                status = 499  # cancelled: the client disconnected (AsyncOmni aborted the request)
+                raise
+            status = err.status
+            yield f"data: {json.dumps(err.body())}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            _release(tickets)
+            set_final_status(raw, status)
+
+    def _record(self, acc: RequestAccumulator) -> None:
+        m = self.ctx.metrics
+        m.observe_finished(ENDPOINT, time.monotonic() - acc.arrived_at, acc.prompt_tokens, acc.completion_tokens)
+        if acc.first_text_at is not None:
+            m.ttft.observe(acc.first_text_at - acc.arrived_at)
+
+
+def _choice(event: Any) -> dict[str, Any]:
+    assert isinstance(event, TextEvent)  # modalities=["text"]: nothing else comes
+    return {"index": 0, "text": event.delta, "logprobs": None, "finish_reason": event.finish_reason}
+
+
+def _usage(accs: list[RequestAccumulator]) -> dict[str, int]:
+    prompt = sum(a.prompt_tokens for a in accs)
+    completion = sum(a.completion_tokens for a in accs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _all_or_none(coros: list[Any]) -> None:
+    """Run the batch's requests together; the first failure (or a cancel) aborts the others."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for t in tasks:
+        if not t.cancelled() and t.exception() is not None:
+            raise t.exception()
+
+
+def _release(tickets: list[Ticket]) -> None:
+    for t in tickets:
+        t.release()

@@ -1,0 +1,287 @@
+"""Qwen3-Omni talker stage: the thinker's states -> RVQ codec frames, on our AR engine.
+
+One engine step is one frame. The decoder (MoE with a gated shared expert in every layer,
+interleaved M-RoPE) samples a frame's group-0 code through the engine's sampler; right after
+sampling, `on_tokens_sampled` runs the code predictor on that row for groups 1..G-1 and builds
+the frame's next input row, exactly as transformers' talker `generate` does between steps:
+
+    next input = codec_embedding(group 0) + sum_j code_predictor.codec_embedding[j-1](group j)
+                 + text stream row of this step (text_projection of the thinker reply), then tts_pad
+
+The prompt follows `Qwen3OmniMoeForConditionalGeneration.generate`: the user turns of the
+thinker prompt (text rows through `text_projection` of the thinker's input embeddings,
+audio/image/video rows through `hidden_projection` of its `accept_hidden_layer` states), then
+9 assistant rows = text [<|im_start|>, assistant, \\n, tts_pad x4, tts_bos, first reply token]
++ codec [0 x3, nothink, think_bos, think_eos, speaker, codec_pad, codec_bos]. The text stream
+is the rest of the reply, then tts_eos. Codes of the talker vocabulary's last 1024 ids except
+codec EOS are suppressed (transformers' `suppress_tokens`); codec EOS ends the request.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from vllm_omni.model_executor.layers.linear import Linear, check_shape, set_loader
+from vllm_omni.model_executor.layers.moe import SparseMoeBlock, map_expert_weight_name
+from vllm_omni.model_executor.layers.rotary import get_rope
+from vllm_omni.model_executor.layers.sampler import Sampler, SamplingBatch
+from vllm_omni.model_executor.models.decoder import DecoderLayer, DecoderModel, GatedMLP, config_head_dim
+from vllm_omni.model_executor.models.qwen3 import make_qwen3_attention
+from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_code_predictor import Qwen3OmniMoeCodePredictor
+from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_talker_prompt import TalkerPrompt, talker_prompt
+from vllm_omni.model_executor.models.utils import load_weights_strict, map_stacked_name
+from vllm_omni.model_executor.stage_input_processors.qwen3_omni import CODES_KEY, TalkerInputs
+from vllm_omni.sampling_params import SamplingParams
+
+_STATE_KEY = "qwen3_omni_talker"
+_PREFIX = "talker."
+_THINKER_EMBED_WEIGHTS = ("thinker.model.embed_tokens.weight", "thinker.model.language_model.embed_tokens.weight")
+DEFAULT_SPEAKER = "Ethan"  # transformers' generate default
+# transformers' code predictor sampling when the talker samples (greedy when it is greedy).
+PREDICTOR_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.8, max_tokens=None)
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
+_NUM_SPECIAL_CODES = 1024  # the talker vocabulary's trailing control codes
+
+
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """transformers' Qwen3OmniMoeTalkerTextSparseMoeBlock: routed experts + a shared expert
+    scaled by sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                         config.num_experts_per_tok, config.norm_topk_prob, config.hidden_act)
+        self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, config.hidden_act)
+        self.shared_expert_gate = Linear(config.hidden_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return super().forward(x) + shared
+
+
+class ResizeMLP(nn.Module):
+    """transformers' Qwen3OmniMoeTalkerResizeMLP: thinker width -> talker width."""
+
+    def __init__(self, in_size: int, mid_size: int, out_size: int, hidden_act: str):
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"unsupported talker hidden_act {hidden_act!r}; supported: ['silu']")
+        self.linear_fc1 = Linear(in_size, mid_size, bias=True)
+        self.linear_fc2 = Linear(mid_size, out_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.silu(self.linear_fc1(x)))
+
+
+@dataclass
+class _RequestState:
+    """Derived once per request (kept across preemption in model_state)."""
+
+    prompt: TalkerPrompt
+    prompt_embeds: torch.Tensor  # [P_t, H] talker input rows of the prompt
+    text_stream: torch.Tensor  # [T, H] text part of output token k's input row (k < T)
+    text_pad: torch.Tensor  # [H] text part after the stream (projected tts_pad)
+    frame_embeds: list[torch.Tensor] = field(default_factory=list)  # input row of output token k
+    frames: list[torch.Tensor] = field(default_factory=list)  # [G] long CPU codes of output token k
+
+
+class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
+    hidden_state_layers: tuple[int, ...] = ()  # exports its codes, not hidden states
+    supports_cuda_graphs = False  # the code predictor runs between steps on per-request state
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        tc, text = config.talker_config, config.talker_config.text_config
+        self.full_config, self.config = config, tc
+        self.model = DecoderModel(text, lambda i: DecoderLayer(text, make_qwen3_attention(text),
+                                                               SharedExpertMoeBlock(text)))
+        # transformers' talker rotary always interleaves M-RoPE, [24, 20, 20] unless configured.
+        rope = {"mrope_section": [24, 20, 20], **text.rope_parameters}
+        self.model.rotary_emb = get_rope(config_head_dim(text), rope, text.max_position_embeddings,
+                                         mrope_interleaved=True)
+        width = (tc.thinker_hidden_size, text.intermediate_size, text.hidden_size, text.hidden_act)
+        self.text_projection, self.hidden_projection = ResizeMLP(*width), ResizeMLP(*width)
+        self.codec_head = Linear(text.hidden_size, text.vocab_size)
+        # transformers ties codec_head to the codec embedding by the talker config's flag.
+        self.tie_word_embeddings = bool(getattr(tc, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.codec_head.weight = self.model.embed_tokens.weight
+        self.code_predictor = Qwen3OmniMoeCodePredictor(tc.code_predictor_config)
+        # Rows tts_bos, tts_eos, tts_pad of the thinker's embedding table.
+        self.special_text_ids = [config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id]
+        self.thinker_special_embeds = nn.Parameter(torch.empty(3, tc.thinker_hidden_size), requires_grad=False)
+        set_loader(self.thinker_special_embeds, self._special_rows_loader)
+
+        # Engine-facing attributes (DecoderForCausalLM's set).
+        self.num_layers = text.num_hidden_layers
+        self.num_kv_heads = text.num_key_value_heads
+        self.head_dim = config_head_dim(text)
+        self.hidden_size = text.hidden_size
+        self.vocab_size = text.vocab_size
+        self.max_position_embeddings = text.max_position_embeddings
+        self.eos_token_ids = (tc.codec_eos_token_id,)
+        suppressed = torch.zeros(text.vocab_size, dtype=torch.bool)
+        suppressed[max(text.vocab_size - _NUM_SPECIAL_CODES, 0):] = True
+        suppressed[tc.codec_eos_token_id] = False
+        self.register_buffer("suppressed", suppressed, persistent=False)
+        self.sampler = Sampler()
+
+    # --- weights ----------------------------------------------------------------
+    def _special_rows_loader(self, param: torch.Tensor, table: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id is not None or table.dim() != 2 or max(self.special_text_ids) >= table.shape[0]:
+            raise ValueError(f"thinker embedding table {tuple(table.shape)} lacks rows {self.special_text_ids}")
+        rows = table[torch.tensor(self.special_text_ids, device=table.device)]
+        check_shape("thinker_special_embeds", param.shape, rows)
+        with torch.no_grad():
+            param.copy_(rows)
+
+    def map_weight_name(self, name: str) -> tuple[str, object] | None:
+        if name in _THINKER_EMBED_WEIGHTS:
+            return "thinker_special_embeds", None
+        if not name.startswith(_PREFIX) or "rotary_emb.inv_freq" in name:
+            return None  # thinker.* / code2wav.*: other stages; inv_freq: derived
+        name = name[len(_PREFIX):]
+        if self.tie_word_embeddings and name == "codec_head.weight":
+            return None  # the codec embedding is loaded into the shared parameter
+        if name == "model.codec_embedding.weight":
+            return "model.embed_tokens.weight", None
+        return map_expert_weight_name(name) or map_stacked_name(name)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_weights_strict(self, weights, self.map_weight_name)
+
+    # --- forward ----------------------------------------------------------------
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, *, inputs_embeds=None, capture_layers=()):
+        if inputs_embeds is None:  # codec ids alone, without thinker conditioning (profiling)
+            inputs_embeds = self.get_input_embeddings(input_ids)
+        return self.model(None, positions, inputs_embeds, capture_layers)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden_states, self.codec_head.weight).float()
+        return logits.masked_fill(self.suppressed, float("-inf"))
+
+    def on_tokens_sampled(self, requests: list, hidden: torch.Tensor, token_ids: list[int]) -> None:
+        """Model-runner hook after sampling: the rest of each sampled row's frame.
+
+        hidden: [B, H] final states that produced the sampled group-0 codes `token_ids`. Runs
+        the code predictor for all rows at once and keeps, per request, each frame's codes and
+        the next step's input row (transformers builds it in `prepare_inputs_for_generation`).
+        """
+        tokens = torch.tensor(token_ids, device=hidden.device)
+        first = self.model.embed_tokens(tokens)
+        codes, embeds = self.code_predictor(hidden, first, self._predictor_sample_fn(requests))
+        codec_rows = torch.cat([first[:, None], embeds], dim=1).sum(1)  # transformers' codec_hiddens.sum(1)
+        frames = torch.cat([tokens[:, None], codes], dim=1).cpu()
+        for i, req in enumerate(requests):
+            st, k = self._state(req), req.num_output_tokens  # the engine appends the token after this hook
+            del st.frames[k:], st.frame_embeds[k:]
+            text = st.text_stream[k] if k < st.text_stream.shape[0] else st.text_pad
+            st.frame_embeds.append(codec_rows[i] + text)
+            st.frames.append(frames[i])
+
+    def finished_request_outputs(self, request) -> dict[str, torch.Tensor]:
+        """Engine hook at finish: {"code_predictor_codes": [frames, G] long}, one frame per
+        sampled token except an EOS that ended the request (transformers never decodes it)."""
+        st = request.model_state.get(_STATE_KEY)
+        if st is None or not st.frames:
+            return {}
+        frames = st.frames[: request.num_output_tokens]
+        last = request.output_token_ids[len(frames) - 1]
+        if last in self.eos_token_ids and not request.sampling_params.ignore_eos:
+            frames = frames[:-1]
+        if not frames:
+            return {CODES_KEY: torch.zeros(0, self.config.num_code_groups, dtype=torch.long)}
+        return {CODES_KEY: torch.stack(frames)}
+
+    def _predictor_sample_fn(self, requests: list):
+        if all(r.sampling_params.greedy for r in requests):
+            return lambda logits: logits.argmax(dim=-1)
+        n = len(requests)
+        batch = SamplingBatch(params=[_GREEDY if r.sampling_params.greedy else PREDICTOR_SAMPLING for r in requests],
+                              prompt_token_ids=[[]] * n, output_token_ids=[[]] * n,
+                              generators=[r.generator for r in requests])
+        return lambda logits: torch.tensor(self.sampler(logits, batch).token_ids, device=logits.device)
+
+    # --- per-request inputs (model runner / engine hooks) ------------------------
+    def prepare_prompt_token_ids(self, prompt_token_ids: list[int], model_inputs: dict[str, Any]) -> list[int]:
+        """The talker's prompt length with codec pad ids: transformers' talker generates from
+        embeddings alone, so no prompt id is penalized, and codec pad is suppressed anyway.
+        Validates the request's inputs (ValueError: a bad request)."""
+        prompt = self._prompt(TalkerInputs.from_info(model_inputs))
+        return [self.config.codec_pad_id] * prompt.num_tokens
+
+    def embed_request_span(self, request, start: int, end: int, token_ids: torch.Tensor) -> torch.Tensor:
+        """[end - start, hidden] input rows of talker positions start..end-1."""
+        st = self._state(request)
+        num_prompt = st.prompt.num_tokens
+        rows = [st.prompt_embeds[start:min(end, num_prompt)]]
+        rows.extend(st.frame_embeds[k - num_prompt][None] for k in range(max(start, num_prompt), end))
+        return torch.cat(rows)
+
+    def request_positions(self, request, start: int, end: int) -> torch.Tensor:
+        """[3, end - start]: the prompt's M-RoPE positions; generated tokens continue each row
+        from the last prompt position (+1 per step), as transformers' generate does."""
+        positions = self._state(request).prompt.positions
+        num_prompt = positions.shape[1]
+        last = int(positions[:, -1].max()) + end - num_prompt
+        if last >= self.model.rotary_emb.max_position:
+            raise ValueError(f"request {request.request_id}: talker position {last} beyond the rotary table "
+                             f"({self.model.rotary_emb.max_position})")
+        spans = [positions[:, start : min(end, num_prompt)]] if start < num_prompt else []
+        if end > num_prompt:
+            spans.append(positions[:, -1:] + torch.arange(max(start, num_prompt) - num_prompt, end - num_prompt) + 1)
+        return torch.cat(spans, dim=1)
+
+    def _state(self, request) -> _RequestState:
+        state = request.model_state.get(_STATE_KEY)
+        if state is None:
+            state = request.model_state[_STATE_KEY] = self._build_state(request)
+        return state
+
+    def _prompt(self, inputs: TalkerInputs) -> TalkerPrompt:
+        tc = self.config
+        if inputs.thinker_hidden_layer is not None and inputs.thinker_hidden_layer != tc.accept_hidden_layer:
+            raise ValueError(f"talker inputs carry thinker layer {inputs.thinker_hidden_layer}, but the talker "
+                             f"reads accept_hidden_layer={tc.accept_hidden_layer}: export that layer from the thinker")
+        if inputs.thinker_embeds.shape[1] != tc.thinker_hidden_size:
+            raise ValueError(f"thinker states have width {inputs.thinker_embeds.shape[1]}, the talker expects "
+                             f"thinker_hidden_size={tc.thinker_hidden_size}")
+        prompt = talker_prompt(self.full_config, inputs, inputs.speaker or DEFAULT_SPEAKER)
+        if int(prompt.positions.max()) + 1 >= self.model.rotary_emb.max_position:
+            raise ValueError(f"talker M-RoPE position {int(prompt.positions.max())} beyond the rotary table "
+                             f"({self.model.rotary_emb.max_position})")
+        return prompt
+
+    def _build_state(self, request) -> _RequestState:
+        inputs = TalkerInputs.from_info(request.model_inputs)
+        prompt = self._prompt(inputs)
+        if request.num_prompt_tokens != prompt.num_tokens:
+            raise ValueError(f"request {request.request_id}: talker prompt has {request.num_prompt_tokens} tokens, "
+                             f"expected {prompt.num_tokens} (see prepare_prompt_token_ids)")
+        tc, weight = self.config, self.thinker_special_embeds
+        embeds = inputs.thinker_embeds.to(weight.device, weight.dtype)
+        hidden = inputs.thinker_hidden.to(weight.device, weight.dtype)
+        num_prompt, mm = inputs.num_prompt_tokens, prompt.multimodal.to(weight.device)
+        # transformers' _get_talker_user_parts over the whole thinker prompt, then the user turns.
+        user = torch.empty(num_prompt, self.hidden_size, device=weight.device, dtype=weight.dtype)
+        if bool(mm.any()):
+            user[mm] = self.hidden_projection(hidden[:num_prompt][mm])
+        user[~mm] = self.text_projection(embeds[:num_prompt][~mm])
+        user = user[prompt.user_index.to(weight.device)]
+        # _get_talker_assistant_parts: rows from the assistant turn's <|im_start|> to the last reply row.
+        assistant = self.text_projection(embeds[prompt.assistant_start:])
+        bos, eos, pad = self.text_projection(weight).unbind(0)
+        text = torch.cat([assistant[:3], pad.expand(4, -1), bos[None], assistant[3:4]])
+        codec_ids = torch.tensor([tc.codec_nothink_id, tc.codec_think_bos_id, tc.codec_think_eos_id, prompt.speaker_id,
+                                  tc.codec_pad_id, tc.codec_bos_id], device=weight.device)
+        codec = torch.cat([text.new_zeros(3, self.hidden_size), self.model.embed_tokens(codec_ids)])
+        return _RequestState(prompt=prompt, prompt_embeds=torch.cat([user, text + codec]),
+                             text_stream=torch.cat([assistant[4:], eos[None]]), text_pad=pad)

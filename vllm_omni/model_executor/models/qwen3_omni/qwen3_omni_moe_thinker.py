@@ -1,0 +1,253 @@
+"""Qwen3-Omni thinker stage: audio + vision encoders feeding our Qwen3-MoE decoder.
+
+The decoder is the shared Qwen3-MoE stack (per-head q/k RMSNorm, top-k routing with
+renormalized top-k probabilities, per-expert checkpoint tensors loaded into fused experts)
+with interleaved M-RoPE and DeepStack (deepstack.py). Per request, the model runner asks for
+- `request_positions(request, start, end)`: [3, n] M-RoPE positions (rope_index.py), computed
+  once from the prompt and `request.model_inputs` and kept in `request.model_state`; output
+  tokens continue from the last prompt position, as transformers' generate does;
+- `embed_request_span(request, start, end, token_ids)`: token embeddings with the encoder
+  outputs written over the audio/image/video placeholders, and the span's DeepStack rows
+  queued for the forward that follows. The encoders run once, at the request's first prompt
+  span, so chunked prefill may cut the prompt anywhere.
+
+`request.model_inputs` holds the processor outputs (tensors, CPU is fine):
+  input_features [num_audios, mel, frames] + feature_attention_mask [num_audios, frames]
+    (or audio_feature_lengths [num_audios]),
+  pixel_values [patches, C*T*P*P] + image_grid_thw [num_images, 3],
+  pixel_values_videos + video_grid_thw [num_videos, 3] + video_second_per_grid [num_videos],
+  use_audio_in_video (bool).
+
+Exported hidden states (for the talker): "0" (input embeddings, encoder outputs included) and
+str(talker_config.accept_hidden_layer), transformers' `output_hidden_states` indices.
+
+Checkpoint: the full Omni checkpoint; only `thinker.*` is ours (strictly), the talker and
+code2wav tensors belong to other stages and are skipped. A thinker-only checkpoint (config
+`Qwen3OmniMoeThinkerConfig`, names with or without `thinker.`) loads too.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from vllm_omni.model_executor.models.decoder import DecoderForCausalLM
+from vllm_omni.model_executor.models.qwen3_moe import make_qwen3_moe_layer
+from vllm_omni.model_executor.models.qwen3_omni.deepstack import DeepstackDecoderModel, StepDeepstack
+from vllm_omni.model_executor.models.qwen3_omni.rope_index import (
+    RopeTokenConfig,
+    as_index_positions,
+    qwen3_omni_rope_index,
+)
+from vllm_omni.model_executor.models.qwen3_omni.thinker_towers import (
+    audio_feature_lengths,
+    build_audio_tower,
+    build_vision_tower,
+    encode_audio,
+    encode_vision,
+)
+
+# Checkpoint name (after the stage prefix) -> our module prefix. Saved checkpoints use the
+# last four; the first three are transformers 5's in-memory layout, accepted in case a
+# checkpoint was written that way.
+_PREFIXES = (
+    ("model.language_model.", "model."),
+    ("model.audio_tower.", "audio_tower."),
+    ("model.visual.", "visual."),
+    ("audio_tower.", "audio_tower."),
+    ("visual.", "visual."),
+    ("model.", "model."),
+    ("lm_head.", "lm_head."),
+)
+_POSITIONS_KEY = "thinker_mrope"  # prompt positions [3, P] CPU (long, or float32 if fractional)
+_MM_KEY = "thinker_mm"  # _PromptMedia of the request, dropped once the prompt is computed
+
+
+def _has_mm_features(inputs: dict[str, Any]) -> bool:
+    return any(inputs.get(k) is not None for k in ("input_features", "pixel_values", "pixel_values_videos"))
+
+
+def _audio_lengths(inputs: dict[str, Any]) -> torch.Tensor | None:
+    """Valid mel frames per audio, or None without audio."""
+    features, lengths = inputs.get("input_features"), inputs.get("audio_feature_lengths")
+    if features is None and lengths is None:
+        return None
+    return audio_feature_lengths(features, inputs.get("feature_attention_mask"), lengths)
+
+
+class _PromptMedia:
+    """Encoder outputs of one prompt, indexed by prompt position.
+
+    rows[p]: row of `features` that replaces token p's embedding, or -1;
+    visual_rows[p]: row of `deepstack` [L, N_visual, H] added after layers 0..L-1, or -1.
+    Index maps live on the CPU so slicing a span needs no device sync.
+    """
+
+    def __init__(self, num_prompt: int) -> None:
+        self.rows = torch.full((num_prompt,), -1, dtype=torch.long)
+        self.visual_rows = torch.full((num_prompt,), -1, dtype=torch.long)
+        self.features: list[torch.Tensor] = []
+        self.deepstack: list[torch.Tensor] = []
+
+    def place(self, mask: torch.Tensor, feats: torch.Tensor, deepstack: torch.Tensor | None) -> None:
+        offset = sum(f.shape[0] for f in self.features)
+        self.rows[mask] = torch.arange(offset, offset + feats.shape[0])
+        self.features.append(feats)
+        if deepstack is not None:
+            offset = sum(d.shape[1] for d in self.deepstack)
+            self.visual_rows[mask] = torch.arange(offset, offset + feats.shape[0])
+            self.deepstack.append(deepstack)
+
+    def finish(self) -> _PromptMedia:
+        self.features = torch.cat(self.features)
+        self.deepstack = torch.cat(self.deepstack, dim=1) if self.deepstack else None
+        return self
+
+
+class Qwen3OmniMoeThinkerForConditionalGeneration(DecoderForCausalLM):
+    # The reference MoE loop reads per-expert counts on the host: no CUDA-graph capture.
+    supports_cuda_graphs = False
+    # The class-level default (layer-0 embeddings); an instance also exports the talker's
+    # accept_hidden_layer, a config value (see `hidden_state_layers_for`).
+    hidden_state_layers: tuple[int, ...] = (0,)
+
+    def __init__(self, config: PretrainedConfig):
+        # The stage is built from the whole Omni config; a bare thinker config works too.
+        thinker_config = getattr(config, "thinker_config", config)
+        text_config = copy.deepcopy(thinker_config.text_config)
+        # transformers ties lm_head by the thinker config's flag; its text config class has none.
+        text_config.tie_word_embeddings = bool(getattr(
+            thinker_config, "tie_word_embeddings", getattr(text_config, "tie_word_embeddings", False)))
+        model = DeepstackDecoderModel(text_config, lambda i: make_qwen3_moe_layer(text_config, i))
+        super().__init__(text_config, model)
+        self.thinker_config = thinker_config
+        # Built from the whole Omni config, the checkpoint holds every stage and ours are `thinker.*`.
+        self.whole_omni_checkpoint = thinker_config is not config
+        self.hidden_state_layers = self.hidden_state_layers_for(config)
+        self.rope_tokens = RopeTokenConfig.from_config(thinker_config)
+        self.audio_tower = build_audio_tower(thinker_config.audio_config)
+        self.visual = build_vision_tower(thinker_config.vision_config)
+        self.step_deepstack = StepDeepstack()
+
+    @classmethod
+    def hidden_state_layers_for(cls, config: PretrainedConfig) -> tuple[int, ...]:
+        """(0, accept_hidden_layer) for a whole Omni config; (0,) without a talker config."""
+        accept = getattr(getattr(config, "talker_config", None), "accept_hidden_layer", None)
+        return cls.hidden_state_layers if accept is None else tuple(dict.fromkeys((0, int(accept))))
+
+    # --- weights ----------------------------------------------------------------
+    def map_weight_name(self, name: str) -> tuple[str, object] | None:
+        if name.startswith("thinker."):
+            name = name[len("thinker.") :]
+        elif self.whole_omni_checkpoint:
+            return None  # talker.* / code2wav.*: other stages of the same checkpoint
+        # else a thinker-only checkpoint: transformers saves it with or without `thinker.`
+        for prefix, ours in _PREFIXES:
+            if name.startswith(prefix):
+                local = ours + name[len(prefix) :]
+                break
+        else:
+            return name, None  # a thinker tensor we do not know: the strict loader reports it
+        if local.startswith(("audio_tower.", "visual.")):
+            # HF modules under their own names; inv_freq is a derived buffer some checkpoints carry.
+            return None if local.endswith(".inv_freq") else (local, None)
+        return super().map_weight_name(local)
+
+    # --- forward ----------------------------------------------------------------
+    def forward(self, input_ids, positions, *, inputs_embeds=None, capture_layers=()):
+        deepstack = self.step_deepstack.take(positions.shape[-1])
+        return self.model(input_ids, positions, inputs_embeds, capture_layers, deepstack)
+
+    # --- per-request inputs -----------------------------------------------------
+    def _prompt_positions(self, request) -> torch.Tensor:
+        cached = request.model_state.get(_POSITIONS_KEY)
+        if cached is None:
+            inputs = request.model_inputs
+            positions, _ = qwen3_omni_rope_index(
+                request.prompt_token_ids,
+                self.rope_tokens,
+                image_grid_thw=inputs.get("image_grid_thw"),
+                video_grid_thw=inputs.get("video_grid_thw"),
+                audio_seqlens=_audio_lengths(inputs),
+                second_per_grids=inputs.get("video_second_per_grid"),
+                use_audio_in_video=bool(inputs.get("use_audio_in_video", False)),
+            )
+            cached = as_index_positions(positions)
+            self._check_position_limit(request, cached)
+            request.model_state[_POSITIONS_KEY] = cached
+        return cached
+
+    def _check_position_limit(self, request, positions: torch.Tensor) -> None:
+        # Long positions index the rotary tables; float ones are computed, but keep the same bound.
+        limit = self.model.rotary_emb.max_position
+        if float(positions.max()) >= limit:
+            raise ValueError(f"request {request.request_id}: M-RoPE position {float(positions.max())} >= {limit}")
+
+    def request_positions(self, request, start: int, end: int) -> torch.Tensor:
+        """[3, end - start] positions of tokens start..end-1 of `request` (prompt and output)."""
+        num_prompt = request.num_prompt_tokens
+        if not request.model_inputs:  # text only: HF's positions are plain 0, 1, 2, ...
+            return torch.arange(start, end).view(1, -1).expand(3, -1)
+        positions = self._prompt_positions(request)
+        spans = [positions[:, start : min(end, num_prompt)]] if start < num_prompt else []
+        if end > num_prompt:
+            # Generated tokens continue each row from the last prompt position, as transformers'
+            # generate does (+1 per step); the last position need not be the largest.
+            steps = torch.arange(max(start, num_prompt) - num_prompt, end - num_prompt) + 1
+            generated = positions[:, -1:] + steps.to(positions.dtype)
+            self._check_position_limit(request, generated)
+            spans.append(generated)
+        return torch.cat(spans, dim=1)
+
+    def _encode_prompt_media(self, request) -> _PromptMedia:
+        inputs = request.model_inputs
+        ids = torch.tensor(request.prompt_token_ids, dtype=torch.long)
+        media = _PromptMedia(len(ids))
+        tokens = self.rope_tokens
+        encoded = []  # (kind, placeholder id, features, deepstack or None), in HF's merge order
+        if inputs.get("input_features") is not None:
+            feats = encode_audio(self.audio_tower, inputs["input_features"], _audio_lengths(inputs))
+            encoded.append(("audio", tokens.audio_token_id, feats, None))
+        if inputs.get("pixel_values") is not None:
+            feats, deepstack = encode_vision(self.visual, inputs["pixel_values"], inputs["image_grid_thw"])
+            encoded.append(("image", tokens.image_token_id, feats, deepstack))
+        if inputs.get("pixel_values_videos") is not None:
+            feats, deepstack = encode_vision(self.visual, inputs["pixel_values_videos"], inputs["video_grid_thw"])
+            encoded.append(("video", tokens.video_token_id, feats, deepstack))
+        for kind, token_id, feats, deepstack in encoded:
+            mask = ids == token_id
+            count = int(mask.sum())
+            if count != feats.shape[0]:
+                raise ValueError(f"request {request.request_id}: {count} {kind} placeholder tokens "
+                                 f"but {feats.shape[0]} {kind} features")
+            media.place(mask, feats, deepstack)
+        return media.finish()
+
+    def embed_request_span(self, request, start: int, end: int, token_ids: torch.Tensor) -> torch.Tensor:
+        """[end - start, H] input embeddings of tokens start..end-1 (`token_ids` are those tokens)."""
+        embeds = self.get_input_embeddings(token_ids)
+        num_prompt = request.num_prompt_tokens
+        if start >= num_prompt or not _has_mm_features(request.model_inputs):
+            self.step_deepstack.add(end - start)
+            return embeds
+        media = request.model_state.get(_MM_KEY)
+        if media is None:
+            media = request.model_state[_MM_KEY] = self._encode_prompt_media(request)
+        span = slice(start, min(end, num_prompt))
+        span_rows = media.rows[span]
+        dst = torch.nonzero(span_rows >= 0).squeeze(1)
+        if dst.numel():
+            embeds[dst.to(embeds.device)] = media.features[span_rows[dst].to(embeds.device)].to(embeds.dtype)
+        visual = media.visual_rows[span]
+        vdst = torch.nonzero(visual >= 0).squeeze(1)
+        if vdst.numel() and media.deepstack is not None and media.deepstack.shape[0]:
+            picked = media.deepstack[:, visual[vdst].to(media.deepstack.device)]
+            self.step_deepstack.add(end - start, vdst.to(embeds.device), picked)
+        else:
+            self.step_deepstack.add(end - start)
+        if end >= num_prompt:
+            # Prompt done: free the encoder outputs (a recompute after preemption encodes again).
+            del request.model_state[_MM_KEY]
+        return embeds
