@@ -102,8 +102,9 @@ def test_engine_on_cuda_matches_transformers(tiny_model, engine_args):
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
-def test_bf16_graphs_agree_with_torch_backend(tiny_model, monkeypatch):
-    path = str(tiny_model("qwen2"))
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
+def test_bf16_graphs_agree_with_torch_backend(tiny_model, monkeypatch, arch):
+    path = str(tiny_model(arch))
     prompts = [{"prompt_token_ids": p} for p in make_prompts(300, [5, 40, 90])]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     fast = LLM(path, device="cuda", dtype="bfloat16").generate(prompts, params, use_tqdm=False)

@@ -97,8 +97,8 @@ class ARModelRunner:
             layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        if not getattr(self.model, "supports_cuda_graphs", True):
-            logger.info("%s does not support CUDA graphs: decode runs eagerly", type(self.model).__name__)
+        if not getattr(self.model, "supports_cuda_graphs", True) or not self._moe_capturable():
+            logger.info("%s does not support CUDA graphs here: decode runs eagerly", type(self.model).__name__)
             return
         from vllm_omni.worker.cuda_graphs import DecodeGraphs
 
@@ -114,6 +114,14 @@ class ARModelRunner:
             capture_layers=self.hidden_state_layers,
         )
         self.graphs.capture()
+
+    def _moe_capturable(self) -> bool:
+        """MoE layers avoid host syncs only on the grouped-GEMM path (Hopper, bf16)."""
+        from vllm_omni.model_executor.layers.moe import FusedExperts, grouped_mm_available
+
+        if not any(isinstance(m, FusedExperts) for m in self.model.modules()):
+            return True
+        return grouped_mm_available(torch.empty(1, dtype=self.dtype, device=self.device))
 
     @staticmethod
     def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
