@@ -9,7 +9,7 @@ QWEN25 = {"model_type": "qwen2_5_omni", "architectures": ["Qwen2_5OmniModel"]}
 QWEN3 = {"model_type": "qwen3_omni_moe", "architectures": ["Qwen3OmniMoeForConditionalGeneration"]}
 
 
-@pytest.mark.parametrize("name", ["qwen2_5_omni", "qwen3_omni_moe"])
+@pytest.mark.parametrize("name", ["qwen2_5_omni", "qwen2_5_omni_single_gpu", "qwen3_omni_moe"])
 @pytest.mark.parametrize("platform", ["cuda", "rocm", "npu", "xpu", "cpu"])
 def test_bundled_deploy_configs_parse(name, platform):
     p = load_pipeline_config(DEPLOY_DIR / f"{name}.yaml", platform=platform)
@@ -22,7 +22,7 @@ def test_bundled_deploy_is_the_default_for_the_model():
     p = load_pipeline_config(model=QWEN25)
     assert p.format is ConfigFormat.DEPLOY and p.async_chunk is False
     talker = p.stage(1)
-    assert talker.engine_args.max_num_seqs == 1  # from the deploy file
+    assert talker.engine_args.max_num_seqs == 3  # from the deploy file (= spec 000's max_batch_size)
     assert talker.default_sampling_params.stop_token_ids == [8294]  # kept from the pipeline
     assert talker.custom_process_input_func.endswith("qwen2_5_omni.thinker2talker")
     q3 = load_pipeline_config(model=QWEN3)

@@ -22,10 +22,11 @@ def eight_gpus(monkeypatch):
 
 
 def stage_settings(pipeline) -> list[tuple]:
-    """What decides how each stage runs, in comparable form."""
+    """What decides how each stage runs, in comparable form (batch: what the engine gets)."""
     return [(s.stage_id, s.model_stage, s.worker_type, s.engine_input_source, s.final_output, s.final_output_type,
              s.engine_args.engine_output_type, s.runtime.devices, s.engine_args.gpu_memory_utilization,
-             vars(s.default_sampling_params)) for s in pipeline.stages]
+             vars(s.default_sampling_params), s.engine_args.max_num_seqs or s.runtime.max_batch_size)
+            for s in pipeline.stages]
 
 
 def test_spec_yaml_is_bundled_verbatim():

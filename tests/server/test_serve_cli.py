@@ -127,3 +127,21 @@ def _non_default(flag: serve_args.Flag) -> list[str]:
     if kw.get("type") is serve_args._json_object:
         return [flag.names[0], '{"a": 1}']
     return [flag.names[0], "x"]
+
+
+def test_flags_reach_async_omni(monkeypatch):
+    """The pipeline flags become AsyncOmni's arguments (the contract), engine flags its **engine_args."""
+    import vllm_omni.entrypoints.async_omni as async_omni
+    from vllm_omni.entrypoints.cli import serve
+
+    seen = {}
+    monkeypatch.setattr(async_omni, "AsyncOmni", lambda **kw: seen.update(kw))
+    args = serve_parser().parse_args([
+        "m", "--stage-configs-path", "s.yaml", "--stage-overrides", '{"0": {"max_num_seqs": 2}}',
+        "--stage-init-timeout", "30", "--init-timeout", "60", "--shm-threshold-bytes", "1024", "--log-stats",
+        "--max-num-seqs", "8", "--dtype", "float32"])
+    serve._start_engine(args, "m")
+    assert seen == {"model": "m", "stage_configs_path": "s.yaml", "deploy_config": None,
+                    "stage_overrides": '{"0": {"max_num_seqs": 2}}', "stage_init_timeout": 30.0,
+                    "init_timeout": 60.0, "shm_threshold_bytes": 1024, "log_stats": True,
+                    "max_num_seqs": 8, "dtype": "float32"}

@@ -49,8 +49,9 @@ class Env:
     media: Path  # --allowed-local-media-path
     http_url: str  # a local http server over `media`
 
-    def reference(self, messages, params=None, modalities=None, voice=None) -> tuple[str | None, np.ndarray | None]:
-        prompt = {"messages": messages, **({"speaker": voice} if voice else {})}
+    def reference(self, messages, params=None, modalities=None, voice=None,
+                  **prompt_keys) -> tuple[str | None, np.ndarray | None]:
+        prompt = {"messages": messages, **({"speaker": voice} if voice else {}), **prompt_keys}
         outs = self.omni.generate(prompt, params, modalities=modalities, use_tqdm=False)
         assert all(o.error is None for o in outs), [o.error for o in outs]
         by_type = {o.final_output_type: o.request_output.outputs[0] for o in outs}
@@ -228,6 +229,21 @@ def test_media_inputs_equal_omni(env):
     assert resp.usage.prompt_tokens > 100  # the media placeholders were expanded
 
 
+def test_mm_processor_kwargs_reach_the_processor(env):
+    mp4 = mp4_bytes(n_frames=8, fps=4, with_audio=True)
+    msgs = user([{"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(mp4).decode()}},
+                 {"type": "text", "text": "Describe the clip."}])
+    kwargs = {"use_audio_in_video": True}
+    resp = env.client.chat.completions.create(model=NAME, messages=msgs, modalities=["text"],
+                                              extra_body={"mm_processor_kwargs": kwargs})
+    text, _ = env.reference(msgs, modalities=["text"], mm_processor_kwargs=kwargs)
+    assert resp.choices[0].message.content == text
+    plain = env.client.chat.completions.create(model=NAME, messages=msgs, modalities=["text"])
+    assert resp.usage.prompt_tokens > plain.usage.prompt_tokens  # the video's audio track became tokens
+    with pytest.raises(openai.BadRequestError, match="mm_processor_kwargs"):
+        env.client.chat.completions.create(model=NAME, messages=msgs, extra_body={"mm_processor_kwargs": {"x": 1}})
+
+
 @pytest.mark.parametrize("part, match", [
     ({"type": "input_audio", "input_audio": {"data": "@@not base64@@", "format": "wav"}}, "base64"),
     ({"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"junk").decode()}},
@@ -273,6 +289,13 @@ def test_a_failing_request_is_500_alone(env):
     params = [None, {"stop_token_ids": list(range(TALKER_VOCAB))}, None]
     with pytest.raises(openai.InternalServerError, match="no codec codes"):
         env.client.chat.completions.create(model=NAME, messages=user("hi"), extra_body={"sampling_params_list": params})
+    # Streamed, the text is already out when the speech fails: the error comes in-band, then [DONE].
+    stream = env.client.chat.completions.create(model=NAME, messages=user("hi"), stream=True,
+                                                extra_body={"sampling_params_list": params})
+    received = []
+    with pytest.raises(openai.APIError, match="no codec codes"):
+        received.extend(stream)
+    assert any(c.choices and c.choices[0].delta.content for c in received)
     assert env.client.chat.completions.create(model=NAME, messages=user("hi")).choices[1].message.audio.data
 
 
@@ -324,7 +347,7 @@ def test_metrics_parse_and_count(env):
     assert value("vllm_omni:requests_total", endpoint="/v1/chat/completions", status="200") >= 20
     assert value("vllm_omni:requests_total", endpoint="/v1/chat/completions", status="400") >= 5
     assert value("vllm_omni:requests_total", endpoint="/v1/chat/completions", status="401") == 1
-    assert value("vllm_omni:requests_total", endpoint="/v1/chat/completions", status="500") == 1
+    assert value("vllm_omni:requests_total", endpoint="/v1/chat/completions", status="500") == 2  # one streamed
     for name in ("vllm_omni:e2e_request_latency_seconds", "vllm_omni:time_to_first_token_seconds",
                  "vllm_omni:time_to_first_audio_seconds", "vllm_omni:audio_real_time_factor"):
         assert families[name].type == "histogram"

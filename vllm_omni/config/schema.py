@@ -185,6 +185,8 @@ STAGE_FIELDS: dict[str, FieldSpec] = {
     "engine_args.model": FieldSpec(check_str(), None),
     "engine_args.tokenizer": FieldSpec(check_str(), None),
     "engine_args.seed": FieldSpec(check_int(0, optional=True), None),
+    # "dummy": random weights of the real shapes, no checkpoint read (benchmarks, vLLM's flag).
+    "engine_args.load_format": FieldSpec(check_choice("auto", "dummy"), "auto"),
 }
 
 RUNTIME_KEYS = tuple(p.split(".", 1)[1] for p in STAGE_FIELDS if p.startswith("runtime."))

@@ -91,6 +91,7 @@ class StageEngineArgs:
     model: str | None = None  # per-stage checkpoint; None = the served model
     tokenizer: str | None = None
     seed: int | None = None
+    load_format: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -43,12 +43,13 @@ class GenerationModel(Protocol):
     """A non-autoregressive stage model: one call handles a whole batch.
 
     `GPUGenerationWorker` builds it with the class method `load(model_path, *, model_stage,
-    device, dtype)`; `generate_batch` returns one dict of named tensors per input, in order.
+    device, dtype, load_format)` (load_format "dummy": random weights, nothing read);
+    `generate_batch` returns one dict of named tensors per input, in order.
     """
 
     @classmethod
     def load(cls, model_path: str, *, model_stage: str | None, device: torch.device,
-             dtype: str) -> GenerationModel: ...
+             dtype: str, load_format: str = "auto") -> GenerationModel: ...
 
     def generate_batch(self, inputs: list[StageRequest]) -> list[dict[str, torch.Tensor]]: ...
 

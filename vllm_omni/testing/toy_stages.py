@@ -55,7 +55,8 @@ class ToyCode2Wav:
         self.table = torch.randn(vocab_size, TABLE_WIDTH, generator=gen).to(device)
 
     @classmethod
-    def load(cls, model_path: str, *, model_stage: str | None, device: torch.device, dtype: str) -> ToyCode2Wav:
+    def load(cls, model_path: str, *, model_stage: str | None, device: torch.device, dtype: str,
+             load_format: str = "auto") -> ToyCode2Wav:
         config = json.loads((Path(model_path) / "config.json").read_text())
         return cls(int(config["vocab_size"]), device)
 

@@ -33,6 +33,7 @@ def engine_config_kwargs(stage: StageConfig, model: str, device: str) -> dict[st
         enforce_eager=ea.enforce_eager,
         architecture=ea.model_arch,
         model_stage=ea.model_stage,
+        load_format=ea.load_format,
     )
     optional = dict(seed=ea.seed, max_model_len=ea.max_model_len, block_size=ea.block_size,
                     max_num_batched_tokens=ea.max_num_batched_tokens)

@@ -38,7 +38,7 @@ class GPUGenerationWorker:
         ea = self.stage.engine_args
         model_cls = resolve_generation_model_class(self.stage)
         model = model_cls.load(ea.model or self.model, model_stage=ea.model_stage, device=torch.device(device),
-                               dtype=ea.dtype)
+                               dtype=ea.dtype, load_format=ea.load_format)
         # max_num_seqs, when given, bounds the batch like it does for AR stages.
         batch = ea.max_num_seqs or self.stage.runtime.max_batch_size
         return GenerationStageEngine(model, OmniGenerationScheduler(batch), stage_id=self.stage.stage_id,

@@ -189,6 +189,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     _f("--block-size", "Tokens per KV cache block.", type=int, default=None),
     _f("--tensor-parallel-size -tp", "Devices per stage for tensor parallelism.", type=int, default=None),
     _f("--seed", "Random seed of the engines.", type=int, default=None),
+    _f("--load-format", "How weights are loaded: auto (from the checkpoint) or dummy (random, for benchmarks).",
+       choices=("auto", "dummy"), default=None),
 )
 
 

@@ -65,7 +65,9 @@ def run_server(engine: Any, settings: ServerSettings, sock: socket.socket) -> No
     import uvicorn
 
     app = build_app(build_context(engine, settings), api_key=settings.api_key)
-    config = uvicorn.Config(app, log_level=settings.uvicorn_log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    # log_config=None: uvicorn logs through the root logger, so --log-file and our format apply.
+    config = uvicorn.Config(app, log_level=settings.uvicorn_log_level, log_config=None,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                             access_log=settings.uvicorn_log_level == "debug")
     server = uvicorn.Server(config)
     host, port = sock.getsockname()[:2]

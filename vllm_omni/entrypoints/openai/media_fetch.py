@@ -55,7 +55,7 @@ async def resolve_media(messages: list[dict[str, Any]], policy: MediaPolicy) -> 
         out.append({**message, "content": parts})
     if jobs:
         sources = await asyncio.gather(*(job for _, _, job in jobs))
-        for (part, key, _), source in zip(jobs, sources):
+        for (part, key, _), source in zip(jobs, sources, strict=True):
             part[key] = {"url": source}
     return out
 

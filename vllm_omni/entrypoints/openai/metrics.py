@@ -82,7 +82,7 @@ class ServerMetrics:
         up = [sid for sid, h in health.items() if h.state == StageState.UP]
         results = await asyncio.gather(*(asyncio.wait_for(engine.get_stage_stats(sid), STATS_TIMEOUT_S) for sid in up),
                                        return_exceptions=True)
-        stats = dict(zip(up, results))
+        stats = dict(zip(up, results, strict=True))
         for sid, h in health.items():
             labels = (str(sid), self.stage_names.get(sid, ""))
             self.stage_up.labels(*labels).set(1.0 if h.state == StageState.UP else 0.0)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from vllm_omni.config.stage_config import PipelineConfig
 from vllm_omni.engine.stage_client import StageState
@@ -136,11 +138,20 @@ async def first_output(ctx: ServingContext, request: Request,
     except StopAsyncIteration:
         raise APIError(500, "the pipeline ended the request without any output") from None
     except BaseException as e:
-        raise engine_error(ctx, e) from e
+        raise as_api_error(ctx, e)  # noqa: B904 - chained inside as_api_error
 
 
 async def _next(gen: AsyncIterator[OmniRequestOutput]) -> OmniRequestOutput:
     return await gen.__anext__()
+
+
+def as_api_error(ctx: ServingContext, exc: BaseException) -> BaseException:
+    """For `raise as_api_error(ctx, e)` in an except block: the mapped error, chained to the
+    original; cancellations and disconnects unchanged."""
+    err = engine_error(ctx, exc)
+    if err is not exc:
+        err.__cause__ = exc
+    return err
 
 
 def engine_error(ctx: ServingContext, exc: BaseException) -> BaseException:
@@ -155,6 +166,30 @@ def engine_error(ctx: ServingContext, exc: BaseException) -> BaseException:
         logger.exception("generation failed")
         return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
     return exc
+
+
+class EventStream(StreamingResponse):
+    """An SSE response whose cleanup always runs.
+
+    A client that leaves before the first byte makes Starlette cancel the response before it
+    starts the body iterator, so the iterator's `finally` would never run: the request's
+    admission slot would leak and its generation would go on until garbage collection.
+    Here the iterator is closed and `cleanup` (release the slot, close the engine generator,
+    which aborts the request in every stage) runs on every exit path."""
+
+    def __init__(self, body: AsyncIterator[str], request: Request, cleanup: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self._cleanup = cleanup
+        set_final_status(request, 499)  # the stream replaces it with its outcome once it runs
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            finally:
+                await self._cleanup()
 
 
 def summarize_reason(reason: str | None) -> str:

@@ -9,16 +9,18 @@ as the audio stage hands them over; then `data: [DONE]`.
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
 import time
 import uuid
+from functools import partial
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from vllm_omni.entrypoints.openai.accumulator import AudioEvent, RequestAccumulator, TextEvent
 from vllm_omni.entrypoints.openai.admission import Ticket
@@ -27,7 +29,7 @@ from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.media_fetch import resolve_media
 from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest
 from vllm_omni.entrypoints.openai.serving_base import (
-    ServingContext, engine_error, first_output, race_disconnect, set_final_status,
+    EventStream, ServingContext, as_api_error, engine_error, first_output, race_disconnect, set_final_status,
 )
 from vllm_omni.outputs import OmniRequestOutput
 
@@ -51,18 +53,21 @@ class ChatView:
     def index(self, modality: str) -> int | None:
         return self.modalities.index(modality) if modality in self.modalities else None
 
-    def audio_object(self, samples: Any, transcript: str) -> dict[str, Any]:
-        data = base64.b64encode(encode_audio(samples, OUTPUT_SAMPLE_RATE, self.audio_format)).decode("ascii")
+    async def audio_object(self, samples: Any, transcript: str) -> dict[str, Any]:
+        # Encoding (mp3 / opus especially) and base64 of long speech take a while: off the loop.
+        raw = await asyncio.to_thread(encode_audio, samples, OUTPUT_SAMPLE_RATE, self.audio_format)
+        data = base64.b64encode(raw).decode("ascii")
         return {"id": self.audio_id, "data": data, "expires_at": self.created + AUDIO_TTL_S, "transcript": transcript}
 
-    def response(self, acc: RequestAccumulator) -> dict[str, Any]:
+    async def response(self, acc: RequestAccumulator) -> dict[str, Any]:
         choices = []
         for i, modality in enumerate(self.modalities):
             if modality == "text":
                 message = {"role": "assistant", "content": acc.text}
                 reason = acc.finish_reason
             else:
-                message = {"role": "assistant", "content": None, "audio": self.audio_object(acc.audio(), acc.text)}
+                audio = await self.audio_object(acc.audio(), acc.text)
+                message = {"role": "assistant", "content": None, "audio": audio}
                 reason = "stop"
             choices.append({"index": i, "message": message, "logprobs": None, "finish_reason": reason})
         return {"id": self.request_id, "object": "chat.completion", "created": self.created, "model": self.model,
@@ -75,7 +80,8 @@ class ChatView:
             body["modality"] = modality  # upstream vLLM-Omni marks each chunk with its modality
         return f"data: {json.dumps(body)}\n\n"
 
-    def event_chunk(self, event: TextEvent | AudioEvent, acc: RequestAccumulator, first_audio: bool) -> str | None:
+    async def event_chunk(self, event: TextEvent | AudioEvent, acc: RequestAccumulator,
+                          first_audio: bool) -> str | None:
         if isinstance(event, TextEvent):
             i = self.index("text")
             if i is None:  # audio-only request: the text is the transcript, sent with the audio
@@ -88,7 +94,7 @@ class ChatView:
             return None
         delta: dict[str, Any] = {"role": "assistant"} if first_audio else {}
         if event.samples.size or event.finished:
-            delta["audio"] = self.audio_object(event.samples, acc.text if event.finished else "")
+            delta["audio"] = await self.audio_object(event.samples, acc.text if event.finished else "")
         return self.chunk([{"index": i, "delta": delta, "logprobs": None,
                             "finish_reason": "stop" if event.finished else None}], "audio")
 
@@ -118,9 +124,9 @@ class ChatService:
         wanted = list(requested)
         # The transcript of the speech is the text stage's output; when that stage runs anyway
         # (it feeds the audio stage) its text is asked for too, so the audio gets a transcript.
-        if "audio" in wanted and "text" not in wanted and "text" in shape.final_types:
-            if shape.final_types["text"] in shape.upstream[shape.final_types["audio"]]:
-                wanted = [m for m in available if m in ("text", "audio")]
+        if ("audio" in wanted and "text" not in wanted and "text" in shape.final_types
+                and shape.final_types["text"] in shape.upstream[shape.final_types["audio"]]):
+            wanted = [m for m in available if m in ("text", "audio")]
         return requested, wanted
 
     async def create(self, body: ChatCompletionRequest, raw: Request) -> Any:
@@ -151,15 +157,15 @@ class ChatService:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream = self._stream(raw, view, acc, first, gen, ticket, include_usage)
-            return StreamingResponse(stream, media_type="text/event-stream")
+            return EventStream(stream, raw, partial(_close, ticket, gen))
         try:
             await race_disconnect(raw, _drain(first, gen, acc))
         except BaseException as e:
-            raise engine_error(ctx, e) from e
+            raise as_api_error(ctx, e)  # noqa: B904 - chained inside as_api_error
         finally:
             ticket.release()
         self._record(acc)
-        return JSONResponse(view.response(acc))
+        return JSONResponse(await view.response(acc))
 
     async def _stream(self, raw: Request, view: ChatView, acc: RequestAccumulator, first: OmniRequestOutput,
                       gen: AsyncIterator[OmniRequestOutput], ticket: Ticket, include_usage: bool) -> AsyncIterator[str]:
@@ -172,7 +178,7 @@ class ChatService:
             sent_audio = False
             async for out in _chain(first, gen):
                 for event in acc.add(out):
-                    chunk = view.event_chunk(event, acc, first_audio=not sent_audio)
+                    chunk = await view.event_chunk(event, acc, first_audio=not sent_audio)
                     if chunk is not None:
                         sent_audio = sent_audio or isinstance(event, AudioEvent)
                         yield chunk
@@ -200,6 +206,11 @@ class ChatService:
         if acc.first_audio_at is not None and acc.last_audio_at is not None:
             m.ttfa.observe(acc.first_audio_at - acc.arrived_at)
             m.observe_audio(acc.last_audio_at - acc.arrived_at, acc.audio_samples / OUTPUT_SAMPLE_RATE)
+
+
+async def _close(ticket: Ticket, gen: Any) -> None:
+    ticket.release()
+    await gen.aclose()  # aborts the request in every stage unless it already finished
 
 
 async def _chain(first: OmniRequestOutput, gen: AsyncIterator[OmniRequestOutput]) -> AsyncIterator[OmniRequestOutput]:

@@ -11,17 +11,18 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from vllm_omni.entrypoints.openai.accumulator import RequestAccumulator, TextEvent
 from vllm_omni.entrypoints.openai.admission import Ticket
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.protocol import CompletionRequest
 from vllm_omni.entrypoints.openai.serving_base import (
-    ServingContext, engine_error, first_output, race_disconnect, set_final_status,
+    EventStream, ServingContext, as_api_error, engine_error, first_output, race_disconnect, set_final_status,
 )
 from vllm_omni.outputs import OmniRequestOutput
 
@@ -54,12 +55,12 @@ class CompletionService:
                 first = await first_output(ctx, raw, gen)
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 stream = self._stream(raw, request_id, model, accs[0], first, gen, tickets, include_usage)
-                return StreamingResponse(stream, media_type="text/event-stream")
+                return EventStream(stream, raw, partial(_close, tickets, gen))
             gens = [self._generate(p, params, f"{request_id}-{i}") for i, p in enumerate(prompts)]
-            await race_disconnect(raw, _all_or_none([self._collect(g, a) for g, a in zip(gens, accs)]))
+            await race_disconnect(raw, _all_or_none([self._collect(g, a) for g, a in zip(gens, accs, strict=True)]))
         except BaseException as e:
             _release(tickets)
-            raise engine_error(ctx, e) from e
+            raise as_api_error(ctx, e)  # noqa: B904 - chained inside as_api_error
         _release(tickets)
         for acc in accs:
             self._record(acc)
@@ -142,6 +143,11 @@ async def _all_or_none(coros: list[Any]) -> None:
     for t in tasks:
         if not t.cancelled() and t.exception() is not None:
             raise t.exception()
+
+
+async def _close(tickets: list[Ticket], gen: Any) -> None:
+    _release(tickets)
+    await gen.aclose()  # aborts the request in every stage unless it already finished
 
 
 def _release(tickets: list[Ticket]) -> None:

@@ -76,7 +76,8 @@ class Qwen2_5OmniToken2Wav:
 
     @classmethod
     def load(cls, model_path: str, *, model_stage: str | None = None, device: torch.device | str = "cpu",
-             dtype: str = "auto", num_steps: int = DEFAULT_NUM_STEPS) -> Qwen2_5OmniToken2Wav:
+             dtype: str = "auto", num_steps: int = DEFAULT_NUM_STEPS,
+             load_format: str = "auto") -> Qwen2_5OmniToken2Wav:
         from transformers import AutoConfig
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
@@ -91,8 +92,9 @@ class Qwen2_5OmniToken2Wav:
         device = torch.device(device)
         with torch.device(device):  # random init (overwritten below) is much faster on a GPU
             module = Qwen2_5OmniToken2WavModel(t2w_config).float()
-        # from_pretrained would not strip the `token2wav.` prefix of the full checkpoint.
-        module.load_state_dict(_prefixed_tensors(model_path, WEIGHT_PREFIX), strict=True)
+        if load_format != "dummy":  # dummy: keep the random init (benchmarks)
+            # from_pretrained would not strip the `token2wav.` prefix of the full checkpoint.
+            module.load_state_dict(_prefixed_tensors(model_path, WEIGHT_PREFIX), strict=True)
         return cls(module.eval(), load_speakers(model_path), device, num_steps)
 
     # ------------------------------------------------------------------ batch entry point

@@ -40,7 +40,7 @@ class Qwen3OmniMoeCode2Wav:
 
     @classmethod
     def load(cls, model_path: str, *, model_stage: str | None = None, device: torch.device | str = "cpu",
-             dtype: str = "auto") -> Qwen3OmniMoeCode2Wav:
+             dtype: str = "auto", load_format: str = "auto") -> Qwen3OmniMoeCode2Wav:
         from transformers import AutoConfig
         from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav as HFCode2Wav
 
@@ -56,7 +56,8 @@ class Qwen3OmniMoeCode2Wav:
         # "auto" is float32, not the checkpoint's bf16: the vocoder is small and its output is
         # audio samples, where half precision is audible; ask for bfloat16 explicitly to save time.
         module = module.to(_DTYPES[dtype])
-        module.load_state_dict(_prefixed_tensors(model_path, WEIGHT_PREFIX), strict=True)
+        if load_format != "dummy":  # dummy: keep the random init (benchmarks)
+            module.load_state_dict(_prefixed_tensors(model_path, WEIGHT_PREFIX), strict=True)
         return cls(module.eval(), device)
 
     @torch.inference_mode()
