@@ -13,6 +13,7 @@ import io
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -168,11 +169,16 @@ def test_audio_only_has_the_transcript(env):
 def test_stream_text_deltas_then_audio_chunks(env):
     kw = dict(model=NAME, messages=user("Stream please"), audio={"format": "pcm16", "voice": "Chelsie"})
     full = env.client.chat.completions.create(**kw)
-    chunks = list(env.client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    chunks, arrived = [], []
+    for chunk in env.client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        chunks.append(chunk)
+        arrived.append(time.monotonic())
     text_chunks = [c for c in chunks if c.choices and c.choices[0].index == 0 and c.choices[0].delta.content]
     audio_chunks = [c for c in chunks if c.choices and c.choices[0].index == 1]
     assert len(text_chunks) >= 2  # token deltas, as generated
     assert chunks.index(text_chunks[0]) < chunks.index(audio_chunks[0])  # text arrives before the speech
+    # ... while the talker and token2wav are still working, not all at the end.
+    assert arrived[chunks.index(text_chunks[0])] < arrived[chunks.index(audio_chunks[0])]
     assert "".join(c.choices[0].delta.content for c in text_chunks) == full.choices[0].message.content
     assert all(c.model_extra.get("modality") == "audio" for c in audio_chunks)
     streamed = [c.choices[0].delta.audio for c in audio_chunks]  # openai's ChoiceDeltaAudio

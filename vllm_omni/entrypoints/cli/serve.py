@@ -62,7 +62,7 @@ def _check(args: argparse.Namespace) -> list[str]:
     if args.stage_configs_path is not None and args.deploy_config is not None:
         problems.append("--stage-configs-path and --deploy-config are mutually exclusive (legacy stage_args YAML "
                         "or a deploy YAML, not both)")
-    for name in ("max_concurrent_requests", "max_media_bytes"):
+    for name in ("max_concurrent_requests", "max_media_bytes", "max_request_bytes"):
         if getattr(args, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("max_queued_requests", "batch_timeout", "media_fetch_timeout"):
@@ -95,7 +95,8 @@ def serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         model_path=model, served_names=names, host=args.host, port=args.port, api_key=args.api_key, media=media,
         max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
-        admission_timeout_s=args.batch_timeout, uvicorn_log_level=args.uvicorn_log_level,
+        admission_timeout_s=args.batch_timeout, max_request_bytes=args.max_request_bytes,
+        uvicorn_log_level=args.uvicorn_log_level,
     )
     try:
         engine = _start_engine(args, model)

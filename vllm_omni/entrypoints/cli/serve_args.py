@@ -162,6 +162,8 @@ SERVER_FLAGS: tuple[Flag, ...] = (
     _f("--media-fetch-timeout", "Deadline for downloading one http(s) media URL, in seconds.", type=float,
        default=10.0),
     _f("--max-media-bytes", "Size limit of one downloaded media file.", type=int, default=64 * 1024 * 1024),
+    _f("--max-request-bytes", "Size limit of a request body (inline base64 media included); larger is 413.",
+       type=int, default=128 * 1024 * 1024),
     _f("--max-concurrent-requests", "Requests in the pipeline at once; more wait in the admission queue.",
        type=int, default=256),
     _f("--max-queued-requests", "Requests that may wait for admission; one more is answered 429 at once.",

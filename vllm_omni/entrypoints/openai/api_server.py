@@ -34,6 +34,7 @@ class ServerSettings:
     max_concurrent_requests: int = 256
     max_queued_requests: int = 1024
     admission_timeout_s: float = 10.0  # --batch-timeout
+    max_request_bytes: int = 128 * 1024 * 1024
     uvicorn_log_level: str = "info"
 
 
@@ -64,7 +65,8 @@ def run_server(engine: Any, settings: ServerSettings, sock: socket.socket) -> No
     """Serve until a signal stops uvicorn, then close the engine (which stops every stage)."""
     import uvicorn
 
-    app = build_app(build_context(engine, settings), api_key=settings.api_key)
+    app = build_app(build_context(engine, settings), api_key=settings.api_key,
+                    max_request_bytes=settings.max_request_bytes)
     # log_config=None: uvicorn logs through the root logger, so --log-file and our format apply.
     config = uvicorn.Config(app, log_level=settings.uvicorn_log_level, log_config=None,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import vllm_omni
@@ -74,7 +75,42 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(ctx: ServingContext, api_key: str | None = None) -> FastAPI:
+class BodyLimitMiddleware:
+    """413 for a request body over `max_bytes`, before it is buffered: by its Content-Length,
+    or while a chunked body arrives (the JSON of inline base64 media can be huge)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large().response()(scope, receive, send)
+            return
+        seen = 0
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    # FastAPI passes an HTTPException out of its body reading unchanged (any
+                    # other exception would become a 400 "error parsing the body").
+                    raise StarletteHTTPException(413, self._too_large().message)
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"the request body is over the {self.max_bytes} byte limit (--max-request-bytes)")
+
+
+def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes: int = 128 * 1024 * 1024) -> FastAPI:
     app = FastAPI(title="vllm-omni", version=vllm_omni.__version__)
     install_error_handlers(app)
 
@@ -121,7 +157,8 @@ def build_app(ctx: ServingContext, api_key: str | None = None) -> FastAPI:
     async def metrics() -> Response:
         return Response(await ctx.metrics.render(ctx.engine, ctx.gate), media_type=CONTENT_TYPE_LATEST)
 
-    if api_key:
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
+    if api_key:  # checked before the body is read
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     # Added last, so it is the outermost layer: it also counts the 401s of the key check.
     app.add_middleware(StatusMetricsMiddleware, ctx=ctx)
