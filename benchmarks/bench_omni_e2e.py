@@ -12,6 +12,14 @@ wall time / audio seconds), requests/s.
 
     python benchmarks/bench_omni_e2e.py                                # tiny random checkpoint, CPU
     python benchmarks/bench_omni_e2e.py --model DIR --concurrency 1,8,32 --num-requests 64 --skip-hf
+    # GPU, real architecture, random bf16 weights (Qwen2.5-Omni-7B or Qwen3-Omni-30B-A3B):
+    python benchmarks/bench_omni_e2e.py --dummy-config benchmarks/configs/qwen2_5_omni_7b.json \
+        --concurrency 1,8,32 --prompt-words 100 --text-tokens 128 --codec-tokens 500
+
+With --dummy-config every stage runs with load_format "dummy" (random weights of the real
+shapes), CUDA graphs on, bf16 decoders; prompts are token ids laid out as a ChatML turn in the
+real vocabulary (`vllm_omni.testing.dummy_checkpoints.chat_prompt_ids`). transformers runs the
+same architecture from its config with random weights, after ours has released the GPU.
 """
 from __future__ import annotations
 
@@ -35,6 +43,7 @@ WORDS = ("river mountain city music light garden ocean story morning window pape
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="Qwen2.5-Omni checkpoint directory (default: build the tiny one)")
+    p.add_argument("--dummy-config", help="real config.json: random weights of that architecture (GPU)")
     p.add_argument("--concurrency", default="1,4", help="comma-separated in-flight request limits")
     p.add_argument("--num-requests", type=int, default=8, help="requests per concurrency level (at least C)")
     p.add_argument("--prompt-words", type=int, default=12)
@@ -52,7 +61,17 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+DUMMY = False  # set from --dummy-config: prompts become real-vocabulary token ids
+# With random weights and EOS ignored a talker also samples its special ids, which no vocoder
+# decodes: with --dummy-config the talker may only sample real codes [0, NUM_CODES).
+NUM_CODES: int | None = None
+
+
 def make_prompts(n: int, words: int) -> list[dict[str, Any]]:
+    if DUMMY:
+        from vllm_omni.testing.dummy_checkpoints import chat_prompt_ids
+
+        return [{"prompt_token_ids": chat_prompt_ids(words, seed=i)} for i in range(n)]
     g = torch.Generator().manual_seed(0)
     prompts = []
     for _ in range(n):
@@ -63,9 +82,16 @@ def make_prompts(n: int, words: int) -> list[dict[str, Any]]:
 
 
 def fixed_length_params(args: argparse.Namespace) -> list[dict[str, Any]]:
-    return [{"temperature": 0.0, "max_tokens": args.text_tokens, "ignore_eos": True},
-            {"temperature": 0.0, "max_tokens": args.codec_tokens, "ignore_eos": True},
-            {"seed": 0}]
+    talker = {"temperature": 0.0, "max_tokens": args.codec_tokens, "ignore_eos": True}
+    if NUM_CODES is not None:
+        talker["allowed_token_ids"] = list(range(NUM_CODES))
+    return [{"temperature": 0.0, "max_tokens": args.text_tokens, "ignore_eos": True}, talker, {"seed": 0}]
+
+
+def codec_code_count(config: dict[str, Any]) -> int:
+    if "code2wav_config" in config:  # Qwen3-Omni: RVQ codebook
+        return config["code2wav_config"]["codebook_size"]
+    return config["token2wav_config"]["dit_config"]["num_embeds"]  # Qwen2.5-Omni token2wav
 
 
 def summarize(rows: list[dict[str, float]], wall: float) -> dict[str, Any]:
@@ -118,6 +144,11 @@ def bench_ours(model: str, args: argparse.Namespace, levels: list[int]) -> dict[
     from vllm_omni import AsyncOmni
 
     overrides = args.stage_overrides or {str(s): {"max_num_seqs": max(levels)} for s in range(3)}
+    if DUMMY:
+        for stage, values in overrides.items():
+            values["load_format"] = "dummy"
+            if stage in ("0", "1"):  # the AR stages: CUDA graphs and bf16
+                values.update(enforce_eager=False, dtype="bfloat16")
     engine_args = {"dtype": args.dtype} if args.dtype else {}
     t0 = time.perf_counter()
     omni = AsyncOmni(model, stage_configs_path=args.stage_configs_path, deploy_config=args.deploy_config,
@@ -139,24 +170,53 @@ def bench_ours(model: str, args: argparse.Namespace, levels: list[int]) -> dict[
 # --------------------------------------------------------------------------------- transformers
 
 
+def load_hf(model: str, device: str, dtype: torch.dtype):
+    """transformers' model for the checkpoint's family; random weights with --dummy-config."""
+    from transformers import AutoConfig, Qwen2_5OmniForConditionalGeneration, Qwen3OmniMoeForConditionalGeneration
+
+    config = AutoConfig.from_pretrained(model)
+    qwen3 = config.model_type == "qwen3_omni_moe"
+    cls = Qwen3OmniMoeForConditionalGeneration if qwen3 else Qwen2_5OmniForConditionalGeneration
+    if DUMMY:
+        with torch.device(device):
+            hf = cls._from_config(config, dtype=dtype)
+        if not qwen3:
+            hf.load_speakers(str(Path(model) / "spk_dict.pt"))
+    else:
+        hf = cls.from_pretrained(model, dtype=dtype).to(device)
+    if qwen3:
+        from vllm_omni.testing.tiny_qwen3_omni import prepare_reference
+
+        prepare_reference(hf)
+    speaker = {"speaker": "Ethan", "thinker_eos_token_id": 151645} if qwen3 else {"speaker": "Chelsie"}
+    if DUMMY and not qwen3:
+        # Qwen3's generate already suppresses the non-code ids; Qwen2.5's does not (see NUM_CODES).
+        vocab = config.talker_config.vocab_size
+        speaker["talker_bad_words_ids"] = [[t] for t in range(NUM_CODES, vocab)]
+    return hf.eval(), speaker
+
+
 def bench_hf(model: str, args: argparse.Namespace) -> dict[str, Any]:
-    from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
+    from transformers import AutoTokenizer
 
     if args.hf_threads is not None:
         torch.set_num_threads(args.hf_threads)
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     tok = AutoTokenizer.from_pretrained(model)
-    hf = Qwen2_5OmniForConditionalGeneration.from_pretrained(model, dtype=dtype).to(device).eval()
+    hf, family_kwargs = load_hf(model, device, dtype)
 
     def one(prompt) -> dict[str, float]:
-        text = tok.apply_chat_template(prompt["messages"], add_generation_prompt=True, tokenize=False)
-        ids = tok(text, return_tensors="pt")["input_ids"].to(device)
+        if "prompt_token_ids" in prompt:
+            ids = torch.tensor([prompt["prompt_token_ids"]], device=device)
+        else:
+            text = tok.apply_chat_template(prompt["messages"], add_generation_prompt=True, tokenize=False)
+            ids = tok(text, return_tensors="pt")["input_ids"].to(device)
         sync(device)
         t0 = time.perf_counter()
         with torch.no_grad():
             _, wav = hf.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), speaker="Chelsie",
+                input_ids=ids, attention_mask=torch.ones_like(ids), **family_kwargs,
                 thinker_max_new_tokens=args.text_tokens, thinker_min_new_tokens=args.text_tokens,
                 thinker_do_sample=False, talker_max_new_tokens=args.codec_tokens,
                 talker_min_new_tokens=args.codec_tokens, talker_do_sample=False)
@@ -191,14 +251,21 @@ def main() -> None:
     from vllm_omni.engine.stage_init_utils import prepare_engine_environment
 
     prepare_engine_environment()  # spawn for the stages, before building a model picks a start method
+    global DUMMY, NUM_CODES
     model = args.model
-    if model is None:
+    if args.dummy_config:
+        from vllm_omni.testing.dummy_checkpoints import make_dummy_omni_checkpoint
+
+        DUMMY = True
+        NUM_CODES = codec_code_count(json.loads(Path(args.dummy_config).read_text()))
+        model = str(make_dummy_omni_checkpoint(args.dummy_config, Path(tempfile.mkdtemp()) / "dummy"))
+    elif model is None:
         from vllm_omni.testing import make_tiny_model
 
         model = str(make_tiny_model("qwen2_5_omni", Path(tempfile.mkdtemp()) / "qwen2_5_omni", seed=0))
     levels = [int(c) for c in args.concurrency.split(",")]
     result: dict[str, Any] = {
-        "model": args.model or "tiny qwen2_5_omni (vllm_omni.testing, seed 0)",
+        "model": args.dummy_config or args.model or "tiny qwen2_5_omni (vllm_omni.testing, seed 0)",
         "text_tokens": args.text_tokens, "codec_tokens": args.codec_tokens, "prompt_words": args.prompt_words,
         "torch": torch.__version__, "transformers": transformers.__version__, "host": platform.node(),
         "cpu_threads": torch.get_num_threads(),

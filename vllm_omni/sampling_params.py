@@ -28,6 +28,7 @@ class SamplingParams:
     min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None  # only these ids may be sampled (vLLM's field)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
@@ -74,6 +75,10 @@ class SamplingParams:
             raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and self.logprobs < 0:
             raise bad("logprobs", ">= 0 or None")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
+        ):
+            raise bad("allowed_token_ids", "a non-empty list of non-negative token ids or None")
         if any(not s for s in self.stop):
             raise bad("stop", "a list of non-empty strings")
         if self.stop and not self.detokenize:
@@ -98,6 +103,8 @@ class SamplingParams:
         new = copy.copy(self)
         new.stop = list(self.stop)
         new.stop_token_ids = list(self.stop_token_ids)
+        if self.allowed_token_ids is not None:
+            new.allowed_token_ids = list(self.allowed_token_ids)
         for name, value in changes.items():
             if not hasattr(self, name):
                 raise ValueError(f"SamplingParams has no field {name!r}")

@@ -273,3 +273,22 @@ def test_logprobs_only_some_rows():
     assert out.logprobs[0] is None and out.logprobs[2] is None
     raw = torch.log_softmax(logits[1], dim=-1)
     assert set(out.logprobs[1]) == set(raw.topk(2).indices.tolist())
+
+
+def test_allowed_token_ids_restrict_greedy_and_random_rows():
+    logits = torch.randn(3, 50)
+    allowed = [3, 17, 42]
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=allowed),
+              SamplingParams(temperature=1.0, seed=5, allowed_token_ids=allowed),
+              SamplingParams(temperature=0.0)]
+    batch = SamplingBatch(params=params, prompt_token_ids=[[1]] * 3, output_token_ids=[[]] * 3,
+                          generators=[None, torch.Generator().manual_seed(5), None])
+    out = Sampler()(logits, batch)
+    assert out.token_ids[0] == allowed[int(logits[0, allowed].argmax())]
+    assert out.token_ids[1] in allowed
+    assert out.token_ids[2] == int(logits[2].argmax())
+
+
+def test_allowed_token_ids_validation():
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])

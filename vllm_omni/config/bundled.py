@@ -34,18 +34,20 @@ class BundledPipeline:
         return DEPLOY_DIR / f"{self.name}.yaml"
 
 
-BUNDLED_PIPELINES = ("qwen2_5_omni", "qwen2_5_omni_single_gpu", "qwen2_5_omni_thinker_only", "qwen3_omni_moe")
+BUNDLED_PIPELINES = ("qwen2_5_omni", "qwen2_5_omni_single_gpu", "qwen2_5_omni_thinker_only",
+                     "qwen3_omni_moe", "qwen3_omni_moe_single_gpu", "qwen3_omni_moe_thinker_only")
 _BY_MODEL_TYPE = {"qwen2_5_omni": "qwen2_5_omni", "qwen2_5_omni_thinker": "qwen2_5_omni_thinker_only",
-                  "qwen3_omni_moe": "qwen3_omni_moe"}
+                  "qwen3_omni_moe": "qwen3_omni_moe", "qwen3_omni_moe_thinker": "qwen3_omni_moe_thinker_only"}
 _BY_ARCH = {
     "Qwen2_5OmniModel": "qwen2_5_omni",
     "Qwen2_5OmniForConditionalGeneration": "qwen2_5_omni",
     "Qwen2_5OmniThinkerForConditionalGeneration": "qwen2_5_omni_thinker_only",
     "Qwen3OmniMoeForConditionalGeneration": "qwen3_omni_moe",
+    "Qwen3OmniMoeThinkerForConditionalGeneration": "qwen3_omni_moe_thinker_only",
 }
 # Variants of a pipeline: without audio output (no talker / code2wav), and for one device.
-_TEXT_ONLY = {"qwen2_5_omni": "qwen2_5_omni_thinker_only"}
-_SINGLE_DEVICE = {"qwen2_5_omni": "qwen2_5_omni_single_gpu"}
+_TEXT_ONLY = {"qwen2_5_omni": "qwen2_5_omni_thinker_only", "qwen3_omni_moe": "qwen3_omni_moe_thinker_only"}
+_SINGLE_DEVICE = {"qwen2_5_omni": "qwen2_5_omni_single_gpu", "qwen3_omni_moe": "qwen3_omni_moe_single_gpu"}
 # Architectures that run as one AR stage: the usual HF names of plain decoders.
 _PLAIN_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 

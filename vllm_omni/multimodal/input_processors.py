@@ -5,13 +5,14 @@
 
 It runs in the caller's process (Omni / AsyncOmni / the API server), before anything is
 queued, so bad media is a ValueError (HTTP 400) and never reaches a stage. A plain LLM gets
-a tokenizer and its chat template; Qwen2.5-Omni gets its processor (chat template, media
-loading, placeholder expansion, features), and the result's `additional_information` holds
+a tokenizer and its chat template; Qwen2.5-Omni and Qwen3-Omni get their processors (chat
+template, media loading, placeholder expansion, features), and the result's `additional_information` holds
 the thinker's `model_inputs` (flat tensors) plus `speaker`: the thinker reads the features
 (`embed_request_span`), the thinker2talker bridge reads the grids and the voice.
 """
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -99,19 +100,38 @@ class Qwen2_5OmniPromptProcessor:
     """Qwen2.5-Omni: the multimodal processor (vllm_omni.multimodal.qwen2_5_omni_processor)."""
 
     def __init__(self, model_dir: str | os.PathLike, tokenizer: Any = None) -> None:
-        from vllm_omni.multimodal.qwen2_5_omni_processor import Qwen2_5OmniInputProcessor
         from vllm_omni.multimodal.vision import VideoSampling
 
-        self.inner = Qwen2_5OmniInputProcessor.from_pretrained(model_dir, tokenizer=tokenizer)
+        self.inner = self._load_inner(model_dir, tokenizer)
         self.tokenizer = self.inner.tokenizer
         # Per-request video sampling overrides (fps, max_frames, ...) are mm_processor_kwargs too.
         self.video_keys = frozenset(VideoSampling.__dataclass_fields__) - {"frame_factor", "image_factor"}
-        self.speakers = _speaker_names(Path(model_dir))
+        self.speakers = self._speaker_names(Path(model_dir))
+
+    @staticmethod
+    def _load_inner(model_dir: str | os.PathLike, tokenizer: Any) -> Any:
+        from vllm_omni.multimodal.qwen2_5_omni_processor import Qwen2_5OmniInputProcessor
+
+        return Qwen2_5OmniInputProcessor.from_pretrained(model_dir, tokenizer=tokenizer)
+
+    @staticmethod
+    def _speaker_names(model_dir: Path) -> list[str] | None:
+        """The checkpoint's voices (None: a thinker-only checkpoint, which has none)."""
+        if not (model_dir / "spk_dict.pt").is_file():
+            return None
+        from vllm_omni.model_executor.models.qwen2_5_omni.token2wav import load_speakers
+
+        return sorted(load_speakers(model_dir))
+
+    def _known_speaker(self, speaker: str) -> bool:
+        return speaker in self.speakers
 
     def process(self, prompt: Mapping[str, Any]) -> OmniTokensPrompt:
         use_audio_in_video, video_options = self._mm_kwargs(prompt.get("mm_processor_kwargs") or {})
         speaker = prompt.get(SPEAKER)
-        if speaker is not None and self.speakers is not None and speaker not in self.speakers:
+        if speaker is not None and not isinstance(speaker, str):
+            raise ValueError(f"speaker must be a voice name (string), got {type(speaker).__name__}")
+        if speaker is not None and self.speakers is not None and not self._known_speaker(speaker):
             raise ValueError(f"unknown speaker {speaker!r}; available: {self.speakers}")
         text = None
         if "messages" in prompt:
@@ -147,13 +167,28 @@ class Qwen2_5OmniPromptProcessor:
         return flag, video_options
 
 
-def _speaker_names(model_dir: Path) -> list[str] | None:
-    """The checkpoint's voices (None: a thinker-only checkpoint, which has none)."""
-    if not (model_dir / "spk_dict.pt").is_file():
-        return None
-    from vllm_omni.model_executor.models.qwen2_5_omni.token2wav import load_speakers
+class Qwen3OmniPromptProcessor(Qwen2_5OmniPromptProcessor):
+    """Qwen3-Omni: its own multimodal processor (vllm_omni.multimodal.qwen3_omni_processor),
+    the same prompt shapes and mm_processor_kwargs. The voices are codec ids in config.json
+    (`talker_config.speaker_id`; there is no spk_dict.pt), matched case-insensitively as
+    transformers' generate does (`speaker.lower()`): the talker lowercases the name itself."""
 
-    return sorted(load_speakers(model_dir))
+    @staticmethod
+    def _load_inner(model_dir: str | os.PathLike, tokenizer: Any) -> Any:
+        from vllm_omni.multimodal.qwen3_omni_processor import Qwen3OmniInputProcessor
+
+        return Qwen3OmniInputProcessor.from_pretrained(model_dir, tokenizer=tokenizer)
+
+    @staticmethod
+    def _speaker_names(model_dir: Path) -> list[str] | None:
+        """None: a checkpoint without a talker (thinker-only, or a config without voices)."""
+        path = model_dir / "config.json"
+        config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        voices = (config.get("talker_config") or {}).get("speaker_id")
+        return sorted(voices) if isinstance(voices, Mapping) and voices else None
+
+    def _known_speaker(self, speaker: str) -> bool:
+        return speaker.lower() in self.speakers
 
 
 # model_type or architecture -> factory(model_dir, tokenizer). Anything else is a text model.
@@ -163,6 +198,10 @@ _FACTORIES: dict[str, Callable[[str, Any], InputProcessor]] = {
     "Qwen2_5OmniModel": Qwen2_5OmniPromptProcessor,
     "Qwen2_5OmniForConditionalGeneration": Qwen2_5OmniPromptProcessor,
     "Qwen2_5OmniThinkerForConditionalGeneration": Qwen2_5OmniPromptProcessor,
+    "qwen3_omni_moe": Qwen3OmniPromptProcessor,
+    "qwen3_omni_moe_thinker": Qwen3OmniPromptProcessor,
+    "Qwen3OmniMoeForConditionalGeneration": Qwen3OmniPromptProcessor,
+    "Qwen3OmniMoeThinkerForConditionalGeneration": Qwen3OmniPromptProcessor,
 }
 
 

@@ -115,6 +115,9 @@ async def race_disconnect(request: Request, work: Awaitable[T]) -> T:
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler was cancelled (server shutdown): the work goes too
+        task.cancel()
+        raise
     finally:
         watcher.cancel()
     if task.done():

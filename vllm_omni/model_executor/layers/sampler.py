@@ -88,7 +88,8 @@ class Sampler:
             rows = logits if len(lp_rows) == num_rows else logits[_to_device(lp_rows, torch.long, device)]
             raw_logprobs = torch.log_softmax(rows, dim=-1)
 
-        # 2) + 3) Processors that change the argmax: min_tokens, then penalties.
+        # 2) + 3) Processors that change the argmax: allowed tokens, min_tokens, then penalties.
+        logits = self._apply_allowed_tokens(logits, batch)
         logits = self._apply_min_tokens(logits, batch)
         logits = self._apply_penalties(logits, batch)
 
@@ -112,6 +113,20 @@ class Sampler:
         return self._with_logprobs(sampled, raw_logprobs, lp_rows, params)
 
     # ------------------------------------------------------------------ processors
+
+    @staticmethod
+    def _apply_allowed_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        rows = [i for i, p in enumerate(batch.params) if p.allowed_token_ids is not None]
+        if not rows:
+            return logits
+        vocab = logits.shape[1]
+        mask = torch.full((len(rows), vocab), float("-inf"), device=logits.device)
+        for j, i in enumerate(rows):
+            ids = [t for t in batch.params[i].allowed_token_ids if t < vocab]
+            mask[j, _to_device(ids, torch.long, logits.device)] = 0.0
+        logits = logits.clone()
+        logits[_to_device(rows, torch.long, logits.device)] += mask
+        return logits
 
     @staticmethod
     def _apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
