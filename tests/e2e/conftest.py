@@ -1,5 +1,6 @@
-"""Shared pieces of the end-to-end tests: the tiny Qwen2.5-Omni checkpoint, media as a client
-sends them (data URLs, base64 audio, raw arrays) and small per-stage sampling params."""
+"""Shared pieces of the end-to-end tests: the tiny Qwen2.5-Omni and Qwen3-Omni checkpoints,
+media as a client sends them (data URLs, base64 audio, raw arrays) and small per-stage
+sampling params."""
 from __future__ import annotations
 
 import base64
@@ -20,6 +21,11 @@ SMALL_VIDEO = {"min_pixels": 28 * 28, "max_pixels": 4 * 28 * 28}
 @pytest.fixture(scope="session")
 def omni_dir(tiny_model):
     return tiny_model("qwen2_5_omni")
+
+
+@pytest.fixture(scope="session")
+def qwen3_omni_dir(tiny_model):
+    return tiny_model("qwen3_omni_moe")
 
 
 def short_params(thinker=THINKER_TOKENS, talker=TALKER_TOKENS, code2wav_seed=None) -> list:

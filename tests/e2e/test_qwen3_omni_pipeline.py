@@ -1,0 +1,204 @@
+"""Qwen3-Omni end to end: `Omni(model=<checkpoint>)` with the bundled configs, real stage
+processes (thinker -> talker with code predictor -> code2wav), the tiny random checkpoint.
+
+- 8 concurrent requests (text, audio+text, image+text) each equal their solo run: text tokens
+  identical, every code group of every frame identical, waveform within 1e-4;
+- text, codes and waveform equal transformers' `Qwen3OmniMoeForConditionalGeneration.generate`;
+- `modalities=["text"]` runs the thinker alone;
+- the voice comes from config.json's `talker_config.speaker_id` and reaches the talker.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.e2e.conftest import BATCH_8, by_request, data_url, user
+from tests.multimodal.media_files import audio_bytes, image_bytes, sine
+from vllm_omni import Omni
+
+CODES_KEY = "code_predictor_codes"
+# Thinker tokens and talker frames: small, the tiny talker never picks codec EOS by itself.
+PARAMS = [{"max_tokens": 8}, {"max_tokens": 16}, None]
+
+
+@pytest.fixture(scope="module")
+def ckpt(qwen3_omni_dir, tmp_path_factory):
+    """The tiny checkpoint with audible voices: its random speaker rows (one talker prompt row
+    among many) barely move the codes, so the same request spoke alike in both voices and a
+    voice lost on the way would go unnoticed. 5x the rows makes them change the codes."""
+    path = tmp_path_factory.mktemp("qwen3-omni-voices")
+    shutil.copytree(qwen3_omni_dir, path, dirs_exist_ok=True)
+    voices = json.loads((path / "config.json").read_text())["talker_config"]["speaker_id"]
+    weights = load_file(path / "model.safetensors")
+    weights["talker.model.codec_embedding.weight"][list(voices.values())] *= 5
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def omni(ckpt):
+    with Omni(model=str(ckpt), stage_overrides=BATCH_8) as omni:
+        yield omni
+
+
+def stage_requests(omni) -> list[int]:
+    """How many requests each stage has finished (the orchestrator's counters)."""
+    return [omni._runtime.orchestrator.stage_counters[s]["requests"] for s in range(3)]
+
+
+def text(s: str) -> dict:
+    return {"type": "text", "text": s}
+
+
+def mixed_prompts() -> list:
+    """8 chat prompts across text, audio+text and image+text, in the shapes clients use. The
+    talker speaks the assistant turn of a chat prompt, so every prompt is one (a raw string
+    without `<|im_start|>assistant` is refused by the talker)."""
+    wav = audio_bytes("WAV", seconds=0.8, sr=22050, channels=1)
+    png = image_bytes("PNG", size=(90, 60), seed=1)
+    return [
+        {"messages": user(text("Tell me a story."))},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}],
+         "speaker": "Ethan"},
+        {"messages": user({"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(),
+                                                                   "format": "wav"}}, text("What is this?"))},
+        {"messages": user({"type": "audio", "audio": (sine(0.5, 16000)[:, 0], 16000)}, text("Transcribe.")),
+         "speaker": "chelsie"},
+        {"messages": user({"type": "image_url", "image_url": {"url": data_url("image/png", png)}},
+                          text("Describe the image."))},
+        # vLLM style: a template-form prompt with a placeholder + multi_modal_data.
+        {"prompt": "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What?<|im_end|>\n"
+                   "<|im_start|>assistant\n",
+         "multi_modal_data": {"image": png}, "speaker": "Chelsie"},
+        {"messages": user({"type": "image_url", "image_url": {"url": data_url("image/png", png)}},
+                          {"type": "audio", "audio": (sine(0.3, 16000)[:, 0], 16000)}, text("Both?"))},
+        {"messages": user(text("Why is the sky blue?"))},
+    ]
+
+
+def audio_of(out) -> torch.Tensor:
+    return out["audio"].request_output.outputs[0].multimodal_output["audio"]
+
+
+def check_same(got: dict, solo: dict, where: str) -> None:
+    txt, ref_txt = got["text"].request_output.outputs[0], solo["text"].request_output.outputs[0]
+    assert txt.token_ids == ref_txt.token_ids and txt.text == ref_txt.text, where
+    # code2wav's prompt is every code group of every frame, codebook-major (talker2code2wav).
+    codes, ref_codes = got["audio"].request_output.prompt_token_ids, solo["audio"].request_output.prompt_token_ids
+    assert codes == ref_codes, where
+    torch.testing.assert_close(audio_of(got), audio_of(solo), atol=1e-4, rtol=0, msg=where)
+
+
+def test_mixed_concurrent_requests_equal_their_solo_runs(omni):
+    prompts = mixed_prompts()
+    together = by_request(omni.generate(prompts, PARAMS, use_tqdm=False))
+    assert len(together) == 8
+    for i, outs in enumerate(together):
+        assert sorted(outs) == ["audio", "text"] and all(o.finished and o.error is None for o in outs.values()), i
+        wav = audio_of(outs)
+        assert wav.dtype == torch.float32 and wav.dim() == 1 and wav.numel() > 0 and torch.isfinite(wav).all()
+        # 4 code groups per frame, one frame per talker step (no EOS: its length limit).
+        assert len(outs["audio"].request_output.prompt_token_ids) == 4 * 16, i
+    for i, prompt in enumerate(prompts):
+        [solo] = by_request(omni.generate(prompt, PARAMS, use_tqdm=False))
+        check_same(together[i], solo, f"prompt {i}")
+    # The voice reaches the talker: the same request with another voice speaks differently.
+    [other] = by_request(omni.generate({**prompts[1], "speaker": "Chelsie"}, PARAMS, use_tqdm=False))
+    assert other["text"].request_output.outputs[0].token_ids == together[1]["text"].request_output.outputs[0].token_ids
+    assert other["audio"].request_output.prompt_token_ids != together[1]["audio"].request_output.prompt_token_ids
+
+
+def reference_inputs(ckpt, messages) -> tuple[torch.Tensor, dict]:
+    """transformers' inputs for a chat prompt: ids from the tokenizer's own chat template, or
+    (with media) our processor's ids and tensors (tests/multimodal checks them against
+    transformers' processor)."""
+    from transformers import AutoTokenizer
+
+    from vllm_omni.multimodal.qwen3_omni_processor import Qwen3OmniInputProcessor
+
+    if all(isinstance(part, str) or part["type"] == "text" for m in messages for part in m["content"]):
+        tok = AutoTokenizer.from_pretrained(ckpt)
+        ids = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                  return_tensors="pt")["input_ids"]
+        return ids, {}
+    processed = Qwen3OmniInputProcessor.from_pretrained(ckpt).process_messages(messages)
+    return torch.tensor([processed.prompt_token_ids]), dict(processed.mm_inputs)
+
+
+@pytest.mark.parametrize("messages", [
+    user(text("What is the capital of France?")),
+    user({"type": "image", "image": image_bytes("PNG", size=(64, 64), seed=2)},
+         {"type": "audio", "audio": (sine(0.6, 16000)[:, 0], 16000)}, text("What do you see and hear?")),
+], ids=["text", "image+audio"])
+def test_matches_transformers_generate(omni, ckpt, messages):
+    from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
+
+    from vllm_omni.testing.tiny_qwen3_omni import prepare_reference
+
+    thinker_tokens, talker_tokens = 10, 20
+    greedy = [{"temperature": 0.0, "max_tokens": thinker_tokens, "repetition_penalty": 1.0},
+              {"temperature": 0.0, "max_tokens": talker_tokens, "repetition_penalty": 1.05}, None]
+    ours = by_request(omni.generate({"messages": messages, "speaker": "Chelsie"}, greedy, use_tqdm=False))[0]
+
+    ids, mm = reference_inputs(ckpt, messages)
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
+    prepare_reference(model)  # the notes' workaround: the talker reads an audio config it lacks
+    talker_generate, talker_runs = model.talker.generate, []
+
+    def recording_talker(*args, **kwargs):
+        talker_runs.append(talker_generate(*args, **kwargs))
+        return talker_runs[-1]
+
+    model.talker.generate = recording_talker
+    im_end = AutoTokenizer.from_pretrained(ckpt).convert_tokens_to_ids("<|im_end|>")
+    with torch.no_grad():
+        # transformers computes no frame for the talker's last sampled token; our talker, stopped
+        # by its length limit, keeps that token's frame. One more talker step makes the frames
+        # (and so the waveform) the same. thinker_eos_token_id: the default is the released
+        # vocabulary's <|im_end|>, outside the tiny one.
+        sequences, wav = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), speaker="Chelsie", **mm,
+            thinker_max_new_tokens=thinker_tokens, thinker_do_sample=False, thinker_eos_token_id=im_end,
+            talker_max_new_tokens=talker_tokens + 1, talker_do_sample=False)
+    [talker] = talker_runs
+    ref_frames = torch.stack([h[-1] for h in talker.hidden_states if h[-1] is not None], dim=1)[0]  # [frames, G]
+    assert ref_frames.shape == (talker_tokens, 4)
+
+    txt = ours["text"].request_output
+    assert txt.prompt_token_ids == ids[0].tolist()
+    assert txt.outputs[0].token_ids == sequences[0, ids.shape[1]:].tolist()
+    codes = ours["audio"].request_output.prompt_token_ids
+    assert codes == ref_frames.T.reshape(-1).tolist()  # every code group of every frame
+    torch.testing.assert_close(audio_of(ours), wav.reshape(-1).float(), atol=1e-4, rtol=0)
+
+
+def test_text_modality_runs_only_the_thinker(omni):
+    prompt = {"messages": user(text("Hi"))}
+    [full] = by_request(omni.generate(prompt, PARAMS, use_tqdm=False))
+    before = stage_requests(omni)
+    text_only = omni.generate(prompt, PARAMS, use_tqdm=False, modalities=["text"])
+    assert [o.final_output_type for o in text_only] == ["text"]
+    assert stage_requests(omni) == [before[0] + 1, before[1], before[2]]  # talker and code2wav never ran
+    assert text_only[0].request_output.outputs[0].token_ids == full["text"].request_output.outputs[0].token_ids
+    audio_only = omni.generate(prompt, PARAMS, use_tqdm=False, modalities=["audio"])
+    assert [o.final_output_type for o in audio_only] == ["audio"]
+    assert stage_requests(omni) == [before[0] + 2, before[1] + 1, before[2] + 1]
+    torch.testing.assert_close(audio_of({"audio": audio_only[0]}), audio_of(full), atol=1e-4, rtol=0)
+    assert omni.output_modalities == ["text", "audio"]
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"prompt": "Hi", "speaker": "Nobody"}, r"unknown speaker 'Nobody'; available: \['chelsie', 'ethan'\]"),
+    ({"prompt": "Look: <|vision_start|><|image_pad|><|vision_end|>"}, "1 image placeholder"),
+    ({"messages": user({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}})}, "image"),
+])
+def test_bad_prompts_fail_before_anything_is_queued(omni, bad, match):
+    before = stage_requests(omni)
+    with pytest.raises(ValueError, match=match):
+        omni.generate([{"messages": user(text("A good prompt."))}, bad], PARAMS, use_tqdm=False)
+    assert stage_requests(omni) == before
