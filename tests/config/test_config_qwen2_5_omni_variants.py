@@ -76,7 +76,6 @@ def test_thinker_only_variant():
     ({**OMNI, "enable_audio_output": False}, {}, "qwen2_5_omni_thinker_only"),
     ({"model_type": "qwen2_5_omni_thinker", "architectures": ["Qwen2_5OmniThinkerForConditionalGeneration"]}, {},
      "qwen2_5_omni_thinker_only"),
-    ({"model_type": "qwen3_omni_moe"}, {"audio_output": False, "num_devices": 1}, "qwen3_omni_moe"),  # no variants
 ])
 def test_variant_choice(hf, kwargs, expected):
     assert pipeline_for_model(hf, **kwargs).name == expected

@@ -4,7 +4,8 @@ processes (thinker -> talker with code predictor -> code2wav), the tiny random c
 - 8 concurrent requests (text, audio+text, image+text) each equal their solo run: text tokens
   identical, every code group of every frame identical, waveform within 1e-4;
 - text, codes and waveform equal transformers' `Qwen3OmniMoeForConditionalGeneration.generate`;
-- `modalities=["text"]` runs the thinker alone;
+- `modalities=["text"]` runs the thinker alone; `output_modalities=["text"]` loads the
+  thinker-only variant;
 - the voice comes from config.json's `talker_config.speaker_id` and reaches the talker.
 """
 from __future__ import annotations
@@ -130,6 +131,7 @@ def reference_inputs(ckpt, messages) -> tuple[torch.Tensor, dict]:
     return torch.tensor([processed.prompt_token_ids]), dict(processed.mm_inputs)
 
 
+@pytest.mark.filterwarnings("ignore:Passing `repetition_penalty` with `inputs_embeds`")
 @pytest.mark.parametrize("messages", [
     user(text("What is the capital of France?")),
     user({"type": "image", "image": image_bytes("PNG", size=(64, 64), seed=2)},
@@ -202,3 +204,13 @@ def test_bad_prompts_fail_before_anything_is_queued(omni, bad, match):
     with pytest.raises(ValueError, match=match):
         omni.generate([{"messages": user(text("A good prompt."))}, bad], PARAMS, use_tqdm=False)
     assert stage_requests(omni) == before
+
+
+def test_text_output_loads_the_thinker_only_variant(omni, ckpt):
+    prompt = {"messages": user(text("Hello there"))}
+    [full] = by_request(omni.generate(prompt, PARAMS, use_tqdm=False))
+    with Omni(model=str(ckpt), output_modalities=["text"]) as thinker_only:
+        assert thinker_only._runtime.pipeline.pipeline_name == "qwen3_omni_moe_thinker_only"
+        assert thinker_only.output_modalities == ["text"]
+        [out] = thinker_only.generate(prompt, PARAMS[:1], use_tqdm=False)
+    assert out.request_output.outputs[0].token_ids == full["text"].request_output.outputs[0].token_ids

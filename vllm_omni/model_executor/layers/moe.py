@@ -99,7 +99,10 @@ def moe_forward_grouped(
     flat_ids = topk_ids.flatten()
     order = torch.argsort(flat_ids, stable=True)
     token_idx = order // top_k
-    offsets = torch.cumsum(torch.bincount(flat_ids, minlength=num_experts), 0).to(torch.int32)
+    # scatter_add, not bincount: bincount reads the max id back to the host (no graph capture).
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     hidden = torch._grouped_mm(x[token_idx], w13.transpose(1, 2), offs=offsets)  # [T*k, 2I]
     hidden = torch._grouped_mm(silu_and_mul(hidden), w2.transpose(1, 2), offs=offsets)  # [T*k, H]
     hidden = hidden * topk_weights.flatten()[order, None]
