@@ -103,6 +103,7 @@ def test_mixed_concurrent_requests_equal_their_solo_runs(omni):
         assert sorted(outs) == ["audio", "text"] and all(o.finished and o.error is None for o in outs.values()), i
         wav = audio_of(outs)
         assert wav.dtype == torch.float32 and wav.dim() == 1 and wav.numel() > 0 and torch.isfinite(wav).all()
+        assert int(outs["audio"].request_output.outputs[0].multimodal_output["sample_rate"]) == 24000
         # 4 code groups per frame, one frame per talker step (no EOS: its length limit).
         assert len(outs["audio"].request_output.prompt_token_ids) == 4 * 16, i
     for i, prompt in enumerate(prompts):

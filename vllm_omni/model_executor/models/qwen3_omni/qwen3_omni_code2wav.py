@@ -28,7 +28,8 @@ _DTYPES = {"auto": torch.float32, "float32": torch.float32, "float": torch.float
 
 
 class Qwen3OmniMoeCode2Wav:
-    """GenerationModel for the `code2wav` stage; `generate_batch` -> [{"audio": float32 [N]}]."""
+    """GenerationModel for the `code2wav` stage; `generate_batch` -> [{"audio": float32 [N],
+    "sample_rate": int32 []}]."""
 
     def __init__(self, module: torch.nn.Module, device: torch.device) -> None:
         self.module = module
@@ -78,7 +79,10 @@ class Qwen3OmniMoeCode2Wav:
             out = out[:, 0].float().cpu()
             for row, i in enumerate(live):
                 wavs[i] = out[row, : lengths[i] * self.samples_per_frame - lost * _num_chunks(lengths[i])].clone()
-        return [{"audio": wav} for wav in wavs]
+        # The rate travels with the audio, as Qwen2.5-Omni's does, so callers (CLI, server) can
+        # encode it without knowing the model; a 0-dim tensor is metadata, never concatenated.
+        rate = torch.tensor(self.sample_rate, dtype=torch.int32)
+        return [{"audio": wav, "sample_rate": rate} for wav in wavs]
 
     def _codes(self, req: StageRequest) -> torch.Tensor:
         """[num_quantizers, frames] from the codebook-major flat prompt."""
