@@ -195,6 +195,18 @@ def test_text_modality_runs_only_the_thinker(omni):
     assert omni.output_modalities == ["text", "audio"]
 
 
+def test_raw_prompt_has_no_turn_to_speak(omni):
+    """A raw string is tokenized as is (vLLM's rule): the thinker answers it, the talker, which
+    speaks the assistant turn, fails that request alone with a clear error."""
+    outs = omni.generate("Tell me a story.", PARAMS, use_tqdm=False)
+    assert [o.final_output_type for o in outs] == ["text", "text"]  # the reply, then the error
+    reply, failed = outs
+    assert reply.request_output.error is None and len(reply.request_output.outputs[0].token_ids) == 8
+    assert "no '<|im_start|>assistant' turn" in failed.request_output.error
+    [text_only] = omni.generate("Tell me a story.", PARAMS, use_tqdm=False, modalities=["text"])
+    assert text_only.request_output.outputs[0].token_ids == reply.request_output.outputs[0].token_ids
+
+
 @pytest.mark.parametrize("bad, match", [
     ({"prompt": "Hi", "speaker": "Nobody"}, r"unknown speaker 'Nobody'; available: \['chelsie', 'ethan'\]"),
     ({"prompt": "Look: <|vision_start|><|image_pad|><|vision_end|>"}, "1 image placeholder"),

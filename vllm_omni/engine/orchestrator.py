@@ -156,7 +156,8 @@ class Orchestrator:
         if sub.request_id in self._keys:
             sub.sink.put(RequestDone(sub.request_id, error=f"request id {sub.request_id!r} is already in flight"))
             return
-        down = [c for c in self.clients.values() if c.state != StageState.UP]
+        # Only the stages this request runs must be up (a text-only request survives a dead talker).
+        down = [c for sid, c in self.clients.items() if sid in sub.plan.stages and c.state != StageState.UP]
         if down:
             reason = "; ".join(f"{c.name} is {c.state.value}: {c.reason}" for c in down)
             sub.sink.put(RequestDone(sub.request_id, error=reason, failed_stage=down[0].stage_id))
