@@ -10,7 +10,8 @@ from vllm_omni.config.bundled import DEPLOY_DIR, STAGE_CONFIGS_DIR
 from vllm_omni.engine.stage_input import resolve_input_processor
 
 QWEN3 = {"model_type": "qwen3_omni_moe", "architectures": ["Qwen3OmniMoeForConditionalGeneration"]}
-THINKER_ONLY = {"model_type": "qwen3_omni_moe_thinker", "architectures": ["Qwen3OmniMoeThinkerForConditionalGeneration"]}
+THINKER_ONLY = {"model_type": "qwen3_omni_moe_thinker",
+                "architectures": ["Qwen3OmniMoeThinkerForConditionalGeneration"]}
 BRIDGES = "vllm_omni.model_executor.stage_input_processors.qwen3_omni"
 
 

@@ -22,7 +22,6 @@ from tests.e2e.conftest import BATCH_8, by_request, data_url, user
 from tests.multimodal.media_files import audio_bytes, image_bytes, sine
 from vllm_omni import Omni
 
-CODES_KEY = "code_predictor_codes"
 # Thinker tokens and talker frames: small, the tiny talker never picks codec EOS by itself.
 PARAMS = [{"max_tokens": 8}, {"max_tokens": 16}, None]
 
@@ -198,10 +197,9 @@ def test_text_modality_runs_only_the_thinker(omni):
 def test_raw_prompt_has_no_turn_to_speak(omni):
     """A raw string is tokenized as is (vLLM's rule): the thinker answers it, the talker, which
     speaks the assistant turn, fails that request alone with a clear error."""
-    outs = omni.generate("Tell me a story.", PARAMS, use_tqdm=False)
-    assert [o.final_output_type for o in outs] == ["text", "text"]  # the reply, then the error
-    reply, failed = outs
-    assert reply.request_output.error is None and len(reply.request_output.outputs[0].token_ids) == 8
+    reply, failed = omni.generate("Tell me a story.", PARAMS, use_tqdm=False)  # the reply, then the error
+    assert reply.final_output_type == "text" and reply.request_output.error is None
+    assert len(reply.request_output.outputs[0].token_ids) == 8
     assert "no '<|im_start|>assistant' turn" in failed.request_output.error
     [text_only] = omni.generate("Tell me a story.", PARAMS, use_tqdm=False, modalities=["text"])
     assert text_only.request_output.outputs[0].token_ids == reply.request_output.outputs[0].token_ids

@@ -10,17 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
-from vllm_omni.config.stage_config import PipelineConfig
 from vllm_omni.engine.messages import StageStats
-from vllm_omni.engine.request_plan import available_modalities
 from vllm_omni.engine.request_state import RequestDone
-from vllm_omni.engine.stage_client import StageHealth
-from vllm_omni.entrypoints.omni import start_runtime
+from vllm_omni.entrypoints.omni_base import OmniBase
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = logging.getLogger(__name__)
@@ -48,36 +44,9 @@ class _AsyncSink:
             logger.debug("dropping an output for a closed event loop")
 
 
-class AsyncOmni:
-    def __init__(
-        self,
-        model: str | os.PathLike,
-        stage_configs_path: str | None = None,
-        deploy_config: str | None = None,
-        stage_overrides: str | Mapping[Any, Any] | None = None,
-        stage_init_timeout: float = 300,
-        init_timeout: float = 600,
-        shm_threshold_bytes: int = 65536,
-        log_stats: bool = False,
-        output_modalities: Sequence[str] | None = None,
-        **engine_args: Any,
-    ) -> None:
-        # Startup blocks (stages load their models); run it in a thread from async code.
-        # output_modalities: as for Omni (picks a bundled variant; generate's default).
-        self._runtime = start_runtime(model, stage_configs_path, deploy_config, stage_overrides, stage_init_timeout,
-                                      init_timeout, shm_threshold_bytes, log_stats, engine_args, output_modalities)
-
-    @property
-    def pipeline(self) -> PipelineConfig:
-        return self._runtime.pipeline
-
-    def get_tokenizer(self) -> Any:
-        return self._runtime.tokenizer
-
-    @property
-    def output_modalities(self) -> list[str]:
-        """What generate can return (the pipeline's final output types, e.g. ["text", "audio"])."""
-        return self._runtime.default_modalities or available_modalities(self.pipeline)
+class AsyncOmni(OmniBase):
+    """The asyncio API; constructor arguments: `OmniBase`. Construction blocks while the stages
+    load their models: from async code, run it in a thread."""
 
     async def generate(
         self,
@@ -126,20 +95,8 @@ class AsyncOmni:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
             self._runtime.abort(rid)
 
-    def stage_health(self) -> list[StageHealth]:
-        return self._runtime.health()
-
     async def get_stage_stats(self, stage_id: int) -> StageStats:
         return await self._runtime.stage_stats_async(stage_id)
-
-    def close(self) -> None:
-        self._runtime.close()
-
-    def __enter__(self) -> AsyncOmni:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     async def __aenter__(self) -> AsyncOmni:
         return self

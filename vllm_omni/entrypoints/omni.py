@@ -13,54 +13,19 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import queue
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from vllm_omni.config.stage_config import PipelineConfig
 from vllm_omni.engine.messages import StageStats
-from vllm_omni.engine.orchestrator import RuntimeOptions
-from vllm_omni.engine.request_plan import available_modalities
 from vllm_omni.engine.request_state import RequestDone
 from vllm_omni.engine.runtime import OmniRuntime
-from vllm_omni.engine.stage_client import StageHealth
+from vllm_omni.entrypoints.omni_base import OmniBase
 from vllm_omni.outputs import CompletionOutput, OmniRequestOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
-
-
-def load_pipeline(model: str, stage_configs_path: str | None, deploy_config: str | None,
-                  stage_overrides: str | Mapping[Any, Any] | None, engine_args: dict[str, Any],
-                  output_modalities: Sequence[str] | None = None) -> PipelineConfig:
-    """Parse every config input once (DESIGN 6) and check that its dotted names import."""
-    from vllm_omni.config import detect_platform, load_pipeline_config, validate_dotted_names
-
-    if stage_configs_path is not None and deploy_config is not None:
-        raise ValueError("pass stage_configs_path (legacy stage_args YAML) or deploy_config, not both")
-    path = stage_configs_path if stage_configs_path is not None else deploy_config
-    fmt = "legacy" if stage_configs_path is not None else "deploy" if deploy_config is not None else None
-    pipeline = load_pipeline_config(path, model=model, expected_format=fmt, stage_overrides=stage_overrides,
-                                    cli_args=engine_args or None, platform=detect_platform(),
-                                    output_modalities=output_modalities)
-    validate_dotted_names(pipeline)
-    return pipeline
-
-
-def start_runtime(model: str | os.PathLike, stage_configs_path: str | None, deploy_config: str | None,
-                  stage_overrides: Any, stage_init_timeout: float, init_timeout: float, shm_threshold_bytes: int,
-                  log_stats: bool, engine_args: dict[str, Any],
-                  output_modalities: Sequence[str] | None = None) -> OmniRuntime:
-    model = os.fspath(model)
-    if isinstance(output_modalities, str):
-        output_modalities = [output_modalities]
-    pipeline = load_pipeline(model, stage_configs_path, deploy_config, stage_overrides, engine_args,
-                             output_modalities)
-    options = RuntimeOptions(stage_init_timeout_s=float(stage_init_timeout), init_timeout_s=float(init_timeout),
-                             shm_threshold_bytes=int(shm_threshold_bytes), log_stats=log_stats)
-    return OmniRuntime(pipeline, model, options, output_modalities)
 
 
 def failed_output(runtime: OmniRuntime, done: RequestDone) -> OmniRequestOutput:
@@ -84,39 +49,12 @@ class _QueueSink:
         self.queue.put(item)
 
 
-class Omni:
-    """`output_modalities` (e.g. ["text"]): what this instance will ever return. With a bundled
-    config it picks the smallest variant (text only: the thinker alone, no talker loaded), and
-    it is the default of generate's `modalities`."""
+class Omni(OmniBase):
+    """Blocking generation; constructor arguments: `OmniBase`."""
 
-    def __init__(
-        self,
-        model: str | os.PathLike,
-        stage_configs_path: str | None = None,
-        deploy_config: str | None = None,
-        stage_overrides: str | Mapping[Any, Any] | None = None,
-        stage_init_timeout: float = 300,
-        init_timeout: float = 600,
-        shm_threshold_bytes: int = 65536,
-        log_stats: bool = False,
-        output_modalities: Sequence[str] | None = None,
-        **engine_args: Any,
-    ) -> None:
-        self._runtime = start_runtime(model, stage_configs_path, deploy_config, stage_overrides, stage_init_timeout,
-                                      init_timeout, shm_threshold_bytes, log_stats, engine_args, output_modalities)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._ids = itertools.count()
-
-    @property
-    def pipeline(self) -> PipelineConfig:
-        return self._runtime.pipeline
-
-    def get_tokenizer(self) -> Any:
-        return self._runtime.tokenizer
-
-    @property
-    def output_modalities(self) -> list[str]:
-        """What generate can return (the pipeline's final output types, e.g. ["text", "audio"])."""
-        return self._runtime.default_modalities or available_modalities(self.pipeline)
 
     def generate(
         self,
@@ -170,19 +108,6 @@ class Omni:
                 for request_id in pending:
                     self._runtime.abort(request_id)
 
-    def stage_health(self) -> list[StageHealth]:
-        """UP/DOWN (+ reason) per stage, for /health."""
-        return self._runtime.health()
-
     def get_stage_stats(self, stage_id: int) -> StageStats:
         """Ask a stage for its counters (unfinished requests, free KV blocks, ...)."""
         return self._runtime.stage_stats(stage_id)
-
-    def close(self) -> None:
-        self._runtime.close()
-
-    def __enter__(self) -> Omni:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()

@@ -129,7 +129,7 @@ class Qwen2_5OmniPromptProcessor:
     def process(self, prompt: Mapping[str, Any]) -> OmniTokensPrompt:
         use_audio_in_video, video_options = self._mm_kwargs(prompt.get("mm_processor_kwargs") or {})
         speaker = prompt.get(SPEAKER)
-        if speaker is not None and not isinstance(speaker, str):
+        if speaker is not None and not isinstance(speaker, str):  # else it would fail in the talker, after the thinker
             raise ValueError(f"speaker must be a voice name (string), got {type(speaker).__name__}")
         if speaker is not None and self.speakers is not None and not self._known_speaker(speaker):
             raise ValueError(f"unknown speaker {speaker!r}; available: {self.speakers}")
