@@ -27,7 +27,7 @@ from vllm_omni.engine.request_plan import RequestPlan
 from vllm_omni.engine.request_state import RequestDone, RequestSink, RequestState
 from vllm_omni.engine.stage_client import StageClient, StageDownError, StageHealth, StageState
 from vllm_omni.engine.stage_input import build_stage_input, resolve_input_processor
-from vllm_omni.engine.stage_launcher import ProcessLauncher, StageLauncher, ThreadLauncher
+from vllm_omni.engine.stage_launcher import ProcessLauncher, StageLauncher, ThreadLauncher, torch_threads_for
 from vllm_omni.engine.stage_worker import WorkerSpec
 from vllm_omni.engine.transport import OrchestratorChannel, make_ipc_dir, stage_addresses, sweep_shared_memory
 from vllm_omni.sampling_params import SamplingParams
@@ -114,8 +114,8 @@ class Orchestrator:
             stage=stage, model=self.model, in_addr=in_addr, out_addr=out_addr,
             shm_threshold_bytes=opts.shm_threshold_bytes, shm_prefix=self._shm_prefix,
             heartbeat_interval_s=opts.heartbeat_interval_s, stage_init_timeout_s=opts.stage_init_timeout_s,
-            parent_pid=os.getpid(), in_process=not stage.runtime.process, torch_threads=self._torch_threads(stage),
-            log_level=logging.getLogger().getEffectiveLevel(),
+            parent_pid=os.getpid(), in_process=not stage.runtime.process,
+            torch_threads=torch_threads_for(stage, self.pipeline), log_level=logging.getLogger().getEffectiveLevel(),
         )
         launcher: StageLauncher = ProcessLauncher(spec) if stage.runtime.process else ThreadLauncher(spec)
         channel = OrchestratorChannel(self._ctx, in_addr, out_addr, opts.shm_threshold_bytes, self._shm_prefix)
@@ -123,16 +123,6 @@ class Orchestrator:
                              on_down=self._on_stage_down, heartbeat_timeout_s=opts.heartbeat_timeout_s)
         self.clients[stage.stage_id] = client
         client.start()
-
-    def _torch_threads(self, stage: StageConfig) -> int | None:
-        # Stages on one host share its cores; without a limit each would use all of them.
-        if "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in stage.runtime.env_dict():
-            return None
-        # One core stays with this process (prompt and media processing, routing): a stage whose
-        # OpenMP threads compete with it for every core spin-waits, measured 30-50x slower per
-        # step on a 2-core machine (one stage with 2 threads vs 1).
-        num_processes = sum(1 for s in self.pipeline.stages if s.runtime.process)
-        return max(1, ((os.cpu_count() or 1) - 1) // max(1, num_processes))
 
     async def close(self) -> None:
         for state in list(self._requests.values()):

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
+from vllm_omni.config.stage_config import PipelineConfig, StageConfig
 from vllm_omni.engine.stage_init_utils import terminate_alive_proc
 from vllm_omni.engine.stage_worker import WorkerSpec, run_stage_worker, stage_process_main
 
@@ -166,3 +167,15 @@ def _in_process_device(spec: WorkerSpec) -> str:
     if torch.cuda.is_available():
         return f"cuda:{spec.stage.runtime.device_ids[0]}"
     return "auto"
+
+
+def torch_threads_for(stage: StageConfig, pipeline: PipelineConfig) -> int | None:
+    """The stage's torch thread count; None when OMP_NUM_THREADS is set (torch follows it)."""
+    # Stages on one host share its cores; without a limit each would use all of them.
+    if "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in stage.runtime.env_dict():
+        return None
+    # One core stays with the orchestrator's process (prompt and media processing, routing): a
+    # stage whose OpenMP threads compete with it for every core spin-waits, measured 30-50x
+    # slower per step on a 2-core machine (one stage with 2 threads vs 1).
+    num_processes = sum(1 for s in pipeline.stages if s.runtime.process)
+    return max(1, ((os.cpu_count() or 1) - 1) // max(1, num_processes))

@@ -16,10 +16,9 @@ attribute, so a typo would otherwise build the default model without a word.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from typing import Any
 
+from vllm_omni.testing.config_overrides import apply_overrides, check_field_names
 from vllm_omni.testing.tiny_models import tiny_vocab_size
 
 CODEC_VOCAB = 128
@@ -168,14 +167,6 @@ def _default_config(tokenizer) -> dict[str, Any]:
     )
 
 
-def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> None:
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(base.get(key), dict):
-            _deep_merge(base[key], value)
-        else:
-            base[key] = copy.deepcopy(value)
-
-
 def _mrope_section(head_dim: int) -> list[int]:
     # The released split [16, 24, 24] of a 128 head_dim, generalized: height and width get
     # 3/8 of the rotary half each, time the rest. Must sum to head_dim / 2.
@@ -188,44 +179,11 @@ def _mrope(head_dim: int) -> dict[str, Any]:
     return {"rope_type": "default", "rope_theta": 1e6, "mrope_section": _mrope_section(head_dim)}
 
 
-def _walk_fields(path: tuple[str, ...], value: dict[str, Any]):
-    """Yield (section path, fields set there) for a nested override dict."""
-    leaves = {k for k, v in value.items() if not isinstance(v, dict) or k == "rope_parameters"}
-    yield path, leaves
-    for k, v in value.items():
-        if isinstance(v, dict) and k != "rope_parameters":
-            yield from _walk_fields((*path, k), v)
-
-
 def build_config_dict(tokenizer, overrides: dict[str, Any]) -> dict[str, Any]:
     """Defaults + overrides (see the module docstring) -> the kwargs of Qwen2_5OmniConfig."""
     cfg = _default_config(tokenizer)
-    nested = {k: v for k, v in overrides.items() if k in _TOP_LEVEL_KEYS}
-    explicit: dict[tuple[str, ...], set[str]] = {}  # sections -> fields the caller set
-    for key, value in nested.items():
-        if isinstance(value, dict):
-            for path, fields in _walk_fields((key,), value):
-                explicit.setdefault(path, set()).update(fields)
-    _deep_merge(cfg, nested)
-    for key, value in overrides.items():
-        if key in _TOP_LEVEL_KEYS:
-            continue
-        prefix = next((p for p in _SHORTHAND_PREFIXES if key.startswith(p)), None)
-        if prefix is None:
-            raise ValueError(
-                f"unknown qwen2_5_omni override {key!r}: use {sorted(_TOP_LEVEL_KEYS)} (nested "
-                f"dicts) or a field prefixed with one of {sorted(_SHORTHAND_PREFIXES)}"
-            )
-        path = _SHORTHAND_PREFIXES[prefix]
-        section = cfg
-        for part in path:
-            section = section[part]
-        section[key[len(prefix) :]] = copy.deepcopy(value)
-        explicit.setdefault(path, set()).add(key[len(prefix) :])
-
-    def unset(path: tuple[str, ...], field: str) -> bool:
-        return field not in explicit.get(path, set())
-
+    unset = apply_overrides(cfg, overrides, arch="qwen2_5_omni", top_level_keys=_TOP_LEVEL_KEYS,
+                            shorthand_prefixes=_SHORTHAND_PREFIXES)
     thinker = cfg["thinker_config"]
     text = thinker["text_config"]
     hidden = text["hidden_size"]
@@ -260,19 +218,6 @@ _SECTION_CLASSES = {
 
 
 def _check_field_names(cfg: dict[str, Any], defaults: dict[str, Any]) -> None:
-    # Known = the class's declared fields plus our defaults (which include a few fields the
-    # classes read without declaring). Aliases (num_attention_heads for a vision config's
-    # num_heads...) are refused: set next to the default's real name, which one wins is unclear.
     import transformers
 
-    for path, cls_name in _SECTION_CLASSES.items():
-        cls = getattr(transformers, cls_name)
-        if not dataclasses.is_dataclass(cls):  # older config style: nothing to check against
-            continue
-        section, default = cfg, defaults
-        for part in path:
-            section, default = section[part], default[part]
-        known = {f.name for f in dataclasses.fields(cls)} | set(default)
-        unknown = sorted(set(section) - known)
-        if unknown:
-            raise ValueError(f"unknown field(s) {unknown} in {'.'.join(path)} ({cls_name})")
+    check_field_names(cfg, defaults, _SECTION_CLASSES, lambda name: getattr(transformers, name))

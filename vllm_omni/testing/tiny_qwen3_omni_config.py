@@ -16,13 +16,10 @@ Unknown keys and field names raise ValueError, as for qwen2_5_omni.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from typing import Any
 
+from vllm_omni.testing.config_overrides import Unset, apply_overrides, check_field_names
 from vllm_omni.testing.tiny_models import tiny_vocab_size
-# The generic override plumbing is shared with the Qwen2.5-Omni builder.
-from vllm_omni.testing.tiny_omni_config import _deep_merge, _walk_fields
 
 # Large init keeps greedy thinker text and talker codes from collapsing (see tiny_models.py).
 INIT_RANGE = 0.5
@@ -137,34 +134,14 @@ def _mrope(head_dim: int) -> dict[str, Any]:
 def build_config_dict(tokenizer, overrides: dict[str, Any]) -> dict[str, Any]:
     """Defaults + overrides (see the module docstring) -> the kwargs of Qwen3OmniMoeConfig."""
     cfg = _default_config(tokenizer)
-    explicit: dict[tuple[str, ...], set[str]] = {}  # sections -> fields the caller set
-    nested = {k: v for k, v in overrides.items() if k in _TOP_LEVEL_KEYS}
-    for key, value in nested.items():
-        if isinstance(value, dict):
-            for path, fields in _walk_fields((key,), value):
-                explicit.setdefault(path, set()).update(fields)
-    _deep_merge(cfg, nested)
-    for key, value in overrides.items():
-        if key in _TOP_LEVEL_KEYS:
-            continue
-        prefix = next((p for p in _SHORTHAND_PREFIXES if key.startswith(p)), None)
-        if prefix is None:
-            raise ValueError(
-                f"unknown qwen3_omni_moe override {key!r}: use {sorted(_TOP_LEVEL_KEYS)} (nested "
-                f"dicts) or a field prefixed with one of {sorted(_SHORTHAND_PREFIXES)}"
-            )
-        path, field = _SHORTHAND_PREFIXES[prefix], key[len(prefix):]
-        section = cfg
-        for part in path:
-            section = section[part]
-        section[field] = copy.deepcopy(value)
-        explicit.setdefault(path, set()).add(field)
-    _derive(cfg, lambda path, field: field not in explicit.get(path, set()))
+    unset = apply_overrides(cfg, overrides, arch="qwen3_omni_moe", top_level_keys=_TOP_LEVEL_KEYS,
+                            shorthand_prefixes=_SHORTHAND_PREFIXES)
+    _derive(cfg, unset)
     _check_field_names(cfg, _default_config(tokenizer))
     return cfg
 
 
-def _derive(cfg: dict[str, Any], unset) -> None:
+def _derive(cfg: dict[str, Any], unset: Unset) -> None:
     thinker, talker, code2wav = cfg["thinker_config"], cfg["talker_config"], cfg["code2wav_config"]
     text, talker_text, predictor = thinker["text_config"], talker["text_config"], talker["code_predictor_config"]
     hidden = text["hidden_size"]
@@ -208,19 +185,8 @@ _SECTION_CLASSES = {
 
 
 def _check_field_names(cfg: dict[str, Any], defaults: dict[str, Any]) -> None:
-    # Known = the class's declared fields plus our defaults (a few fields are read undeclared).
     import transformers
-
     from transformers.models.qwen3_omni_moe import configuration_qwen3_omni_moe as module
 
-    for path, cls_name in _SECTION_CLASSES.items():
-        cls = getattr(transformers, cls_name, None) or getattr(module, cls_name)
-        if not dataclasses.is_dataclass(cls):  # older config style: nothing to check against
-            continue
-        section, default = cfg, defaults
-        for part in path:
-            section, default = section[part], default[part]
-        known = {f.name for f in dataclasses.fields(cls)} | set(default)
-        unknown = sorted(set(section) - known)
-        if unknown:
-            raise ValueError(f"unknown field(s) {unknown} in {'.'.join(path)} ({cls_name})")
+    check_field_names(cfg, defaults, _SECTION_CLASSES,
+                      lambda name: getattr(transformers, name, None) or getattr(module, name))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -16,7 +17,9 @@ from starlette.types import Receive, Scope, Send
 from vllm_omni.config.stage_config import PipelineConfig
 from vllm_omni.engine.stage_client import StageState
 from vllm_omni.entrypoints.async_omni import RequestFailedError
+from vllm_omni.entrypoints.openai.accumulator import RequestAccumulator
 from vllm_omni.entrypoints.openai.admission import AdmissionGate
+from vllm_omni.entrypoints.openai.audio import OUTPUT_SAMPLE_RATE
 from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected, from_request_failure
 from vllm_omni.entrypoints.openai.media_fetch import MediaPolicy
 from vllm_omni.entrypoints.openai.metrics import ServerMetrics
@@ -87,6 +90,16 @@ class ServingContext:
             what = "; ".join(f"stage {h.stage_id} ({self.stage_names.get(h.stage_id, '?')}) is {h.state.value}: "
                              f"{summarize_reason(h.reason)}" for h in down)
             raise APIError(503, f"a stage this request needs is not serving: {what}")
+
+    def record_finished(self, endpoint: str, acc: RequestAccumulator) -> None:
+        """A finished request's metrics: latency and tokens, time to first text and audio, audio RTF."""
+        m = self.metrics
+        m.observe_finished(endpoint, time.monotonic() - acc.arrived_at, acc.prompt_tokens, acc.completion_tokens)
+        if acc.first_text_at is not None:
+            m.ttft.observe(acc.first_text_at - acc.arrived_at)
+        if acc.first_audio_at is not None and acc.last_audio_at is not None:
+            m.ttfa.observe(acc.first_audio_at - acc.arrived_at)
+            m.observe_audio(acc.last_audio_at - acc.arrived_at, acc.audio_samples / OUTPUT_SAMPLE_RATE)
 
     def sampling_params_list(self, body: SamplingFields) -> list[dict[str, Any] | None]:
         """One entry per stage: the request's sampling_params_list, with the standard parameters

@@ -164,7 +164,7 @@ class ChatService:
             raise as_api_error(ctx, e)  # noqa: B904 - chained inside as_api_error
         finally:
             ticket.release()
-        self._record(acc)
+        self.ctx.record_finished(ENDPOINT, acc)
         return JSONResponse(await view.response(acc))
 
     async def _stream(self, raw: Request, view: ChatView, acc: RequestAccumulator, first: OmniRequestOutput,
@@ -185,7 +185,7 @@ class ChatService:
             if include_usage:
                 yield view.chunk([], usage=usage(acc))
             yield "data: [DONE]\n\n"
-            self._record(acc)
+            self.ctx.record_finished(ENDPOINT, acc)
         except BaseException as e:  # noqa: BLE001 - a stream's failure can only be reported in-band
             err = engine_error(self.ctx, e)
             if not isinstance(err, APIError):
@@ -197,15 +197,6 @@ class ChatService:
         finally:
             ticket.release()
             set_final_status(raw, status)
-
-    def _record(self, acc: RequestAccumulator) -> None:
-        m = self.ctx.metrics
-        m.observe_finished(ENDPOINT, time.monotonic() - acc.arrived_at, acc.prompt_tokens, acc.completion_tokens)
-        if acc.first_text_at is not None:
-            m.ttft.observe(acc.first_text_at - acc.arrived_at)
-        if acc.first_audio_at is not None and acc.last_audio_at is not None:
-            m.ttfa.observe(acc.first_audio_at - acc.arrived_at)
-            m.observe_audio(acc.last_audio_at - acc.arrived_at, acc.audio_samples / OUTPUT_SAMPLE_RATE)
 
 
 async def _close(ticket: Ticket, gen: Any) -> None:

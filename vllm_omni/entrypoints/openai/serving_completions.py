@@ -63,7 +63,7 @@ class CompletionService:
             raise as_api_error(ctx, e)  # noqa: B904 - chained inside as_api_error
         _release(tickets)
         for acc in accs:
-            self._record(acc)
+            self.ctx.record_finished(ENDPOINT, acc)
         choices = [{"index": i, "text": a.text, "logprobs": None, "finish_reason": a.finish_reason}
                    for i, a in enumerate(accs)]
         total = _usage(accs)
@@ -100,7 +100,7 @@ class CompletionService:
             if include_usage:
                 yield chunk([], usage=_usage([acc]))
             yield "data: [DONE]\n\n"
-            self._record(acc)
+            self.ctx.record_finished(ENDPOINT, acc)
         except BaseException as e:  # noqa: BLE001 - a stream's failure can only be reported in-band
             err = engine_error(self.ctx, e)
             if not isinstance(err, APIError):
@@ -112,12 +112,6 @@ class CompletionService:
         finally:
             _release(tickets)
             set_final_status(raw, status)
-
-    def _record(self, acc: RequestAccumulator) -> None:
-        m = self.ctx.metrics
-        m.observe_finished(ENDPOINT, time.monotonic() - acc.arrived_at, acc.prompt_tokens, acc.completion_tokens)
-        if acc.first_text_at is not None:
-            m.ttft.observe(acc.first_text_at - acc.arrived_at)
 
 
 def _choice(event: Any) -> dict[str, Any]:

@@ -27,46 +27,22 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from vllm_omni.model_executor.models.decoder import DecoderForCausalLM, DecoderModel
+from vllm_omni.model_executor.models.decoder import DecoderModel
+from vllm_omni.model_executor.models.omni_thinker import OmniThinkerForCausalLM, audio_lengths, has_mm_features
 from vllm_omni.model_executor.models.qwen2 import make_qwen2_layer
 from vllm_omni.model_executor.models.qwen2_5_omni.positions import MRopeTokenConfig, omni_rope_index
 from vllm_omni.model_executor.models.qwen2_5_omni.towers import (
-    audio_feature_lengths,
     build_audio_tower,
     build_vision_tower,
     encode_audio,
     encode_vision,
 )
 
-# Checkpoint name (after the stage prefix) -> our module prefix. Saved checkpoints use the
-# last four; the first three are transformers 5's in-memory layout, accepted in case a
-# checkpoint was written that way.
-_PREFIXES = (
-    ("model.language_model.", "model."),
-    ("model.audio_tower.", "audio_tower."),
-    ("model.visual.", "visual."),
-    ("audio_tower.", "audio_tower."),
-    ("visual.", "visual."),
-    ("model.", "model."),
-    ("lm_head.", "lm_head."),
-)
 _POSITIONS_KEY = "thinker_mrope"  # (prompt positions [3, P] CPU long, HF rope delta)
 _MM_KEY = "thinker_mm"  # (rows [P] CPU long: row in embeds or -1, embeds [N, H] on device)
 
 
-def _has_mm_features(inputs: dict[str, Any]) -> bool:
-    return any(inputs.get(k) is not None for k in ("input_features", "pixel_values", "pixel_values_videos"))
-
-
-def _audio_lengths(inputs: dict[str, Any]) -> torch.Tensor | None:
-    """Valid mel frames per audio, or None without audio."""
-    features, lengths = inputs.get("input_features"), inputs.get("audio_feature_lengths")
-    if features is None and lengths is None:
-        return None
-    return audio_feature_lengths(features, inputs.get("feature_attention_mask"), lengths)
-
-
-class Qwen2_5OmniThinkerForConditionalGeneration(DecoderForCausalLM):
+class Qwen2_5OmniThinkerForConditionalGeneration(OmniThinkerForCausalLM):
     def __init__(self, config: PretrainedConfig):
         # The stage is built from the whole Omni config; a bare thinker config works too.
         thinker_config = getattr(config, "thinker_config", config)
@@ -80,24 +56,6 @@ class Qwen2_5OmniThinkerForConditionalGeneration(DecoderForCausalLM):
         self.audio_tower = build_audio_tower(thinker_config.audio_config)
         self.visual = build_vision_tower(thinker_config.vision_config)
 
-    # --- weights ----------------------------------------------------------------
-    def map_weight_name(self, name: str) -> tuple[str, object] | None:
-        if name.startswith("thinker."):
-            name = name[len("thinker.") :]
-        elif self.whole_omni_checkpoint:
-            return None  # talker.* / token2wav.*: other stages of the same checkpoint
-        # else a thinker-only checkpoint: transformers saves it with or without `thinker.`
-        for prefix, ours in _PREFIXES:
-            if name.startswith(prefix):
-                local = ours + name[len(prefix) :]
-                break
-        else:
-            return name, None  # a thinker tensor we do not know: the strict loader reports it
-        if local.startswith(("audio_tower.", "visual.")):
-            # HF modules under their own names; inv_freq is a derived buffer some checkpoints carry.
-            return None if local.endswith(".inv_freq") else (local, None)
-        return super().map_weight_name(local)
-
     # --- per-request inputs -----------------------------------------------------
     def _prompt_positions(self, request) -> tuple[torch.Tensor, int]:
         cached = request.model_state.get(_POSITIONS_KEY)
@@ -108,7 +66,7 @@ class Qwen2_5OmniThinkerForConditionalGeneration(DecoderForCausalLM):
                 self.rope_tokens,
                 image_grid_thw=inputs.get("image_grid_thw"),
                 video_grid_thw=inputs.get("video_grid_thw"),
-                audio_seqlens=_audio_lengths(inputs),
+                audio_seqlens=audio_lengths(inputs),
                 second_per_grids=inputs.get("video_second_per_grid"),
                 use_audio_in_video=bool(inputs.get("use_audio_in_video", False)),
             )
@@ -140,7 +98,7 @@ class Qwen2_5OmniThinkerForConditionalGeneration(DecoderForCausalLM):
         """(kind, placeholder token id, encoder output rows in prompt order) per media kind present."""
         media = []
         if inputs.get("input_features") is not None:
-            rows = encode_audio(self.audio_tower, inputs["input_features"], _audio_lengths(inputs))
+            rows = encode_audio(self.audio_tower, inputs["input_features"], audio_lengths(inputs))
             media.append(("audio", self.rope_tokens.audio_token_id, rows))
         if inputs.get("pixel_values") is not None:
             rows = encode_vision(self.visual, inputs["pixel_values"], inputs["image_grid_thw"])
@@ -170,7 +128,7 @@ class Qwen2_5OmniThinkerForConditionalGeneration(DecoderForCausalLM):
         """[end - start, H] input embeddings of tokens start..end-1 (`token_ids` are those tokens)."""
         embeds = self.get_input_embeddings(token_ids)
         num_prompt = request.num_prompt_tokens
-        if start >= num_prompt or not _has_mm_features(request.model_inputs):
+        if start >= num_prompt or not has_mm_features(request.model_inputs):
             return embeds
         cached = request.model_state.get(_MM_KEY)
         if cached is None:

@@ -28,12 +28,11 @@ code2wav tensors belong to other stages and are skipped. A thinker-only checkpoi
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import torch
 from transformers import PretrainedConfig
 
-from vllm_omni.model_executor.models.decoder import DecoderForCausalLM
+from vllm_omni.model_executor.models.omni_thinker import OmniThinkerForCausalLM, audio_lengths, has_mm_features
 from vllm_omni.model_executor.models.qwen3_moe import make_qwen3_moe_layer
 from vllm_omni.model_executor.models.qwen3_omni.deepstack import DeepstackDecoderModel, StepDeepstack
 from vllm_omni.model_executor.models.qwen3_omni.rope_index import (
@@ -42,39 +41,14 @@ from vllm_omni.model_executor.models.qwen3_omni.rope_index import (
     qwen3_omni_rope_index,
 )
 from vllm_omni.model_executor.models.qwen3_omni.thinker_towers import (
-    audio_feature_lengths,
     build_audio_tower,
     build_vision_tower,
     encode_audio,
     encode_vision,
 )
 
-# Checkpoint name (after the stage prefix) -> our module prefix. Saved checkpoints use the
-# last four; the first three are transformers 5's in-memory layout, accepted in case a
-# checkpoint was written that way.
-_PREFIXES = (
-    ("model.language_model.", "model."),
-    ("model.audio_tower.", "audio_tower."),
-    ("model.visual.", "visual."),
-    ("audio_tower.", "audio_tower."),
-    ("visual.", "visual."),
-    ("model.", "model."),
-    ("lm_head.", "lm_head."),
-)
 _POSITIONS_KEY = "thinker_mrope"  # prompt positions [3, P] CPU (long, or float32 if fractional)
 _MM_KEY = "thinker_mm"  # _PromptMedia of the request, dropped once the prompt is computed
-
-
-def _has_mm_features(inputs: dict[str, Any]) -> bool:
-    return any(inputs.get(k) is not None for k in ("input_features", "pixel_values", "pixel_values_videos"))
-
-
-def _audio_lengths(inputs: dict[str, Any]) -> torch.Tensor | None:
-    """Valid mel frames per audio, or None without audio."""
-    features, lengths = inputs.get("input_features"), inputs.get("audio_feature_lengths")
-    if features is None and lengths is None:
-        return None
-    return audio_feature_lengths(features, inputs.get("feature_attention_mask"), lengths)
 
 
 class _PromptMedia:
@@ -106,7 +80,7 @@ class _PromptMedia:
         return self
 
 
-class Qwen3OmniMoeThinkerForConditionalGeneration(DecoderForCausalLM):
+class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerForCausalLM):
     # The reference MoE loop reads per-expert counts on the host: no CUDA-graph capture.
     supports_cuda_graphs = False
     # The class-level default (layer-0 embeddings); an instance also exports the talker's
@@ -137,24 +111,6 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(DecoderForCausalLM):
         accept = getattr(getattr(config, "talker_config", None), "accept_hidden_layer", None)
         return cls.hidden_state_layers if accept is None else tuple(dict.fromkeys((0, int(accept))))
 
-    # --- weights ----------------------------------------------------------------
-    def map_weight_name(self, name: str) -> tuple[str, object] | None:
-        if name.startswith("thinker."):
-            name = name[len("thinker.") :]
-        elif self.whole_omni_checkpoint:
-            return None  # talker.* / code2wav.*: other stages of the same checkpoint
-        # else a thinker-only checkpoint: transformers saves it with or without `thinker.`
-        for prefix, ours in _PREFIXES:
-            if name.startswith(prefix):
-                local = ours + name[len(prefix) :]
-                break
-        else:
-            return name, None  # a thinker tensor we do not know: the strict loader reports it
-        if local.startswith(("audio_tower.", "visual.")):
-            # HF modules under their own names; inv_freq is a derived buffer some checkpoints carry.
-            return None if local.endswith(".inv_freq") else (local, None)
-        return super().map_weight_name(local)
-
     # --- forward ----------------------------------------------------------------
     def forward(self, input_ids, positions, *, inputs_embeds=None, capture_layers=()):
         deepstack = self.step_deepstack.take(positions.shape[-1])
@@ -170,7 +126,7 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(DecoderForCausalLM):
                 self.rope_tokens,
                 image_grid_thw=inputs.get("image_grid_thw"),
                 video_grid_thw=inputs.get("video_grid_thw"),
-                audio_seqlens=_audio_lengths(inputs),
+                audio_seqlens=audio_lengths(inputs),
                 second_per_grids=inputs.get("video_second_per_grid"),
                 use_audio_in_video=bool(inputs.get("use_audio_in_video", False)),
             )
@@ -208,7 +164,7 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(DecoderForCausalLM):
         tokens = self.rope_tokens
         encoded = []  # (kind, placeholder id, features, deepstack or None), in HF's merge order
         if inputs.get("input_features") is not None:
-            feats = encode_audio(self.audio_tower, inputs["input_features"], _audio_lengths(inputs))
+            feats = encode_audio(self.audio_tower, inputs["input_features"], audio_lengths(inputs))
             encoded.append(("audio", tokens.audio_token_id, feats, None))
         if inputs.get("pixel_values") is not None:
             feats, deepstack = encode_vision(self.visual, inputs["pixel_values"], inputs["image_grid_thw"])
@@ -229,7 +185,7 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(DecoderForCausalLM):
         """[end - start, H] input embeddings of tokens start..end-1 (`token_ids` are those tokens)."""
         embeds = self.get_input_embeddings(token_ids)
         num_prompt = request.num_prompt_tokens
-        if start >= num_prompt or not _has_mm_features(request.model_inputs):
+        if start >= num_prompt or not has_mm_features(request.model_inputs):
             self.step_deepstack.add(end - start)
             return embeds
         media = request.model_state.get(_MM_KEY)
