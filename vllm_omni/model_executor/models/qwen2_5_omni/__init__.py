@@ -1,4 +1,22 @@
-"""Qwen2.5-Omni stage models (thinker, talker, token2wav)."""
-from vllm_omni.model_executor.models.qwen2_5_omni.thinker import Qwen2_5OmniThinkerForConditionalGeneration
+"""Qwen2.5-Omni stage models (thinker, talker, token2wav).
 
-__all__ = ["Qwen2_5OmniThinkerForConditionalGeneration"]
+Exports resolve lazily: importing the package imports no model module, so the registry
+(which imports each stage model by its module path) never meets a circular import.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Qwen2_5OmniThinkerForConditionalGeneration": "thinker",
+    "Qwen2_5OmniTalkerForConditionalGeneration": "talker",
+    "Qwen2_5OmniToken2Wav": "token2wav",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
