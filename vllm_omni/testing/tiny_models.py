@@ -84,6 +84,36 @@ def perturb_constant_params(model: PreTrainedModel, std: float = 0.2) -> None:
                 param.add_(torch.randn_like(param) * std)
 
 
+def omni_preprocessor_config(
+    processor_class: str, *, image_mean: list[float], image_std: list[float], patch_size: int
+) -> dict[str, Any]:
+    """A released Omni checkpoint's preprocessor_config.json: Whisper audio features (300 s max,
+    128 mels at 16 kHz) + Qwen2-VL images; the generations differ only in the arguments."""
+    return {
+        "processor_class": processor_class,
+        "feature_extractor_type": "WhisperFeatureExtractor",
+        "feature_size": 128,
+        "sampling_rate": 16000,
+        "hop_length": 160,
+        "n_fft": 400,
+        "chunk_length": 300,
+        "n_samples": 4800000,
+        "nb_max_frames": 30000,
+        "dither": 0.0,
+        "padding_side": "right",
+        "padding_value": 0.0,
+        "return_attention_mask": True,
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "image_mean": image_mean,
+        "image_std": image_std,
+        "min_pixels": 3136,
+        "max_pixels": 12845056,
+        "patch_size": patch_size,
+        "merge_size": 2,
+        "temporal_patch_size": 2,
+    }
+
+
 def _build_causal_lm(model_cls: type, config_cls: type, kwargs: dict[str, Any]) -> PreTrainedModel:
     config = config_cls(**kwargs)
     model = model_cls(config)

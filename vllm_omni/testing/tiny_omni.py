@@ -20,7 +20,11 @@ from typing import Any
 import torch
 
 from vllm_omni.multimodal.chat_template import QWEN2_5_OMNI_CHAT_TEMPLATE
-from vllm_omni.testing.tiny_models import perturb_constant_params, register_arch
+from vllm_omni.testing.tiny_models import (
+    omni_preprocessor_config,
+    perturb_constant_params,
+    register_arch,
+)
 from vllm_omni.testing.tiny_omni_config import (
     BIGVGAN_PERTURB_STD,
     CODEC_EMBED_STD,
@@ -33,29 +37,12 @@ SPEAKER_BOS_TOKENS = {"Chelsie": "<tts_text_bos_single>", "Ethan": "<|audio_star
 REF_MEL_FRAMES = 30
 
 # The released checkpoint's preprocessor_config.json (audio: 300 s max, 128 mels at 16 kHz).
-PREPROCESSOR_CONFIG = {
-    "processor_class": "Qwen2_5OmniProcessor",
-    "feature_extractor_type": "WhisperFeatureExtractor",
-    "feature_size": 128,
-    "sampling_rate": 16000,
-    "hop_length": 160,
-    "n_fft": 400,
-    "chunk_length": 300,
-    "n_samples": 4800000,
-    "nb_max_frames": 30000,
-    "dither": 0.0,
-    "padding_side": "right",
-    "padding_value": 0.0,
-    "return_attention_mask": True,
-    "image_processor_type": "Qwen2VLImageProcessor",
-    "image_mean": [0.48145466, 0.4578275, 0.40821073],
-    "image_std": [0.26862954, 0.26130258, 0.27577711],
-    "min_pixels": 3136,
-    "max_pixels": 12845056,
-    "patch_size": 14,
-    "merge_size": 2,
-    "temporal_patch_size": 2,
-}
+PREPROCESSOR_CONFIG = omni_preprocessor_config(
+    "Qwen2_5OmniProcessor",
+    image_mean=[0.48145466, 0.4578275, 0.40821073],
+    image_std=[0.26862954, 0.26130258, 0.27577711],
+    patch_size=14,
+)
 
 def _write_speakers(out_dir: Path, tokenizer, dit: dict[str, Any]) -> None:
     # Seeded by the caller's torch seed (make_tiny_model seeds before the builder runs).

@@ -25,35 +25,22 @@ from typing import Any
 import torch
 
 from vllm_omni.multimodal.qwen3_omni_chat_template import QWEN3_OMNI_CHAT_TEMPLATE
-from vllm_omni.testing.tiny_models import perturb_constant_params, register_arch
+from vllm_omni.testing.tiny_models import (
+    omni_preprocessor_config,
+    perturb_constant_params,
+    register_arch,
+)
 from vllm_omni.testing.tiny_qwen3_omni_config import CODE2WAV_PERTURB_STD, build_config_dict
 from vllm_omni.testing.tokenizer import QWEN3_OMNI_MM_TOKENS
 
 # The released checkpoint's preprocessor_config.json: the Qwen2.5-Omni audio settings (300 s
 # max, 128 mels at 16 kHz), images at patch 16 normalized with mean = std = 0.5.
-PREPROCESSOR_CONFIG = {
-    "processor_class": "Qwen3OmniMoeProcessor",
-    "feature_extractor_type": "WhisperFeatureExtractor",
-    "feature_size": 128,
-    "sampling_rate": 16000,
-    "hop_length": 160,
-    "n_fft": 400,
-    "chunk_length": 300,
-    "n_samples": 4800000,
-    "nb_max_frames": 30000,
-    "dither": 0.0,
-    "padding_side": "right",
-    "padding_value": 0.0,
-    "return_attention_mask": True,
-    "image_processor_type": "Qwen2VLImageProcessor",
-    "image_mean": [0.5, 0.5, 0.5],
-    "image_std": [0.5, 0.5, 0.5],
-    "min_pixels": 3136,
-    "max_pixels": 12845056,
-    "patch_size": 16,
-    "merge_size": 2,
-    "temporal_patch_size": 2,
-}
+PREPROCESSOR_CONFIG = omni_preprocessor_config(
+    "Qwen3OmniMoeProcessor",
+    image_mean=[0.5, 0.5, 0.5],
+    image_std=[0.5, 0.5, 0.5],
+    patch_size=16,
+)
 
 
 def use_qwen3_token_names(tokenizer) -> None:

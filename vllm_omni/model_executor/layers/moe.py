@@ -50,6 +50,14 @@ def select_experts(
     return weights.to(router_logits.dtype), ids
 
 
+def _sort_by_expert(topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] -> (flat ids [T*k], order: the (token, slot) pairs grouped by expert
+    (stable), token_idx: the token of each pair in that order)."""
+    flat_ids = topk_ids.flatten()
+    order = torch.argsort(flat_ids, stable=True)
+    return flat_ids, order, order // topk_ids.shape[1]
+
+
 def moe_forward_reference(
     x: torch.Tensor,  # [T, H]
     w13: torch.Tensor,  # [E, 2I, H]
@@ -63,11 +71,9 @@ def moe_forward_reference(
     graph; a fused kernel replaces it there. Experts are accumulated in ascending order,
     as transformers does, so float sums round the same way.
     """
-    num_experts, top_k = w13.shape[0], topk_ids.shape[1]
+    num_experts = w13.shape[0]
     out = torch.zeros_like(x)
-    flat_ids = topk_ids.flatten()
-    order = torch.argsort(flat_ids, stable=True)
-    token_idx = order // top_k  # token of each (token, slot) pair, grouped by expert
+    flat_ids, order, token_idx = _sort_by_expert(topk_ids)  # token_idx: grouped by expert
     weights = topk_weights.flatten()[order]
     counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
     start = 0
@@ -95,10 +101,8 @@ def moe_forward_grouped(
     sync, so a step with MoE layers can be captured in a CUDA graph. Expert outputs are
     summed in one index_add, so float sums round differently from the reference loop.
     """
-    num_experts, top_k = w13.shape[0], topk_ids.shape[1]
-    flat_ids = topk_ids.flatten()
-    order = torch.argsort(flat_ids, stable=True)
-    token_idx = order // top_k
+    num_experts = w13.shape[0]
+    flat_ids, order, token_idx = _sort_by_expert(topk_ids)
     # scatter_add, not bincount: bincount reads the max id back to the host (no graph capture).
     counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))

@@ -35,6 +35,18 @@ def audio_lengths(inputs: dict[str, Any]) -> torch.Tensor | None:
     return audio_feature_lengths(features, inputs.get("feature_attention_mask"), lengths)
 
 
+def rope_index_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
+    """The media keyword arguments of both generations' M-RoPE index functions, read from
+    `request.model_inputs`."""
+    return dict(
+        image_grid_thw=inputs.get("image_grid_thw"),
+        video_grid_thw=inputs.get("video_grid_thw"),
+        audio_seqlens=audio_lengths(inputs),
+        second_per_grids=inputs.get("video_second_per_grid"),
+        use_audio_in_video=bool(inputs.get("use_audio_in_video", False)),
+    )
+
+
 class OmniThinkerForCausalLM(DecoderForCausalLM):
     """A thinker's decoder LM with its encoders (`audio_tower`, `visual`), loaded from the whole
     Omni checkpoint (`whole_omni_checkpoint`: only `thinker.*` is ours) or a thinker-only one."""

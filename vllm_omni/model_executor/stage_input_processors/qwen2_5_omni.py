@@ -21,16 +21,21 @@ from typing import Any
 import torch
 
 from vllm_omni.inputs import OmniTokensPrompt
+from vllm_omni.model_executor.stage_input_processors.common import (
+    LAYOUT_TENSOR_KEYS,
+    SPEAKER_KEY,
+    USE_AUDIO_IN_VIDEO_KEY,
+    check_speaker,
+    codes_without_stop_token,
+    multimodal_layout,
+    requested_speaker,
+    source_outputs,
+)
 from vllm_omni.outputs import RequestOutput
 
 THINKER_EMBEDS_KEY = "0"  # transformers' output_hidden_states index 0: the input embeddings
 THINKER_HIDDEN_KEY = "last"  # final post-norm hidden states
-SPEAKER_KEY = "speaker"  # in the user's prompt additional_information: the voice to speak with
 NUM_STEPS_KEY = "num_steps"  # code2wav: DiT ODE steps of one request
-# The thinker's multimodal inputs (its request's model_inputs, as the prompt carries them) that
-# decide M-RoPE positions: the talker lays its prompt out at the thinker's positions.
-LAYOUT_TENSOR_KEYS = ("image_grid_thw", "video_grid_thw", "video_second_per_grid", "audio_feature_lengths")
-USE_AUDIO_IN_VIDEO_KEY = "use_audio_in_video"
 _REQUIRED_KEYS = ("thinker_prompt_token_ids", "thinker_embeds", "thinker_hidden")
 
 
@@ -100,7 +105,7 @@ class TalkerInputs:
             thinker_prompt_token_ids=[int(t) for t in info["thinker_prompt_token_ids"]],
             thinker_embeds=info["thinker_embeds"],
             thinker_hidden=info["thinker_hidden"],
-            speaker=_check_speaker(info.get(SPEAKER_KEY)),
+            speaker=check_speaker(info.get(SPEAKER_KEY)),
             use_audio_in_video=bool(info.get(USE_AUDIO_IN_VIDEO_KEY, False)),
             **{name: info.get(name) for name in LAYOUT_TENSOR_KEYS},
         )
@@ -130,7 +135,7 @@ class Code2WavInputs:
         unknown = sorted(set(info) - {SPEAKER_KEY, NUM_STEPS_KEY})
         if unknown:
             raise ValueError(f"code2wav inputs: unknown key(s) {unknown}; expected {[SPEAKER_KEY, NUM_STEPS_KEY]}")
-        return cls(speaker=_check_speaker(info.get(SPEAKER_KEY)), num_steps=info.get(NUM_STEPS_KEY))
+        return cls(speaker=check_speaker(info.get(SPEAKER_KEY)), num_steps=info.get(NUM_STEPS_KEY))
 
 
 def thinker2talker(
@@ -139,8 +144,8 @@ def thinker2talker(
     prompt: Any = None,
     requires_multimodal_data: bool = False,
 ) -> list[OmniTokensPrompt]:
-    speaker, layout = requested_speaker(prompt), _multimodal_layout(prompt)
-    return [_talker_prompt(out, speaker, layout) for out in _source_outputs(stage_list, engine_input_source)]
+    speaker, layout = requested_speaker(prompt), multimodal_layout(prompt)
+    return [_talker_prompt(out, speaker, layout) for out in source_outputs(stage_list, engine_input_source)]
 
 
 def talker2code2wav(
@@ -151,33 +156,12 @@ def talker2code2wav(
 ) -> list[OmniTokensPrompt]:
     info = Code2WavInputs(speaker=requested_speaker(prompt)).to_info()
     inputs = []
-    for out in _source_outputs(stage_list, engine_input_source):
-        codes = _codes_without_stop_token(out)
+    for out in source_outputs(stage_list, engine_input_source):
+        codes = codes_without_stop_token(out)
         if not codes:
             raise ValueError(f"request {out.request_id}: the talker produced no codec codes")
         inputs.append(OmniTokensPrompt(prompt_token_ids=codes, additional_information=dict(info)))
     return inputs
-
-
-def requested_speaker(prompt: Any) -> str | None:
-    """The voice a user asked for in the prompt's additional_information, if any."""
-    if not isinstance(prompt, Mapping):
-        return None
-    info = prompt.get("additional_information") or {}
-    return _check_speaker(info.get(SPEAKER_KEY)) if isinstance(info, Mapping) else None
-
-
-def _multimodal_layout(prompt: Any) -> dict[str, Any]:
-    """Grid sizes, audio lengths and timing of the thinker's media, from the processed prompt."""
-    info = prompt.get("additional_information") if isinstance(prompt, Mapping) else None
-    if not isinstance(info, Mapping):
-        return {}
-    layout = {name: info[name] for name in LAYOUT_TENSOR_KEYS if info.get(name) is not None}
-    if "audio_feature_lengths" not in layout and info.get("feature_attention_mask") is not None:
-        layout["audio_feature_lengths"] = info["feature_attention_mask"].sum(dim=1).long()
-    if info.get(USE_AUDIO_IN_VIDEO_KEY):
-        layout[USE_AUDIO_IN_VIDEO_KEY] = True
-    return layout
 
 
 def _talker_prompt(out: RequestOutput, speaker: str | None, layout: dict[str, Any]) -> OmniTokensPrompt:
@@ -207,36 +191,6 @@ def _talker_prompt(out: RequestOutput, speaker: str | None, layout: dict[str, An
     # row); the talker supplies its codec ids (`prepare_prompt_token_ids`), which the bridge
     # cannot know without the talker's config.
     return OmniTokensPrompt(prompt_token_ids=[0] * (num_prompt + 2), additional_information=payload.to_info())
-
-
-def _codes_without_stop_token(out: RequestOutput) -> list[int]:
-    comp = out.outputs[0]
-    codes = list(comp.token_ids)
-    # A stop by token (EOS or stop_token_ids) appended that token; a stop string (not
-    # meaningful for codec ids, but possible) did not.
-    if comp.finish_reason == "stop" and not isinstance(comp.stop_reason, str) and codes:
-        codes.pop()
-    return codes
-
-
-def _source_outputs(stage_list: list[Any], engine_input_source: list[int]) -> list[RequestOutput]:
-    if len(engine_input_source) != 1:
-        raise ValueError(f"expected exactly one source stage, got engine_input_source={engine_input_source}")
-    outputs = list(stage_list[engine_input_source[0]].engine_outputs)
-    ids = [o.request_id for o in outputs]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"source stage outputs repeat request ids {ids}: refusing to mix requests")
-    for o in outputs:
-        if o.error is not None or not o.finished:
-            state = f"failed: {o.error}" if o.error is not None else "is not finished"
-            raise ValueError(f"request {o.request_id}: the source stage output {state}")
-    return outputs
-
-
-def _check_speaker(value: Any) -> str | None:
-    if value is not None and not isinstance(value, str):
-        raise ValueError(f"{SPEAKER_KEY} must be a voice name (string), got {type(value).__name__}")
-    return value
 
 
 def _describe(value: Any) -> str:

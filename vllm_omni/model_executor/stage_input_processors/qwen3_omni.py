@@ -27,6 +27,12 @@ import torch
 
 from vllm_omni.inputs import OmniTokensPrompt
 from vllm_omni.model_executor.stage_input_processors import qwen2_5_omni as _qwen2_5
+from vllm_omni.model_executor.stage_input_processors.common import (
+    codes_without_stop_token,
+    multimodal_layout,
+    requested_speaker,
+    source_outputs,
+)
 from vllm_omni.outputs import RequestOutput
 
 THINKER_EMBEDS_KEY = "0"
@@ -72,8 +78,8 @@ def thinker2talker(
     prompt: Any = None,
     requires_multimodal_data: bool = False,
 ) -> list[OmniTokensPrompt]:
-    speaker, layout = _qwen2_5.requested_speaker(prompt), _qwen2_5._multimodal_layout(prompt)
-    return [_talker_prompt(out, speaker, layout) for out in _qwen2_5._source_outputs(stage_list, engine_input_source)]
+    speaker, layout = requested_speaker(prompt), multimodal_layout(prompt)
+    return [_talker_prompt(out, speaker, layout) for out in source_outputs(stage_list, engine_input_source)]
 
 
 def talker2code2wav(
@@ -82,7 +88,7 @@ def talker2code2wav(
     prompt: Any = None,
     requires_multimodal_data: bool = False,
 ) -> list[OmniTokensPrompt]:
-    return [_code2wav_prompt(out) for out in _qwen2_5._source_outputs(stage_list, engine_input_source)]
+    return [_code2wav_prompt(out) for out in source_outputs(stage_list, engine_input_source)]
 
 
 def _talker_prompt(out: RequestOutput, speaker: str | None, layout: dict[str, Any]) -> OmniTokensPrompt:
@@ -129,7 +135,7 @@ def _code2wav_prompt(out: RequestOutput) -> OmniTokensPrompt:
                          f"(have {sorted(out.outputs[0].multimodal_output)})")
     # Group 0 of frame i is the i-th sampled token. A stop token that ended the request has no
     # frame (an EOS) or one code2wav must not speak (another stop id): keep the frames before it.
-    sampled = _qwen2_5._codes_without_stop_token(out)
+    sampled = codes_without_stop_token(out)
     codes = codes[: len(sampled)]
     if codes[:, 0].tolist() != sampled:
         raise ValueError(f"request {out.request_id}: {CODES_KEY} ({codes.shape[0]} frames) do not match the "

@@ -28,7 +28,12 @@ import torch
 from transformers import PretrainedConfig
 
 from vllm_omni.model_executor.models.decoder import DecoderModel
-from vllm_omni.model_executor.models.omni_thinker import OmniThinkerForCausalLM, audio_lengths, has_mm_features
+from vllm_omni.model_executor.models.omni_thinker import (
+    OmniThinkerForCausalLM,
+    audio_lengths,
+    has_mm_features,
+    rope_index_inputs,
+)
 from vllm_omni.model_executor.models.qwen2 import make_qwen2_layer
 from vllm_omni.model_executor.models.qwen2_5_omni.positions import MRopeTokenConfig, omni_rope_index
 from vllm_omni.model_executor.models.qwen2_5_omni.towers import (
@@ -60,15 +65,8 @@ class Qwen2_5OmniThinkerForConditionalGeneration(OmniThinkerForCausalLM):
     def _prompt_positions(self, request) -> tuple[torch.Tensor, int]:
         cached = request.model_state.get(_POSITIONS_KEY)
         if cached is None:
-            inputs = request.model_inputs
             cached = omni_rope_index(
-                request.prompt_token_ids,
-                self.rope_tokens,
-                image_grid_thw=inputs.get("image_grid_thw"),
-                video_grid_thw=inputs.get("video_grid_thw"),
-                audio_seqlens=audio_lengths(inputs),
-                second_per_grids=inputs.get("video_second_per_grid"),
-                use_audio_in_video=bool(inputs.get("use_audio_in_video", False)),
+                request.prompt_token_ids, self.rope_tokens, **rope_index_inputs(request.model_inputs)
             )
             limit = self.model.rotary_emb.max_position
             if int(cached[0].max()) >= limit:

@@ -32,7 +32,12 @@ import copy
 import torch
 from transformers import PretrainedConfig
 
-from vllm_omni.model_executor.models.omni_thinker import OmniThinkerForCausalLM, audio_lengths, has_mm_features
+from vllm_omni.model_executor.models.omni_thinker import (
+    OmniThinkerForCausalLM,
+    audio_lengths,
+    has_mm_features,
+    rope_index_inputs,
+)
 from vllm_omni.model_executor.models.qwen3_moe import make_qwen3_moe_layer
 from vllm_omni.model_executor.models.qwen3_omni.deepstack import DeepstackDecoderModel, StepDeepstack
 from vllm_omni.model_executor.models.qwen3_omni.rope_index import (
@@ -120,15 +125,8 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerForCausalLM):
     def _prompt_positions(self, request) -> torch.Tensor:
         cached = request.model_state.get(_POSITIONS_KEY)
         if cached is None:
-            inputs = request.model_inputs
             positions, _ = qwen3_omni_rope_index(
-                request.prompt_token_ids,
-                self.rope_tokens,
-                image_grid_thw=inputs.get("image_grid_thw"),
-                video_grid_thw=inputs.get("video_grid_thw"),
-                audio_seqlens=audio_lengths(inputs),
-                second_per_grids=inputs.get("video_second_per_grid"),
-                use_audio_in_video=bool(inputs.get("use_audio_in_video", False)),
+                request.prompt_token_ids, self.rope_tokens, **rope_index_inputs(request.model_inputs)
             )
             cached = as_index_positions(positions)
             self._check_position_limit(request, cached)

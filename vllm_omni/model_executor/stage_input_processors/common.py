@@ -1,0 +1,65 @@
+"""What the Omni bridges (spec 003 stage input processors) share: reading the source stage's
+outputs and the user's prompt (voice, multimodal layout)."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from vllm_omni.outputs import RequestOutput
+
+SPEAKER_KEY = "speaker"  # in the user's prompt additional_information: the voice to speak with
+# The thinker's multimodal inputs (its request's model_inputs, as the prompt carries them) that
+# decide M-RoPE positions: the talker lays its prompt out at the thinker's positions.
+LAYOUT_TENSOR_KEYS = ("image_grid_thw", "video_grid_thw", "video_second_per_grid", "audio_feature_lengths")
+USE_AUDIO_IN_VIDEO_KEY = "use_audio_in_video"
+
+
+def requested_speaker(prompt: Any) -> str | None:
+    """The voice a user asked for in the prompt's additional_information, if any."""
+    if not isinstance(prompt, Mapping):
+        return None
+    info = prompt.get("additional_information") or {}
+    return check_speaker(info.get(SPEAKER_KEY)) if isinstance(info, Mapping) else None
+
+
+def multimodal_layout(prompt: Any) -> dict[str, Any]:
+    """Grid sizes, audio lengths and timing of the thinker's media, from the processed prompt."""
+    info = prompt.get("additional_information") if isinstance(prompt, Mapping) else None
+    if not isinstance(info, Mapping):
+        return {}
+    layout = {name: info[name] for name in LAYOUT_TENSOR_KEYS if info.get(name) is not None}
+    if "audio_feature_lengths" not in layout and info.get("feature_attention_mask") is not None:
+        layout["audio_feature_lengths"] = info["feature_attention_mask"].sum(dim=1).long()
+    if info.get(USE_AUDIO_IN_VIDEO_KEY):
+        layout[USE_AUDIO_IN_VIDEO_KEY] = True
+    return layout
+
+
+def codes_without_stop_token(out: RequestOutput) -> list[int]:
+    comp = out.outputs[0]
+    codes = list(comp.token_ids)
+    # A stop by token (EOS or stop_token_ids) appended that token; a stop string (not
+    # meaningful for codec ids, but possible) did not.
+    if comp.finish_reason == "stop" and not isinstance(comp.stop_reason, str) and codes:
+        codes.pop()
+    return codes
+
+
+def source_outputs(stage_list: list[Any], engine_input_source: list[int]) -> list[RequestOutput]:
+    if len(engine_input_source) != 1:
+        raise ValueError(f"expected exactly one source stage, got engine_input_source={engine_input_source}")
+    outputs = list(stage_list[engine_input_source[0]].engine_outputs)
+    ids = [o.request_id for o in outputs]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"source stage outputs repeat request ids {ids}: refusing to mix requests")
+    for o in outputs:
+        if o.error is not None or not o.finished:
+            state = f"failed: {o.error}" if o.error is not None else "is not finished"
+            raise ValueError(f"request {o.request_id}: the source stage output {state}")
+    return outputs
+
+
+def check_speaker(value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{SPEAKER_KEY} must be a voice name (string), got {type(value).__name__}")
+    return value
