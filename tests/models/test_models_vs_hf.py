@@ -146,22 +146,30 @@ def test_cuda_bfloat16_matches_transformers(arch, tmp_path):
     config = AutoConfig.from_pretrained(tmp_path)
     ours = load_model(tmp_path, config, dtype="bfloat16", device="cuda")
     assert all(p.device.type == "cuda" for p in ours.parameters())
-    ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).cuda().eval()
     input_ids = torch.arange(1, 21, device="cuda")
-    ref_logits, ref_hidden = hf_reference(ref, input_ids)
+    # The truth is transformers in float32; transformers in bf16 shows how far bf16 alone
+    # drifts on this (deliberately chaotic) random model.
+    truth_logits, truth_hidden = hf_reference(
+        AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).cuda().eval(), input_ids)
+    ref_logits, ref_hidden = hf_reference(
+        AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).cuda().eval(), input_ids)
     with torch.no_grad():
         hidden, captured = ours(input_ids, torch.arange(20, device="cuda"), capture_layers=(0, 1, NUM_LAYERS))
         logits = ours.compute_logits(hidden)
-    # The fused CUDA kernels (RMSNorm, SiLU) reduce and exponentiate in a different order
-    # than torch, so single bf16 roundings may differ by one ulp and propagate: compare at
-    # bf16 tolerance (relative error of the whole tensor), not bit for bit.
+
     def rel_err(a, b):
         return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
-    assert rel_err(logits, ref_logits) < 1e-2
-    assert (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean() >= 0.9
+    # Our fused CUDA kernels round in a different order than torch, so we are not bit-equal to
+    # transformers' bf16; we must be as close to the float32 truth as it is (within 2x + 1e-3).
+    assert rel_err(logits, truth_logits) <= 2 * rel_err(ref_logits, truth_logits) + 1e-3
+    def agreement(a):
+        return (a.argmax(-1) == truth_logits.argmax(-1)).float().mean().item()
+
+    assert agreement(logits) >= agreement(ref_logits) - 0.1
     for idx in captured:
-        assert rel_err(captured[idx], ref_hidden[idx]) < 1e-2, idx
+        bound = 2 * rel_err(ref_hidden[idx], truth_hidden[idx]) + 1e-3
+        assert rel_err(captured[idx], truth_hidden[idx]) <= bound, idx
 
 
 def test_resolve_dtype():
