@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any
 from vllm_omni import logging_filters
 from vllm_omni.outputs import CompletionOutput, RequestOutput
 from vllm_omni.sampling_params import SamplingParams
+from vllm_omni.version import __version__
 
 logging_filters.install()
 
-__version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "vllm_omni.entrypoints.llm",

@@ -1,7 +1,7 @@
 import pytest
 
-from vllm_omni.core.sched.block_manager import BlockManager
-from vllm_omni.core.sched.request import Request, RequestStatus
+from vllm_omni.core.block_manager import BlockManager
+from vllm_omni.core.request import Request, RequestStatus
 from vllm_omni.sampling_params import SamplingParams
 
 

@@ -1,9 +1,9 @@
 """Scheduler unit tests: no model, tokens are appended by hand as the engine would."""
 import random
 
-from vllm_omni.core.sched.block_manager import BlockManager
-from vllm_omni.core.sched.request import Request, RequestStatus
-from vllm_omni.core.sched.scheduler import Scheduler, SchedulerConfig
+from vllm_omni.core.block_manager import BlockManager
+from vllm_omni.core.request import Request, RequestStatus
+from vllm_omni.core.scheduler import Scheduler, SchedulerConfig
 from vllm_omni.sampling_params import SamplingParams
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.e2e.conftest import BATCH_8, by_request, mixed_prompts, short_params, user
+from tests.reference.hf_talker import give_talker_a_mask
 from vllm_omni import Omni
 
 SAMPLE_RATE = 24000
@@ -74,7 +75,7 @@ def test_matches_transformers_generate(omni, omni_dir):
     ids = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
               return_tensors="pt")["input_ids"]
     model = Qwen2_5OmniForConditionalGeneration.from_pretrained(omni_dir, dtype=torch.float32).eval()
-    model.talker.register_forward_pre_hook(_give_talker_a_mask, with_kwargs=True)
+    model.talker.register_forward_pre_hook(give_talker_a_mask, with_kwargs=True)
     codes, token2wav = [], model.token2wav.forward
 
     def seeded_token2wav(code, **kwargs):  # our code2wav draws its noise from the request seed
@@ -95,17 +96,6 @@ def test_matches_transformers_generate(omni, omni_dir):
     assert ours["audio"].request_output.prompt_token_ids == codes[0] and len(codes[0]) > 10
     ours_wav = ours["audio"].request_output.outputs[0].multimodal_output["audio"]
     torch.testing.assert_close(ours_wav, wav.reshape(-1).float(), atol=1e-4, rtol=0)
-
-
-def _give_talker_a_mask(module, args, kwargs):
-    # transformers 5 drops an all-ones attention mask, and its talker then skips its prompt
-    # handling (see tests/models/test_qwen2_5_omni_talker.py); transformers 4 always passed one.
-    if kwargs.get("attention_mask") is None:
-        cache, x = kwargs.get("past_key_values"), kwargs.get("inputs_embeds")
-        x = kwargs["input_ids"] if x is None else x
-        past = cache.get_seq_length() if cache is not None else 0
-        kwargs["attention_mask"] = torch.ones(x.shape[0], past + x.shape[1], dtype=torch.long)
-    return args, kwargs
 
 
 def test_modalities_select_outputs_and_stages(omni):

@@ -2,7 +2,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from vllm_omni.engine.detokenizer import IncrementalDetokenizer
+from vllm_omni.core.detokenizer import IncrementalDetokenizer
 from vllm_omni.sampling_params import SamplingParams
 from vllm_omni.testing.tokenizer import make_tiny_tokenizer
 

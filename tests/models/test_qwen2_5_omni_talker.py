@@ -21,12 +21,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from vllm_omni.engine.engine_config import EngineConfig  # noqa: E402
-from vllm_omni.engine.llm_engine import LLMEngine  # noqa: E402
-from vllm_omni.engine.messages import StageRequest  # noqa: E402
+from tests.reference.hf_talker import give_talker_a_mask  # noqa: E402
+from vllm_omni.core.engine_config import EngineConfig  # noqa: E402
+from vllm_omni.core.llm_engine import LLMEngine  # noqa: E402
+from vllm_omni.stage_io import StageRequest  # noqa: E402
 from vllm_omni.engine.stage_input import StageView  # noqa: E402
 from vllm_omni.model_executor.models.registry import resolve_model_class  # noqa: E402
-from vllm_omni.model_executor.stage_input_processors.qwen2_5_omni import (  # noqa: E402
+from vllm_omni.model_executor.models.qwen2_5_omni.bridges import (  # noqa: E402
     TalkerInputs,
     talker2code2wav,
     thinker2talker,
@@ -55,15 +56,6 @@ def hf_model(omni_dir):
     from transformers import Qwen2_5OmniForConditionalGeneration
 
     model = Qwen2_5OmniForConditionalGeneration.from_pretrained(omni_dir, dtype=torch.float32).eval()
-
-    def give_talker_a_mask(module, args, kwargs):
-        if kwargs.get("attention_mask") is None:
-            cache, x = kwargs.get("past_key_values"), kwargs.get("inputs_embeds")
-            x = kwargs["input_ids"] if x is None else x
-            past = cache.get_seq_length() if cache is not None else 0
-            kwargs["attention_mask"] = torch.ones(x.shape[0], past + x.shape[1], dtype=torch.long)
-        return args, kwargs
-
     model.talker.register_forward_pre_hook(give_talker_a_mask, with_kwargs=True)
     return model
 
@@ -211,7 +203,7 @@ def test_talker_multimodal_prompt_matches_transformers(omni_dir, hf_model):
 
 def test_token2wav_matches_transformers_and_ignores_batch(omni_dir, hf_model):
     from vllm_omni.core.sched.omni_generation_scheduler import OmniGenerationScheduler
-    from vllm_omni.engine.stage_engines import GenerationStageEngine
+    from vllm_omni.worker.generation_stage_engine import GenerationStageEngine
 
     model_cls = resolve_model_class("Qwen2_5OmniForConditionalGeneration", "code2wav")
     ours = model_cls.load(str(omni_dir), model_stage="code2wav", device=torch.device("cpu"), dtype="auto")

@@ -20,8 +20,8 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (  # noqa: E4
     Qwen2_5OmniThinkerForConditionalGeneration as HFThinker,
 )
 
-from vllm_omni.engine.engine_config import EngineConfig  # noqa: E402
-from vllm_omni.engine.llm_engine import LLMEngine  # noqa: E402
+from vllm_omni.core.engine_config import EngineConfig  # noqa: E402
+from vllm_omni.core.llm_engine import LLMEngine  # noqa: E402
 from vllm_omni.model_executor.layers.rotary import get_rope  # noqa: E402
 from vllm_omni.model_executor.model_loader import iterate_safetensors, load_model  # noqa: E402
 from vllm_omni.model_executor.models.qwen2_5_omni import Qwen2_5OmniThinkerForConditionalGeneration  # noqa: E402

@@ -24,13 +24,13 @@ import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from vllm_omni.core.sched.omni_generation_scheduler import OmniGenerationScheduler  # noqa: E402
-from vllm_omni.engine.engine_config import EngineConfig  # noqa: E402
-from vllm_omni.engine.llm_engine import LLMEngine  # noqa: E402
-from vllm_omni.engine.messages import StageRequest  # noqa: E402
-from vllm_omni.engine.stage_engines import GenerationStageEngine  # noqa: E402
+from vllm_omni.core.engine_config import EngineConfig  # noqa: E402
+from vllm_omni.core.llm_engine import LLMEngine  # noqa: E402
+from vllm_omni.stage_io import StageRequest  # noqa: E402
+from vllm_omni.worker.generation_stage_engine import GenerationStageEngine  # noqa: E402
 from vllm_omni.engine.stage_input import StageView  # noqa: E402
 from vllm_omni.model_executor.models.registry import resolve_model_class  # noqa: E402
-from vllm_omni.model_executor.stage_input_processors.qwen3_omni import (  # noqa: E402
+from vllm_omni.model_executor.models.qwen3_omni.bridges import (  # noqa: E402
     CODES_KEY,
     TalkerInputs,
     talker2code2wav,
@@ -183,7 +183,7 @@ def test_talker_codes_match_transformers(ckpt, text_refs):
 
 def test_talker_survives_preemption(ckpt, text_refs, monkeypatch):
     """Frames live in the request's model_state: recomputed requests keep their codes."""
-    from vllm_omni.core.sched.request import Request
+    from vllm_omni.core.request import Request
 
     refs, inputs = text_refs
     calls = []

@@ -21,8 +21,8 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (  # noqa
     Qwen3OmniMoeThinkerForConditionalGeneration as HFThinker,
 )
 
-from vllm_omni.engine.engine_config import EngineConfig  # noqa: E402
-from vllm_omni.engine.llm_engine import LLMEngine  # noqa: E402
+from vllm_omni.core.engine_config import EngineConfig  # noqa: E402
+from vllm_omni.core.llm_engine import LLMEngine  # noqa: E402
 from vllm_omni.model_executor.model_loader import iterate_safetensors, load_model  # noqa: E402
 from vllm_omni.model_executor.models.qwen3_omni import Qwen3OmniMoeThinkerForConditionalGeneration  # noqa: E402
 from vllm_omni.model_executor.models.qwen3_omni.deepstack import InterleavedMRotaryEmbedding  # noqa: E402

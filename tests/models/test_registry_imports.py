@@ -7,9 +7,10 @@ import sys
 
 import pytest
 
-from vllm_omni.model_executor.models import registry
+from vllm_omni.model_executor.models.families import FAMILIES
 
-ENTRIES = sorted({*registry._TEXT_MODELS.values(), *registry._STAGE_MODELS.values()})
+ENTRIES = sorted({tuple(path.split(":")) for f in FAMILIES
+                  for path in (*f.stage_models.values(), *filter(None, [f.single_stage_model]))})
 
 
 @pytest.mark.parametrize("module,cls", ENTRIES, ids=[f"{m.rsplit('.', 1)[-1]}.{c}" for m, c in ENTRIES])

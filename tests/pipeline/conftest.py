@@ -72,8 +72,8 @@ _ENGINES: dict[tuple, tuple] = {}
 
 def run_reference(pipeline, prompts_ids: list[list[int]]) -> list[Reference]:
     """The three stage models driven by hand, one request at a time (solo runs)."""
-    from vllm_omni.engine.engine_config import EngineConfig
-    from vllm_omni.engine.llm_engine import LLMEngine
+    from vllm_omni.core.engine_config import EngineConfig
+    from vllm_omni.core.llm_engine import LLMEngine
     from vllm_omni.engine.stage_input import StageView
     from vllm_omni.testing.toy_stages import ToyCode2Wav, concat_source_tokens, latent_to_prompt_embeds
     from vllm_omni.worker.gpu_ar_worker import engine_config_kwargs

@@ -6,8 +6,8 @@ import torch
 
 from vllm_omni.config.stage_config import StageConfig, StageEngineArgs, StageRuntimeConfig
 from vllm_omni.core.sched.omni_generation_scheduler import OmniGenerationScheduler
-from vllm_omni.engine.messages import StageRequest
-from vllm_omni.engine.stage_engines import GenerationStageEngine
+from vllm_omni.stage_io import StageRequest
+from vllm_omni.worker.generation_stage_engine import GenerationStageEngine
 from vllm_omni.engine.stage_input import StageView, build_stage_input, default_input_processor
 from vllm_omni.inputs import OmniTokensPrompt
 from vllm_omni.outputs import CompletionOutput, RequestOutput

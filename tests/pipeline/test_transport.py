@@ -9,7 +9,8 @@ import pytest
 import torch
 import zmq
 
-from vllm_omni.engine.messages import StageOutput, StageOutputBatch, StageRequest, StatsRequest
+from vllm_omni.engine.messages import StageOutputBatch, StatsRequest
+from vllm_omni.stage_io import StageOutput, StageRequest
 from vllm_omni.engine.transport import (
     OrchestratorChannel, WorkerChannel, make_ipc_dir, stage_addresses, sweep_shared_memory,
 )

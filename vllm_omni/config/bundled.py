@@ -1,9 +1,10 @@
 """Bundled configs and how a model finds its own.
 
-A model's HF `config.json` (model_type, architectures) selects a bundled
-pipeline: the legacy stage_args YAML under model_executor/stage_configs/ (its
-topology and defaults) and the deploy YAML under deploy/ (tuned settings).
-A plain causal LM has no bundled file and runs as a one-stage pipeline.
+A model's HF `config.json` (model_type, architectures) selects its family record
+(model_executor/models/families.py), and the record names the bundled pipelines: the
+legacy stage_args YAML under model_executor/stage_configs/ (its topology and defaults)
+and the deploy YAML under deploy/ (tuned settings). A plain causal LM has no bundled file
+and runs as a one-stage pipeline.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from vllm_omni.config.errors import ConfigError
+from vllm_omni.model_executor.models.families import FAMILIES, family_of
+from vllm_omni.model_executor.models.family import PipelineVariant
 
 _PACKAGE = Path(__file__).resolve().parent.parent
 STAGE_CONFIGS_DIR = _PACKAGE / "model_executor" / "stage_configs"
@@ -34,20 +37,7 @@ class BundledPipeline:
         return DEPLOY_DIR / f"{self.name}.yaml"
 
 
-BUNDLED_PIPELINES = ("qwen2_5_omni", "qwen2_5_omni_single_gpu", "qwen2_5_omni_thinker_only",
-                     "qwen3_omni_moe", "qwen3_omni_moe_single_gpu", "qwen3_omni_moe_thinker_only")
-_BY_MODEL_TYPE = {"qwen2_5_omni": "qwen2_5_omni", "qwen2_5_omni_thinker": "qwen2_5_omni_thinker_only",
-                  "qwen3_omni_moe": "qwen3_omni_moe", "qwen3_omni_moe_thinker": "qwen3_omni_moe_thinker_only"}
-_BY_ARCH = {
-    "Qwen2_5OmniModel": "qwen2_5_omni",
-    "Qwen2_5OmniForConditionalGeneration": "qwen2_5_omni",
-    "Qwen2_5OmniThinkerForConditionalGeneration": "qwen2_5_omni_thinker_only",
-    "Qwen3OmniMoeForConditionalGeneration": "qwen3_omni_moe",
-    "Qwen3OmniMoeThinkerForConditionalGeneration": "qwen3_omni_moe_thinker_only",
-}
-# Variants of a pipeline: without audio output (no talker / code2wav), and for one device.
-_TEXT_ONLY = {"qwen2_5_omni": "qwen2_5_omni_thinker_only", "qwen3_omni_moe": "qwen3_omni_moe_thinker_only"}
-_SINGLE_DEVICE = {"qwen2_5_omni": "qwen2_5_omni_single_gpu", "qwen3_omni_moe": "qwen3_omni_moe_single_gpu"}
+BUNDLED_PIPELINES = tuple(name for family in FAMILIES for name in family.pipelines.values())
 # Architectures that run as one AR stage: the usual HF names of plain decoders.
 _PLAIN_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
@@ -109,19 +99,20 @@ def pipeline_for_model(model_dir_or_hf_config: Any, *, audio_output: bool | None
     audio_output=False (or a config with enable_audio_output: false) picks the text-only
     variant; num_devices=1 (one visible GPU) the single-device one, where they exist."""
     hf = _as_hf_dict(model_dir_or_hf_config)
-    model_type = hf.get("model_type")
-    archs = list(hf.get("architectures") or [])
-    name = _BY_MODEL_TYPE.get(model_type) or next((_BY_ARCH[a] for a in archs if a in _BY_ARCH), None)
-    if name is not None:
-        if audio_output is False or hf.get("enable_audio_output") is False:
-            name = _TEXT_ONLY.get(name, name)
+    family = family_of(hf)
+    if family is not None and family.pipelines:
+        variant = PipelineVariant.DEFAULT
+        if audio_output is False or hf.get("enable_audio_output") is False or family.checkpoint_stage(hf):
+            variant = PipelineVariant.TEXT_ONLY
         elif num_devices == 1:
-            name = _SINGLE_DEVICE.get(name, name)
-        return BundledPipeline(name)
-    if any(a.endswith(_PLAIN_LM_SUFFIXES) for a in archs):
+            variant = PipelineVariant.SINGLE_DEVICE
+        return BundledPipeline(family.pipelines.get(variant, family.pipelines[PipelineVariant.DEFAULT]))
+    archs = list(hf.get("architectures") or [])
+    if family is not None or any(a.endswith(_PLAIN_LM_SUFFIXES) for a in archs):
         return None
-    raise ConfigError(f"no bundled stage config for model_type={model_type!r}, architectures={archs}",
-                      field="model", allowed="model types " + ", ".join(sorted(_BY_MODEL_TYPE))
+    known = sorted(t for f in FAMILIES if f.pipelines for t in f.model_types)
+    raise ConfigError(f"no bundled stage config for model_type={hf.get('model_type')!r}, architectures={archs}",
+                      field="model", allowed="model types " + ", ".join(known)
                       + ", a causal LM (one stage), or pass --stage-configs-path / --deploy-config")
 
 

@@ -1,5 +1,8 @@
 """Typed messages between the orchestrator and the stage workers.
 
+Requests and outputs are the stage vocabulary (`vllm_omni.stage_io`); this module adds the
+control messages around them and the two unions a socket carries.
+
 Every message is a tagged msgspec Struct, so a socket carries one union type per
 direction and a decoder rejects anything else. Tensors anywhere in a message
 (`multimodal_output`, `additional_information` values) are taken out of the msgpack
@@ -15,23 +18,10 @@ from __future__ import annotations
 from typing import Any, Union
 
 import msgspec
-import torch
 
-from vllm_omni.sampling_params import SamplingParams
+from vllm_omni.stage_io import StageOutput, StageRequest
 
 # --------------------------------------------------------------------------- orchestrator -> worker
-
-
-class StageRequest(msgspec.Struct, tag="add", kw_only=True):
-    """One request for one stage; also what a stage engine (and a generation model) receives."""
-
-    request_id: str  # the orchestrator's internal key, unique per submission
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    prompt: str | None = None
-    # Per-request payloads built by a bridge (spec 003 OmniTokensPrompt.additional_information).
-    additional_information: dict[str, Any] = {}
-    multi_modal_data: dict[str, Any] | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -75,22 +65,6 @@ class StageFatal(msgspec.Struct, tag="fatal"):
     error: str
 
 
-class StageOutput(msgspec.Struct, kw_only=True):
-    """What one request produced since its previous StageOutput (a delta)."""
-
-    request_id: str
-    finished: bool
-    new_token_ids: list[int] = []
-    new_text: str = ""
-    new_logprobs: list[dict[int, float]] | None = None
-    cumulative_logprob: float | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    stop_reason: int | str | None = None
-    # Named tensors for the next stage or the user (hidden states, codec codes, audio, ...).
-    multimodal_output: dict[str, torch.Tensor] = {}
-    error: str | None = None
-
-
 class StageOutputBatch(msgspec.Struct, tag="outputs"):
     """All outputs of one engine step: one message per step, not one per request."""
 
@@ -108,7 +82,3 @@ class StageStats(msgspec.Struct, tag="stats", kw_only=True):
 
 
 FromWorker = Union[StageReady, StageInitFailed, Heartbeat, StageFatal, StageOutputBatch, StageStats]
-
-
-def error_output(request_id: str, error: str) -> StageOutput:
-    return StageOutput(request_id=request_id, finished=True, finish_reason="error", error=error)

@@ -22,7 +22,8 @@ from typing import Any
 import zmq
 
 from vllm_omni.config.stage_config import PipelineConfig, StageConfig
-from vllm_omni.engine.messages import AbortRequests, StageOutput, StageOutputBatch, StageRequest, StageStats
+from vllm_omni.engine.messages import AbortRequests, StageOutputBatch, StageStats
+from vllm_omni.stage_io import OutputKind, StageOutput, StageRequest
 from vllm_omni.engine.request_plan import RequestPlan
 from vllm_omni.engine.request_state import RequestDone, RequestSink, RequestState
 from vllm_omni.engine.stage_client import StageClient, StageDownError, StageHealth, StageState
@@ -186,8 +187,11 @@ class Orchestrator:
     def _send(self, state: RequestState, stage_id: int, ids: list[int], text: str | None,
               info: dict[str, Any], mm: Any) -> bool:
         state.start_stage(stage_id, ids, text)
+        # Only a caller that streams needs a stage's intermediate outputs (streaming edges: #11).
+        partial = stage_id in state.output_stages and state.sink.wants_partial
         req = StageRequest(request_id=state.key, prompt_token_ids=ids, sampling_params=state.params[stage_id],
-                           prompt=text, additional_information=info, multi_modal_data=mm)
+                           prompt=text, additional_information=info, multi_modal_data=mm,
+                           output_kind=OutputKind.DELTA if partial else OutputKind.FINAL_ONLY)
         try:
             self.clients[stage_id].send(req)
         except StageDownError as e:

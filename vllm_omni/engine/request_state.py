@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
-from vllm_omni.engine.messages import StageOutput
+from vllm_omni.stage_io import StageOutput
 from vllm_omni.outputs import CompletionOutput, OmniRequestOutput, RequestOutput
 from vllm_omni.sampling_params import SamplingParams
 

@@ -50,7 +50,8 @@ from vllm_omni.engine.stage_init.locks import (
     acquire_diffusion_device_locks,
     release_device_locks,
 )
-from vllm_omni.engine.stage_init.metadata import extract_stage_metadata, import_dotted
+from vllm_omni.engine.stage_init.metadata import extract_stage_metadata
+from vllm_omni.imports import import_dotted
 from vllm_omni.engine.stage_init.plans import (
     LogicalStageInitPlan,
     ReplicaInitPlan,

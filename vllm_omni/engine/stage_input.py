@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_omni.config.stage_config import StageConfig
-from vllm_omni.engine.stage_init_utils import import_dotted
+from vllm_omni.imports import import_dotted
 from vllm_omni.inputs import OmniTokensPrompt
 from vllm_omni.outputs import RequestOutput
 

@@ -21,11 +21,11 @@ import zmq
 from vllm_omni.config.stage_config import StageConfig, WorkerType
 from vllm_omni.engine import stage_init_utils as siu
 from vllm_omni.engine.messages import (
-    AbortRequests, Heartbeat, Shutdown, StageFatal, StageInitFailed, StageOutput, StageOutputBatch, StageReady,
-    StageRequest, StageStats, StatsRequest, error_output,
+    AbortRequests, Heartbeat, Shutdown, StageFatal, StageInitFailed, StageOutputBatch, StageReady, StageStats,
+    StatsRequest,
 )
-from vllm_omni.engine.stage_engines import StageEngine
 from vllm_omni.engine.transport import MessageCodec, WorkerChannel
+from vllm_omni.stage_io import StageEngine, StageOutput, StageRequest, error_output
 
 logger = logging.getLogger(__name__)
 

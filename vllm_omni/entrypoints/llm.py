@@ -7,8 +7,8 @@ from typing import Any, Union
 
 from tqdm import tqdm
 
-from vllm_omni.engine.engine_config import EngineConfig
-from vllm_omni.engine.llm_engine import LLMEngine
+from vllm_omni.core.engine_config import EngineConfig
+from vllm_omni.core.llm_engine import LLMEngine
 from vllm_omni.outputs import RequestOutput
 from vllm_omni.sampling_params import SamplingParams
 

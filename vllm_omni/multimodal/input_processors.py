@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -191,27 +191,17 @@ class Qwen3OmniPromptProcessor(Qwen2_5OmniPromptProcessor):
         return speaker.lower() in self.speakers
 
 
-# model_type or architecture -> factory(model_dir, tokenizer). Anything else is a text model.
-_FACTORIES: dict[str, Callable[[str, Any], InputProcessor]] = {
-    "qwen2_5_omni": Qwen2_5OmniPromptProcessor,
-    "qwen2_5_omni_thinker": Qwen2_5OmniPromptProcessor,
-    "Qwen2_5OmniModel": Qwen2_5OmniPromptProcessor,
-    "Qwen2_5OmniForConditionalGeneration": Qwen2_5OmniPromptProcessor,
-    "Qwen2_5OmniThinkerForConditionalGeneration": Qwen2_5OmniPromptProcessor,
-    "qwen3_omni_moe": Qwen3OmniPromptProcessor,
-    "qwen3_omni_moe_thinker": Qwen3OmniPromptProcessor,
-    "Qwen3OmniMoeForConditionalGeneration": Qwen3OmniPromptProcessor,
-    "Qwen3OmniMoeThinkerForConditionalGeneration": Qwen3OmniPromptProcessor,
-}
-
-
 def get_input_processor(model_path: str | os.PathLike, hf_config: Any, tokenizer: Any = None, *,
                         architecture: str | None = None) -> InputProcessor:
     """The input processor of the model at `model_path` (its HF config as a dict or a
-    PretrainedConfig). `architecture` (a stage's `model_arch`) wins over the config's."""
+    PretrainedConfig), named by its family record; a text model without one gets the
+    tokenizer and chat template. `architecture` (a stage's `model_arch`) wins over the config's."""
+    from vllm_omni.imports import import_dotted
+    from vllm_omni.model_executor.models.families import family_of
+
     get = hf_config.get if isinstance(hf_config, Mapping) else lambda key: getattr(hf_config, key, None)
     model_type, archs = get("model_type"), list(get("architectures") or [])
-    for key in ([architecture] if architecture else []) + [model_type, *archs]:
-        if key in _FACTORIES:
-            return _FACTORIES[key](os.fspath(model_path), tokenizer)
+    family = family_of({"model_type": model_type, "architectures": [architecture] if architecture else archs})
+    if family is not None and family.input_processor is not None:
+        return import_dotted(family.input_processor)(os.fspath(model_path), tokenizer)
     return TextInputProcessor(tokenizer, model_name=archs[0] if archs else os.fspath(model_path))

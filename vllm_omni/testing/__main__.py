@@ -23,10 +23,10 @@ def _parse_value(text: str) -> Any:
 def main(argv: list[str] | None = None) -> None:
     # Nothing may be downloaded; set before transformers is imported.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from vllm_omni.testing.tiny_models import ARCH_BUILDERS, make_tiny_model
+    from vllm_omni.testing.tiny_models import make_tiny_model, tiny_checkpoint_builders
 
     parser = argparse.ArgumentParser(prog="python -m vllm_omni.testing", description=__doc__)
-    parser.add_argument("arch", choices=sorted(ARCH_BUILDERS))
+    parser.add_argument("arch", choices=sorted(tiny_checkpoint_builders()))
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

@@ -3,8 +3,9 @@
     make_tiny_model("qwen3", "/tmp/m", seed=0, num_hidden_layers=3) -> Path("/tmp/m")
 
 The folder holds what a real hub checkpoint holds: config.json, model.safetensors,
-generation_config.json and the tokenizer files. Each architecture is one builder registered in
-`ARCH_BUILDERS`; new ones (e.g. the Omni models) are added with `@register_arch("name")`.
+generation_config.json and the tokenizer files. Each tiny checkpoint name is one builder,
+named by its model family's record (`ModelFamily.tiny_checkpoints`): `builder(out_dir,
+overrides)` writes the whole folder (transformers models through `save_hf_checkpoint`).
 """
 
 from __future__ import annotations
@@ -20,11 +21,9 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from vllm_omni.testing.tokenizer import make_tiny_tokenizer
 
-# A builder gets the tokenizer, the output folder (for any extra files the model needs, such as
-# Qwen2.5-Omni's spk_dict.pt) and the config overrides, and returns the model. The caller seeds
-# torch before calling it, then saves the model, tokenizer and generation config.
-ArchBuilder = Callable[[PreTrainedTokenizerBase, Path, dict[str, Any]], PreTrainedModel]
-ARCH_BUILDERS: dict[str, ArchBuilder] = {}
+# A builder gets the output folder and the config overrides and writes the checkpoint there.
+# The caller seeds torch just before calling it.
+ArchBuilder = Callable[[Path, dict[str, Any]], None]
 
 # Shared by all tiny text models. The default initializer_range (0.02) makes a tiny random
 # model's greedy output collapse into one repeated token within a few steps, so tests that
@@ -47,12 +46,11 @@ DEMO_MODEL_NAMES = {"qwen2_5_omni": "demo-qwen2_5_omni-v1", "qwen3": "demo-qwen3
 DEMO_ARCH = "qwen2_5_omni"  # what `vllm-omni generate` / `serve` run without a model
 
 
-def register_arch(name: str) -> Callable[[ArchBuilder], ArchBuilder]:
-    def deco(fn: ArchBuilder) -> ArchBuilder:
-        ARCH_BUILDERS[name] = fn
-        return fn
+def tiny_checkpoint_builders() -> dict[str, str]:
+    """Every tiny checkpoint name -> its builder's dotted path, from the family records."""
+    from vllm_omni.model_executor.models.families import FAMILIES
 
-    return deco
+    return {name: path for family in FAMILIES for name, path in family.tiny_checkpoints.items()}
 
 
 def tiny_vocab_size(tokenizer: PreTrainedTokenizerBase) -> int:
@@ -124,27 +122,27 @@ def _build_causal_lm(model_cls: type, config_cls: type, kwargs: dict[str, Any]) 
     return model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype).eval()
 
 
-@register_arch("qwen2")
-def _build_qwen2(tokenizer, out_dir, overrides):
+def build_tiny_qwen2(out_dir: Path, overrides: dict[str, Any]) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    tokenizer = make_tiny_tokenizer()
     kwargs = text_config_kwargs(tokenizer, tie_word_embeddings=False)
-    return _build_causal_lm(Qwen2ForCausalLM, Qwen2Config, {**kwargs, **overrides})
+    save_hf_checkpoint(_build_causal_lm(Qwen2ForCausalLM, Qwen2Config, {**kwargs, **overrides}), tokenizer, out_dir)
 
 
-@register_arch("qwen3")
-def _build_qwen3(tokenizer, out_dir, overrides):
+def build_tiny_qwen3(out_dir: Path, overrides: dict[str, Any]) -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    tokenizer = make_tiny_tokenizer()
     # Tied by default (like the small real Qwen3 models) so loaders exercise both layouts.
     kwargs = text_config_kwargs(tokenizer, head_dim=16, tie_word_embeddings=True)
-    return _build_causal_lm(Qwen3ForCausalLM, Qwen3Config, {**kwargs, **overrides})
+    save_hf_checkpoint(_build_causal_lm(Qwen3ForCausalLM, Qwen3Config, {**kwargs, **overrides}), tokenizer, out_dir)
 
 
-@register_arch("qwen3_moe")
-def _build_qwen3_moe(tokenizer, out_dir, overrides):
+def build_tiny_qwen3_moe(out_dir: Path, overrides: dict[str, Any]) -> None:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    tokenizer = make_tiny_tokenizer()
     kwargs = text_config_kwargs(
         tokenizer,
         head_dim=16,
@@ -156,7 +154,8 @@ def _build_qwen3_moe(tokenizer, out_dir, overrides):
         decoder_sparse_step=1,
         mlp_only_layers=[],
     )
-    return _build_causal_lm(Qwen3MoeForCausalLM, Qwen3MoeConfig, {**kwargs, **overrides})
+    model = _build_causal_lm(Qwen3MoeForCausalLM, Qwen3MoeConfig, {**kwargs, **overrides})
+    save_hf_checkpoint(model, tokenizer, out_dir)
 
 
 def make_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, **config_overrides: Any) -> Path:
@@ -165,32 +164,35 @@ def make_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, **config_over
     Same arch, seed and overrides give byte-identical weights. `config_overrides` update the HF
     config kwargs (e.g. num_hidden_layers=3, tie_word_embeddings=False, dtype="bfloat16").
     """
-    builder = ARCH_BUILDERS.get(arch)
-    if builder is None:
-        raise ValueError(f"unknown tiny-model arch {arch!r}; supported: {sorted(ARCH_BUILDERS)}")
+    builders = tiny_checkpoint_builders()
+    if arch not in builders:
+        raise ValueError(f"unknown tiny-model arch {arch!r}; supported: {sorted(builders)}")
+    from vllm_omni.imports import import_dotted
+
+    builder: ArchBuilder = import_dotted(builders[arch])
     if "torch_dtype" in config_overrides:  # transformers 5 renamed it; accept the old name
         config_overrides["dtype"] = config_overrides.pop("torch_dtype")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-
-    tokenizer = make_tiny_tokenizer()
     # Seed just before the builder so weights depend only on (arch, seed, overrides); fork
     # the RNG so the caller's random stream is left as it was.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = builder(tokenizer, out_dir, dict(config_overrides))
+        builder(out_dir, dict(config_overrides))
+    return out_dir
 
+
+def save_hf_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> None:
+    """What a hub checkpoint holds: weights and config, tokenizer, generation config."""
     text_config = model.config.get_text_config()
     if text_config.vocab_size < len(tokenizer):
         raise ValueError(f"vocab_size {text_config.vocab_size} < tokenizer size {len(tokenizer)}")
-
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     special_ids = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     GenerationConfig(
         bos_token_id=None, eos_token_id=special_ids, pad_token_id=tokenizer.pad_token_id
     ).save_pretrained(out_dir)
-    return out_dir
 
 
 def cache_dir() -> Path:
@@ -222,9 +224,3 @@ def demo_model_path(arch: str = DEMO_ARCH) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-# Builders living in their own modules register themselves on import. Imported last: they use
-# the helpers above.
-from vllm_omni.testing import tiny_omni  # noqa: E402,F401  (registers "qwen2_5_omni")
-from vllm_omni.testing import tiny_qwen3_omni  # noqa: E402,F401  (registers "qwen3_omni_moe")

@@ -23,8 +23,9 @@ from vllm_omni.multimodal.chat_template import QWEN2_5_OMNI_CHAT_TEMPLATE
 from vllm_omni.testing.tiny_models import (
     omni_preprocessor_config,
     perturb_constant_params,
-    register_arch,
+    save_hf_checkpoint,
 )
+from vllm_omni.testing.tokenizer import make_tiny_tokenizer
 from vllm_omni.testing.tiny_omni_config import (
     BIGVGAN_PERTURB_STD,
     CODEC_EMBED_STD,
@@ -57,10 +58,10 @@ def _write_speakers(out_dir: Path, tokenizer, dit: dict[str, Any]) -> None:
     torch.save(speakers, out_dir / "spk_dict.pt")
 
 
-@register_arch("qwen2_5_omni")
-def _build_qwen2_5_omni(tokenizer, out_dir: Path, overrides: dict[str, Any]):
+def build_tiny_qwen2_5_omni(out_dir: Path, overrides: dict[str, Any]) -> None:
     from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
 
+    tokenizer = make_tiny_tokenizer()
     # The builder's tokenizer object is what make_tiny_model saves: give it the Omni template.
     tokenizer.chat_template = QWEN2_5_OMNI_CHAT_TEMPLATE
     cfg = build_config_dict(tokenizer, overrides)
@@ -82,4 +83,4 @@ def _build_qwen2_5_omni(tokenizer, out_dir: Path, overrides: dict[str, Any]):
 
     _write_speakers(out_dir, tokenizer, cfg["token2wav_config"]["dit_config"])
     (out_dir / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2))
-    return model
+    save_hf_checkpoint(model, tokenizer, out_dir)

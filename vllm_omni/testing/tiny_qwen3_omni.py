@@ -28,10 +28,10 @@ from vllm_omni.multimodal.qwen3_omni_chat_template import QWEN3_OMNI_CHAT_TEMPLA
 from vllm_omni.testing.tiny_models import (
     omni_preprocessor_config,
     perturb_constant_params,
-    register_arch,
+    save_hf_checkpoint,
 )
 from vllm_omni.testing.tiny_qwen3_omni_config import CODE2WAV_PERTURB_STD, build_config_dict
-from vllm_omni.testing.tokenizer import QWEN3_OMNI_MM_TOKENS
+from vllm_omni.testing.tokenizer import QWEN3_OMNI_MM_TOKENS, make_tiny_tokenizer
 
 # The released checkpoint's preprocessor_config.json: the Qwen2.5-Omni audio settings (300 s
 # max, 128 mels at 16 kHz), images at patch 16 normalized with mean = std = 0.5.
@@ -75,10 +75,10 @@ def _init_talker_experts(talker) -> None:
                     param.normal_(0.0, std)
 
 
-@register_arch("qwen3_omni_moe")
-def _build_qwen3_omni(tokenizer, out_dir: Path, overrides: dict[str, Any]):
+def build_tiny_qwen3_omni(out_dir: Path, overrides: dict[str, Any]) -> None:
     from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
+    tokenizer = make_tiny_tokenizer()
     # The builder's tokenizer object is what make_tiny_model saves: give it the Qwen3 names
     # and template.
     use_qwen3_token_names(tokenizer)
@@ -95,4 +95,4 @@ def _build_qwen3_omni(tokenizer, out_dir: Path, overrides: dict[str, Any]):
         perturb_constant_params(model.code2wav, std=CODE2WAV_PERTURB_STD)
     model = model.to(getattr(torch, dtype)).eval()
     (out_dir / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2))
-    return model
+    save_hf_checkpoint(model, tokenizer, out_dir)

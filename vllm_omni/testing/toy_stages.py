@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni.engine.messages import StageRequest
+from vllm_omni.stage_io import StageRequest
 from vllm_omni.inputs import OmniTokensPrompt
 
 TABLE_SEED = 1234

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_omni.config.stage_config import EngineOutputType, StageConfig
-from vllm_omni.engine.stage_engines import ARStageEngine
+from vllm_omni.worker.ar_stage_engine import ARStageEngine
 
 # The config layer accepts these spellings of dtypes; the engine wants canonical names.
 _DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -48,8 +48,8 @@ class GPUARWorker:
         self.device = device
 
     def build_engine(self) -> ARStageEngine:
-        from vllm_omni.engine.engine_config import EngineConfig
-        from vllm_omni.engine.llm_engine import LLMEngine
+        from vllm_omni.core.engine_config import EngineConfig
+        from vllm_omni.core.llm_engine import LLMEngine
 
         kwargs = engine_config_kwargs(self.stage, self.model, self.device)
         export = self.stage.engine_args.engine_output_type == EngineOutputType.LATENT

@@ -2,14 +2,14 @@
 
 The model class comes from `engine_args.model_arch`: a name in the model registry
 (looked up with the stage's `model_stage`) or a dotted path to a user's class. It must
-implement `stage_engines.GenerationModel`.
+implement `stage_io.GenerationModel`.
 """
 from __future__ import annotations
 
 from vllm_omni.config.stage_config import StageConfig
 from vllm_omni.core.sched.omni_generation_scheduler import OmniGenerationScheduler
-from vllm_omni.engine.stage_engines import GenerationStageEngine
-from vllm_omni.engine.stage_init_utils import import_dotted
+from vllm_omni.worker.generation_stage_engine import GenerationStageEngine
+from vllm_omni.imports import import_dotted
 
 
 def resolve_generation_model_class(stage: StageConfig) -> type:

@@ -1,5 +1,5 @@
 """The documented scheduler name for autoregressive stages (spec 000 `scheduler_cls`)."""
-from vllm_omni.core.sched.scheduler import Scheduler
+from vllm_omni.core.scheduler import Scheduler
 
 
 class OmniARScheduler(Scheduler):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from vllm_omni.engine.messages import StageRequest
+from vllm_omni.stage_io import StageRequest
 
 
 class OmniGenerationScheduler:

@@ -62,7 +62,8 @@ def build_prompts(args: argparse.Namespace, chat: bool) -> list[Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_omni import Omni, SamplingParams
+    from vllm_omni.entrypoints.omni import Omni
+    from vllm_omni.sampling_params import SamplingParams
     from vllm_omni.config import ConfigFormat
     from vllm_omni.testing import demo_model_path
 

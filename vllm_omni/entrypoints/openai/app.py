@@ -19,8 +19,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-import vllm_omni
 from vllm_omni.engine.stage_client import StageState
+from vllm_omni.version import __version__
 from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected, install_error_handlers
 from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from vllm_omni.entrypoints.openai.serving_base import ServingContext, summarize_reason
@@ -111,7 +111,7 @@ class BodyLimitMiddleware:
 
 
 def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes: int = 128 * 1024 * 1024) -> FastAPI:
-    app = FastAPI(title="vllm-omni", version=vllm_omni.__version__)
+    app = FastAPI(title="vllm-omni", version=__version__)
     install_error_handlers(app)
 
     @app.exception_handler(ClientDisconnected)
@@ -151,7 +151,7 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes
 
     @app.get("/version")
     async def version() -> dict[str, str]:
-        return {"version": vllm_omni.__version__}
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -35,7 +35,7 @@ from vllm_omni.model_executor.models.qwen2 import make_qwen2_layer
 from vllm_omni.model_executor.models.qwen2_5_omni.positions import MRopeTokenConfig, omni_rope_index
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav import load_speakers, select_speaker
 from vllm_omni.model_executor.models.utils import load_weights_strict, map_stacked_name
-from vllm_omni.model_executor.stage_input_processors.qwen2_5_omni import TalkerInputs
+from vllm_omni.model_executor.models.qwen2_5_omni.bridges import TalkerInputs
 
 _STATE_KEY = "qwen2_5_omni_talker"
 # Saved checkpoints; transformers 5's in-memory layout (accepted in case one was saved so).

@@ -2,7 +2,7 @@
 
 A thin wrapper around transformers' `Qwen2_5OmniToken2WavModel` (DESIGN section 5), loaded
 from the `token2wav.*` tensors of the full checkpoint, driven as a generation-stage model
-(`stage_engines.GenerationModel`). What differs from transformers' `forward`:
+(`stage_io.GenerationModel`). What differs from transformers' `forward`:
 
 - The DiT's flow-matching ODE starts from noise drawn from each request's own seeded
   generator (`sampling_params.seed`), not the global RNG, so a waveform depends only on its
@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from vllm_omni.engine.messages import StageRequest
+from vllm_omni.stage_io import StageRequest
 from vllm_omni.model_executor.model_loader import safetensors_files
-from vllm_omni.model_executor.stage_input_processors.qwen2_5_omni import Code2WavInputs
+from vllm_omni.model_executor.models.qwen2_5_omni.bridges import Code2WavInputs
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Qwen3-Omni code2wav stage: RVQ codec frames -> 24 kHz waveform, as a generation-stage model.
 
 A thin wrapper around transformers' `Qwen3OmniMoeCode2Wav` (loaded from the checkpoint's
-`code2wav.*` tensors) driven as `stage_engines.GenerationModel`. It decodes like transformers'
+`code2wav.*` tensors) driven as `stage_io.GenerationModel`. It decodes like transformers'
 `Qwen3OmniMoeForConditionalGeneration.generate`: `chunked_decode` with chunks of 300 frames
 and 25 frames of left context.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_omni.engine.messages import StageRequest
+from vllm_omni.stage_io import StageRequest
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav import _prefixed_tensors
 
 SAMPLE_RATE = 24000

@@ -36,7 +36,7 @@ from vllm_omni.model_executor.models.qwen3 import make_qwen3_attention
 from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_code_predictor import Qwen3OmniMoeCodePredictor
 from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_talker_prompt import TalkerPrompt, talker_prompt
 from vllm_omni.model_executor.models.utils import load_weights_strict, map_stacked_name
-from vllm_omni.model_executor.stage_input_processors.qwen3_omni import CODES_KEY, TalkerInputs
+from vllm_omni.model_executor.models.qwen3_omni.bridges import CODES_KEY, TalkerInputs
 from vllm_omni.sampling_params import SamplingParams
 
 _STATE_KEY = "qwen3_omni_talker"

@@ -18,7 +18,7 @@ from vllm_omni.model_executor.models.qwen3_omni.rope_index import (
     as_index_positions,
     qwen3_omni_rope_index,
 )
-from vllm_omni.model_executor.stage_input_processors.qwen3_omni import TalkerInputs
+from vllm_omni.model_executor.models.qwen3_omni.bridges import TalkerInputs
 
 NUM_ASSISTANT_ROWS = 9  # <|im_start|> assistant \n, tts_pad x4, tts_bos, first reply token
 _MIN_ASSISTANT_ROWS = 4  # transformers reads rows 0-2 (turn header) and 3 (first reply token)

@@ -15,7 +15,7 @@ import torch
 from vllm_omni.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from vllm_omni.engine.detokenizer import IncrementalDetokenizer
+    from vllm_omni.core.detokenizer import IncrementalDetokenizer
 
 _arrival_counter = itertools.count()
 

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from vllm_omni.engine.engine_config import EngineConfig
-from vllm_omni.worker.model_runner import ARModelRunner
+from vllm_omni.core.engine_config import EngineConfig
+from vllm_omni.core.model_runner import ARModelRunner
 
 logger = logging.getLogger(__name__)
 

@@ -12,16 +12,16 @@ import logging
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
-from vllm_omni.core.sched.block_manager import BlockManager
-from vllm_omni.core.sched.request import Request, RequestStatus
-from vllm_omni.core.sched.scheduler import Scheduler, SchedulerConfig
-from vllm_omni.engine.detokenizer import IncrementalDetokenizer
-from vllm_omni.engine.engine_config import EngineConfig
-from vllm_omni.engine.kv_cache_sizing import plan_kv_cache
+from vllm_omni.core.block_manager import BlockManager
+from vllm_omni.core.request import Request, RequestStatus
+from vllm_omni.core.scheduler import Scheduler, SchedulerConfig
+from vllm_omni.core.detokenizer import IncrementalDetokenizer
+from vllm_omni.core.engine_config import EngineConfig
+from vllm_omni.core.kv_cache_sizing import plan_kv_cache
 from vllm_omni.model_executor.model_loader import load_model, resolve_dtype
 from vllm_omni.outputs import CompletionOutput, RequestOutput
 from vllm_omni.sampling_params import SamplingParams
-from vllm_omni.worker.model_runner import ARModelRunner, RunnerOutput
+from vllm_omni.core.model_runner import ARModelRunner, RunnerOutput
 
 logger = logging.getLogger(__name__)
 

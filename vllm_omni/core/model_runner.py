@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from vllm_omni.core.sched.scheduler import ScheduledRequest, SchedulerOutput
+from vllm_omni.core.scheduler import ScheduledRequest, SchedulerOutput
 from vllm_omni.model_executor.forward_context import AttentionMetadata, set_forward_context
 from vllm_omni.model_executor.layers.attention import Attention, TorchAttentionBackend
 from vllm_omni.model_executor.layers.sampler import Sampler, SamplingBatch
@@ -100,7 +100,7 @@ class ARModelRunner:
         if not getattr(self.model, "supports_cuda_graphs", True) or not self._moe_capturable():
             logger.info("%s does not support CUDA graphs here: decode runs eagerly", type(self.model).__name__)
             return
-        from vllm_omni.worker.cuda_graphs import DecodeGraphs
+        from vllm_omni.core.cuda_graphs import DecodeGraphs
 
         self.graphs = DecodeGraphs(
             self.model,

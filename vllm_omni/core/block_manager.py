@@ -11,7 +11,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from vllm_omni.core.sched.request import Request
+from vllm_omni.core.request import Request
 
 
 def hash_block(parent: bytes, token_ids: list[int]) -> bytes:

@@ -1,60 +1,23 @@
-"""The engines a stage worker drives (DESIGN section 3).
+"""`ARStageEngine`: the stage engine around our AR engine (`core.llm_engine.LLMEngine`).
 
-`ARStageEngine` wraps our `LLMEngine` (continuous batching, paged KV cache) and turns
-its cumulative `RequestOutput`s into `StageOutput` deltas. `GenerationStageEngine`
-runs one forward pass per batch of queued requests (e.g. code2wav).
-Both report per-request failures as error outputs; nothing here raises for one bad
-request.
+It turns the engine's cumulative `RequestOutput`s into `StageOutput` deltas: a `DELTA`
+request reports every step that produced something, a `FINAL_ONLY` request once, when it
+finishes (the engine then builds no intermediate outputs at all). A request that cannot run
+comes back as an error output; nothing here raises for one bad request.
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_omni.core.sched.omni_generation_scheduler import OmniGenerationScheduler
-from vllm_omni.engine.messages import StageOutput, StageRequest, error_output
+from vllm_omni.stage_io import PROMPT_EMBEDS_KEY, OutputKind, StageOutput, StageRequest, error_output
 
 if TYPE_CHECKING:
-    from vllm_omni.engine.llm_engine import LLMEngine
+    from vllm_omni.core.llm_engine import LLMEngine
     from vllm_omni.outputs import RequestOutput
-
-logger = logging.getLogger(__name__)
-
-PROMPT_EMBEDS_KEY = "prompt_embeds"
-
-
-class StageEngine(Protocol):
-    """What a stage worker drives; nothing else."""
-
-    def add_request(self, req: StageRequest) -> None: ...
-    def abort(self, request_ids: Sequence[str]) -> None: ...
-    def step(self) -> list[StageOutput]: ...  # partial (streaming) and final outputs
-    def has_unfinished(self) -> bool: ...
-    def fail_all(self, error: str) -> list[StageOutput]: ...  # after a step raised
-    def stats(self) -> dict[str, int]: ...  # fields of messages.StageStats
-    def describe(self) -> dict[str, Any]: ...  # reported once in StageReady
-
-
-class GenerationModel(Protocol):
-    """A non-autoregressive stage model: one call handles a whole batch.
-
-    `GPUGenerationWorker` builds it with the class method `load(model_path, *, model_stage,
-    device, dtype, load_format)` (load_format "dummy": random weights, nothing read);
-    `generate_batch` returns one dict of named tensors per input, in order.
-    """
-
-    @classmethod
-    def load(cls, model_path: str, *, model_stage: str | None, device: torch.device,
-             dtype: str, load_format: str = "auto") -> GenerationModel: ...
-
-    def generate_batch(self, inputs: list[StageRequest]) -> list[dict[str, torch.Tensor]]: ...
-
-
-# --------------------------------------------------------------------------- AR
 
 
 @dataclass
@@ -103,6 +66,7 @@ class ARStageEngine:
         early = self.engine.add_request(
             rid, req.prompt_token_ids, params, prompt=req.prompt, prompt_embeds=embeds,
             return_hidden_states=self.export_hidden_states, model_inputs=info or None,
+            stream=req.output_kind == OutputKind.DELTA,
         )
         if early is not None:
             self._ready.append(self._delta(early))
@@ -164,69 +128,3 @@ class ARStageEngine:
             "max_model_len": self.engine.max_model_len,
             "kv_total_blocks": self.engine.block_manager.num_blocks,
         }
-
-
-# --------------------------------------------------------------------------- generation
-
-
-class GenerationStageEngine:
-    def __init__(self, model: GenerationModel, scheduler: OmniGenerationScheduler, *, stage_id: int,
-                 device: str = "cpu") -> None:
-        self.model = model
-        self.scheduler = scheduler
-        self.stage_id = stage_id
-        self.device = device
-        self._ready: list[StageOutput] = []
-
-    def add_request(self, req: StageRequest) -> None:
-        try:
-            self.scheduler.add_request(req)
-        except ValueError as e:
-            self._ready.append(error_output(req.request_id, f"stage {self.stage_id}: {e}"))
-
-    def abort(self, request_ids: Sequence[str]) -> None:
-        self.scheduler.abort(request_ids)
-
-    def step(self) -> list[StageOutput]:
-        outputs, self._ready = self._ready, []
-        batch = self.scheduler.schedule()
-        if batch:
-            outputs.extend(self._run(batch))
-        return outputs
-
-    def _run(self, batch: list[StageRequest]) -> list[StageOutput]:
-        try:
-            results = self._forward(batch)
-        except Exception as e:  # noqa: BLE001 - isolate the request that broke the batch
-            if len(batch) == 1:
-                logger.warning("stage %d: request %s failed: %s", self.stage_id, batch[0].request_id, e)
-                return [error_output(batch[0].request_id, f"stage {self.stage_id}: {type(e).__name__}: {e}")]
-            logger.warning("stage %d: a batch of %d failed (%s); retrying one by one", self.stage_id, len(batch), e)
-            return [out for req in batch for out in self._run([req])]
-        return [
-            StageOutput(request_id=req.request_id, finished=True, finish_reason="stop", multimodal_output=result)
-            for req, result in zip(batch, results)
-        ]
-
-    @torch.inference_mode()
-    def _forward(self, batch: list[StageRequest]) -> list[dict[str, torch.Tensor]]:
-        results = self.model.generate_batch(batch)
-        if len(results) != len(batch):
-            raise RuntimeError(f"generate_batch returned {len(results)} results for {len(batch)} requests")
-        for req, result in zip(batch, results):
-            if not isinstance(result, dict) or not all(isinstance(v, torch.Tensor) for v in result.values()):
-                raise TypeError(f"generate_batch must return dict[str, Tensor] per request (request {req.request_id})")
-        return results
-
-    def has_unfinished(self) -> bool:
-        return bool(self._ready) or self.scheduler.has_unfinished()
-
-    def fail_all(self, error: str) -> list[StageOutput]:
-        # _run reports every failure of the batch it ran; queued requests are untouched.
-        return []
-
-    def stats(self) -> dict[str, int]:
-        return {"num_unfinished": self.scheduler.num_waiting, "num_waiting": self.scheduler.num_waiting}
-
-    def describe(self) -> dict[str, Any]:
-        return {"engine": "generation", "device": self.device, "max_batch_size": self.scheduler.max_batch_size}

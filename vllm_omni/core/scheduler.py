@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from vllm_omni.core.sched.block_manager import BlockManager
-from vllm_omni.core.sched.request import Request, RequestStatus
+from vllm_omni.core.block_manager import BlockManager
+from vllm_omni.core.request import Request, RequestStatus
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,42 @@
+"""Every model family the system knows: one line per family.
+
+A multi-stage family is a folder whose `__init__.py` defines `FAMILY` (models/family.py); a
+plain LLM is one module and needs only the small record below. The registry, the bundled
+pipeline lookup, the input processors and the tiny checkpoint builders read `FAMILIES`.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from vllm_omni.model_executor.models.family import ModelFamily
+from vllm_omni.model_executor.models.qwen2_5_omni import FAMILY as QWEN2_5_OMNI
+from vllm_omni.model_executor.models.qwen3_omni import FAMILY as QWEN3_OMNI
+
+
+def _llm(name: str, module: str, architecture: str) -> ModelFamily:
+    """A plain decoder LLM: one AR stage, no bundled pipeline, a tiny checkpoint named `name`."""
+    return ModelFamily(name=name, architectures=(architecture,), model_types=(name,),
+                       single_stage_model=f"vllm_omni.model_executor.models.{module}:{architecture}",
+                       tiny_checkpoints={name: f"vllm_omni.testing.tiny_models:build_tiny_{name}"})
+
+
+FAMILIES: tuple[ModelFamily, ...] = (
+    _llm("qwen2", "qwen2", "Qwen2ForCausalLM"),
+    _llm("qwen3", "qwen3", "Qwen3ForCausalLM"),
+    _llm("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM"),
+    QWEN2_5_OMNI,
+    QWEN3_OMNI,
+)
+
+
+def family_of(hf_config: Mapping[str, Any]) -> ModelFamily | None:
+    """The family of a checkpoint (its HF config as a dict), or None."""
+    return next((f for f in FAMILIES if f.matches(hf_config)), None)
+
+
+def family_by_name(name: str) -> ModelFamily:
+    for family in FAMILIES:
+        if family.name == name:
+            return family
+    raise KeyError(f"unknown model family {name!r}; known: {[f.name for f in FAMILIES]}")

@@ -1,0 +1,81 @@
+"""A model family's registration record: everything the rest of the system looks up by model.
+
+Each family folder (`models/qwen3_omni/`, ...) defines one `FAMILY = ModelFamily(...)` in its
+`__init__.py`, and `families.py` lists them. The model registry (stage -> class), the
+default bridges, the stage-0 input processor, the bundled pipeline lookup and the tiny
+checkpoint builders all read these records; none keeps a table of its own.
+
+A record holds names, not objects ("package.module:Attr" or "package.module.attr"), so
+reading it imports nothing heavy: the config layer uses it to pick a bundled pipeline
+without loading a model.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class PipelineVariant(str, enum.Enum):
+    """Bundled pipelines of one family (each a legacy stage_args YAML + a deploy YAML)."""
+
+    DEFAULT = "default"
+    SINGLE_DEVICE = "single_device"  # every stage on one device; chosen when one GPU is visible
+    TEXT_ONLY = "text_only"  # no audio output stages; chosen by output_modalities without audio
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    # HF `architectures` / `model_type` values of a whole checkpoint of this family.
+    architectures: tuple[str, ...]
+    model_types: tuple[str, ...] = ()
+    # model_stage -> "module:Class" of the stage model (AR decoder or GenerationModel).
+    stage_models: Mapping[str, str] = field(default_factory=dict)
+    # A plain one-stage model (an LLM): its class, whatever the stage is called.
+    single_stage_model: str | None = None
+    # Checkpoints that hold one stage alone (a thinker saved by itself): architecture or
+    # model_type -> the model_stage it holds. They run the TEXT_ONLY pipeline.
+    stage_checkpoints: Mapping[str, str] = field(default_factory=dict)
+    # model_stage -> dotted bridge it needs when its stage config names no
+    # custom_process_input_func (spec 003 stage input processor).
+    bridges: Mapping[str, str] = field(default_factory=dict)
+    # "module:Class" built as Class(model_dir, tokenizer): the user prompt -> stage-0 input.
+    input_processor: str | None = None
+    pipelines: Mapping[PipelineVariant, str] = field(default_factory=dict)  # -> bundled pipeline name
+    # `python -m vllm_omni.testing NAME DIR` -> "module:builder" (see testing/tiny_models.py).
+    tiny_checkpoints: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if (self.single_stage_model is None) == (not self.stage_models):
+            raise ValueError(f"family {self.name}: give stage_models or single_stage_model, not both or neither")
+        for stage in (*self.stage_checkpoints.values(), *self.bridges):
+            if stage not in self.stage_models:
+                raise ValueError(f"family {self.name}: stage {stage!r} has no entry in stage_models")
+
+    def matches(self, hf_config: Mapping[str, Any]) -> bool:
+        """Whether an HF config (as a dict) is a checkpoint of this family."""
+        return self.checkpoint_stage(hf_config) is not None or self._is_whole(hf_config)
+
+    def _is_whole(self, hf_config: Mapping[str, Any]) -> bool:
+        archs = hf_config.get("architectures") or []
+        return hf_config.get("model_type") in self.model_types or any(a in self.architectures for a in archs)
+
+    def checkpoint_stage(self, hf_config: Mapping[str, Any]) -> str | None:
+        """The stage a one-stage checkpoint holds (a thinker saved alone), else None."""
+        keys = [hf_config.get("model_type"), *(hf_config.get("architectures") or [])]
+        return next((self.stage_checkpoints[k] for k in keys if k in self.stage_checkpoints), None)
+
+    def model_class_path(self, architecture: str, model_stage: str | None) -> str | None:
+        """"module:Class" serving `model_stage` of a checkpoint named `architecture`, or None
+        when the architecture is not this family's. ValueError: a stage it does not have."""
+        if self.single_stage_model is not None:
+            return self.single_stage_model if architecture in self.architectures else None
+        if architecture in self.stage_checkpoints:
+            return self.stage_models[self.stage_checkpoints[architecture]]
+        if architecture not in self.architectures:
+            return None
+        if model_stage not in self.stage_models:
+            raise ValueError(f"{architecture} has no model_stage {model_stage!r}; stages: {sorted(self.stage_models)}")
+        return self.stage_models[model_stage]

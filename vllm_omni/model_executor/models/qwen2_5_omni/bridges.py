@@ -1,0 +1,197 @@
+"""Qwen2.5-Omni bridges (spec 003 stage input processors): thinker -> talker -> code2wav.
+
+Each bridge turns one upstream `RequestOutput` into one `OmniTokensPrompt`, built only from
+that output (the orchestrator calls bridges per request; a batch given here is still handled
+output by output, so requests cannot mix). Payloads are typed dataclasses flattened into
+`additional_information` (tensors and msgpack data only, so they travel as frames); the stage
+model parses them back with `from_info`, which validates shapes.
+
+The talker's input follows transformers' `Qwen2_5OmniForConditionalGeneration.generate`: it
+needs the thinker's input embeddings (hidden-state key "0") and final hidden states ("last")
+of the prompt and of every reply token that has them (all but the last sampled token). The
+arithmetic on them (zeroing multimodal placeholders, sums, special-token embeddings) belongs
+to the talker model, which knows its config; the bridge only selects and checks.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_omni.inputs import OmniTokensPrompt
+from vllm_omni.model_executor.models.bridge_utils import (
+    LAYOUT_TENSOR_KEYS,
+    SPEAKER_KEY,
+    USE_AUDIO_IN_VIDEO_KEY,
+    check_speaker,
+    codes_without_stop_token,
+    multimodal_layout,
+    requested_speaker,
+    source_outputs,
+)
+from vllm_omni.outputs import RequestOutput
+
+THINKER_EMBEDS_KEY = "0"  # transformers' output_hidden_states index 0: the input embeddings
+THINKER_HIDDEN_KEY = "last"  # final post-norm hidden states
+NUM_STEPS_KEY = "num_steps"  # code2wav: DiT ODE steps of one request
+_REQUIRED_KEYS = ("thinker_prompt_token_ids", "thinker_embeds", "thinker_hidden")
+
+
+@dataclass(frozen=True)
+class TalkerInputs:
+    """thinker2talker payload for one request (P prompt tokens, R = reply tokens - 1)."""
+
+    thinker_prompt_token_ids: list[int]  # [P]; the talker zeroes multimodal placeholder rows
+    thinker_embeds: torch.Tensor  # [P + R, E] thinker input embeddings
+    thinker_hidden: torch.Tensor  # [P + R, E] thinker final hidden states
+    speaker: str | None = None  # None: the talker's default voice
+    # Multimodal layout of the thinker prompt (None when it has no such media).
+    image_grid_thw: torch.Tensor | None = None  # [num_images, 3]
+    video_grid_thw: torch.Tensor | None = None  # [num_videos, 3]
+    video_second_per_grid: torch.Tensor | None = None  # [num_videos]
+    audio_feature_lengths: torch.Tensor | None = None  # [num_audios] valid mel frames
+    use_audio_in_video: bool = False
+
+    def __post_init__(self) -> None:
+        num_prompt = len(self.thinker_prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("talker inputs: the thinker prompt is empty")
+        for name in ("thinker_embeds", "thinker_hidden"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.dim() != 2:
+                raise ValueError(f"talker inputs: {name} must be a [tokens, hidden] tensor, got {_describe(t)}")
+            if t.shape[0] < num_prompt:
+                raise ValueError(f"talker inputs: {name} has {t.shape[0]} rows, fewer than the "
+                                 f"{num_prompt} prompt tokens")
+        if self.thinker_embeds.shape != self.thinker_hidden.shape:
+            raise ValueError(f"talker inputs: thinker_embeds {tuple(self.thinker_embeds.shape)} and "
+                             f"thinker_hidden {tuple(self.thinker_hidden.shape)} differ in shape")
+        for name in LAYOUT_TENSOR_KEYS:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise ValueError(f"talker inputs: {name} must be a tensor, got {type(value).__name__}")
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.thinker_prompt_token_ids)
+
+    def to_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = {
+            "thinker_prompt_token_ids": list(self.thinker_prompt_token_ids),
+            "thinker_embeds": self.thinker_embeds,
+            "thinker_hidden": self.thinker_hidden,
+        }
+        for name in LAYOUT_TENSOR_KEYS:
+            if getattr(self, name) is not None:
+                info[name] = getattr(self, name)
+        if self.use_audio_in_video:
+            info[USE_AUDIO_IN_VIDEO_KEY] = True
+        if self.speaker is not None:
+            info[SPEAKER_KEY] = self.speaker
+        return info
+
+    @classmethod
+    def from_info(cls, info: Mapping[str, Any]) -> TalkerInputs:
+        known = {*_REQUIRED_KEYS, *LAYOUT_TENSOR_KEYS, USE_AUDIO_IN_VIDEO_KEY, SPEAKER_KEY}
+        unknown = sorted(set(info) - known)
+        if unknown:
+            raise ValueError(f"talker inputs: unknown key(s) {unknown}; expected {sorted(known)}")
+        missing = sorted(set(_REQUIRED_KEYS) - set(info))
+        if missing:
+            raise ValueError(f"talker inputs: missing {missing} (the talker needs the thinker2talker bridge's output)")
+        return cls(
+            thinker_prompt_token_ids=[int(t) for t in info["thinker_prompt_token_ids"]],
+            thinker_embeds=info["thinker_embeds"],
+            thinker_hidden=info["thinker_hidden"],
+            speaker=check_speaker(info.get(SPEAKER_KEY)),
+            use_audio_in_video=bool(info.get(USE_AUDIO_IN_VIDEO_KEY, False)),
+            **{name: info.get(name) for name in LAYOUT_TENSOR_KEYS},
+        )
+
+
+@dataclass(frozen=True)
+class Code2WavInputs:
+    """talker2code2wav payload; the codec codes themselves are the prompt_token_ids."""
+
+    speaker: str | None = None  # None: the default voice
+    num_steps: int | None = None  # DiT ODE steps; None: the stage's default
+
+    def __post_init__(self) -> None:
+        if self.num_steps is not None and (not isinstance(self.num_steps, int) or self.num_steps < 2):
+            raise ValueError(f"code2wav inputs: num_steps must be an integer >= 2, got {self.num_steps!r}")
+
+    def to_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = {}
+        if self.speaker is not None:
+            info[SPEAKER_KEY] = self.speaker
+        if self.num_steps is not None:
+            info[NUM_STEPS_KEY] = self.num_steps
+        return info
+
+    @classmethod
+    def from_info(cls, info: Mapping[str, Any]) -> Code2WavInputs:
+        unknown = sorted(set(info) - {SPEAKER_KEY, NUM_STEPS_KEY})
+        if unknown:
+            raise ValueError(f"code2wav inputs: unknown key(s) {unknown}; expected {[SPEAKER_KEY, NUM_STEPS_KEY]}")
+        return cls(speaker=check_speaker(info.get(SPEAKER_KEY)), num_steps=info.get(NUM_STEPS_KEY))
+
+
+def thinker2talker(
+    stage_list: list[Any],
+    engine_input_source: list[int],
+    prompt: Any = None,
+    requires_multimodal_data: bool = False,
+) -> list[OmniTokensPrompt]:
+    speaker, layout = requested_speaker(prompt), multimodal_layout(prompt)
+    return [_talker_prompt(out, speaker, layout) for out in source_outputs(stage_list, engine_input_source)]
+
+
+def talker2code2wav(
+    stage_list: list[Any],
+    engine_input_source: list[int],
+    prompt: Any = None,
+    requires_multimodal_data: bool = False,
+) -> list[OmniTokensPrompt]:
+    info = Code2WavInputs(speaker=requested_speaker(prompt)).to_info()
+    inputs = []
+    for out in source_outputs(stage_list, engine_input_source):
+        codes = codes_without_stop_token(out)
+        if not codes:
+            raise ValueError(f"request {out.request_id}: the talker produced no codec codes")
+        inputs.append(OmniTokensPrompt(prompt_token_ids=codes, additional_information=dict(info)))
+    return inputs
+
+
+def _talker_prompt(out: RequestOutput, speaker: str | None, layout: dict[str, Any]) -> OmniTokensPrompt:
+    comp = out.outputs[0]
+    num_prompt, num_reply = len(out.prompt_token_ids), len(comp.token_ids)
+    if num_reply == 0:
+        raise ValueError(f"request {out.request_id}: the thinker produced no tokens to speak")
+    states = comp.multimodal_output
+    missing = [k for k in (THINKER_EMBEDS_KEY, THINKER_HIDDEN_KEY) if k not in states]
+    if missing:
+        raise ValueError(f"request {out.request_id}: thinker output lacks hidden states {missing} (have "
+                         f"{sorted(states)}); run the thinker with engine_output_type latent and layer 0 exported")
+    # Every prompt and reply token except the last sampled one went through the thinker.
+    rows = num_prompt + num_reply - 1
+    for key in (THINKER_EMBEDS_KEY, THINKER_HIDDEN_KEY):
+        if states[key].shape[0] != rows:
+            raise ValueError(f"request {out.request_id}: thinker hidden states {key!r} have {states[key].shape[0]} "
+                             f"rows, expected {rows} ({num_prompt} prompt + {num_reply} reply tokens - 1)")
+    payload = TalkerInputs(
+        thinker_prompt_token_ids=list(out.prompt_token_ids),
+        thinker_embeds=states[THINKER_EMBEDS_KEY].detach(),
+        thinker_hidden=states[THINKER_HIDDEN_KEY].detach(),
+        speaker=speaker,
+        **layout,
+    )
+    # Placeholder ids of the talker's prompt length (P thinker rows + speaker bos + first reply
+    # row); the talker supplies its codec ids (`prepare_prompt_token_ids`), which the bridge
+    # cannot know without the talker's config.
+    return OmniTokensPrompt(prompt_token_ids=[0] * (num_prompt + 2), additional_information=payload.to_info())
+
+
+def _describe(value: Any) -> str:
+    return f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
