@@ -50,7 +50,7 @@ def hf(ckpt):
 
 @pytest.fixture(scope="module")
 def engine(ckpt):
-    layers = Qwen3OmniMoeThinkerForConditionalGeneration.hidden_state_layers_for(AutoConfig.from_pretrained(ckpt))
+    layers = Qwen3OmniMoeThinkerForConditionalGeneration.exported_hidden_states(AutoConfig.from_pretrained(ckpt))
     assert layers == (0, ACCEPT_LAYER)
     return LLMEngine(EngineConfig(model=ckpt, model_stage="thinker", device="cpu", dtype="float32",
                                   hidden_state_layers=layers))
@@ -265,7 +265,7 @@ def test_registry_and_strict_loading(ckpt):
     assert Qwen3OmniMoeThinkerForConditionalGeneration.supports_cuda_graphs is False
     config = AutoConfig.from_pretrained(ckpt)
     model = load_model(ckpt, config, "float32", "cpu", model_stage="thinker")
-    assert model.hidden_state_layers == (0, ACCEPT_LAYER)
+    assert model.exported_hidden_states(config) == (0, ACCEPT_LAYER)
     assert (model.num_layers, model.hidden_size) == (2, 64)
     weights = list(iterate_safetensors(ckpt))
     assert {n.split(".")[0] for n, _ in weights} == {"thinker", "talker", "code2wav"}
@@ -289,9 +289,10 @@ def test_thinker_only_checkpoint(hf, ckpt, tmp_path, fresh):
         model = HFThinker(hf.config)
         model.load_state_dict(hf.state_dict())
     model.save_pretrained(tmp_path)
-    alone = load_model(tmp_path, AutoConfig.from_pretrained(tmp_path), "float32", "cpu")
+    alone_config = AutoConfig.from_pretrained(tmp_path)
+    alone = load_model(tmp_path, alone_config, "float32", "cpu")
     assert type(alone) is Qwen3OmniMoeThinkerForConditionalGeneration and not alone.whole_omni_checkpoint
-    assert alone.hidden_state_layers == (0,)
+    assert alone.exported_hidden_states(alone_config) == (0,)
     full = load_model(ckpt, AutoConfig.from_pretrained(ckpt), "float32", "cpu", model_stage="thinker")
     theirs = dict(full.named_parameters())
     assert all(torch.equal(p, theirs[n]) for n, p in alone.named_parameters())

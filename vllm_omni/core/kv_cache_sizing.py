@@ -11,11 +11,10 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from torch import nn
-from transformers import PretrainedConfig
 
 from vllm_omni.core.engine_config import EngineConfig
 from vllm_omni.core.model_runner import ARModelRunner
+from vllm_omni.model_executor.models.stage_model import StageModel
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +32,12 @@ class KVCachePlan:
 
 @torch.inference_mode()
 def profile_peak_activation_bytes(
-    model: nn.Module, config: EngineConfig, device: torch.device, max_position: int
+    model: StageModel, config: EngineConfig, device: torch.device, max_position: int
 ) -> int:
     """Peak memory of a forward pass over max_num_batched_tokens tokens, above the weights."""
     num_tokens = config.max_num_batched_tokens
     positions = torch.arange(num_tokens, device=device) % max_position
-    if hasattr(model, "request_positions"):
+    if model.uses_mrope:
         positions = positions.expand(3, num_tokens)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -53,7 +52,7 @@ def profile_peak_activation_bytes(
 
 
 def _cuda_kv_budget(
-    config: EngineConfig, model: nn.Module, device: torch.device, one_request_bytes: int, max_position: int
+    config: EngineConfig, model: StageModel, device: torch.device, one_request_bytes: int, max_position: int
 ) -> int:
     total = torch.cuda.get_device_properties(device).total_memory
     weights = torch.cuda.memory_allocated(device)
@@ -77,13 +76,11 @@ def _cuda_kv_budget(
 
 
 def plan_kv_cache(
-    config: EngineConfig, model: nn.Module, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device
+    config: EngineConfig, model: StageModel, dtype: torch.dtype, device: torch.device
 ) -> KVCachePlan:
     bs = config.block_size
     # A stage model of a multi-stage checkpoint knows its own limit; the top-level config may not.
-    model_limit = (
-        getattr(model, "max_position_embeddings", None) or getattr(hf_config, "max_position_embeddings", None) or 4096
-    )
+    model_limit = model.max_position_embeddings
     wanted_len = config.max_model_len or model_limit
     per_block = ARModelRunner.kv_bytes_per_block(model, bs, dtype)
     if config.num_kv_blocks is not None:

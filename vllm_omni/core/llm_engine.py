@@ -8,6 +8,8 @@ finished. Everything here runs in the caller's thread; stage workers and the
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
@@ -19,6 +21,7 @@ from vllm_omni.core.detokenizer import IncrementalDetokenizer
 from vllm_omni.core.engine_config import EngineConfig
 from vllm_omni.core.kv_cache_sizing import plan_kv_cache
 from vllm_omni.model_executor.model_loader import load_model, resolve_dtype
+from vllm_omni.model_executor.models.stage_model import StageModel, hidden_state_name
 from vllm_omni.outputs import CompletionOutput, RequestOutput
 from vllm_omni.sampling_params import SamplingParams
 from vllm_omni.core.model_runner import ARModelRunner, RunnerOutput
@@ -44,17 +47,13 @@ class LLMEngine:
             self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         self.eos_token_ids = self._eos_token_ids()
 
-        self.model = load_model(
+        self.model: StageModel = load_model(
             config.model, self.hf_config, self.dtype, self.device, config.architecture, config.model_stage,
             config.load_format,
         )
-        # Optional model hook: finished_request_outputs(request) -> {key: CPU tensor}, what the
-        # model made for a request besides tokens (Qwen3-Omni's talker: its codec frames), added
-        # to the finished request's multimodal_output.
-        self.model_request_outputs = getattr(self.model, "finished_request_outputs", None)
         # A stage model whose vocabulary is not the tokenizer's (a talker's codec) names its own EOS.
-        self.eos_token_ids = tuple(getattr(self.model, "eos_token_ids", ()) or self.eos_token_ids)
-        plan = plan_kv_cache(config, self.model, self.hf_config, self.dtype, self.device)
+        self.eos_token_ids = self.model.eos_token_ids or self.eos_token_ids
+        plan = plan_kv_cache(config, self.model, self.dtype, self.device)
         self.max_model_len = plan.max_model_len
         self.runner = ARModelRunner(
             self.model,
@@ -99,14 +98,17 @@ class LLMEngine:
         prompt: str | None = None,
         prompt_embeds: torch.Tensor | None = None,
         return_hidden_states: bool = False,
-        model_inputs: dict | None = None,
+        model_inputs: Mapping[str, Any] | None = None,
         stream: bool = True,
     ) -> RequestOutput | None:
         """Queue a request. Returns a finished error output instead when the request cannot
-        run at all (e.g. its prompt is longer than max_model_len); other requests are unaffected."""
+        run at all (e.g. its prompt is longer than max_model_len); other requests are unaffected.
+
+        `model_inputs` (a stage's additional_information) are parsed once, here, by the model
+        (StageModel.parse_request_inputs): a ValueError means a bad request and is raised."""
         params = params.clone(_eos_token_ids=self.eos_token_ids)
-        if model_inputs and hasattr(self.model, "prepare_prompt_token_ids"):  # model-owned prompt layout
-            prompt_token_ids = self.model.prepare_prompt_token_ids(prompt_token_ids, model_inputs)
+        inputs = self.model.parse_request_inputs(model_inputs or {})
+        prompt_token_ids = self.model.prompt_token_ids(prompt_token_ids, inputs)
         request = Request(
             request_id,
             prompt_token_ids,
@@ -114,7 +116,7 @@ class LLMEngine:
             prompt=prompt,
             prompt_embeds=prompt_embeds,
             return_hidden_states=return_hidden_states,
-            model_inputs=model_inputs,
+            model_inputs=inputs,
             stream=stream,
         )
         if request.num_prompt_tokens >= self.max_model_len:
@@ -219,9 +221,11 @@ class LLMEngine:
             stop_reason=request.stop_reason,
         )
         if finished and request.hidden_chunks:
-            completion.multimodal_output = {key: torch.cat(chunks) for key, chunks in request.hidden_chunks.items()}
-        if finished and self.model_request_outputs is not None:
-            completion.multimodal_output.update(self.model_request_outputs(request))
+            # Typed keys inside the engine; spec 003's string keys ("0", "24", "last") outside.
+            completion.multimodal_output = {hidden_state_name(key): torch.cat(chunks)
+                                            for key, chunks in request.hidden_chunks.items()}
+        if finished:
+            completion.multimodal_output.update(self.model.finished_request_outputs(request))
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,

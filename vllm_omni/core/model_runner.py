@@ -17,10 +17,9 @@ from vllm_omni.core.scheduler import ScheduledRequest, SchedulerOutput
 from vllm_omni.model_executor.forward_context import AttentionMetadata, set_forward_context
 from vllm_omni.model_executor.layers.attention import Attention, TorchAttentionBackend
 from vllm_omni.model_executor.layers.sampler import Sampler, SamplingBatch
+from vllm_omni.model_executor.models.stage_model import LAST, HiddenStateKey, StageModel
 
 logger = logging.getLogger(__name__)
-
-LAST_HIDDEN = "last"
 
 
 @dataclass
@@ -28,7 +27,7 @@ class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     # request id -> key -> hidden states of the tokens computed this step, on CPU
-    hidden_states: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    hidden_states: dict[str, dict[HiddenStateKey, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -53,7 +52,7 @@ def select_attention_backend(device: torch.device, dtype: torch.dtype):
 class ARModelRunner:
     def __init__(
         self,
-        model: nn.Module,
+        model: StageModel,
         *,
         device: torch.device,
         dtype: torch.dtype,
@@ -71,12 +70,6 @@ class ARModelRunner:
         self.num_blocks = num_blocks
         self.hidden_state_layers = tuple(hidden_state_layers)
         self.sampler = Sampler()
-        # Optional model hook for models whose step goes on past sampling: Qwen3-Omni's talker
-        # runs its code predictor on each sampled row. Called as on_tokens_sampled(requests,
-        # hidden [B, H], token_ids) with the final hidden states that produced the B sampled
-        # tokens, before the engine appends them (`request.num_output_tokens` is the new
-        # token's index). Results stay in `request.model_state` (they survive preemption).
-        self.on_tokens_sampled = getattr(model, "on_tokens_sampled", None)
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.backend = select_attention_backend(device, dtype)
         for layer in self.attention_layers:
@@ -97,7 +90,7 @@ class ARModelRunner:
             layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        if not getattr(self.model, "supports_cuda_graphs", True) or not self._moe_capturable():
+        if not self.model.supports_cuda_graphs or not self._moe_capturable():
             logger.info("%s does not support CUDA graphs here: decode runs eagerly", type(self.model).__name__)
             return
         from vllm_omni.core.cuda_graphs import DecodeGraphs
@@ -109,8 +102,8 @@ class ARModelRunner:
             max_model_len=max_model_len,
             block_size=self.block_size,
             scratch_block=self.num_blocks,
-            mrope=hasattr(self.model, "request_positions"),
-            embeds=hasattr(self.model, "embed_request_span"),
+            mrope=self.model.uses_mrope,
+            embeds=self.model.embeds_requests,
             capture_layers=self.hidden_state_layers,
         )
         self.graphs.capture()
@@ -163,8 +156,7 @@ class ARModelRunner:
                 logits = self.model.compute_logits(sampled_hidden)
             reqs = [items[i].request for i in sample_rows]
             self._sample(reqs, logits, out)
-            if self.on_tokens_sampled is not None:
-                self.on_tokens_sampled(reqs, sampled_hidden, [out.sampled[r.request_id] for r in reqs])
+            self.model.on_tokens_sampled(reqs, sampled_hidden, [out.sampled[r.request_id] for r in reqs])
         return out
 
     def _replay_decode_graph(self, items: list[ScheduledRequest]):
@@ -176,9 +168,9 @@ class ARModelRunner:
         slots = [r.block_ids[p // bs] * bs + p % bs for r, p in zip(reqs, positions)]
         seq_lens = [p + 1 for p in positions]
         embeds = None
-        if hasattr(self.model, "request_positions") or hasattr(self.model, "embed_request_span"):
+        if self.model.uses_mrope or self.model.embeds_requests:
             ids = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
-            if hasattr(self.model, "request_positions"):
+            if self.model.uses_mrope:
                 positions = self._positions(items, positions)
             embeds = self._input_embeds(items, ids, list(range(len(items) + 1)))
         return self.graphs.replay(input_ids, positions, embeds, slots, [r.block_ids for r in reqs], seq_lens)
@@ -245,12 +237,11 @@ class ARModelRunner:
     def _positions(self, items, positions: list[int]) -> torch.Tensor:
         """[T] token positions, or [3, T] for models with multimodal rotary (M-RoPE), whose
         positions depend on the request's inputs and are computed by the model."""
-        request_positions = getattr(self.model, "request_positions", None)
-        if request_positions is None:
+        if not self.model.uses_mrope:
             return torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
         spans = [
-            request_positions(item.request, item.request.num_computed_tokens,
-                              item.request.num_computed_tokens + item.num_new_tokens)
+            self.model.request_positions(item.request, item.request.num_computed_tokens,
+                                         item.request.num_computed_tokens + item.num_new_tokens)
             for item in items
         ]
         return torch.cat(spans, dim=-1).to(self.device)
@@ -258,16 +249,15 @@ class ARModelRunner:
     def _input_embeds(self, items, ids: torch.Tensor, query_start: list[int]) -> torch.Tensor | None:
         """Input embeddings when some request's inputs are more than token ids.
 
-        Models with their own per-request inputs (`embed_request_span`) embed every span;
+        Models with their own per-request inputs (`embeds_requests`) embed every span;
         otherwise prompt positions are replaced where a request brings `prompt_embeds`.
         """
-        embed_span = getattr(self.model, "embed_request_span", None)
-        if embed_span is not None:
+        if self.model.embeds_requests:
             spans = []
             for i, item in enumerate(items):
                 start = item.request.num_computed_tokens
-                spans.append(embed_span(item.request, start, start + item.num_new_tokens,
-                                        ids[query_start[i] : query_start[i + 1]]))
+                spans.append(self.model.embed_request_span(item.request, start, start + item.num_new_tokens,
+                                                           ids[query_start[i] : query_start[i + 1]]))
             return torch.cat(spans)
         if not any(item.request.prompt_embeds is not None for item in items):
             return None
@@ -288,6 +278,6 @@ class ARModelRunner:
             if not req.return_hidden_states:
                 continue
             span = slice(query_start[i], query_start[i + 1])
-            states = {str(layer): t[span].cpu() for layer, t in captured.items()}
-            states[LAST_HIDDEN] = hidden[span].cpu()
+            states: dict[HiddenStateKey, torch.Tensor] = {layer: t[span].cpu() for layer, t in captured.items()}
+            states[LAST] = hidden[span].cpu()
             out.hidden_states[req.request_id] = states

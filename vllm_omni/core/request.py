@@ -16,6 +16,7 @@ from vllm_omni.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from vllm_omni.core.detokenizer import IncrementalDetokenizer
+    from vllm_omni.model_executor.models.stage_model import HiddenStateKey
 
 _arrival_counter = itertools.count()
 
@@ -43,7 +44,7 @@ class Request:
         prompt: str | None = None,
         prompt_embeds: torch.Tensor | None = None,
         return_hidden_states: bool = False,
-        model_inputs: dict[str, Any] | None = None,
+        model_inputs: Any = None,
         stream: bool = True,
     ) -> None:
         if not prompt_token_ids:
@@ -62,9 +63,9 @@ class Request:
         self.return_hidden_states = return_hidden_states
         # Outputs every step (streaming consumers) or only when finished (LLM.generate).
         self.stream = stream
-        # Model-specific per-request inputs (multimodal features, an upstream stage's hidden
-        # states...), read by models that implement `embed_request_span` / `request_positions`.
-        self.model_inputs: dict[str, Any] = dict(model_inputs or {})
+        # The model's typed per-request inputs (multimodal features, an upstream stage's hidden
+        # states...), parsed once by StageModel.parse_request_inputs; None: plain tokens.
+        self.model_inputs = model_inputs
         # Scratch space such a model may fill once per request (merged prompt embeddings,
         # M-RoPE positions); survives preemption because it depends only on the inputs.
         self.model_state: dict[str, Any] = {}
@@ -84,7 +85,7 @@ class Request:
         self.logprobs: list[dict[int, float]] = []
         self.cumulative_logprob = 0.0
         # Captured hidden states, one chunk per computed span: key -> [chunk tensors].
-        self.hidden_chunks: dict[str, list[torch.Tensor]] = {}
+        self.hidden_chunks: dict[HiddenStateKey, list[torch.Tensor]] = {}
         self.detokenizer: IncrementalDetokenizer | None = None
 
     @property
@@ -107,7 +108,7 @@ class Request:
     def cacheable(self) -> bool:
         """Prefix caching keys blocks by token ids only: requests whose KV depends on more
         (injected embeddings) or that must export every position's hidden states opt out."""
-        return self.prompt_embeds is None and not self.model_inputs and not self.return_hidden_states
+        return self.prompt_embeds is None and self.model_inputs is None and not self.return_hidden_states
 
     def append_output_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -59,28 +59,16 @@ class GPUARWorker:
                              export_hidden_states=export)
 
 
-# A latent stage exports its input embeddings ("0") besides the final states ("last", always):
-# that is what the spec 003 bridges read. A stage model that needs other layers says so with a
-# class attribute `hidden_state_layers` (transformers' output_hidden_states indices).
-DEFAULT_EXPORTED_LAYERS = (0,)
-
-
 def exported_hidden_state_layers(model: str, stage: StageConfig) -> tuple[int, ...]:
+    """The layers a latent stage exports besides LAST: its model class decides
+    (StageModel.exported_hidden_states; some depend on the checkpoint's config)."""
     from transformers import AutoConfig
 
     from vllm_omni.model_executor.models.registry import resolve_model_class
 
     config = AutoConfig.from_pretrained(model)
-    arch = stage.engine_args.model_arch
+    arch = stage.engine_args.model_arch or (config.architectures or [None])[0]
     if arch is None:
-        architectures = config.architectures or []
-        if not architectures:
-            return DEFAULT_EXPORTED_LAYERS
-        arch = architectures[0]
-    model_cls = resolve_model_class(arch, stage.engine_args.model_stage)
-    # Some layers depend on the checkpoint (Qwen3-Omni's accept_hidden_layer): ask the class.
-    layers_for = getattr(model_cls, "hidden_state_layers_for", None)
-    if layers_for is not None:
-        return tuple(layers_for(config))
-    # Otherwise a capability of the model class; absent means the default.
-    return tuple(getattr(model_cls, "hidden_state_layers", DEFAULT_EXPORTED_LAYERS))
+        raise ValueError(f"stage {stage.stage_id}: the config of {model} names no architecture; "
+                         "set engine_args.model_arch")
+    return tuple(resolve_model_class(arch, stage.engine_args.model_stage).exported_hidden_states(config))

@@ -26,6 +26,7 @@ from vllm_omni.model_executor.layers.layernorm import RMSNorm
 from vllm_omni.model_executor.layers.linear import Linear, MergedGateUpLinear, QKVLinear, VocabEmbedding
 from vllm_omni.model_executor.layers.rotary import get_rope
 from vllm_omni.model_executor.layers.moe import map_expert_weight_name
+from vllm_omni.model_executor.models.stage_model import StageModel
 from vllm_omni.model_executor.models.utils import load_weights_strict, map_stacked_name
 
 
@@ -140,8 +141,9 @@ class DecoderModel(nn.Module):
         return hidden, captured
 
 
-class DecoderForCausalLM(nn.Module):
-    """Causal LM interface the model runner drives; subclasses build `self.model`."""
+class DecoderForCausalLM(StageModel):
+    """A decoder LM as the AR engine drives it (a plain LLM: no hook overridden); subclasses
+    build `self.model`."""
 
     def __init__(self, config: PretrainedConfig, model: DecoderModel):
         super().__init__()

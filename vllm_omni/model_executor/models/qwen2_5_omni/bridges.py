@@ -188,7 +188,7 @@ def _talker_prompt(out: RequestOutput, speaker: str | None, layout: dict[str, An
         **layout,
     )
     # Placeholder ids of the talker's prompt length (P thinker rows + speaker bos + first reply
-    # row); the talker supplies its codec ids (`prepare_prompt_token_ids`), which the bridge
+    # row); the talker supplies its codec ids (`prompt_token_ids` hook), which the bridge
     # cannot know without the talker's config.
     return OmniTokensPrompt(prompt_token_ids=[0] * (num_prompt + 2), additional_information=payload.to_info())
 

@@ -20,7 +20,7 @@ pad ends the speech (`eos_token_ids`, which the engine prefers over the tokenize
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ from vllm_omni.model_executor.models.decoder import DecoderModel, config_head_di
 from vllm_omni.model_executor.models.qwen2 import make_qwen2_layer
 from vllm_omni.model_executor.models.qwen2_5_omni.positions import MRopeTokenConfig, omni_rope_index
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav import load_speakers, select_speaker
+from vllm_omni.model_executor.models.stage_model import StageModel
 from vllm_omni.model_executor.models.utils import load_weights_strict, map_stacked_name
 from vllm_omni.model_executor.models.qwen2_5_omni.bridges import TalkerInputs
 
@@ -53,9 +54,13 @@ class _RequestState:
     num_prompt: int  # P
 
 
-class Qwen2_5OmniTalkerForConditionalGeneration(nn.Module):
-    # A latent talker stage exports only its final states ("last"): code2wav reads the codes.
-    hidden_state_layers: tuple[int, ...] = ()
+class Qwen2_5OmniTalkerForConditionalGeneration(StageModel):
+    uses_mrope = True
+    embeds_requests = True
+
+    @classmethod
+    def exported_hidden_states(cls, hf_config: PretrainedConfig) -> tuple[int, ...]:
+        return ()  # a latent talker stage exports only LAST: code2wav reads the codes
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
@@ -132,16 +137,19 @@ class Qwen2_5OmniTalkerForConditionalGeneration(nn.Module):
         return logits
 
     # --- per-request inputs (model runner / engine hooks) ------------------------
-    def prepare_prompt_token_ids(self, prompt_token_ids: list[int], model_inputs: dict[str, Any]) -> list[int]:
-        """HF's talker prompt ids ([codec mask] * P + [codec pad, codec bos]); they matter for
-        the repetition penalty. Validates the request's inputs (ValueError: a bad request)."""
-        inputs = TalkerInputs.from_info(model_inputs)
+    def parse_request_inputs(self, info: Mapping[str, Any]) -> TalkerInputs:
+        inputs = TalkerInputs.from_info(info)
         select_speaker(self.speaker_bos, inputs.speaker)
+        self._prompt_positions(inputs)  # layout errors surface here, for this request alone
+        return inputs
+
+    def prompt_token_ids(self, prompt_token_ids: list[int], inputs: TalkerInputs) -> list[int]:
+        """HF's talker prompt ids ([codec mask] * P + [codec pad, codec bos]); they matter for
+        the repetition penalty."""
         num_prompt = inputs.num_prompt_tokens
         if len(prompt_token_ids) != num_prompt + 2:
             raise ValueError(f"talker prompt must have {num_prompt + 2} tokens (thinker prompt + 2), "
                              f"got {len(prompt_token_ids)}")
-        self._prompt_positions(inputs)  # layout errors surface here, for this request alone
         return [self.codec_mask] * num_prompt + [self.codec_pad, self.codec_bos]
 
     def embed_request_span(self, request, start: int, end: int, token_ids: torch.Tensor) -> torch.Tensor:
@@ -175,7 +183,7 @@ class Qwen2_5OmniTalkerForConditionalGeneration(nn.Module):
         return state
 
     def _build_state(self, request) -> _RequestState:
-        inputs = TalkerInputs.from_info(request.model_inputs)
+        inputs: TalkerInputs = request.model_inputs
         num_prompt = inputs.num_prompt_tokens
         if request.num_prompt_tokens != num_prompt + 2:
             raise ValueError(f"request {request.request_id}: talker prompt has {request.num_prompt_tokens} tokens, "

@@ -9,12 +9,8 @@ in the text config). Per request, the model runner asks for
   outputs written over the audio/image/video placeholder tokens. The encoders run once, at
   the request's first prompt span, so chunked prefill may cut the prompt anywhere.
 
-`request.model_inputs` holds the processor outputs (tensors, CPU is fine):
-  input_features [num_audios, mel, frames] + feature_attention_mask [num_audios, frames]
-    (or audio_feature_lengths [num_audios]),
-  pixel_values [patches, C*T*P*P] + image_grid_thw [num_images, 3],
-  pixel_values_videos + video_grid_thw [num_videos, 3] + video_second_per_grid [num_videos],
-  use_audio_in_video (bool).
+`request.model_inputs` holds the processor outputs, parsed once (omni_thinker.ThinkerMediaInputs;
+None for a text-only request).
 
 Checkpoint: the full Omni checkpoint; only `thinker.*` is ours (strictly), the talker and
 token2wav tensors belong to other stages and are skipped. A thinker-only checkpoint (config
@@ -22,18 +18,11 @@ token2wav tensors belong to other stages and are skipped. A thinker-only checkpo
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from transformers import PretrainedConfig
 
 from vllm_omni.model_executor.models.decoder import DecoderModel
-from vllm_omni.model_executor.models.omni_thinker import (
-    OmniThinkerForCausalLM,
-    audio_lengths,
-    has_mm_features,
-    rope_index_inputs,
-)
+from vllm_omni.model_executor.models.omni_thinker import OmniThinkerForCausalLM, ThinkerMediaInputs
 from vllm_omni.model_executor.models.qwen2 import make_qwen2_layer
 from vllm_omni.model_executor.models.qwen2_5_omni.positions import MRopeTokenConfig, omni_rope_index
 from vllm_omni.model_executor.models.qwen2_5_omni.towers import (
@@ -66,7 +55,7 @@ class Qwen2_5OmniThinkerForConditionalGeneration(OmniThinkerForCausalLM):
         cached = request.model_state.get(_POSITIONS_KEY)
         if cached is None:
             cached = omni_rope_index(
-                request.prompt_token_ids, self.rope_tokens, **rope_index_inputs(request.model_inputs)
+                request.prompt_token_ids, self.rope_tokens, **request.model_inputs.rope_index_kwargs()
             )
             limit = self.model.rotary_emb.max_position
             if int(cached[0].max()) >= limit:
@@ -77,7 +66,7 @@ class Qwen2_5OmniThinkerForConditionalGeneration(OmniThinkerForCausalLM):
     def request_positions(self, request, start: int, end: int) -> torch.Tensor:
         """[3, end - start] positions of tokens start..end-1 of `request` (prompt and output)."""
         num_prompt = request.num_prompt_tokens
-        if not request.model_inputs:  # text only: HF's positions are plain 0, 1, 2, ...
+        if request.model_inputs is None:  # text only: HF's positions are plain 0, 1, 2, ...
             return torch.arange(start, end).view(1, -1).expand(3, -1)
         positions, _ = self._prompt_positions(request)
         spans = [positions[:, start : min(end, num_prompt)]] if start < num_prompt else []
@@ -92,17 +81,17 @@ class Qwen2_5OmniThinkerForConditionalGeneration(OmniThinkerForCausalLM):
             spans.append(generated)
         return torch.cat(spans, dim=1)
 
-    def _encode_media(self, inputs: dict[str, Any]) -> list[tuple[str, int, torch.Tensor]]:
+    def _encode_media(self, inputs: ThinkerMediaInputs) -> list[tuple[str, int, torch.Tensor]]:
         """(kind, placeholder token id, encoder output rows in prompt order) per media kind present."""
         media = []
-        if inputs.get("input_features") is not None:
-            rows = encode_audio(self.audio_tower, inputs["input_features"], audio_lengths(inputs))
+        if inputs.input_features is not None:
+            rows = encode_audio(self.audio_tower, inputs.input_features, inputs.audio_lengths)
             media.append(("audio", self.rope_tokens.audio_token_id, rows))
-        if inputs.get("pixel_values") is not None:
-            rows = encode_vision(self.visual, inputs["pixel_values"], inputs["image_grid_thw"])
+        if inputs.pixel_values is not None:
+            rows = encode_vision(self.visual, inputs.pixel_values, inputs.image_grid_thw)
             media.append(("image", self.rope_tokens.image_token_id, rows))
-        if inputs.get("pixel_values_videos") is not None:
-            rows = encode_vision(self.visual, inputs["pixel_values_videos"], inputs["video_grid_thw"])
+        if inputs.pixel_values_videos is not None:
+            rows = encode_vision(self.visual, inputs.pixel_values_videos, inputs.video_grid_thw)
             media.append(("video", self.rope_tokens.video_token_id, rows))
         return media
 
@@ -126,7 +115,7 @@ class Qwen2_5OmniThinkerForConditionalGeneration(OmniThinkerForCausalLM):
         """[end - start, H] input embeddings of tokens start..end-1 (`token_ids` are those tokens)."""
         embeds = self.get_input_embeddings(token_ids)
         num_prompt = request.num_prompt_tokens
-        if start >= num_prompt or not has_mm_features(request.model_inputs):
+        if start >= num_prompt or request.model_inputs is None:
             return embeds
         cached = request.model_state.get(_MM_KEY)
         if cached is None:

@@ -11,7 +11,7 @@ mixed); what differs is what the talker reads:
   thinker exported and names it in the payload; the talker checks it is its own layer.
 - Its prompt layout (user turns + 9 assistant rows, transformers' `_get_talker_user_parts` /
   `_get_talker_assistant_parts`) depends on token ids of the top-level config, so the talker
-  builds its own prompt ids (`prepare_prompt_token_ids`); the bridge sends placeholders.
+  builds its own prompt ids (`prompt_token_ids` hook); the bridge sends placeholders.
 
 talker2code2wav hands code2wav the talker's `code_predictor_codes` [frames, num_code_groups]
 flattened codebook-major (all frames of group 0, then group 1, ...), as spec 003 does.
@@ -113,7 +113,7 @@ def _talker_prompt(out: RequestOutput, speaker: str | None, layout: dict[str, An
         speaker=speaker,
         **layout,
     )
-    # Placeholders: the talker lays out its own prompt from the payload (prepare_prompt_token_ids).
+    # Placeholders: the talker lays out its own prompt from the payload (its prompt_token_ids hook).
     return OmniTokensPrompt(prompt_token_ids=[0] * num_prompt, additional_information=payload.to_info())
 
 

@@ -18,7 +18,7 @@ codec EOS are suppressed (transformers' `suppress_tokens`); codec EOS ends the r
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,7 @@ from vllm_omni.model_executor.models.decoder import DecoderLayer, DecoderModel, 
 from vllm_omni.model_executor.models.qwen3 import make_qwen3_attention
 from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_code_predictor import Qwen3OmniMoeCodePredictor
 from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_talker_prompt import TalkerPrompt, talker_prompt
+from vllm_omni.model_executor.models.stage_model import StageModel
 from vllm_omni.model_executor.models.utils import load_weights_strict, map_stacked_name
 from vllm_omni.model_executor.models.qwen3_omni.bridges import CODES_KEY, TalkerInputs
 from vllm_omni.sampling_params import SamplingParams
@@ -90,9 +91,14 @@ class _RequestState:
     frames: list[torch.Tensor] = field(default_factory=list)  # [G] long CPU codes of output token k
 
 
-class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
-    hidden_state_layers: tuple[int, ...] = ()  # exports its codes, not hidden states
+class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
+    uses_mrope = True
+    embeds_requests = True
     supports_cuda_graphs = False  # the code predictor runs between steps on per-request state
+
+    @classmethod
+    def exported_hidden_states(cls, hf_config: PretrainedConfig) -> tuple[int, ...]:
+        return ()  # it exports its codes (finished_request_outputs), not hidden states
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
@@ -211,12 +217,15 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
         return lambda logits: torch.tensor(self.sampler(logits, batch).token_ids, device=logits.device)
 
     # --- per-request inputs (model runner / engine hooks) ------------------------
-    def prepare_prompt_token_ids(self, prompt_token_ids: list[int], model_inputs: dict[str, Any]) -> list[int]:
+    def parse_request_inputs(self, info: Mapping[str, Any]) -> TalkerInputs:
+        inputs = TalkerInputs.from_info(info)
+        self._prompt(inputs)  # layout errors surface here, for this request alone
+        return inputs
+
+    def prompt_token_ids(self, prompt_token_ids: list[int], inputs: TalkerInputs) -> list[int]:
         """The talker's prompt length with codec pad ids: transformers' talker generates from
-        embeddings alone, so no prompt id is penalized, and codec pad is suppressed anyway.
-        Validates the request's inputs (ValueError: a bad request)."""
-        prompt = self._prompt(TalkerInputs.from_info(model_inputs))
-        return [self.config.codec_pad_id] * prompt.num_tokens
+        embeddings alone, so no prompt id is penalized, and codec pad is suppressed anyway."""
+        return [self.config.codec_pad_id] * self._prompt(inputs).num_tokens
 
     def embed_request_span(self, request, start: int, end: int, token_ids: torch.Tensor) -> torch.Tensor:
         """[end - start, hidden] input rows of talker positions start..end-1."""
@@ -261,11 +270,11 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
         return prompt
 
     def _build_state(self, request) -> _RequestState:
-        inputs = TalkerInputs.from_info(request.model_inputs)
+        inputs: TalkerInputs = request.model_inputs
         prompt = self._prompt(inputs)
         if request.num_prompt_tokens != prompt.num_tokens:
             raise ValueError(f"request {request.request_id}: talker prompt has {request.num_prompt_tokens} tokens, "
-                             f"expected {prompt.num_tokens} (see prepare_prompt_token_ids)")
+                             f"expected {prompt.num_tokens} (see prompt_token_ids)")
         tc, weight = self.config, self.thinker_special_embeds
         embeds = inputs.thinker_embeds.to(weight.device, weight.dtype)
         hidden = inputs.thinker_hidden.to(weight.device, weight.dtype)

@@ -11,12 +11,8 @@ with interleaved M-RoPE and DeepStack (deepstack.py). Per request, the model run
   queued for the forward that follows. The encoders run once, at the request's first prompt
   span, so chunked prefill may cut the prompt anywhere.
 
-`request.model_inputs` holds the processor outputs (tensors, CPU is fine):
-  input_features [num_audios, mel, frames] + feature_attention_mask [num_audios, frames]
-    (or audio_feature_lengths [num_audios]),
-  pixel_values [patches, C*T*P*P] + image_grid_thw [num_images, 3],
-  pixel_values_videos + video_grid_thw [num_videos, 3] + video_second_per_grid [num_videos],
-  use_audio_in_video (bool).
+`request.model_inputs` holds the processor outputs, parsed once (omni_thinker.ThinkerMediaInputs;
+None for a text-only request).
 
 Exported hidden states (for the talker): "0" (input embeddings, encoder outputs included) and
 str(talker_config.accept_hidden_layer), transformers' `output_hidden_states` indices.
@@ -32,12 +28,7 @@ import copy
 import torch
 from transformers import PretrainedConfig
 
-from vllm_omni.model_executor.models.omni_thinker import (
-    OmniThinkerForCausalLM,
-    audio_lengths,
-    has_mm_features,
-    rope_index_inputs,
-)
+from vllm_omni.model_executor.models.omni_thinker import OmniThinkerForCausalLM
 from vllm_omni.model_executor.models.qwen3_moe import make_qwen3_moe_layer
 from vllm_omni.model_executor.models.qwen3_omni.deepstack import DeepstackDecoderModel, StepDeepstack
 from vllm_omni.model_executor.models.qwen3_omni.rope_index import (
@@ -88,9 +79,6 @@ class _PromptMedia:
 class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerForCausalLM):
     # The reference MoE loop reads per-expert counts on the host: no CUDA-graph capture.
     supports_cuda_graphs = False
-    # The class-level default (layer-0 embeddings); an instance also exports the talker's
-    # accept_hidden_layer, a config value (see `hidden_state_layers_for`).
-    hidden_state_layers: tuple[int, ...] = (0,)
 
     def __init__(self, config: PretrainedConfig):
         # The stage is built from the whole Omni config; a bare thinker config works too.
@@ -104,17 +92,17 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerForCausalLM):
         self.thinker_config = thinker_config
         # Built from the whole Omni config, the checkpoint holds every stage and ours are `thinker.*`.
         self.whole_omni_checkpoint = thinker_config is not config
-        self.hidden_state_layers = self.hidden_state_layers_for(config)
         self.rope_tokens = RopeTokenConfig.from_config(thinker_config)
         self.audio_tower = build_audio_tower(thinker_config.audio_config)
         self.visual = build_vision_tower(thinker_config.vision_config)
         self.step_deepstack = StepDeepstack()
 
     @classmethod
-    def hidden_state_layers_for(cls, config: PretrainedConfig) -> tuple[int, ...]:
-        """(0, accept_hidden_layer) for a whole Omni config; (0,) without a talker config."""
-        accept = getattr(getattr(config, "talker_config", None), "accept_hidden_layer", None)
-        return cls.hidden_state_layers if accept is None else tuple(dict.fromkeys((0, int(accept))))
+    def exported_hidden_states(cls, hf_config: PretrainedConfig) -> tuple[int, ...]:
+        """(0, accept_hidden_layer) for a whole Omni config (what its talker reads); (0,) without
+        a talker config."""
+        accept = getattr(getattr(hf_config, "talker_config", None), "accept_hidden_layer", None)
+        return (0,) if accept is None else tuple(dict.fromkeys((0, int(accept))))
 
     # --- forward ----------------------------------------------------------------
     def forward(self, input_ids, positions, *, inputs_embeds=None, capture_layers=()):
@@ -126,7 +114,7 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerForCausalLM):
         cached = request.model_state.get(_POSITIONS_KEY)
         if cached is None:
             positions, _ = qwen3_omni_rope_index(
-                request.prompt_token_ids, self.rope_tokens, **rope_index_inputs(request.model_inputs)
+                request.prompt_token_ids, self.rope_tokens, **request.model_inputs.rope_index_kwargs()
             )
             cached = as_index_positions(positions)
             self._check_position_limit(request, cached)
@@ -142,7 +130,7 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerForCausalLM):
     def request_positions(self, request, start: int, end: int) -> torch.Tensor:
         """[3, end - start] positions of tokens start..end-1 of `request` (prompt and output)."""
         num_prompt = request.num_prompt_tokens
-        if not request.model_inputs:  # text only: HF's positions are plain 0, 1, 2, ...
+        if request.model_inputs is None:  # text only: HF's positions are plain 0, 1, 2, ...
             return torch.arange(start, end).view(1, -1).expand(3, -1)
         positions = self._prompt_positions(request)
         spans = [positions[:, start : min(end, num_prompt)]] if start < num_prompt else []
@@ -161,14 +149,14 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerForCausalLM):
         media = _PromptMedia(len(ids))
         tokens = self.rope_tokens
         encoded = []  # (kind, placeholder id, features, deepstack or None), in HF's merge order
-        if inputs.get("input_features") is not None:
-            feats = encode_audio(self.audio_tower, inputs["input_features"], audio_lengths(inputs))
+        if inputs.input_features is not None:
+            feats = encode_audio(self.audio_tower, inputs.input_features, inputs.audio_lengths)
             encoded.append(("audio", tokens.audio_token_id, feats, None))
-        if inputs.get("pixel_values") is not None:
-            feats, deepstack = encode_vision(self.visual, inputs["pixel_values"], inputs["image_grid_thw"])
+        if inputs.pixel_values is not None:
+            feats, deepstack = encode_vision(self.visual, inputs.pixel_values, inputs.image_grid_thw)
             encoded.append(("image", tokens.image_token_id, feats, deepstack))
-        if inputs.get("pixel_values_videos") is not None:
-            feats, deepstack = encode_vision(self.visual, inputs["pixel_values_videos"], inputs["video_grid_thw"])
+        if inputs.pixel_values_videos is not None:
+            feats, deepstack = encode_vision(self.visual, inputs.pixel_values_videos, inputs.video_grid_thw)
             encoded.append(("video", tokens.video_token_id, feats, deepstack))
         for kind, token_id, feats, deepstack in encoded:
             mask = ids == token_id
@@ -183,7 +171,7 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerForCausalLM):
         """[end - start, H] input embeddings of tokens start..end-1 (`token_ids` are those tokens)."""
         embeds = self.get_input_embeddings(token_ids)
         num_prompt = request.num_prompt_tokens
-        if start >= num_prompt or not has_mm_features(request.model_inputs):
+        if start >= num_prompt or request.model_inputs is None:
             self.step_deepstack.add(end - start)
             return embeds
         media = request.model_state.get(_MM_KEY)

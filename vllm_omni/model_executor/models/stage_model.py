@@ -1,0 +1,136 @@
+"""The interface between the AR engine (core/) and a model: every hook it calls, with defaults.
+
+A plain LLM overrides nothing but the required methods (`forward`, `compute_logits`,
+`get_input_embeddings`, `load_weights`) and the size attributes. A stage model of a pipeline
+(a thinker with media, a talker fed by a thinker) declares what it does with the class
+attributes below and overrides the hooks it needs. The engine reads the attributes and calls
+the hooks; it never probes a model for a method.
+
+Per request, the engine calls, in order:
+  inputs = model.parse_request_inputs(additional_information)   # once, at add_request
+  prompt = model.prompt_token_ids(prompt_token_ids, inputs)      # once, at add_request
+  model.request_positions(request, start, end)      # each step, if uses_mrope
+  model.embed_request_span(request, start, end, ids)  # each step, if embeds_requests
+  model.on_tokens_sampled(requests, hidden, ids)    # each step that sampled, after sampling
+  model.finished_request_outputs(request)           # once, when the request finishes
+`request.model_inputs` holds what `parse_request_inputs` returned (None: no inputs);
+`request.model_state` is scratch space the model may fill once per request (it survives
+preemption, because it depends only on the inputs).
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar, Protocol, Union
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from vllm_omni.sampling_params import SamplingParams
+
+
+class Request(Protocol):
+    """What a model may read of an engine request (core.request.Request), and its scratch space."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None  # the request's seeded RNG, if it has a seed
+    model_inputs: Any  # what parse_request_inputs returned
+    model_state: dict[str, Any]  # the model's own per-request scratch space
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def num_output_tokens(self) -> int: ...
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+
+class _Last(enum.Enum):
+    LAST = "last"
+
+    def __repr__(self) -> str:
+        return "LAST"
+
+
+LAST = _Last.LAST
+# Which hidden states a stage exports: transformers' `output_hidden_states` index (0 = input
+# embeddings, i = output of layer i-1, L = final post-norm) or LAST (the final post-norm states).
+HiddenStateKey = Union[int, _Last]
+
+
+def hidden_state_name(key: HiddenStateKey) -> str:
+    """The documented string key of spec 003 (`multimodal_output["24"]`, `["last"]`)."""
+    return LAST.value if key is LAST else str(key)
+
+
+class StageModel(nn.Module):
+    """Base class of every model the AR engine runs (see the module docstring)."""
+
+    # --- what the model does (read once by the runner) ---------------------------------
+    uses_mrope: ClassVar[bool] = False  # request_positions gives [3, n] multimodal positions
+    embeds_requests: ClassVar[bool] = False  # embed_request_span builds every input row
+    supports_cuda_graphs: ClassVar[bool] = True  # decode steps may replay captured graphs
+
+    # --- sizes (set by the subclass) -----------------------------------------------------
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    # Stop ids of a vocabulary that is not the tokenizer's (a talker's codec); empty: the
+    # tokenizer's EOS and the checkpoint's generation config decide.
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def exported_hidden_states(cls, hf_config: PretrainedConfig) -> tuple[int, ...]:
+        """Layers a latent stage exports besides LAST (always): its input embeddings by default,
+        which spec 003's bridges read as key "0"."""
+        return (0,)
+
+    # --- required ------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, *,
+                inputs_embeds: torch.Tensor | None = None,
+                capture_layers: Iterable[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Packed tokens [T] (or input rows [T, H]) -> (final hidden [T, H], captured layers)."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        raise NotImplementedError
+
+    # --- per-request hooks -----------------------------------------------------------------
+    def parse_request_inputs(self, info: Mapping[str, Any]) -> Any:
+        """The request's model inputs (a stage's `additional_information`) as a typed object,
+        or None. Called once when the request is added; ValueError fails that request alone."""
+        if info:
+            raise ValueError(f"{type(self).__name__} takes no per-request inputs, got {sorted(info)}")
+        return None
+
+    def prompt_token_ids(self, prompt_token_ids: list[int], inputs: Any) -> list[int]:
+        """The prompt ids the engine runs (a model may lay out its own prompt from its inputs)."""
+        return prompt_token_ids
+
+    def request_positions(self, request: Request, start: int, end: int) -> torch.Tensor:
+        """[3, end - start] M-RoPE positions of tokens start..end-1 (only when uses_mrope)."""
+        raise NotImplementedError(f"{type(self).__name__} declares uses_mrope but has no request_positions")
+
+    def embed_request_span(self, request: Request, start: int, end: int, token_ids: torch.Tensor) -> torch.Tensor:
+        """[end - start, H] input rows of tokens start..end-1 (only when embeds_requests)."""
+        raise NotImplementedError(f"{type(self).__name__} declares embeds_requests but has no embed_request_span")
+
+    def on_tokens_sampled(self, requests: list[Request], hidden: torch.Tensor, token_ids: list[int]) -> None:
+        """After sampling, before the engine appends the tokens: hidden [B, H] produced the B
+        sampled `token_ids` (`request.num_output_tokens` is the new token's index)."""
+
+    def finished_request_outputs(self, request: Request) -> dict[str, torch.Tensor]:
+        """Named CPU tensors a finished request returns besides its tokens (a talker's frames)."""
+        return {}
