@@ -2,11 +2,14 @@
 
 The model runner builds one `AttentionMetadata` per step and installs it with
 `set_forward_context`; each `Attention` layer reads it. This keeps model code
-free of batching details (the nano-vllm / vLLM shape).
+free of batching details (the nano-vllm / vLLM shape). The context is per thread:
+two in-process stages (`runtime.process: false`) step their engines in two threads of
+one process, and each forward must see its own step's metadata.
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -33,18 +36,18 @@ class AttentionMetadata:
     backend_state: Any = None
 
 
-_current: AttentionMetadata | None = None
+_local = threading.local()
 
 
 def get_forward_context() -> AttentionMetadata | None:
-    return _current
+    return getattr(_local, "meta", None)
 
 
 @contextlib.contextmanager
 def set_forward_context(meta: AttentionMetadata | None) -> Iterator[None]:
-    global _current
-    previous, _current = _current, meta
+    previous = get_forward_context()
+    _local.meta = meta
     try:
         yield
     finally:
-        _current = previous
+        _local.meta = previous
