@@ -107,3 +107,32 @@ def test_generation_engine_batches_and_isolates_a_failing_request():
     assert outs["bad"].error is not None and "boom" in outs["bad"].error and outs["bad"].finished
     assert torch.equal(outs["a"].multimodal_output["x"], torch.tensor([1, 2])) and outs["c"].error is None
     assert not engine.has_unfinished()
+
+
+def test_ar_stage_engine_sends_deltas_or_the_final_output_only(tiny_model):
+    """DELTA: an output per step whose concatenation is the result; FINAL_ONLY: one output
+    holding everything (the engine builds no intermediate outputs for it)."""
+    from vllm_omni.core.engine_config import EngineConfig
+    from vllm_omni.core.llm_engine import LLMEngine
+    from vllm_omni.stage_io import OutputKind
+    from vllm_omni.worker.ar_stage_engine import ARStageEngine
+
+    config = EngineConfig(model=str(tiny_model("qwen3")), device="cpu", hidden_state_layers=(0,))
+    engine = ARStageEngine(LLMEngine(config), stage_id=0,
+                           export_hidden_states=True)
+    params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
+    for kind in OutputKind:
+        engine.add_request(StageRequest(request_id=kind.name, prompt_token_ids=[5, 6, 7, 8], sampling_params=params,
+                                        output_kind=kind))
+    outs: dict[str, list] = {"DELTA": [], "FINAL_ONLY": []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id].append(out)
+    delta, final = outs["DELTA"], outs["FINAL_ONLY"]
+    assert len(delta) == 7 and [o.finished for o in delta] == [False] * 6 + [True]
+    assert len(final) == 1 and final[0].finished
+    assert [t for o in delta for t in o.new_token_ids] == final[0].new_token_ids and len(final[0].new_token_ids) == 7
+    assert "".join(o.new_text for o in delta) == final[0].new_text
+    # Hidden states (typed inside the engine) leave with spec 003's string keys, once, at the end.
+    assert sorted(final[0].multimodal_output) == ["0", "last"] and not any(o.multimodal_output for o in delta[:-1])
+    torch.testing.assert_close(delta[-1].multimodal_output["last"], final[0].multimodal_output["last"])

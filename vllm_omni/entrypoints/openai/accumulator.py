@@ -1,9 +1,9 @@
 """Fold a request's stream of `OmniRequestOutput`s into what the API sends.
 
 AsyncOmni yields, per final-output stage, partial outputs (finished=False) and one finished
-output. Their text and audio are cumulative (the orchestrator accumulates stage deltas), so
-the new part of each is what lies past what was already handed on. `add()` returns that new
-part as events; streaming sends each at once, non-streaming keeps only the totals.
+output; each carries `delta`, what is new since the previous output of that stage (the
+orchestrator's request state computes it once). `add()` turns the delta into events:
+streaming sends each at once, non-streaming keeps only the totals.
 """
 from __future__ import annotations
 
@@ -59,32 +59,22 @@ class RequestAccumulator:
         return [event] if event is not None else []
 
     def _add_text(self, out: OmniRequestOutput) -> TextEvent | None:
-        ro = out.request_output
-        comp = ro.outputs[0]
-        self.prompt_tokens = len(ro.prompt_token_ids)
-        self.completion_tokens = len(comp.token_ids)
-        new = comp.text
-        if not new.startswith(self.text):
-            # Text already sent cannot be taken back; cumulative outputs only grow (stop strings
-            # are held back by the stage until they can no longer match).
-            logger.warning("request %s: text output is not an extension of what was sent", out.request_id)
-            delta = ""
-        else:
-            delta = new[len(self.text):]
-        self.text = new
+        delta = out.delta.text
+        self.prompt_tokens = len(out.request_output.prompt_token_ids)
+        self.completion_tokens += len(out.delta.token_ids)
+        self.text += delta
         if delta and self.first_text_at is None:
             self.first_text_at = time.monotonic()
         if out.finished:
             self.text_finished = True
-            self.finish_reason = comp.finish_reason or "stop"
+            self.finish_reason = out.delta.finish_reason or "stop"
         if not delta and not out.finished:
             return None
         return TextEvent(delta, out.finished, self.finish_reason if out.finished else None)
 
     def _add_audio(self, out: OmniRequestOutput) -> AudioEvent | None:
-        tensor = out.request_output.outputs[0].multimodal_output.get(AUDIO_KEY)
-        wave = np.zeros(0, np.float32) if tensor is None else tensor.detach().float().cpu().numpy().reshape(-1)
-        new = wave[self.audio_samples:]
+        tensor = out.delta.multimodal_output.get(AUDIO_KEY)
+        new = np.zeros(0, np.float32) if tensor is None else tensor.detach().float().cpu().numpy().reshape(-1)
         now = time.monotonic()
         if new.size:
             self.audio_chunks.append(new)

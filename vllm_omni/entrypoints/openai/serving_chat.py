@@ -148,8 +148,9 @@ class ChatService:
         ticket = await race_disconnect(raw, ctx.gate.admit())  # a client gone while queued takes no slot
         view = ChatView(f"chatcmpl-{uuid.uuid4().hex}", model, requested, audio_format)
         try:
+            # Only a streaming client needs the stages' intermediate outputs.
             gen = ctx.engine.generate(prompt, params, request_id=view.request_id, modalities=wanted,
-                                      output_partial=True)
+                                      output_partial=bool(body.stream))
             first = await first_output(ctx, raw, gen)
         except BaseException:
             ticket.release()

@@ -51,12 +51,12 @@ class CompletionService:
         accs = [RequestAccumulator(arrived_at=arrived) for _ in prompts]
         try:
             if body.stream:
-                gen = self._generate(prompts[0], params, request_id)
+                gen = self._generate(prompts[0], params, request_id, stream=True)
                 first = await first_output(ctx, raw, gen)
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 stream = self._stream(raw, request_id, model, accs[0], first, gen, tickets, include_usage)
                 return EventStream(stream, raw, partial(_close, tickets, gen))
-            gens = [self._generate(p, params, f"{request_id}-{i}") for i, p in enumerate(prompts)]
+            gens = [self._generate(p, params, f"{request_id}-{i}", stream=False) for i, p in enumerate(prompts)]
             await race_disconnect(raw, _all_or_none([self._collect(g, a) for g, a in zip(gens, accs, strict=True)]))
         except BaseException as e:
             _release(tickets)
@@ -70,9 +70,11 @@ class CompletionService:
         return JSONResponse({"id": request_id, "object": "text_completion", "created": int(time.time()),
                              "model": model, "choices": choices, "usage": total})
 
-    def _generate(self, prompt: dict[str, Any], params: Any, request_id: str) -> AsyncIterator[OmniRequestOutput]:
+    def _generate(self, prompt: dict[str, Any], params: Any, request_id: str,
+                  stream: bool) -> AsyncIterator[OmniRequestOutput]:
+        # Only a streaming client needs the text stage's intermediate outputs.
         return self.ctx.engine.generate(prompt, params, request_id=request_id, modalities=["text"],
-                                        output_partial=True)
+                                        output_partial=stream)
 
     @staticmethod
     async def _collect(gen: AsyncIterator[OmniRequestOutput], acc: RequestAccumulator) -> None:
