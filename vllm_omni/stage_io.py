@@ -10,7 +10,8 @@ orchestrator, the stage engines, the models and the transport all speak it.
   request state accumulates.
 - `StageOutput`: one such delta, `finished` on the last one; `error` set ends the request.
 - `StageEngine`: what a stage worker drives (AR, generation, diffusion engines).
-- `GenerationModel`: a single-pass stage model (code2wav) that a generation engine batches.
+- `GenerationModel`: a single-pass stage model (code2wav) that a generation engine batches;
+  `StreamingGenerationModel` also decodes a request in chunks as its input streams in.
 
 Tensors anywhere in a request or output travel as zero-copy frames (engine.transport).
 """
@@ -97,3 +98,24 @@ class GenerationModel(Protocol):
              dtype: str, load_format: str = "auto") -> GenerationModel: ...
 
     def generate_batch(self, inputs: list[StageRequest]) -> list[dict[str, torch.Tensor]]: ...
+
+
+class StreamingDecoder(Protocol):
+    """One request's incremental decode in a streaming generation stage (code2wav fed by a
+    talker as it generates). Input arrives in units along dim 0 (a Qwen3 codec frame [G], a
+    Qwen2.5 codec code []); the decoder chooses when enough has arrived to decode a chunk (a
+    small first chunk, then larger ones, each with the left context it needs)."""
+
+    def push(self, units: torch.Tensor, final: bool) -> None: ...  # new units [n, ...]; final: no more
+    def ready(self) -> bool: ...  # a chunk can be decoded now
+    @property
+    def finished(self) -> bool: ...  # final was pushed and everything is decoded
+    @property
+    def consumed(self) -> int: ...  # units decoded so far (the stage reports it for backpressure)
+
+
+class StreamingGenerationModel(GenerationModel, Protocol):
+    """A GenerationModel that can also decode a request in chunks as its input streams in."""
+
+    def open_stream(self, req: StageRequest) -> StreamingDecoder: ...  # req: params, voice, first units
+    def decode_streams(self, decoders: list[StreamingDecoder]) -> list[dict[str, torch.Tensor]]: ...
