@@ -18,16 +18,21 @@ Tensors anywhere in a request or output travel as zero-copy frames (engine.trans
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import torch
 
+from vllm_omni.inputs import OmniTokensPrompt
+from vllm_omni.outputs import RequestOutput
 from vllm_omni.sampling_params import SamplingParams
 
 # additional_information key: [prompt_len, hidden] rows that replace the prompt's token embeddings.
 PROMPT_EMBEDS_KEY = "prompt_embeds"
+# additional_information key of a streaming generation stage's input units (codec frames, codes).
+STREAM_UNITS_KEY = "units"
 
 
 class OutputKind(enum.IntEnum):
@@ -48,6 +53,21 @@ class StageRequest(msgspec.Struct, tag="add", kw_only=True):
     additional_information: dict[str, Any] = {}
     multi_modal_data: dict[str, Any] | None = None
     output_kind: OutputKind = OutputKind.FINAL_ONLY
+    # False: the request's input streams in (a streaming edge); StageInputChunks follow, the
+    # last one with `final`. The stage starts on what it has and waits for what it lacks.
+    input_complete: bool = True
+
+
+class StageInputChunk(msgspec.Struct, tag="chunk", kw_only=True):
+    """More input for a request whose input streams in (a delta of its upstream stage).
+
+    `additional_information` holds rows to append, keyed as the stage model expects (an AR
+    stage model's `append_request_inputs`; a streaming generation model gets its units under
+    STREAM_UNITS_KEY). `final`: nothing more will come."""
+
+    request_id: str
+    additional_information: dict[str, Any] = {}
+    final: bool = False
 
 
 class StageOutput(msgspec.Struct, kw_only=True):
@@ -65,6 +85,8 @@ class StageOutput(msgspec.Struct, kw_only=True):
     # Rows along dim 0 are new rows; a 0-dim tensor is metadata (e.g. a sample rate).
     multimodal_output: dict[str, torch.Tensor] = {}
     error: str | None = None
+    # A request whose input streams in: input units used so far (flow control upstream).
+    consumed_units: int | None = None
 
 
 def error_output(request_id: str, error: str) -> StageOutput:
@@ -77,9 +99,13 @@ class StageEngine(Protocol):
     request that cannot run comes back as an error output from the next `step()`."""
 
     def add_request(self, req: StageRequest) -> None: ...
+    def add_input(self, chunk: StageInputChunk) -> None: ...  # more input of a streaming request
     def abort(self, request_ids: Sequence[str]) -> None: ...
+    def pause(self, request_ids: Sequence[str], paused: bool) -> None: ...  # flow control
     def step(self) -> list[StageOutput]: ...  # deltas of DELTA requests, finished outputs of all
-    def has_unfinished(self) -> bool: ...
+    # A step would make progress now. Requests waiting for streamed input or paused do not
+    # count: the worker then blocks on its socket instead of spinning.
+    def has_work(self) -> bool: ...
     def fail_all(self, error: str) -> list[StageOutput]: ...  # after a step raised
     def stats(self) -> dict[str, int]: ...  # fields of engine.messages.StageStats
     def describe(self) -> dict[str, Any]: ...  # reported once when the stage is ready
@@ -114,8 +140,24 @@ class StreamingDecoder(Protocol):
     def consumed(self) -> int: ...  # units decoded so far (the stage reports it for backpressure)
 
 
+@runtime_checkable
 class StreamingGenerationModel(GenerationModel, Protocol):
     """A GenerationModel that can also decode a request in chunks as its input streams in."""
 
     def open_stream(self, req: StageRequest) -> StreamingDecoder: ...  # req: params, voice, first units
     def decode_streams(self, decoders: list[StreamingDecoder]) -> list[dict[str, torch.Tensor]]: ...
+
+
+@dataclass(frozen=True)
+class StreamBridge:
+    """How a streaming edge feeds its downstream stage (a family record names one per stage;
+    the spec 003 bridge stays what an edge uses when it runs on completion).
+
+    start(upstream, prompt): the downstream request from the upstream output so far (finished or
+      not) and the user's prompt, or None until enough exists (a talker needs the thinker's
+      first reply row). ValueError: the request cannot go on.
+    chunk(delta): the input one later upstream delta adds (row tensors, keyed as the downstream
+      stage reads them; an empty dict when it adds nothing)."""
+
+    start: Callable[[RequestOutput, Any], OmniTokensPrompt | None]
+    chunk: Callable[[StageOutput], dict[str, torch.Tensor]]

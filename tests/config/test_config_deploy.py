@@ -20,7 +20,7 @@ def test_bundled_deploy_configs_parse(name, platform):
 
 def test_bundled_deploy_is_the_default_for_the_model():
     p = load_pipeline_config(model=QWEN25)
-    assert p.format is ConfigFormat.DEPLOY and p.async_chunk is False
+    assert p.format is ConfigFormat.DEPLOY and p.async_chunk is True  # bundled deploy files stream
     talker = p.stage(1)
     assert talker.engine_args.max_num_seqs == 3  # from the deploy file (= spec 000's max_batch_size)
     assert talker.default_sampling_params.stop_token_ids == [8294]  # kept from the pipeline

@@ -103,3 +103,47 @@ def test_prefix_cache_hit_counts_cached_tokens():
     out = run_step(sched, {"b": 1})
     assert b.num_cached_tokens == 12
     assert out.scheduled[0].num_new_tokens == 2
+
+
+def test_a_request_waiting_for_streamed_input_leaves_the_batch_and_comes_back():
+    """Input that streams in: compute what is there, then wait out of the batch (slot freed,
+    blocks kept, no work), and come back first when more arrives."""
+    sched = make_scheduler(max_num_seqs=1, max_tokens_per_step=16)
+    streamed = Request("s", list(range(6)), SamplingParams(), input_complete=False)
+    streamed.input_limit = 4  # inputs of positions 0..3 are there
+    sched.add_request(streamed)
+    sched.add_request(Request("other", [1, 2, 3], SamplingParams()))
+    out = run_step(sched, {"s": 3, "other": 2})
+    assert [(i.request.request_id, i.num_new_tokens) for i in out.scheduled] == [("s", 4)]
+    # Caught up with its input: it waits without its batch slot, which "other" takes at once.
+    out = run_step(sched, {"s": 3, "other": 2})
+    assert [i.request.request_id for i in out.scheduled] == ["other"]
+    assert streamed.status is RequestStatus.WAITING_FOR_INPUT and streamed.block_ids
+    run_step(sched, {"s": 3, "other": 2})
+    assert not sched.has_work() and sched.has_unfinished()  # nothing to do: the worker blocks
+    streamed.input_limit = None  # the rest arrived (the engine sets the limit, then wakes it)
+    sched.wake(streamed)
+    assert sched.has_work()
+    out = run_step(sched, {"s": 3, "other": 2})
+    assert [(i.request.request_id, i.num_new_tokens) for i in out.scheduled] == [("s", 2)]
+    drain(sched, {"s": 3, "other": 2})
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+def test_paused_and_waiting_requests_are_preempted_first():
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=4, max_tokens_per_step=64)
+    idle = Request("idle", list(range(8)), SamplingParams())
+    sched.add_request(idle)
+    run_step(sched, {"idle": 10})
+    idle.paused = True  # flow control: its consumer is behind
+    busy = Request("busy", list(range(100, 112)), SamplingParams())  # shares no cached prefix
+    sched.add_request(busy)
+    out = run_step(sched, {"idle": 10, "busy": 10})
+    assert [i.request.request_id for i in out.scheduled] == ["busy"] and idle.status is RequestStatus.WAITING_FOR_INPUT
+    for _ in range(6):  # busy grows until the pool runs dry: the parked request gives way, not busy
+        out = run_step(sched, {"idle": 10, "busy": 10})
+        if out.preempted:
+            break
+    assert [r.request_id for r in out.preempted] == ["idle"] and idle.status is RequestStatus.WAITING
+    idle.paused = False
+    drain(sched, {"idle": 10, "busy": 10})

@@ -106,7 +106,7 @@ def test_generation_engine_batches_and_isolates_a_failing_request():
     assert model.calls == [3, 1, 1, 1]  # one batch, then one by one to find the culprit
     assert outs["bad"].error is not None and "boom" in outs["bad"].error and outs["bad"].finished
     assert torch.equal(outs["a"].multimodal_output["x"], torch.tensor([1, 2])) and outs["c"].error is None
-    assert not engine.has_unfinished()
+    assert not engine.has_work()
 
 
 def test_ar_stage_engine_sends_deltas_or_the_final_output_only(tiny_model):
@@ -125,7 +125,7 @@ def test_ar_stage_engine_sends_deltas_or_the_final_output_only(tiny_model):
         engine.add_request(StageRequest(request_id=kind.name, prompt_token_ids=[5, 6, 7, 8], sampling_params=params,
                                         output_kind=kind))
     outs: dict[str, list] = {"DELTA": [], "FINAL_ONLY": []}
-    while engine.has_unfinished():
+    while engine.has_work():
         for out in engine.step():
             outs[out.request_id].append(out)
     delta, final = outs["DELTA"], outs["FINAL_ONLY"]
@@ -133,6 +133,10 @@ def test_ar_stage_engine_sends_deltas_or_the_final_output_only(tiny_model):
     assert len(final) == 1 and final[0].finished
     assert [t for o in delta for t in o.new_token_ids] == final[0].new_token_ids and len(final[0].new_token_ids) == 7
     assert "".join(o.new_text for o in delta) == final[0].new_text
-    # Hidden states (typed inside the engine) leave with spec 003's string keys, once, at the end.
-    assert sorted(final[0].multimodal_output) == ["0", "last"] and not any(o.multimodal_output for o in delta[:-1])
-    torch.testing.assert_close(delta[-1].multimodal_output["last"], final[0].multimodal_output["last"])
+    # Hidden states (typed inside the engine) leave with spec 003's string keys: each delta the
+    # rows of the positions its step computed (the prompt's in the first), the final output all.
+    assert sorted(final[0].multimodal_output) == ["0", "last"]
+    assert [o.multimodal_output["last"].shape[0] for o in delta] == [4] + [1] * 6
+    for key in ("0", "last"):
+        torch.testing.assert_close(torch.cat([o.multimodal_output[key] for o in delta]),
+                                   final[0].multimodal_output[key])

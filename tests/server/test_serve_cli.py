@@ -110,8 +110,8 @@ def test_vllm_script_only_serves_with_omni(capsys):
     assert "only runs `vllm serve [MODEL] --omni" in capsys.readouterr().err
     assert vllm_main(["serve", "some/model"]) == 2
     assert "add --omni" in capsys.readouterr().err
-    assert vllm_main(["serve", "--omni", "--async-chunk"]) == 2
-    assert "--async-chunk=True is not supported" in capsys.readouterr().err
+    assert vllm_main(["serve", "--omni", "--headless"]) == 2
+    assert "--headless=True is not supported" in capsys.readouterr().err
 
 
 def _non_default(flag: serve_args.Flag) -> list[str]:

@@ -99,13 +99,18 @@ class LLMEngine:
         prompt_embeds: torch.Tensor | None = None,
         return_hidden_states: bool = False,
         model_inputs: Mapping[str, Any] | None = None,
-        stream: bool = True,
+        stream: bool = False,
+        input_complete: bool = True,
     ) -> RequestOutput | None:
         """Queue a request. Returns a finished error output instead when the request cannot
         run at all (e.g. its prompt is longer than max_model_len); other requests are unaffected.
 
         `model_inputs` (a stage's additional_information) are parsed once, here, by the model
-        (StageModel.parse_request_inputs): a ValueError means a bad request and is raised."""
+        (StageModel.parse_request_inputs): a ValueError means a bad request and is raised.
+        `stream`: an output every step that sampled (with the hidden-state rows and model
+        outputs new since the previous one), else one output when finished.
+        `input_complete=False`: more inputs stream in (`append_inputs`); the request computes
+        what its inputs allow and waits for the rest."""
         params = params.clone(_eos_token_ids=self.eos_token_ids)
         inputs = self.model.parse_request_inputs(model_inputs or {})
         prompt_token_ids = self.model.prompt_token_ids(prompt_token_ids, inputs)
@@ -118,7 +123,10 @@ class LLMEngine:
             return_hidden_states=return_hidden_states,
             model_inputs=inputs,
             stream=stream,
+            input_complete=input_complete,
         )
+        if not input_complete:
+            request.input_limit = self.model.available_positions(request)
         if request.num_prompt_tokens >= self.max_model_len:
             request.error = (
                 f"request {request_id}: the prompt has {request.num_prompt_tokens} tokens, which does not "
@@ -134,6 +142,27 @@ class LLMEngine:
         self.scheduler.add_request(request)
         return None
 
+    def append_inputs(self, request_id: str, inputs: Mapping[str, Any], final: bool) -> None:
+        """More input for a request whose input streams in (StageModel.append_request_inputs).
+        Unknown ids are ignored (finished or aborted meanwhile); ValueError: bad input."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return
+        if request.input_complete:
+            raise ValueError(f"request {request_id}: its input is already complete")
+        self.model.append_request_inputs(request, inputs, final)
+        request.input_complete = final
+        request.input_limit = None if final else self.model.available_positions(request)
+        self.scheduler.wake(request)
+
+    def pause_requests(self, request_ids: list[str], paused: bool) -> None:
+        """Flow control: a paused request is not scheduled (it keeps its KV blocks)."""
+        for request_id in request_ids:
+            request = self.scheduler.requests.get(request_id)
+            if request is not None:
+                request.paused = paused
+                self.scheduler.wake(request)
+
     def abort_request(self, request_ids: list[str] | str) -> list[RequestOutput]:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
@@ -148,6 +177,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_work(self) -> bool:
+        """A step now would compute something (requests waiting for streamed input do not)."""
+        return self.scheduler.has_work()
+
     @property
     def num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished
@@ -156,16 +189,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            if self.scheduler.has_unfinished():
+            if self.scheduler.has_work():
                 # Cannot happen while the pool holds one max_model_len request (checked at start).
-                raise RuntimeError("scheduler made no progress with unfinished requests")
+                raise RuntimeError("scheduler made no progress with computable requests")
             return []
         result = self.runner.execute(sched)
         self.scheduler.advance(sched)
         outputs = []
         for item in sched.scheduled:
             request = item.request
-            self._collect_hidden_states(request, result)
+            self._collect_hidden_states(request, item.num_new_tokens, result)
             token = result.sampled.get(request.request_id)
             if token is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
@@ -174,9 +207,18 @@ class LLMEngine:
                 outputs.append(self._make_output(request))
         return outputs
 
-    def _collect_hidden_states(self, request: Request, result: RunnerOutput) -> None:
-        for key, chunk in result.hidden_states.get(request.request_id, {}).items():
-            request.hidden_chunks.setdefault(key, []).append(chunk)
+    def _collect_hidden_states(self, request: Request, num_new_tokens: int, result: RunnerOutput) -> None:
+        states = result.hidden_states.get(request.request_id)
+        if not states:
+            return
+        # Rows of positions captured before (a recompute after preemption) are not captured twice.
+        end = request.num_computed_tokens
+        skip = max(0, request.num_hidden_rows - (end - num_new_tokens))
+        if skip >= num_new_tokens:
+            return
+        for key, chunk in states.items():
+            request.hidden_chunks.setdefault(key, []).append(chunk[skip:])
+        request.num_hidden_rows = end
 
     def _append_token(self, request: Request, token: int, result: RunnerOutput) -> None:
         request.append_output_token(token)
@@ -220,12 +262,13 @@ class LLMEngine:
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason,
         )
-        if finished and request.hidden_chunks:
+        if request.hidden_chunks:
+            # What was captured since the previous output (all of it for a final-only request).
             # Typed keys inside the engine; spec 003's string keys ("0", "24", "last") outside.
             completion.multimodal_output = {hidden_state_name(key): torch.cat(chunks)
                                             for key, chunks in request.hidden_chunks.items()}
-        if finished:
-            completion.multimodal_output.update(self.model.finished_request_outputs(request))
+            request.hidden_chunks = {}
+        completion.multimodal_output.update(self.model.request_outputs(request, finished))
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,

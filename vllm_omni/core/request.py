@@ -24,6 +24,9 @@ _arrival_counter = itertools.count()
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    # Started, holding its KV blocks, but its next position's input has not streamed in yet
+    # (or it is paused): out of the batch until it can go on (upstream's WAITING_FOR_CHUNK).
+    WAITING_FOR_INPUT = "waiting_for_input"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -31,7 +34,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.WAITING_FOR_INPUT)
 
 
 class Request:
@@ -45,7 +48,8 @@ class Request:
         prompt_embeds: torch.Tensor | None = None,
         return_hidden_states: bool = False,
         model_inputs: Any = None,
-        stream: bool = True,
+        stream: bool = False,
+        input_complete: bool = True,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: the prompt is empty")
@@ -70,6 +74,11 @@ class Request:
         # M-RoPE positions); survives preemption because it depends only on the inputs.
         self.model_state: dict[str, Any] = {}
         self.arrival_order = next(_arrival_counter)
+        # A request fed by a streaming edge starts before its input is complete: only positions
+        # below `input_limit` have their inputs (None: all). Paused: its consumer is behind.
+        self.input_complete = input_complete
+        self.input_limit: int | None = None
+        self.paused = False
 
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + output
         self.num_computed_tokens = 0
@@ -84,8 +93,11 @@ class Request:
         self.generator: torch.Generator | None = None
         self.logprobs: list[dict[int, float]] = []
         self.cumulative_logprob = 0.0
-        # Captured hidden states, one chunk per computed span: key -> [chunk tensors].
+        # Captured hidden states not yet handed out, one chunk per computed span: key -> chunks;
+        # `num_hidden_rows` positions have been captured (a recompute after preemption does not
+        # capture them again).
         self.hidden_chunks: dict[HiddenStateKey, list[torch.Tensor]] = {}
+        self.num_hidden_rows = 0
         self.detokenizer: IncrementalDetokenizer | None = None
 
     @property
@@ -105,6 +117,17 @@ class Request:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def computable(self) -> bool:
+        """The next position can be computed now (not paused, and its input is there)."""
+        return not self.paused and (self.input_limit is None or self.num_computed_tokens < self.input_limit)
+
+    def num_computable(self, num_new_tokens: int) -> int:
+        """How many of the next `num_new_tokens` positions have their inputs."""
+        if self.input_limit is None:
+            return num_new_tokens
+        return max(0, min(num_new_tokens, self.input_limit - self.num_computed_tokens))
+
+    @property
     def cacheable(self) -> bool:
         """Prefix caching keys blocks by token ids only: requests whose KV depends on more
         (injected embeddings) or that must export every position's hidden states opt out."""
@@ -118,5 +141,4 @@ class Request:
         self.num_computed_tokens = 0
         self.block_ids = []
         self.num_hashed_blocks = 0
-        self.hidden_chunks = {}
         self.status = RequestStatus.WAITING

@@ -4,6 +4,12 @@ Each step shares one token budget (`max_num_batched_tokens`) between running
 requests (decode or the rest of a chunked prefill) and waiting requests (FCFS),
 with at most `max_num_seqs` running. When the KV pool runs dry, the most recently
 arrived running request is preempted and later recomputed.
+
+A request whose input streams in (a streaming edge) can catch up with its upstream stage:
+its next position has no input yet (or it is paused by flow control). It then leaves the
+batch for `waiting_for_input`, keeping its KV blocks but not its batch slot, and comes back
+(before any new request) once `wake()` finds it computable. Such requests are the first
+preempted when the pool runs dry: they hold memory and do no work.
 """
 from __future__ import annotations
 
@@ -53,6 +59,8 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in arrival order: the last one is preempted first
+        self.waiting_for_input: dict[str, Request] = {}  # started, blocked on streamed input
+        self.resumable: deque[Request] = deque()  # blocked ones that can go on: before `waiting`
         self.requests: dict[str, Request] = {}
 
     def add_request(self, request: Request) -> None:
@@ -62,23 +70,42 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.requests)
+
+    def has_work(self) -> bool:
+        """A schedule() now would compute something (blocked requests wait for wake())."""
+        return bool(self.resumable) or any(r.computable for r in self.running) or \
+            any(r.computable for r in self.waiting)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.requests)
+
+    def wake(self, request: Request) -> None:
+        """Its input grew or it was resumed: back into the batch if it can go on."""
+        if request.request_id in self.waiting_for_input and request.computable:
+            del self.waiting_for_input[request.request_id]
+            self.resumable.append(request)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[str] = set()
+        self._park_blocked()
+        while self.resumable and len(self.running) < self.config.max_num_seqs:
+            request = self.resumable.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = request.num_computable(min(request.num_tokens - request.num_computed_tokens, budget))
+            if num_new == 0:
+                i += 1
+                continue
             while not self.block_manager.has_room(request, num_new) and not self.block_manager.allocate(request, num_new):
-                victim = self.running[-1]
+                victim = self._blocked_victim() or self.running[-1]
                 self._preempt(victim, out)
                 if victim is request:
                     break
@@ -92,14 +119,20 @@ class Scheduler:
 
         # New work only when nothing had to be preempted this step (vLLM does the same):
         # admitting requests while evicting others would thrash.
-        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        for request in list(self.waiting):
+            if not (budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs):
+                break
+            if not request.computable:  # paused, or its first input chunk is not there yet
+                continue
             cached = self.block_manager.find_cached_prefix(request)
             num_cached_tokens = len(cached) * self.block_manager.block_size
-            num_new = min(request.num_tokens - num_cached_tokens, budget)
+            limit = request.input_limit if request.input_limit is not None else request.num_tokens
+            num_new = min(min(request.num_tokens, limit) - num_cached_tokens, budget)
+            if num_new <= 0:
+                continue
             if not self.block_manager.allocate(request, num_new, cached):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.num_computed_tokens = num_cached_tokens
             if request.num_output_tokens == 0:
                 request.num_cached_tokens = num_cached_tokens
@@ -109,8 +142,25 @@ class Scheduler:
             budget -= num_new
         return out
 
+    def _park_blocked(self) -> None:
+        """Running requests that cannot compute their next position leave the batch."""
+        for request in [r for r in self.running if not r.computable]:
+            self.running.remove(request)
+            request.status = RequestStatus.WAITING_FOR_INPUT
+            self.waiting_for_input[request.request_id] = request
+
+    def _blocked_victim(self) -> Request | None:
+        """The newest request that holds blocks without running, if any."""
+        parked = [*self.waiting_for_input.values(), *self.resumable]
+        return max(parked, key=lambda r: r.arrival_order) if parked else None
+
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        self.running.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.resumable:
+            self.resumable.remove(request)
+        else:
+            del self.waiting_for_input[request.request_id]
         self.block_manager.free(request)
         request.reset_for_recompute()
         self.waiting.appendleft(request)
@@ -125,9 +175,14 @@ class Scheduler:
     def finish(self, request: Request, status: RequestStatus) -> None:
         assert status.finished
         request.status = status
-        if request in self.running:
-            self.running.remove(request)
-            self.block_manager.free(request)
-        elif request in self.waiting:
+        if request in self.waiting:
             self.waiting.remove(request)
+        else:
+            if request in self.running:
+                self.running.remove(request)
+            elif request in self.resumable:
+                self.resumable.remove(request)
+            else:
+                self.waiting_for_input.pop(request.request_id, None)
+            self.block_manager.free(request)
         self.requests.pop(request.request_id, None)

@@ -19,13 +19,21 @@ from typing import Any, Union
 
 import msgspec
 
-from vllm_omni.stage_io import StageOutput, StageRequest
+from vllm_omni.stage_io import StageInputChunk, StageOutput, StageRequest
 
 # --------------------------------------------------------------------------- orchestrator -> worker
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
     request_ids: list[str]
+
+
+class PauseRequests(msgspec.Struct, tag="pause"):
+    """Flow control: stop scheduling these requests (their consumers are behind) until resumed;
+    they keep their KV blocks."""
+
+    request_ids: list[str]
+    paused: bool = True
 
 
 class StatsRequest(msgspec.Struct, tag="stats_request"):
@@ -36,7 +44,7 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-ToWorker = Union[StageRequest, AbortRequests, StatsRequest, Shutdown]
+ToWorker = Union[StageRequest, StageInputChunk, AbortRequests, PauseRequests, StatsRequest, Shutdown]
 
 # --------------------------------------------------------------------------- worker -> orchestrator
 

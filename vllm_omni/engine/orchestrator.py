@@ -3,8 +3,10 @@
 It lives on one asyncio loop (see `runtime.OmniRuntime`). Each stage client awaits its
 own socket and calls `_on_message` for every message as it arrives. When a request
 finishes at a stage, each downstream stage whose sources have all finished it gets its
-input from the bridge (spec 003 `_forward_to_next_stage`). A request is done when every
-stage has finished it; a failure anywhere fails it everywhere (abort in every stage).
+input from the bridge (spec 003 `_forward_to_next_stage`); over a streaming edge
+(streaming.py) the downstream stage starts early and gets the rest chunk by chunk. A
+request is done when every stage has finished it; a failure anywhere fails it everywhere
+(abort in every stage).
 """
 from __future__ import annotations
 
@@ -22,8 +24,9 @@ from typing import Any
 import zmq
 
 from vllm_omni.config.stage_config import PipelineConfig, StageConfig
-from vllm_omni.engine.messages import AbortRequests, StageOutputBatch, StageStats
-from vllm_omni.stage_io import OutputKind, StageOutput, StageRequest
+from vllm_omni.engine.messages import AbortRequests, PauseRequests, StageOutputBatch, StageStats
+from vllm_omni.engine.streaming import EdgeFlow, StreamingEdge, resolve_streaming_edges
+from vllm_omni.stage_io import OutputKind, StageInputChunk, StageOutput, StageRequest
 from vllm_omni.engine.request_plan import RequestPlan
 from vllm_omni.engine.request_state import RequestDone, RequestSink, RequestState
 from vllm_omni.engine.stage_client import StageClient, StageDownError, StageHealth, StageState
@@ -45,6 +48,8 @@ class RuntimeOptions:
     heartbeat_timeout_s: float = 10.0  # a stage silent this long is DOWN
     shutdown_timeout_s: float = 10.0
     log_stats: bool = False
+    # Flow control of streaming edges: units sent but not consumed before the producer pauses.
+    stream_max_pending_units: int = 512
 
 
 @dataclass
@@ -69,6 +74,7 @@ class Orchestrator:
         self._bridges = {s.stage_id: resolve_input_processor(s, model) for s in pipeline.stages
                          if s.engine_input_source}
         self.clients: dict[int, StageClient] = {}
+        self._streaming: dict[int, StreamingEdge] = {}  # by downstream stage, once the stages are up
         self._requests: dict[str, RequestState] = {}  # internal key -> state
         self._keys: dict[str, str] = {}  # user request id -> internal key
         self._counter = itertools.count()
@@ -102,6 +108,9 @@ class Orchestrator:
             if errors:
                 kind = TimeoutError if any(isinstance(e, TimeoutError) for e in errors) else RuntimeError
                 raise kind("pipeline failed to start: " + "; ".join(str(e) for e in errors))
+            self._streaming = resolve_streaming_edges(self.pipeline, self.model,
+                                                      {sid: c.info for sid, c in self.clients.items()},
+                                                      self.options.stream_max_pending_units)
         except BaseException:
             await self.close()
             raise
@@ -185,15 +194,20 @@ class Orchestrator:
 
     # --- routing --------------------------------------------------------------
     def _send(self, state: RequestState, stage_id: int, ids: list[int], text: str | None,
-              info: dict[str, Any], mm: Any) -> bool:
+              info: dict[str, Any], mm: Any, input_complete: bool = True) -> bool:
         state.start_stage(stage_id, ids, text)
-        # Only a caller that streams needs a stage's intermediate outputs (streaming edges: #11).
-        partial = stage_id in state.output_stages and state.sink.wants_partial
+        # Intermediate outputs are needed by a caller that streams and by streaming edges (both
+        # ways: a downstream stage reports what it consumed).
+        partial = (stage_id in state.output_stages and state.sink.wants_partial) or self._streams(state, stage_id)
         req = StageRequest(request_id=state.key, prompt_token_ids=ids, sampling_params=state.params[stage_id],
                            prompt=text, additional_information=info, multi_modal_data=mm,
-                           output_kind=OutputKind.DELTA if partial else OutputKind.FINAL_ONLY)
+                           output_kind=OutputKind.DELTA if partial else OutputKind.FINAL_ONLY,
+                           input_complete=input_complete)
+        return self._send_message(state, stage_id, req)
+
+    def _send_message(self, state: RequestState, stage_id: int, msg: Any) -> bool:
         try:
-            self.clients[stage_id].send(req)
+            self.clients[stage_id].send(msg)
         except StageDownError as e:
             self._fail(state, str(e), stage_id)
             return False
@@ -201,6 +215,10 @@ class Orchestrator:
             self._fail(state, f"{self.clients[stage_id].name}: cannot send the request: {e}", stage_id)
             return False
         return True
+
+    def _streams(self, state: RequestState, stage_id: int) -> bool:
+        """The stage is an end of a streaming edge this request runs."""
+        return any(e.dst in state.stages and stage_id in (e.src, e.dst) for e in self._streaming.values())
 
     def _on_message(self, stage_id: int, msg: Any) -> None:
         if not isinstance(msg, StageOutputBatch):
@@ -220,15 +238,23 @@ class Orchestrator:
         stage = self.stages[stage_id]
         if stage_id in state.output_stages and (out.finished or state.sink.wants_partial):
             state.sink.put(state.final_output(stage_id, stage.final_output_type.value, partial=not out.finished))
+        edge_in = self._streaming.get(stage_id)
+        if edge_in is not None and stage_id in state.flows:
+            self._consumed(state, edge_in, out)
+        for dst in self._downstream[stage_id]:
+            # Stages no requested output needs do not run (request_plan).
+            if dst not in state.stages or dst in state.finished_stages:
+                continue
+            edge = self._streaming.get(dst)
+            if edge is not None:
+                if not self._stream(state, edge, out):
+                    return
+            elif out.finished and all(src in state.finished_stages for src in self.stages[dst].engine_input_source):
+                if not self._forward(state, dst):
+                    return
         if not out.finished:
             return
         self._count(state, stage_id)
-        for dst in self._downstream[stage_id]:
-            # Stages no requested output needs do not run (request_plan).
-            sources = self.stages[dst].engine_input_source
-            if dst in state.stages and all(src in state.finished_stages for src in sources):
-                if not self._forward(state, dst):
-                    return
         if state.done:
             self._drop(state, abort_in_stages=False)
             if self.options.log_stats:
@@ -247,6 +273,52 @@ class Orchestrator:
             return False
         return self._send(state, dst, inp["prompt_token_ids"], None, inp.get("additional_information") or {},
                           inp.get("multi_modal_data"))
+
+    def _stream(self, state: RequestState, edge: StreamingEdge, delta: StageOutput) -> bool:
+        """One upstream delta over a streaming edge: start the downstream request, or send a chunk."""
+        flow = state.flows.setdefault(edge.dst, EdgeFlow())
+        stage = self.stages[edge.dst]
+        try:
+            if not flow.started:
+                inp = edge.bridge.start(state.outputs[edge.src], state.prompt)
+                if inp is None:
+                    return True
+                flow.started = True
+                if not delta.finished:
+                    self.stage_counters[edge.dst]["early_starts"] += 1  # started before its upstream ended
+                return self._send(state, edge.dst, list(inp["prompt_token_ids"]), None,
+                                  dict(inp.get("additional_information") or {}), inp.get("multi_modal_data"),
+                                  input_complete=delta.finished)
+            flow.hold(edge.bridge.chunk(delta))
+        except ValueError as e:
+            self._fail(state, f"stage {edge.dst}: streaming input for request {state.request_id}: {e}", edge.dst)
+            return False
+        if not delta.finished and flow.pending_units < edge.window:
+            return True
+        chunk = StageInputChunk(request_id=state.key, additional_information=flow.take(), final=delta.finished)
+        if not self._send_message(state, edge.dst, chunk):
+            return False
+        counters = self.stage_counters[edge.dst]
+        counters["max_backlog"] = max(counters["max_backlog"], flow.backlog)
+        if not delta.finished and not flow.paused and flow.backlog > edge.max_pending_units:
+            self._pause(state, edge, flow, True)
+        return True
+
+    def _consumed(self, state: RequestState, edge: StreamingEdge, out: StageOutput) -> None:
+        """The downstream end of a streaming edge reported progress: resume its producer once
+        the backlog is down (or the consumer is done)."""
+        flow = state.flows[edge.dst]
+        if out.consumed_units is not None:
+            flow.consumed = out.consumed_units
+        if flow.paused and (out.finished or flow.backlog <= edge.resume_below):
+            self._pause(state, edge, flow, False)
+
+    def _pause(self, state: RequestState, edge: StreamingEdge, flow: EdgeFlow, paused: bool) -> None:
+        if edge.src in state.finished_stages:
+            return
+        flow.paused = paused
+        self._send_message(state, edge.src, PauseRequests([state.key], paused))
+        self.stage_counters[edge.src]["pauses" if paused else "resumes"] += 1
 
     def _count(self, state: RequestState, stage_id: int) -> None:
         c = self.stage_counters[stage_id]
@@ -290,15 +362,6 @@ class Orchestrator:
 
 
 def _check_supported(pipeline: PipelineConfig) -> None:
-    for edge in pipeline.edges:
-        if edge.window_size != -1:
-            raise ValueError(f"edge {edge.from_stage} -> {edge.to_stage}: window_size={edge.window_size} is not "
-                             "supported yet: only -1 (the downstream stage starts after the upstream one finishes)")
-    if pipeline.async_chunk:
-        # Bundled deploy files say async_chunk: true (upstream's default); refusing them would
-        # refuse the bundled configs, so say plainly that the setting has no effect yet.
-        logger.warning("async_chunk is set but streaming between stages is not implemented yet: each stage "
-                       "hands its complete output to the next (as with window_size -1)")
     for stage in pipeline.stages:
         if stage.runtime.num_replicas != 1:
             raise ValueError(f"stage {stage.stage_id}: runtime.num_replicas={stage.runtime.num_replicas} is not "

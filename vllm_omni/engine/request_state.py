@@ -8,6 +8,8 @@ from typing import Any, Protocol
 
 import torch
 
+from vllm_omni.engine.streaming import EdgeFlow
+from vllm_omni.growing_tensor import GrowingTensor
 from vllm_omni.stage_io import StageOutput
 from vllm_omni.outputs import CompletionOutput, OmniRequestOutput, RequestOutput
 from vllm_omni.sampling_params import SamplingParams
@@ -67,6 +69,9 @@ class RequestState:
     finished_stages: set[int] = field(default_factory=set)
     timings: dict[int, StageTiming] = field(default_factory=dict)
     delivered: dict[int, _Delivered] = field(default_factory=dict)  # stage id -> what the caller has
+    # Tensor outputs that stream in as row chunks (hidden states, codec frames, audio), per stage.
+    tensors: dict[int, dict[str, GrowingTensor]] = field(default_factory=dict)
+    flows: dict[int, EdgeFlow] = field(default_factory=dict)  # streaming edges, by downstream stage
 
     @property
     def done(self) -> bool:
@@ -93,11 +98,17 @@ class RequestState:
         comp.cumulative_logprob = delta.cumulative_logprob
         comp.finish_reason = delta.finish_reason
         comp.stop_reason = delta.stop_reason
+        grown = self.tensors.setdefault(stage_id, {})
         for key, tensor in delta.multimodal_output.items():
             # Tensor deltas of streaming stages are chunks along the first dimension; a 0-dim
             # tensor is metadata (e.g. an audio sample rate) and replaces the previous value.
-            prev = comp.multimodal_output.get(key)
-            comp.multimodal_output[key] = tensor if prev is None or tensor.dim() == 0 else torch.cat([prev, tensor])
+            if tensor.dim() == 0:
+                comp.multimodal_output[key] = tensor
+            elif key in grown:
+                comp.multimodal_output[key] = grown[key].append(tensor)
+            else:
+                grown[key] = GrowingTensor(tensor)
+                comp.multimodal_output[key] = grown[key].view
         out.finished = delta.finished
         out.error = delta.error
         timing = self.timings[stage_id]

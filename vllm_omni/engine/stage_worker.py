@@ -21,11 +21,11 @@ import zmq
 from vllm_omni.config.stage_config import StageConfig, WorkerType
 from vllm_omni.engine import stage_init_utils as siu
 from vllm_omni.engine.messages import (
-    AbortRequests, Heartbeat, Shutdown, StageFatal, StageInitFailed, StageOutputBatch, StageReady, StageStats,
-    StatsRequest,
+    AbortRequests, Heartbeat, PauseRequests, Shutdown, StageFatal, StageInitFailed, StageOutputBatch, StageReady,
+    StageStats, StatsRequest,
 )
 from vllm_omni.engine.transport import MessageCodec, WorkerChannel
-from vllm_omni.stage_io import StageEngine, StageOutput, StageRequest, error_output
+from vllm_omni.stage_io import StageEngine, StageInputChunk, StageOutput, StageRequest, error_output
 
 logger = logging.getLogger(__name__)
 
@@ -139,14 +139,15 @@ def _worker_class(stage: StageConfig) -> type:
 
 def _serve(engine: StageEngine, chan: WorkerChannel, spec: WorkerSpec) -> int:
     while True:
-        busy = engine.has_unfinished()
+        # Requests waiting for streamed input or paused are no work: block on the socket.
+        busy = engine.has_work()
         msg = chan.recv(0 if busy else _IDLE_WAIT_MS)
         while msg is not None:  # drain everything queued before the next step
             if isinstance(msg, Shutdown):
                 return 0
             _handle(msg, engine, chan, spec.stage_id)
             msg = chan.recv(0)
-        if not engine.has_unfinished():
+        if not engine.has_work():
             if not spec.in_process and os.getppid() != spec.parent_pid:
                 logger.error("stage %d: parent process is gone; exiting", spec.stage_id)
                 return 1
@@ -163,8 +164,12 @@ def _serve(engine: StageEngine, chan: WorkerChannel, spec: WorkerSpec) -> int:
 def _handle(msg: object, engine: StageEngine, chan: WorkerChannel, stage_id: int) -> None:
     if isinstance(msg, StageRequest):
         engine.add_request(msg)
+    elif isinstance(msg, StageInputChunk):
+        engine.add_input(msg)
     elif isinstance(msg, AbortRequests):
         engine.abort(msg.request_ids)
+    elif isinstance(msg, PauseRequests):
+        engine.pause(msg.request_ids, msg.paused)
     elif isinstance(msg, StatsRequest):
         chan.send(StageStats(nonce=msg.nonce, stage_id=stage_id, **engine.stats()))
     else:

@@ -45,7 +45,7 @@ class LLM:
             request_id = str(next(self._ids))
             order.append(request_id)
             text, token_ids = self._tokenize(prompt)
-            early = self.engine.add_request(request_id, token_ids, params, prompt=text, stream=False)
+            early = self.engine.add_request(request_id, token_ids, params, prompt=text)
             if early is not None:
                 outputs[request_id] = early
         self._run(outputs, len(order), use_tqdm)

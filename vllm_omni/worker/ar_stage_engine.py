@@ -2,8 +2,11 @@
 
 It turns the engine's cumulative `RequestOutput`s into `StageOutput` deltas: a `DELTA`
 request reports every step that produced something, a `FINAL_ONLY` request once, when it
-finishes (the engine then builds no intermediate outputs at all). A request that cannot run
-comes back as an error output; nothing here raises for one bad request.
+finishes (the engine then builds no intermediate outputs at all). A request whose input
+streams in (`input_complete=False`) gets its chunks through `add_input` and reports how many
+of its output tokens it has made (each consumed one streamed row) for the orchestrator's flow
+control. A request that cannot run comes back as an error output; nothing here raises for
+one bad request.
 """
 from __future__ import annotations
 
@@ -13,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_omni.stage_io import PROMPT_EMBEDS_KEY, OutputKind, StageOutput, StageRequest, error_output
+from vllm_omni.stage_io import (
+    PROMPT_EMBEDS_KEY, OutputKind, StageInputChunk, StageOutput, StageRequest, error_output,
+)
 
 if TYPE_CHECKING:
     from vllm_omni.core.llm_engine import LLMEngine
@@ -28,6 +33,7 @@ class _Sent:
     text: int = 0
     logprobs: int = 0
     hold_back: int = 0  # trailing characters a later stop string could still cut off
+    streamed_input: bool = False  # its input streams in: report consumption for flow control
 
 
 class ARStageEngine:
@@ -60,16 +66,28 @@ class ARStageEngine:
         hold = 0
         if params.stop and not params.include_stop_str_in_output:
             hold = max(len(s) for s in params.stop) - 1
-        self._sent[rid] = _Sent(hold_back=hold)
+        self._sent[rid] = _Sent(hold_back=hold, streamed_input=not req.input_complete)
         # Every other key is the stage model's own input (e.g. a talker's thinker states, a
         # thinker's processed media); the model parses and validates them.
         early = self.engine.add_request(
             rid, req.prompt_token_ids, params, prompt=req.prompt, prompt_embeds=embeds,
             return_hidden_states=self.export_hidden_states, model_inputs=info or None,
-            stream=req.output_kind == OutputKind.DELTA,
+            stream=req.output_kind == OutputKind.DELTA, input_complete=req.input_complete,
         )
         if early is not None:
             self._ready.append(self._delta(early))
+
+    def add_input(self, chunk: StageInputChunk) -> None:
+        if chunk.request_id not in self._sent:
+            return  # finished or aborted meanwhile
+        try:
+            self.engine.append_inputs(chunk.request_id, chunk.additional_information, chunk.final)
+        except Exception as e:  # noqa: BLE001 - a bad chunk fails its request alone
+            self.abort([chunk.request_id])
+            self._ready.append(error_output(chunk.request_id, f"stage {self.stage_id}: {type(e).__name__}: {e}"))
+
+    def pause(self, request_ids: Sequence[str], paused: bool) -> None:
+        self.engine.pause_requests([rid for rid in request_ids if rid in self._sent], paused)
 
     def abort(self, request_ids: Sequence[str]) -> None:
         ids = [rid for rid in request_ids if self._sent.pop(rid, None) is not None]
@@ -82,8 +100,8 @@ class ARStageEngine:
             outputs.extend(self._delta(o) for o in self.engine.step() if o.request_id in self._sent)
         return outputs
 
-    def has_unfinished(self) -> bool:
-        return bool(self._ready) or self.engine.has_unfinished_requests()
+    def has_work(self) -> bool:
+        return bool(self._ready) or self.engine.has_work()
 
     def fail_all(self, error: str) -> list[StageOutput]:
         ids = list(self._sent)
@@ -103,8 +121,10 @@ class ARStageEngine:
             cumulative_logprob=comp.cumulative_logprob,
             finish_reason=comp.finish_reason,
             stop_reason=comp.stop_reason,
-            multimodal_output=dict(comp.multimodal_output),  # only filled when finished
+            # What the engine captured or the model made since the previous output.
+            multimodal_output=dict(comp.multimodal_output),
             error=out.error,
+            consumed_units=len(comp.token_ids) if sent.streamed_input else None,
         )
         sent.tokens, sent.text = len(comp.token_ids), text_end
         sent.logprobs = len(comp.logprobs) if comp.logprobs is not None else 0
@@ -123,6 +143,7 @@ class ARStageEngine:
     def describe(self) -> dict[str, Any]:
         return {
             "engine": "ar",
+            "accepts_streamed_input": self.engine.model.accepts_streamed_input,
             "device": str(self.engine.device),
             "dtype": str(self.engine.dtype),
             "max_model_len": self.engine.max_model_len,

@@ -1,7 +1,12 @@
 """`GenerationStageEngine`: one forward pass per batch of queued requests (e.g. code2wav).
 
 A batch that fails is retried one request at a time, so the request that broke it fails
-alone. Every request is `FINAL_ONLY` by nature: its one output is its whole result.
+alone. A whole request is `FINAL_ONLY` by nature: its one output is its whole result.
+
+A request whose input streams in (`input_complete=False`, a streaming edge from a talker)
+gets a `StreamingDecoder` from the model; its units arrive with `add_input`, and each step
+decodes, in one batched call, a chunk of every request whose decoder is ready, sending each
+chunk on at once with how many units it has consumed (flow control upstream).
 """
 from __future__ import annotations
 
@@ -9,10 +14,15 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import torch
 
 from vllm_omni.core.sched.omni_generation_scheduler import OmniGenerationScheduler
-from vllm_omni.stage_io import GenerationModel, StageOutput, StageRequest, error_output
+
+from vllm_omni.stage_io import (
+    STREAM_UNITS_KEY, GenerationModel, StageInputChunk, StageOutput, StageRequest, StreamingDecoder,
+    StreamingGenerationModel, error_output,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -25,22 +35,88 @@ class GenerationStageEngine:
         self.stage_id = stage_id
         self.device = device
         self._ready: list[StageOutput] = []
+        self._streams: dict[str, StreamingDecoder] = {}  # requests whose input streams in
 
     def add_request(self, req: StageRequest) -> None:
         try:
-            self.scheduler.add_request(req)
+            if req.input_complete:
+                self.scheduler.add_request(req)
+            else:
+                self._open_stream(req)
         except ValueError as e:
             self._ready.append(error_output(req.request_id, f"stage {self.stage_id}: {e}"))
 
+    def _open_stream(self, req: StageRequest) -> None:
+        if not isinstance(self.model, StreamingGenerationModel):
+            raise ValueError(f"{type(self.model).__name__} does not take streamed input")
+        if req.request_id in self._streams:
+            raise ValueError(f"request {req.request_id} is already streaming into this stage")
+        info = dict(req.additional_information)
+        units = info.pop(STREAM_UNITS_KEY, None)
+        decoder = self.model.open_stream(msgspec.structs.replace(req, additional_information=info))
+        if units is not None:
+            decoder.push(units, final=False)
+        self._streams[req.request_id] = decoder
+
+    def add_input(self, chunk: StageInputChunk) -> None:
+        decoder = self._streams.get(chunk.request_id)
+        if decoder is None:
+            return  # finished or aborted meanwhile
+        info = dict(chunk.additional_information)
+        units = info.pop(STREAM_UNITS_KEY, None)
+        try:
+            if info:
+                raise ValueError(f"a streamed chunk holds only {STREAM_UNITS_KEY!r}, got {sorted(info)}")
+            if units is not None:
+                decoder.push(units, final=chunk.final)
+            elif chunk.final:
+                decoder.push(torch.zeros(0), final=True)
+        except ValueError as e:
+            del self._streams[chunk.request_id]
+            self._ready.append(error_output(chunk.request_id, f"stage {self.stage_id}: {e}"))
+
+    def pause(self, request_ids: Sequence[str], paused: bool) -> None:
+        """Nothing to pause: this stage feeds no streaming edge."""
+
     def abort(self, request_ids: Sequence[str]) -> None:
         self.scheduler.abort(request_ids)
+        for rid in request_ids:
+            self._streams.pop(rid, None)
 
     def step(self) -> list[StageOutput]:
         outputs, self._ready = self._ready, []
+        ready = [rid for rid, d in self._streams.items() if d.ready()][: self.scheduler.max_batch_size]
+        if ready:
+            outputs.extend(self._decode_streams(ready))
         batch = self.scheduler.schedule()
         if batch:
             outputs.extend(self._run(batch))
         return outputs
+
+    def _decode_streams(self, ids: list[str]) -> list[StageOutput]:
+        decoders = [self._streams[rid] for rid in ids]
+        try:
+            results = self._check(ids, self._decode(decoders))
+        except Exception as e:  # noqa: BLE001 - isolate the request that broke the batch
+            if len(ids) == 1:
+                logger.warning("stage %d: request %s failed: %s", self.stage_id, ids[0], e)
+                del self._streams[ids[0]]
+                return [error_output(ids[0], f"stage {self.stage_id}: {type(e).__name__}: {e}")]
+            logger.warning("stage %d: a stream batch of %d failed (%s); retrying one by one", self.stage_id,
+                           len(ids), e)
+            return [out for rid in ids for out in self._decode_streams([rid])]
+        outputs = []
+        for rid, decoder, result in zip(ids, decoders, results):
+            if decoder.finished:
+                del self._streams[rid]
+            outputs.append(StageOutput(request_id=rid, finished=decoder.finished,
+                                       finish_reason="stop" if decoder.finished else None,
+                                       multimodal_output=result, consumed_units=decoder.consumed))
+        return outputs
+
+    @torch.inference_mode()
+    def _decode(self, decoders: list[StreamingDecoder]) -> list[dict[str, torch.Tensor]]:
+        return self.model.decode_streams(decoders)
 
     def _run(self, batch: list[StageRequest]) -> list[StageOutput]:
         try:
@@ -58,23 +134,28 @@ class GenerationStageEngine:
 
     @torch.inference_mode()
     def _forward(self, batch: list[StageRequest]) -> list[dict[str, torch.Tensor]]:
-        results = self.model.generate_batch(batch)
-        if len(results) != len(batch):
-            raise RuntimeError(f"generate_batch returned {len(results)} results for {len(batch)} requests")
-        for req, result in zip(batch, results):
+        return self._check([req.request_id for req in batch], self.model.generate_batch(batch))
+
+    @staticmethod
+    def _check(ids: list[str], results: list) -> list[dict[str, torch.Tensor]]:
+        if len(results) != len(ids):
+            raise RuntimeError(f"the model returned {len(results)} results for {len(ids)} requests")
+        for rid, result in zip(ids, results):
             if not isinstance(result, dict) or not all(isinstance(v, torch.Tensor) for v in result.values()):
-                raise TypeError(f"generate_batch must return dict[str, Tensor] per request (request {req.request_id})")
+                raise TypeError(f"the model must return dict[str, Tensor] per request (request {rid})")
         return results
 
-    def has_unfinished(self) -> bool:
-        return bool(self._ready) or self.scheduler.has_unfinished()
+    def has_work(self) -> bool:
+        return bool(self._ready) or self.scheduler.has_unfinished() or any(d.ready() for d in self._streams.values())
 
     def fail_all(self, error: str) -> list[StageOutput]:
         # _run reports every failure of the batch it ran; queued requests are untouched.
         return []
 
     def stats(self) -> dict[str, int]:
-        return {"num_unfinished": self.scheduler.num_waiting, "num_waiting": self.scheduler.num_waiting}
+        waiting = self.scheduler.num_waiting
+        return {"num_unfinished": waiting + len(self._streams), "num_waiting": waiting}
 
     def describe(self) -> dict[str, Any]:
-        return {"engine": "generation", "device": self.device, "max_batch_size": self.scheduler.max_batch_size}
+        return {"engine": "generation", "device": self.device, "max_batch_size": self.scheduler.max_batch_size,
+                "accepts_streamed_input": isinstance(self.model, StreamingGenerationModel)}

@@ -65,7 +65,6 @@ OMNI_FLAGS: tuple[Flag, ...] = (
     _f("--stage-overrides", "Per-stage JSON overrides, e.g. '{\"0\": {\"gpu_memory_utilization\": 0.8}}'.",
        default=None),
     _f("--async-chunk", "Override the deploy YAML's async_chunk: bool. Unset leaves the YAML value in force.",
-       "streaming between stages is not implemented yet (edges run with window_size -1)",
        action=argparse.BooleanOptionalAction, default=None),
     _f("--stage-id", "Select and launch a single stage by stage_id.", _STAGE_CLI, type=int, default=None),
     _f("--replica-id", "Deprecated and ignored: replica ids are auto-assigned by the master server. Specifying "

@@ -2,8 +2,10 @@
 outputs and the user's prompt (voice, multimodal layout)."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import torch
 
 from vllm_omni.outputs import RequestOutput
 
@@ -63,3 +65,18 @@ def check_speaker(value: Any) -> str | None:
     if value is not None and not isinstance(value, str):
         raise ValueError(f"{SPEAKER_KEY} must be a voice name (string), got {type(value).__name__}")
     return value
+
+
+def streamed_rows(info: Mapping[str, Any], keys: Sequence[str], width: int) -> tuple[torch.Tensor, ...]:
+    """The row tensors of one streamed input chunk, in `keys` order: exactly those keys, each
+    [n, width], all with the same n. ValueError otherwise (the chunk fails its request)."""
+    if set(info) != set(keys):
+        raise ValueError(f"streamed input chunk has keys {sorted(info)}; expected {sorted(keys)}")
+    rows = tuple(info[k] for k in keys)
+    for key, t in zip(keys, rows):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != width:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"streamed input {key!r} must be [rows, {width}], got {shape}")
+    if len({t.shape[0] for t in rows}) > 1:
+        raise ValueError(f"streamed inputs {list(keys)} differ in rows: {[t.shape[0] for t in rows]}")
+    return rows

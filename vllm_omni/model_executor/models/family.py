@@ -41,6 +41,8 @@ class ModelFamily:
     # model_stage -> dotted bridge it needs when its stage config names no
     # custom_process_input_func (spec 003 stage input processor).
     bridges: Mapping[str, str] = field(default_factory=dict)
+    # model_stage -> dotted stage_io.StreamBridge: how a streaming edge (async_chunk) feeds it.
+    stream_bridges: Mapping[str, str] = field(default_factory=dict)
     # "module:Class" built as Class(model_dir, tokenizer): the user prompt -> stage-0 input.
     input_processor: str | None = None
     pipelines: Mapping[PipelineVariant, str] = field(default_factory=dict)  # -> bundled pipeline name
@@ -50,7 +52,7 @@ class ModelFamily:
     def __post_init__(self) -> None:
         if (self.single_stage_model is None) == (not self.stage_models):
             raise ValueError(f"family {self.name}: give stage_models or single_stage_model, not both or neither")
-        for stage in (*self.stage_checkpoints.values(), *self.bridges):
+        for stage in (*self.stage_checkpoints.values(), *self.bridges, *self.stream_bridges):
             if stage not in self.stage_models:
                 raise ValueError(f"family {self.name}: stage {stage!r} has no entry in stage_models")
 

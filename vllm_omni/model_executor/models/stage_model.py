@@ -12,7 +12,10 @@ Per request, the engine calls, in order:
   model.request_positions(request, start, end)      # each step, if uses_mrope
   model.embed_request_span(request, start, end, ids)  # each step, if embeds_requests
   model.on_tokens_sampled(requests, hidden, ids)    # each step that sampled, after sampling
-  model.finished_request_outputs(request)           # once, when the request finishes
+  model.request_outputs(request, finished)          # with each output the request makes
+A request fed by a streaming edge (its input arrives while it runs) also gets
+  model.available_positions(request)                # after parsing and after each chunk
+  model.append_request_inputs(request, info, final) # for each chunk of input
 `request.model_inputs` holds what `parse_request_inputs` returned (None: no inputs);
 `request.model_state` is scratch space the model may fill once per request (it survives
 preemption, because it depends only on the inputs).
@@ -37,6 +40,7 @@ class Request(Protocol):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     generator: torch.Generator | None  # the request's seeded RNG, if it has a seed
+    input_complete: bool  # False while its input streams in
     model_inputs: Any  # what parse_request_inputs returned
     model_state: dict[str, Any]  # the model's own per-request scratch space
 
@@ -73,6 +77,7 @@ class StageModel(nn.Module):
     uses_mrope: ClassVar[bool] = False  # request_positions gives [3, n] multimodal positions
     embeds_requests: ClassVar[bool] = False  # embed_request_span builds every input row
     supports_cuda_graphs: ClassVar[bool] = True  # decode steps may replay captured graphs
+    accepts_streamed_input: ClassVar[bool] = False  # append_request_inputs / available_positions
 
     # --- sizes (set by the subclass) -----------------------------------------------------
     num_layers: int
@@ -131,6 +136,18 @@ class StageModel(nn.Module):
         """After sampling, before the engine appends the tokens: hidden [B, H] produced the B
         sampled `token_ids` (`request.num_output_tokens` is the new token's index)."""
 
-    def finished_request_outputs(self, request: Request) -> dict[str, torch.Tensor]:
-        """Named CPU tensors a finished request returns besides its tokens (a talker's frames)."""
+    def request_outputs(self, request: Request, finished: bool) -> dict[str, torch.Tensor]:
+        """Named CPU tensors a request returns besides its tokens (a talker's codec frames):
+        the rows made since the previous call; `finished`: this is its last output."""
         return {}
+
+    # --- streamed input (a downstream stage of a streaming edge) ------------------------------
+    def append_request_inputs(self, request: Request, info: Mapping[str, Any], final: bool) -> None:
+        """Rows of input that streamed in for a started request; `final`: nothing more comes.
+        ValueError fails that request alone."""
+        raise ValueError(f"{type(self).__name__} does not take streamed input")
+
+    def available_positions(self, request: Request) -> int | None:
+        """How many positions of a request whose input is still streaming in have their inputs
+        (the engine computes below that and waits for the rest); None: all of them."""
+        return None

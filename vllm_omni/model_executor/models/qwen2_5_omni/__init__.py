@@ -29,6 +29,8 @@ FAMILY = ModelFamily(
     # lose the talker's stop token and carry the requested voice.
     # Named by their documented (spec 003) paths, which re-export bridges.py.
     bridges={"talker": f"{_BRIDGES}.thinker2talker", "code2wav": f"{_BRIDGES}.talker2code2wav"},
+    stream_bridges={"talker": f"{_HERE}.bridges.THINKER_TO_TALKER_STREAM",
+                    "code2wav": f"{_HERE}.bridges.TALKER_TO_CODE2WAV_STREAM"},
     input_processor="vllm_omni.multimodal.input_processors:Qwen2_5OmniPromptProcessor",
     pipelines={PipelineVariant.DEFAULT: "qwen2_5_omni", PipelineVariant.SINGLE_DEVICE: "qwen2_5_omni_single_gpu",
                PipelineVariant.TEXT_ONLY: "qwen2_5_omni_thinker_only"},

@@ -32,6 +32,7 @@ from vllm_omni.model_executor.models.bridge_utils import (
     source_outputs,
 )
 from vllm_omni.outputs import RequestOutput
+from vllm_omni.stage_io import STREAM_UNITS_KEY, StageOutput, StreamBridge
 
 THINKER_EMBEDS_KEY = "0"  # transformers' output_hidden_states index 0: the input embeddings
 THINKER_HIDDEN_KEY = "last"  # final post-norm hidden states
@@ -195,3 +196,42 @@ def _talker_prompt(out: RequestOutput, speaker: str | None, layout: dict[str, An
 
 def _describe(value: Any) -> str:
     return f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+# --- streaming edges (async_chunk): the same inputs, built as the upstream stage generates ------
+
+def _start_talker(thinker: RequestOutput, prompt: Any) -> OmniTokensPrompt | None:
+    # The talker's prompt ends with r_0, the thinker's row of its first reply token, which
+    # exists once that token went back through the thinker (it sampled a second one).
+    if not thinker.finished and len(thinker.outputs[0].token_ids) < 2:
+        return None
+    return _talker_prompt(thinker, requested_speaker(prompt), multimodal_layout(prompt))
+
+
+def _talker_chunk(delta: StageOutput) -> dict[str, torch.Tensor]:
+    """The thinker rows of one delta ({} when it computed none)."""
+    states = delta.multimodal_output
+    if THINKER_EMBEDS_KEY not in states:
+        return {}
+    return {"thinker_embeds": states[THINKER_EMBEDS_KEY], "thinker_hidden": states[THINKER_HIDDEN_KEY]}
+
+
+def _start_code2wav(talker: RequestOutput, prompt: Any) -> OmniTokensPrompt:
+    codes = codes_without_stop_token(talker) if talker.finished else list(talker.outputs[0].token_ids)
+    if talker.finished and not codes:
+        raise ValueError(f"request {talker.request_id}: the talker produced no codec codes")
+    info = Code2WavInputs(speaker=requested_speaker(prompt)).to_info()
+    info[STREAM_UNITS_KEY] = torch.tensor(codes, dtype=torch.long)
+    return OmniTokensPrompt(prompt_token_ids=[], additional_information=info)
+
+
+def _code2wav_chunk(delta: StageOutput) -> dict[str, torch.Tensor]:
+    codes = list(delta.new_token_ids)
+    # The token that stopped the talker (codec end / pad) is not spoken.
+    if delta.finished and delta.finish_reason == "stop" and not isinstance(delta.stop_reason, str) and codes:
+        codes.pop()
+    return {STREAM_UNITS_KEY: torch.tensor(codes, dtype=torch.long)} if codes else {}
+
+
+THINKER_TO_TALKER_STREAM = StreamBridge(start=_start_talker, chunk=_talker_chunk)
+TALKER_TO_CODE2WAV_STREAM = StreamBridge(start=_start_code2wav, chunk=_code2wav_chunk)

@@ -34,6 +34,8 @@ from vllm_omni.model_executor.models.decoder import DecoderModel, config_head_di
 from vllm_omni.model_executor.models.qwen2 import make_qwen2_layer
 from vllm_omni.model_executor.models.qwen2_5_omni.positions import MRopeTokenConfig, omni_rope_index
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav import load_speakers, select_speaker
+from vllm_omni.growing_tensor import GrowingTensor
+from vllm_omni.model_executor.models.bridge_utils import streamed_rows
 from vllm_omni.model_executor.models.stage_model import StageModel
 from vllm_omni.model_executor.models.utils import load_weights_strict, map_stacked_name
 from vllm_omni.model_executor.models.qwen2_5_omni.bridges import TalkerInputs
@@ -48,7 +50,10 @@ _PREFIX = "talker."
 class _RequestState:
     """Derived once per request from its inputs (kept across preemption in model_state)."""
 
-    conditioning: torch.Tensor  # [P + R + 3, E] thinker-side row of each position; the last repeats
+    # Thinker-side row of each position: P prompt rows, speaker bos, r_0.. r_{R-1}, and once the
+    # thinker's reply is complete, text eos and text pad (the last row repeats).
+    conditioning: GrowingTensor
+    complete: bool  # the thinker's reply is all there (no more streamed rows)
     prompt_positions: torch.Tensor  # [3, P] long, CPU
     delta: int  # position of token i >= P is i + delta
     num_prompt: int  # P
@@ -57,6 +62,7 @@ class _RequestState:
 class Qwen2_5OmniTalkerForConditionalGeneration(StageModel):
     uses_mrope = True
     embeds_requests = True
+    accepts_streamed_input = True  # the thinker's reply rows, as it generates them
 
     @classmethod
     def exported_hidden_states(cls, hf_config: PretrainedConfig) -> tuple[int, ...]:
@@ -161,7 +167,10 @@ class Qwen2_5OmniTalkerForConditionalGeneration(StageModel):
         codec_ids = torch.where(idx == st.num_prompt, self.codec_pad, token_ids)
         codec_ids = torch.where(idx == st.num_prompt + 1, self.codec_bos, codec_ids)
         codec_ids = torch.where(idx < st.num_prompt, self.codec_mask, codec_ids)
-        rows = st.conditioning[idx.clamp(max=st.conditioning.shape[0] - 1)]
+        conditioning = st.conditioning.view
+        # Past the end only once complete (the pad row repeats); before that the engine
+        # computes only positions below available_positions().
+        rows = conditioning[idx.clamp(max=conditioning.shape[0] - 1)]
         rows = torch.where((idx >= st.num_prompt)[:, None], rows + self.model.embed_tokens(codec_ids), rows)
         return self.thinker_to_talker_proj(rows)
 
@@ -196,13 +205,36 @@ class Qwen2_5OmniTalkerForConditionalGeneration(StageModel):
         prompt_rows = hidden[:num_prompt] + embeds[:num_prompt].masked_fill(placeholder[:, None], 0.0)
         reply_rows = hidden[num_prompt:] + embeds[num_prompt:]
         bos = self.text_row[self.speaker_bos[select_speaker(self.speaker_bos, inputs.speaker)]]
-        eos, pad = self.text_row[self.config.tts_text_end_token_id], self.text_row[self.config.tts_text_pad_token_id]
+        conditioning = GrowingTensor(torch.cat([prompt_rows, weight[bos : bos + 1], reply_rows]))
+        positions, delta = self._prompt_positions(inputs)
+        st = _RequestState(conditioning, False, positions, delta, num_prompt)
+        if request.input_complete:
+            self._complete(st)
+        return st
+
+    def _complete(self, st: _RequestState) -> None:
         # With R = 0 (a one-token reply, which transformers cannot handle) the stream simply
         # starts with the text eos.
-        conditioning = torch.cat([prompt_rows, weight[bos : bos + 1], reply_rows, weight[eos : eos + 1],
-                                  weight[pad : pad + 1]])
-        positions, delta = self._prompt_positions(inputs)
-        return _RequestState(conditioning, positions, delta, num_prompt)
+        weight = self.thinker_text_embeds
+        eos, pad = self.text_row[self.config.tts_text_end_token_id], self.text_row[self.config.tts_text_pad_token_id]
+        st.conditioning.append(torch.cat([weight[eos : eos + 1], weight[pad : pad + 1]]))
+        st.complete = True
+
+    # --- streamed input: the thinker's reply rows as it generates them ---------------------
+    def append_request_inputs(self, request, info: Mapping[str, Any], final: bool) -> None:
+        """Rows of the thinker's reply ({"thinker_embeds": [n, E], "thinker_hidden": [n, E]})."""
+        st = self._state(request)
+        if info:
+            embeds, hidden = streamed_rows(info, ("thinker_embeds", "thinker_hidden"), st.conditioning.view.shape[1])
+        if info and embeds.shape[0]:
+            weight = self.thinker_text_embeds
+            st.conditioning.append(hidden.to(weight.device, weight.dtype) + embeds.to(weight.device, weight.dtype))
+        if final:
+            self._complete(st)
+
+    def available_positions(self, request) -> int | None:
+        st = self._state(request)
+        return None if st.complete else len(st.conditioning)
 
     def _check_layout(self, inputs: TalkerInputs) -> None:
         has_vision = bool(torch.isin(torch.tensor(inputs.thinker_prompt_token_ids), self.vision_ids).any())

@@ -26,6 +26,8 @@ FAMILY = ModelFamily(
     stage_checkpoints={"Qwen3OmniMoeThinkerForConditionalGeneration": "thinker", "qwen3_omni_moe_thinker": "thinker"},
     # Named by their documented (spec 003) paths, which re-export bridges.py.
     bridges={"talker": f"{_BRIDGES}.thinker2talker", "code2wav": f"{_BRIDGES}.talker2code2wav"},
+    stream_bridges={"talker": f"{_HERE}.bridges.THINKER_TO_TALKER_STREAM",
+                    "code2wav": f"{_HERE}.bridges.TALKER_TO_CODE2WAV_STREAM"},
     input_processor="vllm_omni.multimodal.input_processors:Qwen3OmniPromptProcessor",
     pipelines={PipelineVariant.DEFAULT: "qwen3_omni_moe", PipelineVariant.SINGLE_DEVICE: "qwen3_omni_moe_single_gpu",
                PipelineVariant.TEXT_ONLY: "qwen3_omni_moe_thinker_only"},

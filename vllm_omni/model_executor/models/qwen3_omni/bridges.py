@@ -34,6 +34,7 @@ from vllm_omni.model_executor.models.bridge_utils import (
     source_outputs,
 )
 from vllm_omni.outputs import RequestOutput
+from vllm_omni.stage_io import STREAM_UNITS_KEY, StageOutput, StreamBridge
 
 THINKER_EMBEDS_KEY = "0"
 CODES_KEY = "code_predictor_codes"  # the talker's export: [frames, num_code_groups] long
@@ -143,3 +144,41 @@ def _code2wav_prompt(out: RequestOutput) -> OmniTokensPrompt:
     if codes.shape[0] == 0:
         raise ValueError(f"request {out.request_id}: the talker produced no codec codes")
     return OmniTokensPrompt(prompt_token_ids=codes.to(torch.long).T.reshape(-1).tolist(), additional_information={})
+
+
+# --- streaming edges (async_chunk): the same inputs, built as the upstream stage generates ------
+
+def _start_talker(thinker: RequestOutput, prompt: Any) -> OmniTokensPrompt | None:
+    # The talker's prompt ends with the thinker's row of its first reply token, which exists
+    # once that token went back through the thinker (it sampled a second one).
+    if not thinker.finished and len(thinker.outputs[0].token_ids) < 2:
+        return None
+    return _talker_prompt(thinker, requested_speaker(prompt), multimodal_layout(prompt))
+
+
+def _talker_chunk(delta: StageOutput) -> dict[str, torch.Tensor]:
+    """The thinker rows of one delta ({} when it computed none)."""
+    states = delta.multimodal_output
+    if THINKER_EMBEDS_KEY not in states:
+        return {}
+    layer = _hidden_layer(delta.request_id, states)
+    return {"thinker_embeds": states[THINKER_EMBEDS_KEY], "thinker_hidden": states[str(layer)]}
+
+
+def _start_code2wav(talker: RequestOutput, prompt: Any) -> OmniTokensPrompt | None:
+    frames = talker.outputs[0].multimodal_output.get(CODES_KEY)
+    if frames is None or frames.shape[0] == 0:
+        if talker.finished:
+            raise ValueError(f"request {talker.request_id}: the talker produced no codec codes")
+        return None
+    return OmniTokensPrompt(prompt_token_ids=[], additional_information={STREAM_UNITS_KEY: frames})
+
+
+def _code2wav_chunk(delta: StageOutput) -> dict[str, torch.Tensor]:
+    """The codec frames [n, num_code_groups] of one delta (the talker never hands out an EOS frame)."""
+    frames = delta.multimodal_output.get(CODES_KEY)
+    return {STREAM_UNITS_KEY: frames} if frames is not None and frames.shape[0] else {}
+
+
+THINKER_TO_TALKER_STREAM = StreamBridge(start=_start_talker, chunk=_talker_chunk)
+TALKER_TO_CODE2WAV_STREAM = StreamBridge(start=_start_code2wav, chunk=_code2wav_chunk)

@@ -35,6 +35,8 @@ from vllm_omni.model_executor.models.decoder import DecoderLayer, DecoderModel, 
 from vllm_omni.model_executor.models.qwen3 import make_qwen3_attention
 from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_code_predictor import Qwen3OmniMoeCodePredictor
 from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_talker_prompt import TalkerPrompt, talker_prompt
+from vllm_omni.growing_tensor import GrowingTensor
+from vllm_omni.model_executor.models.bridge_utils import streamed_rows
 from vllm_omni.model_executor.models.stage_model import StageModel
 from vllm_omni.model_executor.models.utils import load_weights_strict, map_stacked_name
 from vllm_omni.model_executor.models.qwen3_omni.bridges import CODES_KEY, TalkerInputs
@@ -85,15 +87,20 @@ class _RequestState:
 
     prompt: TalkerPrompt
     prompt_embeds: torch.Tensor  # [P_t, H] talker input rows of the prompt
-    text_stream: torch.Tensor  # [T, H] text part of output token k's input row (k < T)
-    text_pad: torch.Tensor  # [H] text part after the stream (projected tts_pad)
-    frame_embeds: list[torch.Tensor] = field(default_factory=list)  # input row of output token k
+    # Text part of output token k's input row (k < T): the projected reply rows, then the
+    # projected tts_eos once the thinker's reply is complete; tts_pad after that.
+    text_stream: GrowingTensor
+    text_pad: torch.Tensor  # [H]
+    complete: bool  # the thinker's reply is all there (no more streamed rows)
+    codec_rows: list[torch.Tensor] = field(default_factory=list)  # codec part of output token k's row
     frames: list[torch.Tensor] = field(default_factory=list)  # [G] long CPU codes of output token k
+    frames_sent: int = 0  # frames handed out by request_outputs
 
 
 class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
     uses_mrope = True
     embeds_requests = True
+    accepts_streamed_input = True  # the thinker's reply rows, as it generates them
     supports_cuda_graphs = False  # the code predictor runs between steps on per-request state
 
     @classmethod
@@ -188,24 +195,24 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
         frames = torch.cat([tokens[:, None], codes], dim=1).cpu()
         for i, req in enumerate(requests):
             st, k = self._state(req), req.num_output_tokens  # the engine appends the token after this hook
-            del st.frames[k:], st.frame_embeds[k:]
-            text = st.text_stream[k] if k < st.text_stream.shape[0] else st.text_pad
-            st.frame_embeds.append(codec_rows[i] + text)
+            del st.frames[k:], st.codec_rows[k:]
+            st.codec_rows.append(codec_rows[i])
             st.frames.append(frames[i])
 
-    def finished_request_outputs(self, request) -> dict[str, torch.Tensor]:
-        """Engine hook at finish: {"code_predictor_codes": [frames, G] long}, one frame per
-        sampled token except an EOS that ended the request (transformers never decodes it)."""
+    def request_outputs(self, request, finished: bool) -> dict[str, torch.Tensor]:
+        """{"code_predictor_codes": [frames, G] long}: the frames made since the previous call, one
+        per sampled token except an EOS that ended the request (transformers never decodes it)."""
         st = request.model_state.get(_STATE_KEY)
-        if st is None or not st.frames:
+        if st is None:
             return {}
-        frames = st.frames[: request.num_output_tokens]
-        last = request.output_token_ids[len(frames) - 1]
-        if last in self.eos_token_ids and not request.sampling_params.ignore_eos:
-            frames = frames[:-1]
-        if not frames:
-            return {CODES_KEY: torch.zeros(0, self.config.num_code_groups, dtype=torch.long)}
-        return {CODES_KEY: torch.stack(frames)}
+        end = request.num_output_tokens
+        if finished and end and request.output_token_ids[-1] in self.eos_token_ids \
+                and not request.sampling_params.ignore_eos:
+            end -= 1
+        new, st.frames_sent = st.frames[st.frames_sent:end], max(st.frames_sent, end)
+        if new:
+            return {CODES_KEY: torch.stack(new)}
+        return {CODES_KEY: torch.zeros(0, self.config.num_code_groups, dtype=torch.long)} if finished else {}
 
     def _predictor_sample_fn(self, requests: list):
         if all(r.sampling_params.greedy for r in requests):
@@ -228,12 +235,40 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
         return [self.config.codec_pad_id] * self._prompt(inputs).num_tokens
 
     def embed_request_span(self, request, start: int, end: int, token_ids: torch.Tensor) -> torch.Tensor:
-        """[end - start, hidden] input rows of talker positions start..end-1."""
+        """[end - start, hidden] input rows of talker positions start..end-1: output token k's row
+        is its frame's codec row + the text stream's row k (transformers'
+        prepare_inputs_for_generation)."""
         st = self._state(request)
         num_prompt = st.prompt.num_tokens
         rows = [st.prompt_embeds[start:min(end, num_prompt)]]
-        rows.extend(st.frame_embeds[k - num_prompt][None] for k in range(max(start, num_prompt), end))
+        text = st.text_stream.view
+        for k in range(max(start, num_prompt) - num_prompt, end - num_prompt):
+            rows.append((st.codec_rows[k] + (text[k] if k < text.shape[0] else st.text_pad))[None])
         return torch.cat(rows)
+
+    # --- streamed input: the thinker's reply rows as it generates them ---------------------
+    def append_request_inputs(self, request, info: Mapping[str, Any], final: bool) -> None:
+        """Rows of the thinker's reply ({"thinker_embeds": [n, E], "thinker_hidden": [n, E]};
+        the talker reads only the embeddings past its prompt)."""
+        st = self._state(request)
+        if info:
+            embeds, _ = streamed_rows(info, ("thinker_embeds", "thinker_hidden"), self.config.thinker_hidden_size)
+        weight = self.thinker_special_embeds
+        if info and embeds.shape[0]:
+            # Projected as they arrive; transformers projects the whole reply at once, which
+            # rounds differently in the last bits (docs/streaming.md).
+            st.text_stream.append(self.text_projection(embeds.to(weight.device, weight.dtype)))
+        if final:
+            self._complete(st)
+
+    def available_positions(self, request) -> int | None:
+        st = self._state(request)
+        return None if st.complete else st.prompt.num_tokens + len(st.text_stream)
+
+    def _complete(self, st: _RequestState) -> None:
+        eos = self.text_projection(self.thinker_special_embeds)[1]
+        st.text_stream.append(eos[None])
+        st.complete = True
 
     def request_positions(self, request, start: int, end: int) -> torch.Tensor:
         """[3, end - start]: the prompt's M-RoPE positions; generated tokens continue each row
@@ -292,5 +327,9 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
         codec_ids = torch.tensor([tc.codec_nothink_id, tc.codec_think_bos_id, tc.codec_think_eos_id, prompt.speaker_id,
                                   tc.codec_pad_id, tc.codec_bos_id], device=weight.device)
         codec = torch.cat([text.new_zeros(3, self.hidden_size), self.model.embed_tokens(codec_ids)])
-        return _RequestState(prompt=prompt, prompt_embeds=torch.cat([user, text + codec]),
-                             text_stream=torch.cat([assistant[4:], eos[None]]), text_pad=pad)
+        st = _RequestState(prompt=prompt, prompt_embeds=torch.cat([user, text + codec]),
+                           text_stream=GrowingTensor(assistant[4:]), text_pad=pad, complete=False)
+        if request.input_complete:  # the whole reply, projected at once as transformers does
+            st.text_stream.append(eos[None])
+            st.complete = True
+        return st
