@@ -1,6 +1,5 @@
-"""One `vllm-omni serve` of the embedded demo model (tiny Qwen2.5-Omni, built fresh as on a new
-user's machine) for the realtime, transcription and page tests, and a realtime client over a
-real WebSocket (`websockets`)."""
+"""One `vllm-omni serve` of the embedded demo model (tiny Qwen2.5-Omni) for the realtime,
+transcription and page tests, and a realtime client over a real WebSocket (`websockets`)."""
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +24,11 @@ EVENT_TIMEOUT_S = 90.0  # one event; generous for a loaded 2-core machine
 def demo(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("realtime-demo")
     # The demo model lives in the user's cache, as for `vllm-omni serve` with no MODEL.
+    # Replies of at most 24 thinker tokens (unless a request says otherwise) keep every test short.
     srv = ServerProcess.launch(["--realtime-max-input-audio-s", str(MAX_INPUT_AUDIO_S),
-                                "--realtime-max-history-audio-s", str(MAX_HISTORY_AUDIO_S)], tmp / "server.log")
+                                "--realtime-max-history-audio-s", str(MAX_HISTORY_AUDIO_S),
+                                "--stage-overrides", json.dumps({"0": {"default_sampling_params": {"max_tokens": 24}}})],
+                               tmp / "server.log")
     try:
         yield srv.wait_ready()
     finally:

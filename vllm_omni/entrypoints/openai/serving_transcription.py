@@ -9,6 +9,7 @@ no timestamps, so verbose_json, srt and vtt hold one segment spanning the whole 
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 import zlib
@@ -160,8 +161,6 @@ def _temperature(form: FormData) -> float:
 
 
 async def _decode(data: bytes) -> Any:
-    import asyncio
-
     return await asyncio.to_thread(load_audio, data)
 
 

@@ -49,9 +49,6 @@ class AudioFormat:
     def wire(self) -> dict[str, object]:
         return {"type": self.type, "rate": self.rate} if self.type == "audio/pcm" else {"type": self.type}
 
-    def bytes_per_second(self) -> int:
-        return self.rate * (2 if self.type == "audio/pcm" else 1)
-
 
 def _ulaw_table() -> np.ndarray:
     u = ~np.arange(256, dtype=np.int32) & 0xFF
