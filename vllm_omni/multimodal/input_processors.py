@@ -106,7 +106,7 @@ class Qwen2_5OmniPromptProcessor:
         self.tokenizer = self.inner.tokenizer
         # Per-request video sampling overrides (fps, max_frames, ...) are mm_processor_kwargs too.
         self.video_keys = frozenset(VideoSampling.__dataclass_fields__) - {"frame_factor", "image_factor"}
-        self.speakers = self._speaker_names(Path(model_dir))
+        self.speakers = self.speaker_names(Path(model_dir))
 
     @staticmethod
     def _load_inner(model_dir: str | os.PathLike, tokenizer: Any) -> Any:
@@ -115,7 +115,7 @@ class Qwen2_5OmniPromptProcessor:
         return Qwen2_5OmniInputProcessor.from_pretrained(model_dir, tokenizer=tokenizer)
 
     @staticmethod
-    def _speaker_names(model_dir: Path) -> list[str] | None:
+    def speaker_names(model_dir: Path) -> list[str] | None:
         """The checkpoint's voices (None: a thinker-only checkpoint, which has none)."""
         if not (model_dir / "spk_dict.pt").is_file():
             return None
@@ -180,7 +180,7 @@ class Qwen3OmniPromptProcessor(Qwen2_5OmniPromptProcessor):
         return Qwen3OmniInputProcessor.from_pretrained(model_dir, tokenizer=tokenizer)
 
     @staticmethod
-    def _speaker_names(model_dir: Path) -> list[str] | None:
+    def speaker_names(model_dir: Path) -> list[str] | None:
         """None: a checkpoint without a talker (thinker-only, or a config without voices)."""
         path = model_dir / "config.json"
         config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}

@@ -96,7 +96,7 @@ def serve(args: argparse.Namespace) -> int:
         model_path=model, served_names=names, host=args.host, port=args.port, api_key=args.api_key, media=media,
         max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
         admission_timeout_s=args.batch_timeout, max_request_bytes=args.max_request_bytes,
-        uvicorn_log_level=args.uvicorn_log_level,
+        uvicorn_log_level=args.uvicorn_log_level, realtime=serve_args.realtime_limits.from_args(args),
     )
     try:
         engine = _start_engine(args, model)

@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_omni.entrypoints.openai.realtime import limits as realtime_limits
+
 _DIFFUSION = "diffusion models are not supported yet"
 _STAGE_CLI = "the stage-based CLI (one stage per process, headless workers, a remote master) is not implemented yet"
 _REPLICAS = "stage replicas are not supported yet (one replica per stage)"
@@ -205,6 +207,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help_text = flag.help if flag.refused is None else f"{flag.help} [Not supported yet: {flag.refused}; " \
                                                                "any other value than the default is refused.]"
             group.add_argument(*flag.names, dest=flag.dest, help=help_text, **flag.kwargs)
+    realtime_limits.add_arguments(parser)
 
 
 def refused_flags(args: argparse.Namespace) -> list[str]:

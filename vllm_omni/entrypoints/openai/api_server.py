@@ -16,6 +16,7 @@ from vllm_omni.entrypoints.openai.admission import AdmissionGate
 from vllm_omni.entrypoints.openai.app import build_app
 from vllm_omni.entrypoints.openai.media_fetch import MediaPolicy
 from vllm_omni.entrypoints.openai.metrics import ServerMetrics
+from vllm_omni.entrypoints.openai.realtime.limits import RealtimeLimits
 from vllm_omni.entrypoints.openai.serving_base import PipelineShape, ServingContext
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class ServerSettings:
     admission_timeout_s: float = 10.0  # --batch-timeout
     max_request_bytes: int = 128 * 1024 * 1024
     uvicorn_log_level: str = "info"
+    realtime: RealtimeLimits = field(default_factory=RealtimeLimits)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -66,7 +68,7 @@ def run_server(engine: Any, settings: ServerSettings, sock: socket.socket) -> No
     import uvicorn
 
     app = build_app(build_context(engine, settings), api_key=settings.api_key,
-                    max_request_bytes=settings.max_request_bytes)
+                    max_request_bytes=settings.max_request_bytes, realtime=settings.realtime)
     # log_config=None: uvicorn logs through the root logger, so --log-file and our format apply.
     config = uvicorn.Config(app, log_level=settings.uvicorn_log_level, log_config=None,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,

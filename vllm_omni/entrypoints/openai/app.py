@@ -3,7 +3,9 @@
     app = build_app(ctx, api_key="secret")   # ctx: serving_base.ServingContext
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health (503
-naming each stage that is down), GET /version, GET /metrics (Prometheus text format).
+naming each stage that is down), GET /version, GET /metrics (Prometheus text format); the
+realtime WebSocket GET /v1/realtime, POST /v1/audio/transcriptions and /v1/audio/translations,
+GET /v1/audio/voices, and the voice-chat page at / (static files under /static).
 With an API key, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise), as in
 vLLM; health, version and metrics stay open for probes and scrapers.
 """
@@ -11,10 +13,12 @@ from __future__ import annotations
 
 import hmac
 import time
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -26,8 +30,13 @@ from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest, Complet
 from vllm_omni.entrypoints.openai.serving_base import ServingContext, summarize_reason
 from vllm_omni.entrypoints.openai.serving_chat import ChatService
 from vllm_omni.entrypoints.openai.serving_completions import CompletionService
+from vllm_omni.entrypoints.openai.realtime.endpoint import RealtimeEndpoint, model_abilities
+from vllm_omni.entrypoints.openai.realtime.limits import RealtimeLimits
+from vllm_omni.entrypoints.openai.serving_transcription import TranscriptionService
 
-_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version", "/metrics")
+STATIC_DIR = Path(__file__).resolve().parent / "static"  # the voice-chat page (package data)
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version", "/metrics",
+           "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/audio/voices")
 
 
 class StatusMetricsMiddleware:
@@ -110,7 +119,8 @@ class BodyLimitMiddleware:
         return APIError(413, f"the request body is over the {self.max_bytes} byte limit (--max-request-bytes)")
 
 
-def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes: int = 128 * 1024 * 1024) -> FastAPI:
+def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes: int = 128 * 1024 * 1024,
+              realtime: RealtimeLimits | None = None) -> FastAPI:
     app = FastAPI(title="vllm-omni", version=__version__)
     install_error_handlers(app)
 
@@ -135,6 +145,28 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes
                  "root": ctx.model_path, "parent": None, "output_modalities": ctx.shape.modalities()}
                 for name in ctx.served_names]
         return {"object": "list", "data": data}
+
+    abilities = model_abilities(ctx)
+    app.add_api_websocket_route("/v1/realtime", RealtimeEndpoint(ctx, abilities, realtime or RealtimeLimits(), api_key))
+    transcription = TranscriptionService(ctx)
+
+    @app.post("/v1/audio/transcriptions")
+    async def create_transcription(raw: Request) -> Response:
+        return await transcription.create(raw, "transcribe")
+
+    @app.post("/v1/audio/translations")
+    async def create_translation(raw: Request) -> Response:
+        return await transcription.create(raw, "translate")
+
+    @app.get("/v1/audio/voices")
+    async def list_voices() -> dict[str, Any]:
+        return {"voices": list(abilities.voices)}
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    @app.get("/", include_in_schema=False)
+    async def voice_chat_page() -> FileResponse:
+        return FileResponse(STATIC_DIR / "index.html")
 
     @app.get("/health")
     async def health() -> JSONResponse:
