@@ -6,9 +6,16 @@ Ours runs through `AsyncOmni` (real stage processes) with at most C requests in 
 each C in `--concurrency`, streaming (output_partial) to time the first text token. transformers
 runs `Qwen2_5OmniForConditionalGeneration.generate` one request at a time in this process.
 
+Ours runs twice in the same run by default (`--async-chunk both`): with streaming edges
+(async_chunk: the talker starts on the thinker's first tokens, code2wav on the talker's first
+codes) and without (each stage hands its finished output to the next).
+
 Reported per engine and concurrency: e2e latency (mean / p50 / p90), TTFT (first text token),
-time to first audio, RTF = generation seconds / audio seconds (per request, and the aggregate
-wall time / audio seconds), requests/s.
+time to first audio (p50 / p90), RTF = generation seconds / audio seconds (per request, and
+the aggregate wall time / audio seconds), requests/s, the gaps between a request's audio
+chunks (p50 / p99) and playback underruns (a chunk arriving after everything before it has
+played, for a client that starts playing at the first chunk). Per stage (the orchestrator's
+counters): requests, tokens, busy time, early starts over streaming edges, flow-control pauses.
 
     python benchmarks/bench_omni_e2e.py                                # tiny random checkpoint, CPU
     python benchmarks/bench_omni_e2e.py --model DIR --concurrency 1,8,32 --num-requests 64 --skip-hf
@@ -57,6 +64,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--stage-overrides", default=None, help="JSON; default: max_num_seqs = max concurrency")
     p.add_argument("--hf-threads", type=int, default=None, help="torch threads for transformers (default: torch's)")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--async-chunk", choices=("both", "on", "off"), default="both",
+                   help="run ours with streaming edges, without, or both (same run)")
     p.add_argument("--json", default="bench_omni_e2e.json")
     return p.parse_args()
 
@@ -103,29 +112,43 @@ def summarize(rows: list[dict[str, float]], wall: float) -> dict[str, Any]:
                 "p90": values[min(len(values) - 1, int(0.9 * len(values)))]}
 
     audio = sum(r["audio_s"] for r in rows)
+    gaps = sorted(g for r in rows for g in r.get("gaps_s", []))
     return {"requests": len(rows), "wall_s": wall, "requests_per_s": len(rows) / wall, "audio_s": audio,
             "e2e_s": stats("e2e_s"), "ttft_s": stats("ttft_s"), "ttfa_s": stats("ttfa_s"),
-            "rtf": stats("rtf"), "rtf_aggregate": wall / audio if audio else None}
+            "rtf": stats("rtf"), "rtf_aggregate": wall / audio if audio else None,
+            "gap_p50_s": gaps[len(gaps) // 2] if gaps else None,
+            "gap_p99_s": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else None,
+            "underruns": sum(r.get("underruns", 0) for r in rows)}
 
 
 # ----------------------------------------------------------------------------------------- ours
 
 
-async def _one(omni, prompt, params) -> dict[str, float]:
+async def _one(omni, prompt, params) -> dict[str, Any]:
     t0 = time.perf_counter()
-    ttft = ttfa = None
-    audio_s = 0.0
+    ttft = None
+    chunks: list[tuple[float, float]] = []  # (arrival, seconds of audio) per audio chunk
+    rate = None
     async for out in omni.generate(prompt, params, output_partial=True):
         now = time.perf_counter() - t0
         if out.final_output_type == "text" and ttft is None and out.delta.token_ids:
             ttft = now
         if out.final_output_type == "audio":
-            ttfa = ttfa if ttfa is not None else now
-            if out.finished:
-                mm = out.request_output.outputs[0].multimodal_output
-                audio_s = mm["audio"].numel() / int(mm["sample_rate"])
+            mm = out.delta.multimodal_output
+            rate = int(mm["sample_rate"]) if "sample_rate" in mm else rate
+            if "audio" in mm and mm["audio"].numel():
+                chunks.append((now, mm["audio"].numel() / (rate or 24000)))
     e2e = time.perf_counter() - t0
-    return {"e2e_s": e2e, "ttft_s": ttft, "ttfa_s": ttfa, "audio_s": audio_s, "rtf": e2e / audio_s}
+    audio_s = sum(d for _, d in chunks)
+    # Playback starts at the first chunk; chunk i underruns if it arrives after all before it played.
+    underruns, played_until = 0, None
+    for arrival, duration in chunks:
+        if played_until is not None and arrival > played_until:
+            underruns += 1
+        played_until = max(played_until or arrival, arrival) + duration
+    return {"e2e_s": e2e, "ttft_s": ttft, "ttfa_s": chunks[0][0] if chunks else None, "audio_s": audio_s,
+            "rtf": e2e / audio_s if audio_s else None, "underruns": underruns,
+            "gaps_s": [b[0] - a[0] for a, b in zip(chunks, chunks[1:])]}
 
 
 async def _level(omni, prompts, params, concurrency: int) -> dict[str, Any]:
@@ -140,7 +163,7 @@ async def _level(omni, prompts, params, concurrency: int) -> dict[str, Any]:
     return summarize(rows, time.perf_counter() - start)
 
 
-def bench_ours(model: str, args: argparse.Namespace, levels: list[int]) -> dict[str, Any]:
+def bench_ours(model: str, args: argparse.Namespace, levels: list[int], async_chunk: bool) -> dict[str, Any]:
     from vllm_omni import AsyncOmni
 
     overrides = args.stage_overrides or {str(s): {"max_num_seqs": max(levels)} for s in range(3)}
@@ -152,7 +175,7 @@ def bench_ours(model: str, args: argparse.Namespace, levels: list[int]) -> dict[
     engine_args = {"dtype": args.dtype} if args.dtype else {}
     t0 = time.perf_counter()
     omni = AsyncOmni(model, stage_configs_path=args.stage_configs_path, deploy_config=args.deploy_config,
-                     stage_overrides=overrides, **engine_args)
+                     stage_overrides=overrides, async_chunk=async_chunk, log_stats=True, **engine_args)
     startup = time.perf_counter() - t0
     params = fixed_length_params(args)
     try:
@@ -161,10 +184,12 @@ def bench_ours(model: str, args: argparse.Namespace, levels: list[int]) -> dict[
             return {str(c): await _level(omni, make_prompts(max(c, args.num_requests), args.prompt_words), params, c)
                     for c in levels}
         results = asyncio.run(run())
+        counters = {sid: dict(c) for sid, c in omni._runtime.orchestrator.stage_counters.items()}
     finally:
         omni.close()
-    return {"startup_s": startup, "by_concurrency": results,
-            "stages": [{"stage": s.model_stage, "devices": s.runtime.devices} for s in omni.pipeline.stages]}
+    return {"startup_s": startup, "async_chunk": async_chunk, "by_concurrency": results,
+            "stages": [{"stage": s.model_stage, "devices": s.runtime.devices, **counters[s.stage_id]}
+                       for s in omni.pipeline.stages]}
 
 
 # --------------------------------------------------------------------------------- transformers
@@ -267,21 +292,30 @@ def main() -> None:
     result: dict[str, Any] = {
         "model": args.dummy_config or args.model or "tiny qwen2_5_omni (vllm_omni.testing, seed 0)",
         "text_tokens": args.text_tokens, "codec_tokens": args.codec_tokens, "prompt_words": args.prompt_words,
-        "torch": torch.__version__, "transformers": transformers.__version__, "host": platform.node(),
+        "torch": torch.__version__, "transformers_version": transformers.__version__, "host": platform.node(),
         "cpu_threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "ours": bench_ours(model, args, levels),
     }
+    for mode in ("on", "off"):
+        if args.async_chunk in (mode, "both"):
+            result[f"ours_async_chunk_{mode}"] = bench_ours(model, args, levels, async_chunk=mode == "on")
     if not args.skip_hf:
         result["transformers"] = bench_hf(model, args)
     Path(args.json).write_text(json.dumps(result, indent=2))
-    print(f"{'engine':<14}{'conc':>5}{'reqs':>6}{'e2e mean':>10}{'e2e p90':>9}{'TTFT':>8}{'TTFA':>8}"
-          f"{'RTF':>8}{'RTF agg':>9}{'req/s':>8}")
-    for name in ("ours", "transformers"):
+    names = ("ours_async_chunk_on", "ours_async_chunk_off", "transformers")
+    print(f"{'engine':<22}{'conc':>5}{'reqs':>6}{'e2e mean':>10}{'e2e p90':>9}{'TTFT':>8}{'TTFA p50':>9}"
+          f"{'TTFA p90':>9}{'RTF':>8}{'RTF agg':>9}{'req/s':>8}{'gap p50':>9}{'gap p99':>9}{'underrun':>9}")
+    for name in names:
         for conc, r in result.get(name, {}).get("by_concurrency", {}).items():
-            print(f"{name:<14}{conc:>5}{r['requests']:>6}{fmt(r['e2e_s'], 'mean'):>10}{fmt(r['e2e_s'], 'p90'):>9}"
-                  f"{fmt(r['ttft_s'], 'p50'):>8}{fmt(r['ttfa_s'], 'p50'):>8}{fmt(r['rtf'], 'mean'):>8}"
-                  f"{fmt(r['rtf_aggregate']):>9}{r['requests_per_s']:>8.2f}")
+            print(f"{name:<22}{conc:>5}{r['requests']:>6}{fmt(r['e2e_s'], 'mean'):>10}{fmt(r['e2e_s'], 'p90'):>9}"
+                  f"{fmt(r['ttft_s'], 'p50'):>8}{fmt(r['ttfa_s'], 'p50'):>9}{fmt(r['ttfa_s'], 'p90'):>9}"
+                  f"{fmt(r['rtf'], 'mean'):>8}{fmt(r['rtf_aggregate']):>9}{r['requests_per_s']:>8.2f}"
+                  f"{fmt(r.get('gap_p50_s')):>9}{fmt(r.get('gap_p99_s')):>9}{r.get('underruns', 0):>9}")
+    print("per stage (all levels): requests, output tokens, busy s, early starts, pauses")
+    for name in names[:2]:
+        for st in result.get(name, {}).get("stages", []):
+            print(f"  {name:<22}{st['stage']:<10}{st.get('requests', 0):>7}{st.get('output_tokens', 0):>9}"
+                  f"{st.get('busy_ms', 0) / 1000:>9.2f}{st.get('early_starts', 0):>7}{st.get('pauses', 0):>7}")
 
 
 if __name__ == "__main__":

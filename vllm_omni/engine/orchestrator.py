@@ -229,7 +229,8 @@ class Orchestrator:
 
     def _on_output(self, stage_id: int, out: StageOutput) -> None:
         state = self._requests.get(out.request_id)
-        if state is None or stage_id not in state.outputs or stage_id in state.finished_stages:
+        if state is None or stage_id not in state.outputs or stage_id not in state.stages \
+                or stage_id in state.finished_stages:
             return  # aborted or failed meanwhile; the stage was told to drop it
         if out.error is not None:
             self._fail(state, out.error, stage_id)
@@ -256,10 +257,7 @@ class Orchestrator:
             return
         self._count(state, stage_id)
         if state.done:
-            self._drop(state, abort_in_stages=False)
-            if self.options.log_stats:
-                logger.info(state.timing_summary({sid: c.name for sid, c in self.clients.items()}))
-            state.sink.put(RequestDone(state.request_id))
+            self._finish(state)
 
     def _forward(self, state: RequestState, dst: int) -> bool:
         stage = self.stages[dst]
@@ -329,19 +327,54 @@ class Orchestrator:
 
     # --- failures -------------------------------------------------------------
     def _fail(self, state: RequestState, error: str, stage_id: int | None) -> None:
+        """A stage failed the request: it and every stage fed by it end there; the rest go on
+        when an output the caller asked for does not depend on it (the thinker's text survives
+        a failed talker), and the request then ends with the error and what it has."""
         if state.key not in self._requests:
             return
-        self._drop(state)
         logger.warning("request %s failed: %s", state.request_id, error)
-        state.sink.put(RequestDone(state.request_id, error=error, failed_stage=stage_id))
+        dead = self._fed_by(stage_id) & state.stages if stage_id is not None else state.stages
+        if not state.output_stages - dead:
+            self._drop(state)
+            state.sink.put(RequestDone(state.request_id, error=error, failed_stage=stage_id))
+            return
+        self._abort_in(state, dead)
+        for flow_dst, flow in state.flows.items():  # a producer held back for a dead consumer goes on
+            edge = self._streaming[flow_dst]
+            if flow_dst in dead and flow.paused and edge.src not in dead:
+                self._pause(state, edge, flow, False)
+        state.stages, state.output_stages = state.stages - dead, state.output_stages - dead
+        state.failure = (error, stage_id)
+        if state.done:
+            self._finish(state)
+
+    def _fed_by(self, stage_id: int) -> frozenset[int]:
+        """The stage and every stage downstream of it."""
+        found, todo = set(), [stage_id]
+        while todo:
+            sid = todo.pop()
+            if sid not in found:
+                found.add(sid)
+                todo.extend(self._downstream[sid])
+        return frozenset(found)
+
+    def _finish(self, state: RequestState) -> None:
+        self._drop(state, abort_in_stages=False)
+        if self.options.log_stats:
+            logger.info(state.timing_summary({sid: c.name for sid, c in self.clients.items()}))
+        error, failed_stage = state.failure or (None, None)
+        state.sink.put(RequestDone(state.request_id, error=error, failed_stage=failed_stage))
 
     def _drop(self, state: RequestState, abort_in_stages: bool = True) -> None:
         self._requests.pop(state.key, None)
         if self._keys.get(state.request_id) == state.key:
             del self._keys[state.request_id]
-        if not abort_in_stages:
-            return
-        for sid in state.outputs:  # every stage that got it and has not finished it
+        if abort_in_stages:
+            self._abort_in(state, frozenset(state.outputs))
+
+    def _abort_in(self, state: RequestState, stage_ids: frozenset[int]) -> None:
+        """Abort the request in those of `stage_ids` that got it and have not finished it."""
+        for sid in stage_ids & state.outputs.keys():
             client = self.clients[sid]
             if sid not in state.finished_stages and client.state == StageState.UP:
                 try:
@@ -352,7 +385,7 @@ class Orchestrator:
     def _on_stage_down(self, stage_id: int, reason: str) -> None:
         name = self.clients[stage_id].name
         for state in list(self._requests.values()):
-            if stage_id not in state.finished_stages:
+            if stage_id in state.stages and stage_id not in state.finished_stages:
                 self._fail(state, f"{name} is down: {reason}", stage_id)
 
     def fail_all(self, error: str) -> None:

@@ -72,6 +72,7 @@ class RequestState:
     # Tensor outputs that stream in as row chunks (hidden states, codec frames, audio), per stage.
     tensors: dict[int, dict[str, GrowingTensor]] = field(default_factory=dict)
     flows: dict[int, EdgeFlow] = field(default_factory=dict)  # streaming edges, by downstream stage
+    failure: tuple[str, int | None] | None = None  # (error, stage) of a stage that failed it, the rest going on
 
     @property
     def done(self) -> bool:

@@ -52,16 +52,18 @@ class GPUARWorker:
         from vllm_omni.core.llm_engine import LLMEngine
 
         kwargs = engine_config_kwargs(self.stage, self.model, self.device)
-        export = self.stage.engine_args.engine_output_type == EngineOutputType.LATENT
-        if export:
-            kwargs["hidden_state_layers"] = exported_hidden_state_layers(kwargs["model"], self.stage)
+        layers = None
+        if self.stage.engine_args.engine_output_type == EngineOutputType.LATENT:
+            layers = exported_hidden_state_layers(kwargs["model"], self.stage)
+            kwargs["hidden_state_layers"] = layers or ()
         return ARStageEngine(LLMEngine(EngineConfig(**kwargs)), stage_id=self.stage.stage_id,
-                             export_hidden_states=export)
+                             export_hidden_states=layers is not None)
 
 
-def exported_hidden_state_layers(model: str, stage: StageConfig) -> tuple[int, ...]:
-    """The layers a latent stage exports besides LAST: its model class decides
-    (StageModel.exported_hidden_states; some depend on the checkpoint's config)."""
+def exported_hidden_state_layers(model: str, stage: StageConfig) -> tuple[int, ...] | None:
+    """The layers a latent stage exports besides LAST, or None when its model exports no hidden
+    states at all (StageModel.exports_hidden_states / exported_hidden_states; some layers depend
+    on the checkpoint's config)."""
     from transformers import AutoConfig
 
     from vllm_omni.model_executor.models.registry import resolve_model_class
@@ -71,4 +73,5 @@ def exported_hidden_state_layers(model: str, stage: StageConfig) -> tuple[int, .
     if arch is None:
         raise ValueError(f"stage {stage.stage_id}: the config of {model} names no architecture; "
                          "set engine_args.model_arch")
-    return tuple(resolve_model_class(arch, stage.engine_args.model_stage).exported_hidden_states(config))
+    model_cls = resolve_model_class(arch, stage.engine_args.model_stage)
+    return tuple(model_cls.exported_hidden_states(config)) if model_cls.exports_hidden_states else None

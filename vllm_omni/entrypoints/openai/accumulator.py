@@ -47,6 +47,7 @@ class RequestAccumulator:
     first_text_at: float | None = None
     first_audio_at: float | None = None
     last_audio_at: float | None = None
+    audio_gaps: list[float] = field(default_factory=list)  # between consecutive audio chunks
 
     def add(self, out: OmniRequestOutput) -> list[TextEvent | AudioEvent]:
         if out.final_output_type == "text":
@@ -79,7 +80,10 @@ class RequestAccumulator:
         if new.size:
             self.audio_chunks.append(new)
             self.audio_samples += new.size
-            self.first_audio_at = self.first_audio_at or now
+            if self.first_audio_at is None:
+                self.first_audio_at = now
+            else:
+                self.audio_gaps.append(now - self.last_audio_at)
             self.last_audio_at = now
         if out.finished:
             self.audio_finished = True

@@ -38,6 +38,9 @@ class ServerMetrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.ttfa = Histogram("vllm_omni:time_to_first_audio_seconds", "Arrival to the first audio samples",
                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.audio_gap = Histogram("vllm_omni:audio_inter_chunk_gap_seconds", "Time between two audio chunks of "
+                                   "one request reaching the server (streaming playback underruns when it "
+                                   "exceeds the previous chunk's duration)", buckets=_LATENCY_BUCKETS, registry=r)
         self.rtf = Histogram("vllm_omni:audio_real_time_factor", "Arrival-to-last-audio time / audio duration "
                              "(< 1: faster than real time)", buckets=_RTF_BUCKETS, registry=r)
         self.prompt_tokens = Counter("vllm_omni:prompt_tokens", "Prompt tokens of finished requests", registry=r)

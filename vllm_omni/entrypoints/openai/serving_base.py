@@ -99,6 +99,8 @@ class ServingContext:
             m.ttft.observe(acc.first_text_at - acc.arrived_at)
         if acc.first_audio_at is not None and acc.last_audio_at is not None:
             m.ttfa.observe(acc.first_audio_at - acc.arrived_at)
+            for gap in acc.audio_gaps:
+                m.audio_gap.observe(gap)
             m.observe_audio(acc.last_audio_at - acc.arrived_at, acc.audio_samples / OUTPUT_SAMPLE_RATE)
 
     def sampling_params_list(self, body: SamplingFields) -> list[dict[str, Any] | None]:

@@ -78,6 +78,9 @@ class StageModel(nn.Module):
     embeds_requests: ClassVar[bool] = False  # embed_request_span builds every input row
     supports_cuda_graphs: ClassVar[bool] = True  # decode steps may replay captured graphs
     accepts_streamed_input: ClassVar[bool] = False  # append_request_inputs / available_positions
+    # False: even as a latent stage it exports no hidden states (its consumers read its tokens or
+    # request_outputs), so no step copies them off the device.
+    exports_hidden_states: ClassVar[bool] = True
 
     # --- sizes (set by the subclass) -----------------------------------------------------
     num_layers: int

@@ -63,10 +63,8 @@ class Qwen2_5OmniTalkerForConditionalGeneration(StageModel):
     uses_mrope = True
     embeds_requests = True
     accepts_streamed_input = True  # the thinker's reply rows, as it generates them
+    exports_hidden_states = False  # code2wav reads its codes
 
-    @classmethod
-    def exported_hidden_states(cls, hf_config: PretrainedConfig) -> tuple[int, ...]:
-        return ()  # a latent talker stage exports only LAST: code2wav reads the codes
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()

@@ -101,11 +101,9 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
     uses_mrope = True
     embeds_requests = True
     accepts_streamed_input = True  # the thinker's reply rows, as it generates them
+    exports_hidden_states = False  # code2wav reads its codes
     supports_cuda_graphs = False  # the code predictor runs between steps on per-request state
 
-    @classmethod
-    def exported_hidden_states(cls, hf_config: PretrainedConfig) -> tuple[int, ...]:
-        return ()  # it exports its codes (finished_request_outputs), not hidden states
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
