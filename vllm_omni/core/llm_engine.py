@@ -22,6 +22,7 @@ from vllm_omni.model_executor.model_loader import load_model, resolve_dtype
 from vllm_omni.outputs import CompletionOutput, RequestOutput
 from vllm_omni.sampling_params import SamplingParams
 from vllm_omni.core.model_runner import ARModelRunner, RunnerOutput
+from vllm_omni.core.tp_executor import TPExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,9 @@ class LLMEngine:
             self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         self.eos_token_ids = self._eos_token_ids()
 
-        self.model = load_model(
+        # Tensor parallel: rank 0 of N; the executor runs the other ranks and stands in for the runner.
+        tp = TPExecutor(config, self.hf_config, self.dtype, self.device) if config.tensor_parallel_size > 1 else None
+        self.model = tp.model if tp is not None else load_model(
             config.model, self.hf_config, self.dtype, self.device, config.architecture, config.model_stage,
             config.load_format,
         )
@@ -54,9 +57,9 @@ class LLMEngine:
         self.model_request_outputs = getattr(self.model, "finished_request_outputs", None)
         # A stage model whose vocabulary is not the tokenizer's (a talker's codec) names its own EOS.
         self.eos_token_ids = tuple(getattr(self.model, "eos_token_ids", ()) or self.eos_token_ids)
-        plan = plan_kv_cache(config, self.model, self.hf_config, self.dtype, self.device)
+        plan = tp.plan if tp is not None else plan_kv_cache(config, self.model, self.hf_config, self.dtype, self.device)
         self.max_model_len = plan.max_model_len
-        self.runner = ARModelRunner(
+        self.runner = tp if tp is not None else ARModelRunner(
             self.model,
             device=self.device,
             dtype=self.dtype,
@@ -144,6 +147,7 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
+        self.runner.check_health()  # a dead tensor-parallel rank fails the engine even when idle
         return self.scheduler.has_unfinished()
 
     @property

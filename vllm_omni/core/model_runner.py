@@ -63,8 +63,12 @@ class ARModelRunner:
         max_model_len: int = 4096,
         hidden_state_layers: tuple[int, ...] = (),
         enforce_eager: bool = False,
+        samples: bool = True,
     ) -> None:
         self.model = model
+        # False on tensor-parallel ranks other than 0: they run the same forward and join the
+        # logits gather, rank 0 samples (core/tp_worker.py).
+        self.samples = samples
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -123,6 +127,10 @@ class ARModelRunner:
             return True
         return grouped_mm_available(torch.empty(1, dtype=self.dtype, device=self.device))
 
+    def check_health(self) -> None:
+        """Raises when the runner can run no more steps; one process has no rank to lose
+        (the tensor-parallel executor's can die)."""
+
     @staticmethod
     def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()
@@ -161,6 +169,8 @@ class ARModelRunner:
                 last_token_idx = torch.tensor([query_start[i + 1] - 1 for i in sample_rows], device=self.device)
                 sampled_hidden = hidden[last_token_idx]
                 logits = self.model.compute_logits(sampled_hidden)
+            if not self.samples:
+                return out
             reqs = [items[i].request for i in sample_rows]
             self._sample(reqs, logits, out)
             if self.on_tokens_sampled is not None:

@@ -11,7 +11,9 @@ from safetensors import safe_open
 from torch import nn
 from transformers import PretrainedConfig
 
+from vllm_omni.model_executor.checkpoint_slice import CheckpointSlice
 from vllm_omni.model_executor.models.registry import resolve_model_class
+from vllm_omni.model_executor.parallel_state import current_tp_group
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -67,6 +69,15 @@ def iterate_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tens
                 yield name, f.get_tensor(name)
 
 
+def iterate_safetensors_slices(model_dir: str | Path) -> Iterator[tuple[str, CheckpointSlice]]:
+    """Like `iterate_safetensors`, but nothing is read until a loader asks: a tensor-parallel
+    rank reads only its shard of each sharded tensor. Each slice is valid until the next one."""
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, CheckpointSlice(f, name)
+
+
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()
@@ -103,6 +114,8 @@ def load_model(
         model = model_cls(hf_config)
     if load_format == "dummy":
         fill_dummy_weights(model)
+    elif load_format == "auto" and current_tp_group().size > 1:
+        model.load_weights(iterate_safetensors_slices(model_dir))
     elif load_format == "auto":
         model.load_weights(iterate_safetensors(model_dir))
     else:
