@@ -37,10 +37,10 @@ def run_ranks(size: int, fn: Callable[[TPGroup], object]) -> list[object]:
     return results
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True, scope="module")
 def one_thread():
-    """One torch thread per process while the test runs: the ranks share the machine's cores,
-    and OpenMP threads spin-waiting against each other make every step many times slower."""
+    """One torch thread per process in these tests: the ranks share the machine's cores, and
+    OpenMP threads spin-waiting against each other make every step many times slower."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
