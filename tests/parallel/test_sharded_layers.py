@@ -214,3 +214,28 @@ def test_shapes_that_do_not_divide_are_clear_errors():
             build(group, lambda: SparseMoeBlock(H, 15, 4, 2, True))
 
     run_ranks(2, rank)
+
+
+def test_dummy_weights_are_the_same_model_at_every_tp_size(tiny_model):
+    """load_format "dummy" (benchmarks on real architectures without weights): each rank's shard
+    is the matching part of the single-rank tensors, so TP=2 computes the TP=1 model's logits."""
+    from transformers import AutoConfig
+
+    from vllm_omni.model_executor.model_loader import load_model
+
+    path = tiny_model("qwen3_moe")
+    config = AutoConfig.from_pretrained(path)
+    ids, positions = torch.tensor([5, 17, 300, 42, 9]), torch.arange(5)
+    full = load_model(path, config, "float32", load_format="dummy")
+    with torch.no_grad():
+        expected = full.compute_logits(full(ids, positions)[0])
+
+    def rank(group):
+        model = build(group, lambda: load_model(path, config, "float32", load_format="dummy"))
+        with torch.no_grad():
+            return model.compute_logits(model(ids, positions)[0])
+
+    logits, none = run_ranks(2, rank)
+    assert none is None
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-6)
+    assert expected.std() > 1e-3  # not a degenerate all-zero model

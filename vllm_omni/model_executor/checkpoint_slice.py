@@ -1,7 +1,8 @@
-"""A checkpoint tensor not read yet: a tensor-parallel rank reads only its shard of it.
+"""Checkpoint tensors not read yet: a tensor-parallel rank reads only its shard of them.
 
-Loaders of sharded parameters take it as they take a tensor (`.shape`, `.narrow(dim, start,
-size)`); the strict loader (`models/utils.py`) reads it whole for every other parameter.
+Loaders of sharded parameters take a `CheckpointSlice` as they take a tensor (`.shape`,
+`.narrow(dim, start, size)`); the strict loader (`models/utils.py`) reads it whole for every
+other parameter. A `DummyCheckpointTensor` stands in for one under load_format "dummy".
 """
 from __future__ import annotations
 
@@ -24,3 +25,17 @@ class CheckpointSlice:
 
     def load(self) -> torch.Tensor:
         return self._handle.get_tensor(self._name)
+
+
+class DummyCheckpointTensor:
+    """Random values in place of a checkpoint tensor (load_format "dummy"). They depend only on
+    the seed and the full shape the loader expects, so each rank's shard is the matching part
+    of the one tensor a single-rank engine gets: TP=N and TP=1 run the same random model."""
+
+    def __init__(self, seed: int, std: float) -> None:
+        self.seed = seed
+        self.std = std
+
+    def materialize(self, shape: list[int] | torch.Size, like: torch.Tensor) -> torch.Tensor:
+        generator = torch.Generator(device=like.device).manual_seed(self.seed)
+        return torch.empty(shape, dtype=like.dtype, device=like.device).normal_(0.0, self.std, generator=generator)

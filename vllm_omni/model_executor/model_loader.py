@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import PretrainedConfig
 
-from vllm_omni.model_executor.checkpoint_slice import CheckpointSlice
+from vllm_omni.model_executor.checkpoint_slice import CheckpointSlice, DummyCheckpointTensor
 from vllm_omni.model_executor.models.registry import resolve_model_class
 from vllm_omni.model_executor.parallel_state import current_tp_group
 
@@ -125,10 +126,21 @@ def load_model(
 
 @torch.no_grad()
 def fill_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Random weights, small enough that activations stay finite in bf16; norms at 1."""
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    """Random weights, small enough that activations stay finite in bf16; norms at 1.
+
+    Values are seeded per parameter (and shard) name, and sharded parameters take their part of
+    the full tensor through their loaders: every tensor-parallel size gets the same model."""
     for name, param in model.named_parameters():
         if name.endswith("norm.weight") or param.dim() == 1 and "norm" in name:
             param.fill_(1.0)
+        elif getattr(param, "reads_slices", False):
+            for shard_id in param.shard_ids:
+                param.weight_loader(param, DummyCheckpointTensor(_name_seed(seed, f"{name}:{shard_id}"), std),
+                                    shard_id)
         else:
+            generator = torch.Generator(device=param.device).manual_seed(_name_seed(seed, name))
             param.normal_(0.0, std, generator=generator)
+
+
+def _name_seed(seed: int, name: str) -> int:
+    return seed * 2**32 + zlib.crc32(name.encode())

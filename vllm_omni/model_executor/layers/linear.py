@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_omni.model_executor.checkpoint_slice import DummyCheckpointTensor
 from vllm_omni.model_executor.parallel_state import current_tp_group
 
 # A parameter's shard set when it is loaded from exactly one checkpoint tensor.
@@ -64,6 +65,8 @@ def copy_shard(target: torch.Tensor, loaded, dim: int, src_start: int, src_total
     """
     expected = list(target.shape)
     expected[dim] = src_total
+    if isinstance(loaded, DummyCheckpointTensor):
+        loaded = loaded.materialize(expected, target)
     check_shape(what, expected, loaded)
     with torch.no_grad():
         target.copy_(loaded.narrow(dim, src_start, target.shape[dim]))
