@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import time
@@ -94,3 +95,10 @@ def test_rank0_failing_before_a_collective_breaks_the_group(tp2, monkeypatch):
         tp2.generate([{"prompt_token_ids": [3, 4, 5]}], SHORT, use_tqdm=False)
     assert time.monotonic() - start < 30
     assert wait_until(lambda: not pid_alive(pid), 10.0)  # the stuck rank was killed, not left behind
+
+
+def test_a_model_that_does_not_split_fails_at_startup_without_leftovers(tiny_model):
+    path = str(tiny_model("qwen3", num_attention_heads=3, num_key_value_heads=1))
+    with pytest.raises((ValueError, TensorParallelError), match="does not divide num_attention_heads=3"):
+        LLM(path, tensor_parallel_size=2)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("vllm-omni-tp-rank")]

@@ -80,10 +80,11 @@ class TPExecutor:
             built = build_rank(config, hf_config, dtype, group)
             self.ranks.collect(RankReady, TP_TIMEOUT_S, "load its shard")
         except Exception as e:
-            dead = self.ranks.health.reason
+            broken = self.ranks.health.reason is not None and not isinstance(e, TensorParallelError)
+            failure = self.ranks.failure() if broken else ""
             self.ranks.stop()
-            if dead is not None and not isinstance(e, TensorParallelError):
-                raise TensorParallelError(dead) from e  # rank 0's error was a symptom
+            if broken:  # rank 0's error may be the symptom (a collective with a dead peer) or the same error
+                raise TensorParallelError(f"{failure}\nrank 0: {type(e).__name__}: {e}") from e
             raise
         self.model, self.plan, self.runner = built.model, built.plan, built.runner
         self._planner = StepPlanner()
@@ -107,7 +108,7 @@ class TPExecutor:
     def _settle_failed_step(self, error: Exception) -> None:
         """Returns when every rank came out of the failed step; raises TensorParallelError otherwise."""
         if self.ranks.health.reason is not None:
-            raise TensorParallelError(self.ranks.health.reason) from error
+            raise TensorParallelError(self.ranks.failure()) from error
         self.ranks.send_all(Probe(self._step))
         try:
             statuses = self.ranks.collect(StepStatus, SETTLE_TIMEOUT_S, f"finish step {self._step} after rank 0's "

@@ -61,6 +61,7 @@ class RankProcesses:
         self.health = GroupHealth()
         self.procs: list[mp.process.BaseProcess] = []
         self.conns: list[Connection] = []
+        self._reports: list[str] = []  # RankFailed tracebacks received so far
         # Only the watcher reaps the ranks (two threads waiting on one pid race each other).
         self._watcher = threading.Thread(target=_watch, args=(self.procs, self.health), name="tp-rank-watcher",
                                          daemon=True)
@@ -77,11 +78,24 @@ class RankProcesses:
 
     def check(self) -> None:
         if self.health.reason is not None:
-            raise TensorParallelError(self.health.reason)
+            raise TensorParallelError(self.failure())
 
     def fail(self, reason: str) -> TensorParallelError:
         self.health.fail(reason, self.procs)
-        return TensorParallelError(self.health.reason)
+        return TensorParallelError(self.failure())
+
+    def failure(self) -> str:
+        """Why the group failed, with the tracebacks ranks sent before exiting (read here, in
+        the engine's thread: the only one that reads the pipes)."""
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                while conn.poll():
+                    msg = receive(conn)
+                    if isinstance(msg, RankFailed):
+                        self._reports.append(f"tensor-parallel rank {rank} failed:\n{msg.error}")
+            except (EOFError, OSError):
+                continue  # nothing more from that one
+        return "\n".join([self.health.reason or "", *self._reports])
 
     def send_all(self, msg: object) -> None:
         for rank, conn in enumerate(self.conns, start=1):
@@ -109,7 +123,8 @@ class RankProcesses:
                 except (EOFError, OSError):
                     raise self.fail(f"tensor-parallel rank {rank} exited before it could {what}") from None
                 if isinstance(msg, RankFailed):
-                    raise self.fail(f"tensor-parallel rank {rank} failed:\n{msg.error}")
+                    self._reports.append(f"tensor-parallel rank {rank} failed:\n{msg.error}")
+                    raise self.fail(f"tensor-parallel rank {rank} failed")
                 if isinstance(msg, kind) and (step is None or msg.step == step):
                     got[rank] = msg
                     del pending[conn]
