@@ -60,10 +60,11 @@ def test_qkv_shards_heads(heads, kv_heads):
 
     for r, (n, n_kv, (qr, kr, vr)) in enumerate(run_ranks(2, rank)):
         assert (n, n_kv) == (heads // 2, max(1, kv_heads // 2))
-        torch.testing.assert_close(qr, q[:, r * n : (r + 1) * n], rtol=0, atol=0)
+        # Same dot products, but a smaller matrix may be blocked differently by the BLAS: float32 noise.
+        torch.testing.assert_close(qr, q[:, r * n : (r + 1) * n])
         kv = slice(r * kv_heads // 2, r * kv_heads // 2 + n_kv)  # the KV head this rank's queries share
-        torch.testing.assert_close(kr, k[:, kv], rtol=0, atol=0)
-        torch.testing.assert_close(vr, v[:, kv], rtol=0, atol=0)
+        torch.testing.assert_close(kr, k[:, kv])
+        torch.testing.assert_close(vr, v[:, kv])
 
 
 def test_gate_up_shards_both_halves():
