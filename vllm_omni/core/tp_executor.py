@@ -100,10 +100,13 @@ class TPExecutor:
         self._step += 1
         self.ranks.send_all(self._planner.plan(self._step, sched))
         try:
-            return self.runner.execute(sched)
+            out = self.runner.execute(sched)
         except Exception as e:
             self._settle_failed_step(e)
             raise
+        # A rank that died mid-step: an aborted NCCL collective returns, with garbage in its output.
+        self.ranks.check()
+        return out
 
     def _settle_failed_step(self, error: Exception) -> None:
         """Returns when every rank came out of the failed step; raises TensorParallelError otherwise."""
