@@ -29,6 +29,8 @@ class EngineConfig:
     architecture: str | None = None  # override config.architectures[0] (spec 000 `model_arch`)
     model_stage: str | None = None  # which stage model of a multi-stage checkpoint (thinker, talker, ...)
     load_format: str = "auto"  # "dummy": random weights of the real shapes (benchmarks)
+    # Ranks that split the model (one process each, rank 0 in this one; core/tp_executor.py).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
@@ -50,3 +52,5 @@ class EngineConfig:
             raise bad("load_format", "'auto' or 'dummy'")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise bad("num_kv_blocks", ">= 1 or None")
+        if self.tensor_parallel_size < 1:
+            raise bad("tensor_parallel_size", ">= 1")

@@ -25,6 +25,7 @@ from vllm_omni.model_executor.models.stage_model import StageModel, hidden_state
 from vllm_omni.outputs import CompletionOutput, RequestOutput
 from vllm_omni.sampling_params import SamplingParams
 from vllm_omni.core.model_runner import ARModelRunner, RunnerOutput
+from vllm_omni.core.tp_executor import TPExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +48,17 @@ class LLMEngine:
             self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         self.eos_token_ids = self._eos_token_ids()
 
-        self.model: StageModel = load_model(
+        # Tensor parallel: rank 0 of N; the executor runs the other ranks and stands in for the runner.
+        tp = TPExecutor(config, self.hf_config, self.dtype, self.device) if config.tensor_parallel_size > 1 else None
+        self.model: StageModel = tp.model if tp is not None else load_model(
             config.model, self.hf_config, self.dtype, self.device, config.architecture, config.model_stage,
             config.load_format,
         )
         # A stage model whose vocabulary is not the tokenizer's (a talker's codec) names its own EOS.
         self.eos_token_ids = self.model.eos_token_ids or self.eos_token_ids
-        plan = plan_kv_cache(config, self.model, self.dtype, self.device)
+        plan = tp.plan if tp is not None else plan_kv_cache(config, self.model, self.dtype, self.device)
         self.max_model_len = plan.max_model_len
-        self.runner = ARModelRunner(
+        self.runner = tp if tp is not None else ARModelRunner(
             self.model,
             device=self.device,
             dtype=self.dtype,
@@ -179,6 +182,7 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         """A step now would compute something (requests waiting for streamed input do not)."""
+        self.runner.check_health()  # a dead tensor-parallel rank fails the engine even when idle
         return self.scheduler.has_work()
 
     @property

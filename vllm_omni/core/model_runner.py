@@ -62,8 +62,12 @@ class ARModelRunner:
         max_model_len: int = 4096,
         hidden_state_layers: tuple[int, ...] = (),
         enforce_eager: bool = False,
+        samples: bool = True,
     ) -> None:
         self.model = model
+        # False on tensor-parallel ranks other than 0: they run the same forward and join the
+        # logits gather, rank 0 samples (core/tp_worker.py).
+        self.samples = samples
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -116,6 +120,10 @@ class ARModelRunner:
             return True
         return grouped_mm_available(torch.empty(1, dtype=self.dtype, device=self.device))
 
+    def check_health(self) -> None:
+        """Raises when the runner can run no more steps; one process has no rank to lose
+        (the tensor-parallel executor's can die)."""
+
     @staticmethod
     def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()
@@ -154,6 +162,8 @@ class ARModelRunner:
                 last_token_idx = torch.tensor([query_start[i + 1] - 1 for i in sample_rows], device=self.device)
                 sampled_hidden = hidden[last_token_idx]
                 logits = self.model.compute_logits(sampled_hidden)
+            if not self.samples:
+                return out
             reqs = [items[i].request for i in sample_rows]
             self._sample(reqs, logits, out)
             self.model.on_tokens_sampled(reqs, sampled_hidden, [out.sampled[r.request_id] for r in reqs])

@@ -116,7 +116,8 @@ def _build_engine(spec: WorkerSpec, device: str) -> StageEngine:
     # Serialize initialization per GPU so co-located stages do not size their KV caches while
     # another stage is still allocating. Threads of one process cannot use file locks that way.
     if torch.cuda.is_available() and not spec.in_process:
-        locks = siu.acquire_device_locks(spec.stage_id, {"tensor_parallel_size": 1}, spec.stage_init_timeout_s)
+        tp = {"tensor_parallel_size": spec.stage.engine_args.tensor_parallel_size}
+        locks = siu.acquire_device_locks(spec.stage_id, tp, spec.stage_init_timeout_s)
     try:
         return worker_cls(spec.stage, spec.model, device=device).build_engine()
     finally:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +12,9 @@ from safetensors import safe_open
 from torch import nn
 from transformers import PretrainedConfig
 
+from vllm_omni.model_executor.checkpoint_slice import CheckpointSlice, DummyCheckpointTensor
 from vllm_omni.model_executor.models.registry import resolve_model_class
+from vllm_omni.model_executor.parallel_state import current_tp_group
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -67,6 +70,15 @@ def iterate_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tens
                 yield name, f.get_tensor(name)
 
 
+def iterate_safetensors_slices(model_dir: str | Path) -> Iterator[tuple[str, CheckpointSlice]]:
+    """Like `iterate_safetensors`, but nothing is read until a loader asks: a tensor-parallel
+    rank reads only its shard of each sharded tensor. Each slice is valid until the next one."""
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, CheckpointSlice(f, name)
+
+
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()
@@ -103,6 +115,8 @@ def load_model(
         model = model_cls(hf_config)
     if load_format == "dummy":
         fill_dummy_weights(model)
+    elif load_format == "auto" and current_tp_group().size > 1:
+        model.load_weights(iterate_safetensors_slices(model_dir))
     elif load_format == "auto":
         model.load_weights(iterate_safetensors(model_dir))
     else:
@@ -112,10 +126,21 @@ def load_model(
 
 @torch.no_grad()
 def fill_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Random weights, small enough that activations stay finite in bf16; norms at 1."""
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    """Random weights, small enough that activations stay finite in bf16; norms at 1.
+
+    Values are seeded per parameter (and shard) name, and sharded parameters take their part of
+    the full tensor through their loaders: every tensor-parallel size gets the same model."""
     for name, param in model.named_parameters():
         if name.endswith("norm.weight") or param.dim() == 1 and "norm" in name:
             param.fill_(1.0)
+        elif getattr(param, "reads_slices", False):
+            for shard_id in param.shard_ids:
+                param.weight_loader(param, DummyCheckpointTensor(_name_seed(seed, f"{name}:{shard_id}"), std),
+                                    shard_id)
         else:
+            generator = torch.Generator(device=param.device).manual_seed(_name_seed(seed, name))
             param.normal_(0.0, std, generator=generator)
+
+
+def _name_seed(seed: int, name: str) -> int:
+    return seed * 2**32 + zlib.crc32(name.encode())

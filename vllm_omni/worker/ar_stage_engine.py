@@ -143,7 +143,9 @@ class ARStageEngine:
     def describe(self) -> dict[str, Any]:
         return {
             "engine": "ar",
-            "accepts_streamed_input": self.engine.model.accepts_streamed_input,
+            # Streamed inputs reach rank 0's model only: a tensor-parallel stage takes whole inputs.
+            "accepts_streamed_input": self.engine.model.accepts_streamed_input
+            and self.engine.config.tensor_parallel_size == 1,
             "device": str(self.engine.device),
             "dtype": str(self.engine.dtype),
             "max_model_len": self.engine.max_model_len,

@@ -18,9 +18,6 @@ _DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 def engine_config_kwargs(stage: StageConfig, model: str, device: str) -> dict[str, Any]:
     """EngineConfig arguments for a stage; unset (None) stage fields keep the engine's defaults."""
     ea = stage.engine_args
-    if ea.tensor_parallel_size != 1:
-        raise ValueError(f"stage {stage.stage_id}: tensor_parallel_size={ea.tensor_parallel_size} is not "
-                         "supported yet: must be 1")
     kwargs: dict[str, Any] = dict(
         model=ea.model or model,
         tokenizer=ea.tokenizer,
@@ -34,6 +31,7 @@ def engine_config_kwargs(stage: StageConfig, model: str, device: str) -> dict[st
         architecture=ea.model_arch,
         model_stage=ea.model_stage,
         load_format=ea.load_format,
+        tensor_parallel_size=ea.tensor_parallel_size,
     )
     optional = dict(seed=ea.seed, max_model_len=ea.max_model_len, block_size=ea.block_size,
                     max_num_batched_tokens=ea.max_num_batched_tokens)

@@ -36,6 +36,9 @@ class GPUGenerationWorker:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         ea = self.stage.engine_args
+        if ea.tensor_parallel_size != 1:
+            raise ValueError(f"stage {self.stage.stage_id}: tensor_parallel_size={ea.tensor_parallel_size} is "
+                             "supported by AR stages only (worker_type: ar)")
         model_cls = resolve_generation_model_class(self.stage)
         model = model_cls.load(ea.model or self.model, model_stage=ea.model_stage, device=torch.device(device),
                                dtype=ea.dtype, load_format=ea.load_format)

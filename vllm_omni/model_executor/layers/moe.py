@@ -8,6 +8,13 @@ fuses them in memory too but `save_pretrained` writes this per-expert hub layout
 
 Routing matches transformers' Qwen3MoeTopKRouter: router logits in the model dtype,
 softmax in float32, top-k, optional renormalization in float32, weights cast back.
+
+Tensor parallelism shards every expert's intermediate dimension (vLLM's default without
+expert parallelism): each rank holds all experts with I/N rows of gate/up and I/N columns
+of down, routes every token the same way (the router is replicated), and the block sums the
+ranks' partial outputs. Unlike expert parallelism, each rank's work and memory do not depend
+on where tokens are routed, decode reads exactly 1/N of every active expert on every rank,
+and the kernels are the same ones with a smaller I.
 """
 from __future__ import annotations
 
@@ -18,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_omni.model_executor.layers.activation import get_gated_act, silu_and_mul
-from vllm_omni.model_executor.layers.linear import Linear, check_shape, set_loader
+from vllm_omni.model_executor.layers.linear import Linear, copy_shard, set_sharded_loader
+from vllm_omni.model_executor.parallel_state import current_tp_group
 
 _EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 _W13_SHARD = {"gate_proj": 0, "up_proj": 1}
@@ -123,33 +131,32 @@ def grouped_mm_available(x: torch.Tensor) -> bool:
 
 
 class FusedExperts(nn.Module):
-    """The experts of one MoE layer; parameter names `w13_weight`, `w2_weight`."""
+    """The experts of one MoE layer; parameter names `w13_weight`, `w2_weight`. Over N
+    tensor-parallel ranks each holds I/N of every expert's intermediate dimension."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.num_experts = num_experts
-        self.intermediate_size = intermediate_size
-        self.w13_weight = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
-        )
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.full_intermediate_size = intermediate_size
+        self.shard_start, self.intermediate_size = current_tp_group().shard_range(
+            intermediate_size, "moe_intermediate_size")
+        local = self.intermediate_size
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, local), requires_grad=False)
         experts = range(num_experts)
-        set_loader(self.w13_weight, self._load_w13, [(e, s) for e in experts for s in (0, 1)])
-        set_loader(self.w2_weight, self._load_w2, [(e, None) for e in experts])
+        set_sharded_loader(self.w13_weight, self._load_w13, [(e, s) for e in experts for s in (0, 1)])
+        set_sharded_loader(self.w2_weight, self._load_w2, [(e, None) for e in experts])
 
-    def _load_w13(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: tuple[int, int]) -> None:
+    def _load_w13(self, param: torch.Tensor, loaded, shard_id: tuple[int, int]) -> None:
         expert, half = shard_id
         size = self.intermediate_size
-        target = param[expert, half * size : (half + 1) * size]
-        check_shape(f"expert {expert} {'up' if half else 'gate'}_proj", target.shape, loaded)
-        with torch.no_grad():
-            target.copy_(loaded)
+        copy_shard(param[expert, half * size : (half + 1) * size], loaded, 0, self.shard_start,
+                   self.full_intermediate_size, f"expert {expert} {'up' if half else 'gate'}_proj")
 
-    def _load_w2(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: tuple[int, None]) -> None:
+    def _load_w2(self, param: torch.Tensor, loaded, shard_id: tuple[int, None]) -> None:
         expert = shard_id[0]
-        check_shape(f"expert {expert} down_proj", param[expert].shape, loaded)
-        with torch.no_grad():
-            param[expert].copy_(loaded)
+        copy_shard(param[expert], loaded, 1, self.shard_start, self.full_intermediate_size,
+                   f"expert {expert} down_proj")
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if grouped_mm_available(x):
@@ -175,10 +182,11 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
-        self.gate = Linear(hidden_size, num_experts, bias=False)
+        self.tp = current_tp_group()
+        self.gate = Linear(hidden_size, num_experts, bias=False)  # replicated: every rank routes alike
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""
         topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.norm_topk_prob)
-        return self.experts(x, topk_weights, topk_ids)
+        return self.tp.all_reduce(self.experts(x, topk_weights, topk_ids))

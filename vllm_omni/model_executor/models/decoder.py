@@ -10,6 +10,12 @@ Sequence boundaries live in the forward context that `Attention` reads.
 The residual stream is carried as (hidden, residual) and the add is fused into the next
 RMSNorm (vLLM style); `x + residual` is the same float op as HF's
 `residual + hidden_states`, so the stream stays bit-identical to transformers.
+
+Built inside `parallel_state.building_with(group)`, the stack is tensor-parallel (Megatron
+layout): vocabulary-sharded embedding and LM head, attention heads and the MLP's intermediate
+dimension split over the ranks, one all-reduce after attention and one after the MLP; the
+residual stream, norms and rotary are replicated. `num_heads` / `num_kv_heads` of an attention
+module are the rank's own.
 """
 from __future__ import annotations
 
@@ -23,9 +29,10 @@ from transformers import PretrainedConfig
 from vllm_omni.model_executor.layers.activation import get_gated_act
 from vllm_omni.model_executor.layers.attention import Attention
 from vllm_omni.model_executor.layers.layernorm import RMSNorm
-from vllm_omni.model_executor.layers.linear import Linear, MergedGateUpLinear, QKVLinear, VocabEmbedding
+from vllm_omni.model_executor.layers.linear import MergedGateUpLinear, QKVLinear, RowParallelLinear
 from vllm_omni.model_executor.layers.rotary import get_rope
 from vllm_omni.model_executor.layers.moe import map_expert_weight_name
+from vllm_omni.model_executor.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from vllm_omni.model_executor.models.stage_model import StageModel
 from vllm_omni.model_executor.models.utils import load_weights_strict, map_stacked_name
 
@@ -45,11 +52,11 @@ def check_full_attention(config: PretrainedConfig) -> None:
 class DecoderAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, *, qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config_head_dim(config)
-        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                  config.num_key_value_heads, qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias)
         # Qwen3: RMSNorm over each head's vector, before rotary.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -72,7 +79,7 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedGateUpLinear(hidden_size, intermediate_size)
         self.act_fn = get_gated_act(hidden_act)
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -106,7 +113,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         check_full_attention(config)
         self.num_layers = config.num_hidden_layers
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(make_layer(i) for i in range(self.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = get_rope(config_head_dim(config), config.rope_parameters, config.max_position_embeddings)
@@ -159,7 +166,7 @@ class DecoderForCausalLM(StageModel):
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens  # same Parameter, listed once by named_parameters
         else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
 
     def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -174,9 +181,11 @@ class DecoderForCausalLM(StageModel):
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         return self.model(input_ids, positions, inputs_embeds, capture_layers)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """[B, V] float32 logits; with tensor parallelism on rank 0 only (the others get None)."""
         # Matmul in the model dtype like HF's lm_head, then float32 for sampling.
-        return F.linear(hidden_states, self.lm_head.weight).float()
+        logits = self.lm_head.gather_logits(F.linear(hidden_states, self.lm_head.weight))
+        return None if logits is None else logits.float()
 
     def map_weight_name(self, name: str) -> tuple[str, object] | None:
         if self.tie_word_embeddings and name == "lm_head.weight":

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm_omni.model_executor.checkpoint_slice import CheckpointSlice
 from vllm_omni.model_executor.layers.linear import WHOLE, default_weight_loader
 
 # (parameter name, shard id) for a checkpoint name, or None to skip the tensor.
@@ -59,6 +60,8 @@ def load_weights_strict(
         if shard_id in loaded[param_name]:
             raise ValueError(f"checkpoint tensor {ckpt_name!r} loaded twice into {param_name!r} (shard {shard_id!r})")
         loader = getattr(param, "weight_loader", default_weight_loader)
+        if isinstance(tensor, CheckpointSlice) and not getattr(param, "reads_slices", False):
+            tensor = tensor.load()  # a replicated parameter: read it whole
         try:
             loader(param, tensor, shard_id)
         except ValueError as exc:
