@@ -27,15 +27,15 @@ FAMILIES = {
 
 
 def thinker(path: str, tp: int) -> LLMEngine:
-    layers = Qwen3OmniMoeThinkerForConditionalGeneration.hidden_state_layers_for(AutoConfig.from_pretrained(path))
+    layers = Qwen3OmniMoeThinkerForConditionalGeneration.exported_hidden_states(AutoConfig.from_pretrained(path))
     return LLMEngine(EngineConfig(model=path, model_stage="thinker", dtype="float32", hidden_state_layers=layers,
                                   tensor_parallel_size=tp))
 
 
 def run_batch(engine: LLMEngine, requests: dict[str, tuple[list[int], dict]]) -> dict:
     for rid, (prompt, inputs) in requests.items():
-        assert engine.add_request(rid, prompt, GREEDY, model_inputs=inputs or None, return_hidden_states=True,
-                                  stream=False) is None
+        assert engine.add_request(rid, prompt, GREEDY, model_inputs=inputs or None,
+                                  return_hidden_states=True) is None
     done = {}
     while engine.has_unfinished_requests():
         done |= {out.request_id: out for out in engine.step() if out.finished}

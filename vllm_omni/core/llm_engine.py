@@ -178,6 +178,7 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
+        self.runner.check_health()  # a dead tensor-parallel rank fails the engine even when idle
         return self.scheduler.has_unfinished()
 
     def has_work(self) -> bool:
