@@ -1,0 +1,41 @@
+"""Qwen3-TTS (12 Hz tokenizer): talker (with its code predictor) -> speech decoder, one family.
+
+    stage      class                                  engine      weights
+    talker     Qwen3TTSTalkerForConditionalGeneration ar          talker.* (+ speaker_encoder.*
+               (the code predictor runs between                   and the speech tokenizer's
+               engine steps, one step = one frame)                encoder for voice cloning)
+    code2wav   Qwen3TTSCode2Wav (GenerationModel)     generation  speech_tokenizer/ decoder.*
+
+The three released task types (CustomVoice, VoiceDesign, Base) share these classes; the stage-0
+input processor builds the talker's inputs from the text and the voice (tts_input.py). Importing
+this package registers the checkpoint config classes with `AutoConfig` (configuration.py).
+"""
+from __future__ import annotations
+
+from vllm_omni.model_executor.models.family import ModelFamily, PipelineVariant
+
+_HERE = "vllm_omni.model_executor.models.qwen3_tts"
+
+FAMILY = ModelFamily(
+    name="qwen3_tts",
+    architectures=("Qwen3TTSForConditionalGeneration",),
+    model_types=("qwen3_tts",),
+    stage_models={
+        "talker": f"{_HERE}.talker:Qwen3TTSTalkerForConditionalGeneration",
+        "code2wav": f"{_HERE}.code2wav:Qwen3TTSCode2Wav",
+    },
+    bridges={"code2wav": "vllm_omni.model_executor.stage_input_processors.qwen3_tts.talker2code2wav"},
+    input_processor=f"{_HERE}.tts_input:Qwen3TTSInputProcessor",
+    pipelines={PipelineVariant.DEFAULT: "qwen3_tts"},
+    tiny_checkpoints={"qwen3_tts": "vllm_omni.testing.tiny_qwen3_tts:build_tiny_qwen3_tts"},
+)
+
+
+def _register() -> None:
+    # The engine reads checkpoint configs with AutoConfig, which does not know Qwen3-TTS.
+    from vllm_omni.model_executor.models.qwen3_tts.configuration import register_hf_configs
+
+    register_hf_configs()
+
+
+_register()
