@@ -36,6 +36,7 @@ class ServerSettings:
     admission_timeout_s: float = 10.0  # --batch-timeout
     max_request_bytes: int = 128 * 1024 * 1024
     uvicorn_log_level: str = "info"
+    tts_max_instructions_length: int = 500  # --tts-max-instructions-length (spec 001 default)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -66,7 +67,8 @@ def run_server(engine: Any, settings: ServerSettings, sock: socket.socket) -> No
     import uvicorn
 
     app = build_app(build_context(engine, settings), api_key=settings.api_key,
-                    max_request_bytes=settings.max_request_bytes)
+                    max_request_bytes=settings.max_request_bytes,
+                    tts_max_instructions_length=settings.tts_max_instructions_length)
     # log_config=None: uvicorn logs through the root logger, so --log-file and our format apply.
     config = uvicorn.Config(app, log_level=settings.uvicorn_log_level, log_config=None,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,

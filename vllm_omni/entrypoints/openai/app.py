@@ -2,7 +2,8 @@
 
     app = build_app(ctx, api_key="secret")   # ctx: serving_base.ServingContext
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health (503
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/audio/speech and GET
+/v1/audio/voices (text-to-speech models), GET /v1/models, GET /health (503
 naming each stage that is down), GET /version, GET /metrics (Prometheus text format).
 With an API key, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise), as in
 vLLM; health, version and metrics stay open for probes and scrapers.
@@ -26,8 +27,10 @@ from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest, Complet
 from vllm_omni.entrypoints.openai.serving_base import ServingContext, summarize_reason
 from vllm_omni.entrypoints.openai.serving_chat import ChatService
 from vllm_omni.entrypoints.openai.serving_completions import CompletionService
+from vllm_omni.entrypoints.openai.serving_speech import DEFAULT_MAX_INSTRUCTIONS, SpeechRequest, SpeechService
 
-_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version", "/metrics")
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version", "/metrics",
+           "/v1/audio/speech", "/v1/audio/voices")
 
 
 class StatusMetricsMiddleware:
@@ -110,7 +113,8 @@ class BodyLimitMiddleware:
         return APIError(413, f"the request body is over the {self.max_bytes} byte limit (--max-request-bytes)")
 
 
-def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes: int = 128 * 1024 * 1024) -> FastAPI:
+def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes: int = 128 * 1024 * 1024,
+              tts_max_instructions_length: int = DEFAULT_MAX_INSTRUCTIONS) -> FastAPI:
     app = FastAPI(title="vllm-omni", version=__version__)
     install_error_handlers(app)
 
@@ -128,6 +132,16 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Any:
         return await completions.create(body, raw)
+
+    speech = SpeechService(ctx, tts_max_instructions_length)
+
+    @app.post("/v1/audio/speech")
+    async def create_speech(body: SpeechRequest, raw: Request) -> Any:
+        return await speech.create(body, raw)
+
+    @app.get("/v1/audio/voices")
+    async def list_voices() -> dict[str, Any]:
+        return speech.voices()
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
