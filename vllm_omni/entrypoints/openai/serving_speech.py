@@ -87,9 +87,10 @@ class TTSModelInfo:
         from vllm_omni.model_executor.models.qwen3_tts.configuration import TaskType
 
         speech = json.loads((Path(model_path) / "speech_tokenizer" / "config.json").read_text())
-        return cls(TaskType.from_model_type(config.get("tts_model_type")).value,
-                   sorted((config.get("talker_config") or {}).get("spk_id") or {}),
-                   int(speech.get("decode_upsample_rate", 1920)))
+        task = TaskType.from_model_type(config.get("tts_model_type"))
+        # Only CustomVoice speaks in named voices (the others design or clone theirs).
+        voices = (config.get("talker_config") or {}).get("spk_id") or {} if task is TaskType.CUSTOM_VOICE else {}
+        return cls(task.value, sorted(voices), int(speech.get("decode_upsample_rate", 1920)))
 
 
 class SpeechService:
