@@ -27,7 +27,7 @@ from vllm_omni.core.engine_config import EngineConfig
 from vllm_omni.core.llm_engine import LLMEngine
 from vllm_omni.model_executor.models.qwen3_tts.bridges import talker2code2wav
 from vllm_omni.model_executor.models.qwen3_tts.code2wav import Qwen3TTSCode2Wav, stream_chunks
-from vllm_omni.model_executor.models.qwen3_tts.tts_input import Qwen3TTSInputProcessor
+from vllm_omni.multimodal.qwen3_tts_input import Qwen3TTSInputProcessor
 from vllm_omni.model_executor.models.qwen3_tts.tts_request import CODES_KEY, REF_CODES_KEY
 from vllm_omni.sampling_params import SamplingParams
 from vllm_omni.stage_io import StageRequest

@@ -4,7 +4,7 @@
      "instructions": "...", "stream_format": "audio" | "sse",
      "task_type": ..., "language": ..., "ref_audio": URL | data URL | base64, "ref_text": ...}
 
-The request becomes a TTS prompt for the pipeline's input processor (Qwen3-TTS: tts_input.py),
+The request becomes a TTS prompt for the pipeline's input processor (Qwen3-TTS: multimodal/qwen3_tts_input.py),
 which refuses what the checkpoint cannot do (an unknown voice names the voices) -> 400.
 Responses (docs/tts.md):
 - no stream_format: the whole file, with usage in x-vllm-omni-*-tokens headers;

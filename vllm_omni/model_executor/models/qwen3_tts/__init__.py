@@ -7,7 +7,7 @@
     code2wav   Qwen3TTSCode2Wav (GenerationModel)     generation  speech_tokenizer/ decoder.*
 
 The three released task types (CustomVoice, VoiceDesign, Base) share these classes; the stage-0
-input processor builds the talker's inputs from the text and the voice (tts_input.py). Importing
+input processor builds the talker's inputs from the text and the voice (multimodal/qwen3_tts_input.py). Importing
 this package registers the checkpoint config classes with `AutoConfig` (configuration.py).
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ FAMILY = ModelFamily(
         "code2wav": f"{_HERE}.code2wav:Qwen3TTSCode2Wav",
     },
     bridges={"code2wav": "vllm_omni.model_executor.stage_input_processors.qwen3_tts.talker2code2wav"},
-    input_processor=f"{_HERE}.tts_input:Qwen3TTSInputProcessor",
+    input_processor="vllm_omni.multimodal.qwen3_tts_input:Qwen3TTSInputProcessor",
     pipelines={PipelineVariant.DEFAULT: "qwen3_tts"},
     tiny_checkpoints={"qwen3_tts": "vllm_omni.testing.tiny_qwen3_tts:build_tiny_qwen3_tts"},
 )

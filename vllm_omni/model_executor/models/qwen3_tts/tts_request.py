@@ -1,6 +1,6 @@
 """What one TTS request hands the talker: the typed payload of its `additional_information`.
 
-The input processor (tts_input.py) builds it in the caller's process; the talker reads it back
+The input processor (multimodal/qwen3_tts_input.py) builds it in the caller's process; the talker reads it back
 with `from_info` (msgpack-safe values and one optional tensor, the reference audio).
 """
 from __future__ import annotations
