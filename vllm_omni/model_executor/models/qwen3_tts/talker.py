@@ -63,7 +63,7 @@ def read_speech_tokenizer_config(model_dir: str) -> dict:
 
 class Qwen3TTSTalkerForConditionalGeneration(nn.Module):
     hidden_state_layers: tuple[int, ...] = ()  # exports codes, not hidden states
-    supports_cuda_graphs = False  # the code predictor runs between steps on per-request state
+    # The decode step (embeddings in, logits out) is graph-safe; the code predictor runs after it, eagerly.
 
     def __init__(self, hf_config):
         super().__init__()
