@@ -66,11 +66,11 @@ DEFAULT_EXPORTED_LAYERS = (0,)
 
 
 def exported_hidden_state_layers(model: str, stage: StageConfig) -> tuple[int, ...]:
-    from transformers import AutoConfig
-
     from vllm_omni.model_executor.models.registry import resolve_model_class
 
-    config = AutoConfig.from_pretrained(model)
+    from vllm_omni.model_executor.model_loader import load_hf_config
+
+    config = load_hf_config(model)
     arch = stage.engine_args.model_arch
     if arch is None:
         architectures = config.architectures or []

@@ -7,8 +7,9 @@
     code2wav   Qwen3TTSCode2Wav (GenerationModel)     generation  speech_tokenizer/ decoder.*
 
 The three released task types (CustomVoice, VoiceDesign, Base) share these classes; the stage-0
-input processor builds the talker's inputs from the text and the voice (multimodal/qwen3_tts_input.py). Importing
-this package registers the checkpoint config classes with `AutoConfig` (configuration.py).
+input processor (multimodal/qwen3_tts_input.py) builds the talker's inputs from the text and the
+voice. transformers has no Qwen3-TTS config: `hf_config_class` (configuration.py) is registered
+with AutoConfig by model_loader.load_hf_config.
 """
 from __future__ import annotations
 
@@ -28,14 +29,5 @@ FAMILY = ModelFamily(
     input_processor="vllm_omni.multimodal.qwen3_tts_input:Qwen3TTSInputProcessor",
     pipelines={PipelineVariant.DEFAULT: "qwen3_tts"},
     tiny_checkpoints={"qwen3_tts": "vllm_omni.testing.tiny_qwen3_tts:build_tiny_qwen3_tts"},
+    hf_config_class=f"{_HERE}.configuration:Qwen3TTSConfig",
 )
-
-
-def _register() -> None:
-    # The engine reads checkpoint configs with AutoConfig, which does not know Qwen3-TTS.
-    from vllm_omni.model_executor.models.qwen3_tts.configuration import register_hf_configs
-
-    register_hf_configs()
-
-
-_register()

@@ -1,7 +1,7 @@
 """Qwen3-TTS checkpoint config (`model_type` "qwen3_tts"): read by `AutoConfig`, parsed once.
 
 transformers does not know Qwen3-TTS (it lives in the `qwen-tts` package, which pins an old
-transformers). `Qwen3TTSConfig` is a bare registered PretrainedConfig: every config.json key
+transformers). `Qwen3TTSConfig` is a bare PretrainedConfig: every config.json key
 becomes an attribute (sections stay dicts), whatever transformers version builds it (5.x
 turned configs into dataclasses; a subclass with its own fields behaves differently across
 5.17 and 5.24). `TTSConfig.parse` then turns it into frozen dataclasses with the names our
@@ -37,16 +37,9 @@ class TaskType(str, enum.Enum):
 
 
 class Qwen3TTSConfig(PretrainedConfig):
+    """Registered with AutoConfig by model_loader.load_hf_config (the family's hf_config_class)."""
+
     model_type = "qwen3_tts"
-
-
-def register_hf_configs() -> None:
-    """Make `AutoConfig.from_pretrained` read Qwen3-TTS checkpoints (idempotent)."""
-    from transformers import AutoConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    if Qwen3TTSConfig.model_type not in CONFIG_MAPPING:
-        AutoConfig.register(Qwen3TTSConfig.model_type, Qwen3TTSConfig)
 
 
 def _pick(cls: type, section: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
