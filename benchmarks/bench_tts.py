@@ -170,7 +170,8 @@ def stage_overrides(args: argparse.Namespace, max_c: int) -> dict[str, Any]:
 
 
 def run_qwen_tts(python: str, model: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """qwen-tts at c=1, in its own venv: mean latency of a few greedy requests of --frames frames."""
+    """qwen-tts at c=1, in its own venv, sampling with its defaults (EOS may end a request early:
+    its RTF is per audio second it made)."""
     script = f"""
 import time, torch, json
 from qwen_tts import Qwen3TTSModel
@@ -179,7 +180,7 @@ m = Qwen3TTSModel.from_pretrained({str(model)!r}, dtype=torch.bfloat16 if torch.
 lat, audio = [], []
 for i, text in enumerate({SENTENCES!r} * 2):
     t = time.perf_counter()
-    wavs, sr = m.generate_custom_voice(text, speaker="vivian", max_new_tokens={args.frames + 1}, min_new_tokens={args.frames + 1})
+    wavs, sr = m.generate_custom_voice(text, speaker="vivian", max_new_tokens={args.frames + 1})
     lat.append(time.perf_counter() - t); audio.append(len(wavs[0]) / sr)
 print(json.dumps({{"latency": lat[1:], "audio": audio[1:]}}))
 """
@@ -196,8 +197,12 @@ def main() -> None:
     concurrency = [int(c) for c in args.concurrency.split(",") if c]
     max_c = max([*concurrency, args.num_requests if args.rate else 1])
     with tempfile.TemporaryDirectory() as tmp:
-        model = Path(args.model) if args.model else (
-            real_arch_checkpoint(Path(tmp) / "real") if args.real_arch else tiny_checkpoint(args.task, Path(tmp) / "tiny"))
+        if args.model:
+            model = Path(args.model)
+        elif args.real_arch:
+            model = real_arch_checkpoint(Path(tmp) / "real")
+        else:
+            model = tiny_checkpoint(args.task, Path(tmp) / "tiny")
         rows: list[dict[str, Any]] = []
         params = [None, None]
         with AsyncOmni(model=str(model), stage_overrides=stage_overrides(args, max_c)) as engine:

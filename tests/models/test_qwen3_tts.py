@@ -147,7 +147,8 @@ def test_seeded_sampling_is_reproducible(checkpoints):
         return SamplingParams(temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05, min_tokens=2,
                               max_tokens=12, seed=seed)
 
-    out = run_talker(engine, {"a": prompt, "b": prompt, "c": prompt}, {"a": sampled(1), "b": sampled(1), "c": sampled(2)})
+    params = {"a": sampled(1), "b": sampled(1), "c": sampled(2)}
+    out = run_talker(engine, {rid: prompt for rid in params}, params)
     codes = {rid: o.outputs[0].multimodal_output[CODES_KEY].tolist() for rid, o in out.items()}
     assert codes["a"] == codes["b"]
     assert codes["a"] != codes["c"]
@@ -173,3 +174,12 @@ def test_chunked_decode_joins_to_the_whole_decode(checkpoints):
     # Without context the chunk boundaries show: the context is what makes them match.
     blind = torch.cat([decoder.decode_chunk(codes, s, e, left_context=0) for s, e in stream_chunks(40, 2, 9)], -1)
     assert (blind - whole).abs().max() > 1e-2
+
+
+def test_tiny_checkpoint_cli_builds_each_task_type(tmp_path):
+    from vllm_omni.testing.__main__ import main
+
+    main(["qwen3_tts", str(tmp_path / "vd"), "--task-type", "VoiceDesign"])
+    config = json.loads((tmp_path / "vd" / "config.json").read_text())
+    assert config["tts_model_type"] == "voice_design" and "speaker_encoder_config" not in config
+    assert (tmp_path / "vd" / "speech_tokenizer" / "model.safetensors").is_file()

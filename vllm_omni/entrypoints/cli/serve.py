@@ -104,7 +104,8 @@ def serve(args: argparse.Namespace) -> int:
         max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
         admission_timeout_s=args.batch_timeout, max_request_bytes=args.max_request_bytes,
         uvicorn_log_level=args.uvicorn_log_level,
-        tts_max_instructions_length=args.tts_max_instructions_length or 500,
+        **({"tts_max_instructions_length": args.tts_max_instructions_length}
+           if args.tts_max_instructions_length is not None else {}),
     )
     try:
         engine = _start_engine(args, model)

@@ -17,6 +17,7 @@ from vllm_omni.entrypoints.openai.app import build_app
 from vllm_omni.entrypoints.openai.media_fetch import MediaPolicy
 from vllm_omni.entrypoints.openai.metrics import ServerMetrics
 from vllm_omni.entrypoints.openai.serving_base import PipelineShape, ServingContext
+from vllm_omni.entrypoints.openai.serving_speech import DEFAULT_MAX_INSTRUCTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ class ServerSettings:
     admission_timeout_s: float = 10.0  # --batch-timeout
     max_request_bytes: int = 128 * 1024 * 1024
     uvicorn_log_level: str = "info"
-    tts_max_instructions_length: int = 500  # --tts-max-instructions-length (spec 001 default)
+    tts_max_instructions_length: int = DEFAULT_MAX_INSTRUCTIONS  # --tts-max-instructions-length
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -94,8 +94,9 @@ class TalkerConfig(DecoderConfig):
     @classmethod
     def parse(cls, section: Mapping[str, Any]) -> TalkerConfig:
         decoder = DecoderConfig.parse(section)
+        predictor = DecoderConfig.parse(section["code_predictor_config"])
         return cls(**{**decoder.__dict__, **_pick(cls, section, rope_parameters=decoder.rope_parameters,
-                                                  code_predictor=DecoderConfig.parse(section["code_predictor_config"]))})
+                                                  code_predictor=predictor)})
 
 
 @dataclass(frozen=True)
