@@ -71,6 +71,8 @@ class Qwen3TTSInputProcessor:
         self.tokenizer = tokenizer
         config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
         self.task_type = TaskType.from_model_type(config.get("tts_model_type"))
+        # qwen-tts drops the instructions of the 0.6B CustomVoice model (trained without them).
+        self.takes_instructions = config.get("tts_model_size") != "0b6" or self.task_type is not TaskType.CUSTOM_VOICE
         talker = config.get("talker_config") or {}
         self.speakers = sorted(talker.get("spk_id") or {})
         self.languages = ["auto", *sorted(k for k in talker.get("codec_language_id") or {} if "dialect" not in k)]
@@ -92,6 +94,8 @@ class Qwen3TTSInputProcessor:
         instructions = options.get("instructions")
         if instructions is not None and not isinstance(instructions, str):
             raise ValueError("instructions must be a string")
+        if instructions and not self.takes_instructions:
+            raise ValueError("this 0.6B CustomVoice model takes no instructions (qwen-tts ignores them)")
         if task is TaskType.BASE and instructions:
             raise ValueError("a Base (voice cloning) model takes no instructions; the voice comes from ref_audio")
         if task is TaskType.VOICE_DESIGN and not (instructions or "").strip():
