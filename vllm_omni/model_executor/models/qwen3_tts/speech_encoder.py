@@ -3,8 +3,9 @@
 Voice cloning (Base) feeds the reference audio's codes to the talker. The encoder is a Mimi
 model without its decoding half; we wrap transformers' `MimiModel` (the module qwen-tts
 subclasses), loaded from the checkpoint's `speech_tokenizer/model.safetensors` `encoder.*`
-tensors. Those carry transformers 4.x names (as released); transformers 5 nests the SEANet,
-its transformer and the downsampling conv one level deeper, so names are mapped on load.
+tensors. Those carry transformers 4.x names (as released); transformers 5.24 nests the SEANet,
+its transformer and the downsampling conv one level deeper, so names are mapped on load
+(either layout works: the map is built from the module's own names).
 """
 from __future__ import annotations
 
@@ -14,26 +15,20 @@ import torch
 from torch import nn
 
 ENCODER_PREFIX = "encoder."
-# released (transformers 4) name prefix -> transformers 5 MimiModel name prefix
-_RENAMES = (("encoder_transformer.", "encoder.encoder_transformer."), ("downsample.", "encoder.downsample."),
-            ("encoder.", "encoder.encoder_seanet."), ("quantizer.", "quantizer."))
+# transformers 5 MimiModel name prefix -> released (transformers 4) prefix; other names of the
+# encoding half are the same in both layouts.
+_NEW_TO_RELEASED = (("encoder.encoder_transformer.", "encoder_transformer."), ("encoder.downsample.", "downsample."),
+                    ("encoder.encoder_seanet.", "encoder."))
 _DECODING_HALF = ("decoder.", "upsample.", "decoder_transformer.")
 
 
-def to_transformers_name(released: str) -> str | None:
-    """`encoder.layers.0.conv.weight` (released) -> `encoder.encoder_seanet.layers.0.conv.weight`."""
-    for old, new in _RENAMES:
-        if released.startswith(old):
-            return new + released[len(old):]
-    return None
-
-
 def to_released_name(name: str) -> str | None:
-    """Inverse of `to_transformers_name`; None for the decoding half, which is not released."""
-    for old, new in _RENAMES:
+    """A MimiModel parameter name (either transformers layout) -> its name in a released
+    checkpoint; None for the decoding half, which the speech tokenizer does not keep."""
+    for new, old in _NEW_TO_RELEASED:
         if name.startswith(new):
             return old + name[len(new):]
-    return None
+    return None if name.startswith(_DECODING_HALF) else name
 
 
 class SpeechEncoder(nn.Module):
@@ -47,17 +42,13 @@ class SpeechEncoder(nn.Module):
 
     def load_released(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Load the checkpoint's `encoder.*` tensors (prefix stripped); strict for the encoding half."""
-        state = {}
-        for name, tensor in tensors.items():
-            mapped = to_transformers_name(name)
-            if mapped is None:
-                raise ValueError(f"speech tokenizer encoder tensor {name!r} has no place in Mimi")
-            state[mapped] = tensor
-        missing, unexpected = self.mimi.load_state_dict(state, strict=False)
-        missing = [m for m in missing if not m.split(".", 1)[-1].startswith(_DECODING_HALF)
-                   and not m.startswith(_DECODING_HALF)]
+        ours = {to_released_name(name): name for name in self.mimi.state_dict()}
+        ours.pop(None, None)
+        unexpected = sorted(set(tensors) - set(ours))
+        missing = sorted(set(ours) - set(tensors))
         if missing or unexpected:
-            raise ValueError(f"speech tokenizer encoder: missing {missing}, unexpected {unexpected}")
+            raise ValueError(f"speech tokenizer encoder: missing {missing[:8]}, unexpected {unexpected[:8]}")
+        self.mimi.load_state_dict({ours[name]: tensor for name, tensor in tensors.items()}, strict=False)
 
     @torch.inference_mode()
     def encode(self, audio: torch.Tensor) -> torch.Tensor:
