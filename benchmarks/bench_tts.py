@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import shutil
 import statistics
@@ -56,6 +57,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--frames", type=int, default=24, help="codec frames per request (12.5 per second)")
     p.add_argument("--dtype", default=None, help="talker dtype (default: bfloat16 on GPU, the config's on CPU)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--no-predictor-graphs", action="store_true",
+                   help="run the code predictor eagerly on CUDA (default: CUDA graphs, unless --eager)")
     p.add_argument("--qwen-tts-python", default=None, help="python of the qwen-tts venv: also run it at c=1")
     p.add_argument("--json", default=None, help="write the results here")
     return p.parse_args()
@@ -194,6 +197,8 @@ def main() -> None:
     args = parse_args()
     from vllm_omni.entrypoints.async_omni import AsyncOmni
 
+    if not (args.eager or args.no_predictor_graphs):  # read by the talker (stage processes inherit it)
+        os.environ["VLLM_OMNI_TTS_PREDICTOR_CUDA_GRAPHS"] = "1"
     concurrency = [int(c) for c in args.concurrency.split(",") if c]
     max_c = max([*concurrency, args.num_requests if args.rate else 1])
     with tempfile.TemporaryDirectory() as tmp:

@@ -23,8 +23,8 @@ from vllm_omni.model_executor.models.decoder import DecoderModel, config_head_di
 from vllm_omni.model_executor.models.qwen3 import make_qwen3_layer
 from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_code_predictor import FrameCacheAttention
 
-# logits [B, vocab] (float32) -> codes [B]
-SampleFn = Callable[[torch.Tensor], torch.Tensor]
+# (logits [B, vocab] float32, group index) -> codes [B]
+SampleFn = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 class Qwen3TTSCodePredictor(nn.Module):
@@ -67,7 +67,7 @@ class Qwen3TTSCodePredictor(nn.Module):
             for group in range(self.num_code_groups - 1):
                 hidden, _ = self.model(None, positions, x)
                 last = hidden.view(batch, -1, hidden.shape[-1])[:, -1]
-                code = sample(F.linear(last, self.lm_head[group].weight).float())
+                code = sample(F.linear(last, self.lm_head[group].weight).float(), group)
                 embed = self.model.codec_embedding[group](code)
                 codes.append(code)
                 embeds.append(embed)

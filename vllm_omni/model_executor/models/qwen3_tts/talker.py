@@ -16,6 +16,7 @@ Codes of the vocabulary's last 1024 ids except codec EOS are suppressed (qwen-tt
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ from vllm_omni.model_executor.models.qwen3 import make_qwen3_layer
 from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_moe_talker import ResizeMLP
 from vllm_omni.model_executor.models.qwen3_tts.code_predictor import Qwen3TTSCodePredictor
 from vllm_omni.model_executor.models.qwen3_tts.configuration import TaskType, TTSConfig
+from vllm_omni.model_executor.models.qwen3_tts.predictor_graphs import PredictorFrame, PredictorGraphs
 from vllm_omni.model_executor.models.qwen3_tts.prompt import TalkerPrompt, build_prompt, prompt_length
 from vllm_omni.model_executor.models.qwen3_tts.speaker_encoder import SpeakerEncoder
 from vllm_omni.model_executor.models.qwen3_tts.speech_encoder import ENCODER_PREFIX, SpeechEncoder
@@ -44,6 +46,9 @@ _NUM_SPECIAL_CODES = 1024  # the talker vocabulary's trailing control codes
 # qwen-tts' code predictor sampling (subtalker_*) when the talker samples; greedy when it is greedy.
 PREDICTOR_SAMPLING = SamplingParams(temperature=0.9, top_k=50, top_p=1.0, max_tokens=None)
 SPEECH_TOKENIZER_DIR = "speech_tokenizer"
+# Opt-in until measured on the GPU (docs/tts.md): the code predictor's frames as CUDA graphs.
+PREDICTOR_GRAPHS_ENV = "VLLM_OMNI_TTS_PREDICTOR_CUDA_GRAPHS"
+PREDICTOR_GRAPH_MAX_BATCH = 64
 
 
 @dataclass
@@ -101,6 +106,7 @@ class Qwen3TTSTalkerForConditionalGeneration(nn.Module):
         suppressed[tc.codec_eos_token_id] = False
         self.register_buffer("suppressed", suppressed, persistent=False)
         self.sampler = Sampler()
+        self.predictor_graphs: PredictorGraphs | None = None  # built on the first CUDA frame, if enabled
 
     # --- weights ----------------------------------------------------------------
     def map_weight_name(self, name: str) -> tuple[str, object] | None:
@@ -145,7 +151,7 @@ class Qwen3TTSTalkerForConditionalGeneration(nn.Module):
         hidden: [B, H] final states that produced the sampled group-0 codes `token_ids`."""
         tokens = torch.tensor(token_ids, device=hidden.device)
         first = self.model.embed_tokens(tokens)
-        codes, embeds = self.code_predictor(hidden, first, self._predictor_sample_fn(requests))
+        codes, embeds = self._predict(requests, hidden, first)
         codec_rows = torch.cat([first[:, None], embeds], dim=1).sum(1)  # qwen-tts' codec_hiddens.sum(1)
         frames = torch.cat([tokens[:, None], codes], dim=1).cpu()
         for i, req in enumerate(requests):
@@ -172,15 +178,28 @@ class Qwen3TTSTalkerForConditionalGeneration(nn.Module):
             out[REF_CODES_KEY] = st.ref_codes
         return out
 
+    def _predict(self, requests: list, hidden: torch.Tensor, first: torch.Tensor):
+        if hidden.is_cuda and os.environ.get(PREDICTOR_GRAPHS_ENV) == "1" \
+                and len(requests) <= PREDICTOR_GRAPH_MAX_BATCH:
+            if self.predictor_graphs is None:
+                frame = PredictorFrame(self.code_predictor, PREDICTOR_GRAPH_MAX_BATCH, self.hidden_size,
+                                       self.config.code_predictor.vocab_size, PREDICTOR_SAMPLING.temperature,
+                                       PREDICTOR_SAMPLING.top_k, hidden.device, hidden.dtype)
+                self.predictor_graphs = PredictorGraphs(frame, PREDICTOR_GRAPH_MAX_BATCH)
+                self.predictor_graphs.capture()
+            return self.predictor_graphs.run(hidden, first, [r.sampling_params.greedy for r in requests],
+                                             [r.generator for r in requests])
+        return self.code_predictor(hidden, first, self._predictor_sample_fn(requests))
+
     def _predictor_sample_fn(self, requests: list):
         if all(r.sampling_params.greedy for r in requests):
-            return lambda logits: logits.argmax(dim=-1)
+            return lambda logits, group: logits.argmax(dim=-1)
         greedy = SamplingParams(temperature=0.0, max_tokens=None)
         n = len(requests)
         batch = SamplingBatch(params=[greedy if r.sampling_params.greedy else PREDICTOR_SAMPLING for r in requests],
                               prompt_token_ids=[[]] * n, output_token_ids=[[]] * n,
                               generators=[r.generator for r in requests])
-        return lambda logits: torch.tensor(self.sampler(logits, batch).token_ids, device=logits.device)
+        return lambda logits, group: torch.tensor(self.sampler(logits, batch).token_ids, device=logits.device)
 
     # --- per-request inputs (model runner / engine hooks) ------------------------
     def prepare_prompt_token_ids(self, prompt_token_ids: list[int], model_inputs: dict) -> list[int]:
