@@ -68,7 +68,8 @@ def read_speech_tokenizer_config(model_dir: str) -> dict:
 
 class Qwen3TTSTalkerForConditionalGeneration(nn.Module):
     hidden_state_layers: tuple[int, ...] = ()  # exports codes, not hidden states
-    # The decode step (embeddings in, logits out) is graph-safe; the code predictor runs after it, eagerly.
+    # The decode step (embeddings in, logits out) is graph-safe; the code predictor runs after it
+    # (eagerly, or as its own graphs: predictor_graphs.py).
 
     def __init__(self, hf_config):
         super().__init__()
