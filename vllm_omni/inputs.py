@@ -60,7 +60,10 @@ class OmniTokensPrompt(TokensPrompt, total=False):
 
 PromptType = Union[str, TextPrompt, TokensPrompt, ChatPrompt, OmniTokensPrompt]
 
-_OPTIONAL_KEYS = ("multi_modal_data", "mm_processor_kwargs", "speaker", "additional_information")
+# Text-to-speech voice options (Qwen3-TTS, see docs/tts.md); the model's input processor checks them.
+TTS_KEYS = ("instructions", "language", "task_type", "ref_audio", "ref_text", "x_vector_only_mode",
+            "non_streaming_mode")
+_OPTIONAL_KEYS = ("multi_modal_data", "mm_processor_kwargs", "speaker", "additional_information", *TTS_KEYS)
 _ALLOWED_KEYS = frozenset({"prompt", "prompt_token_ids", "messages", *_OPTIONAL_KEYS})
 
 
@@ -114,7 +117,8 @@ def parse_prompt(prompt: Any) -> OmniTokensPrompt | TextPrompt | ChatPrompt:
 
 def needs_input_processing(prompt: Mapping[str, Any]) -> bool:
     """Whether a parsed prompt needs the model's input processor (more than a tokenizer)."""
-    return any(prompt.get(k) is not None for k in ("messages", "multi_modal_data", "mm_processor_kwargs", "speaker"))
+    return any(prompt.get(k) is not None for k in ("messages", "multi_modal_data", "mm_processor_kwargs", "speaker",
+                                                    *TTS_KEYS))
 
 
 __all__ = ["ChatPrompt", "TextPrompt", "TokensPrompt", "OmniTokensPrompt", "PromptType", "needs_input_processing",

@@ -142,8 +142,10 @@ def test_hf_config_object_and_hub_cache(tmp_path, monkeypatch):
 
 
 def test_unknown_model_kind_is_an_error():
-    with pytest.raises(ConfigError, match="no bundled stage config for model_type='qwen3_tts'"):
-        pipeline_for_model({"model_type": "qwen3_tts", "architectures": ["Qwen3TTSForConditionalGeneration"]})
+    with pytest.raises(ConfigError, match="no bundled stage config for model_type='bagel'"):
+        pipeline_for_model({"model_type": "bagel", "architectures": ["BagelForConditionalGeneration"]})
+    tts = pipeline_for_model({"model_type": "qwen3_tts", "architectures": ["Qwen3TTSForConditionalGeneration"]})
+    assert tts.name == "qwen3_tts"
 
 
 def test_plain_llm_is_one_stage(tmp_path):

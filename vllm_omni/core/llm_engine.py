@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
+from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig
 
 from vllm_omni.core.block_manager import BlockManager
 from vllm_omni.core.request import Request, RequestStatus
@@ -20,7 +20,7 @@ from vllm_omni.core.scheduler import Scheduler, SchedulerConfig
 from vllm_omni.core.detokenizer import IncrementalDetokenizer
 from vllm_omni.core.engine_config import EngineConfig
 from vllm_omni.core.kv_cache_sizing import plan_kv_cache
-from vllm_omni.model_executor.model_loader import load_model, resolve_dtype
+from vllm_omni.model_executor.model_loader import load_hf_config, load_model, resolve_dtype
 from vllm_omni.model_executor.models.stage_model import StageModel, hidden_state_name
 from vllm_omni.outputs import CompletionOutput, RequestOutput
 from vllm_omni.sampling_params import SamplingParams
@@ -40,7 +40,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, hf_config: PretrainedConfig | None = None) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        self.hf_config = hf_config or AutoConfig.from_pretrained(config.model)
+        self.hf_config = hf_config or load_hf_config(config.model)
         self.dtype = resolve_dtype(self.hf_config, config.dtype)
         torch.manual_seed(config.seed)
         self.tokenizer = None

@@ -52,6 +52,20 @@ def resolve_dtype(hf_config: PretrainedConfig, dtype: str | torch.dtype) -> torc
     return _parse_dtype(config_dtype, "config dtype")
 
 
+def load_hf_config(model: str | Path) -> PretrainedConfig:
+    """`AutoConfig.from_pretrained`, also for families whose config class transformers lacks."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from vllm_omni.imports import import_dotted
+    from vllm_omni.model_executor.models.families import FAMILIES
+
+    for family in FAMILIES:
+        if family.hf_config_class is not None and family.model_types[0] not in CONFIG_MAPPING:
+            AutoConfig.register(family.model_types[0], import_dotted(family.hf_config_class))
+    return AutoConfig.from_pretrained(model)
+
+
 def safetensors_files(model_dir: str | Path) -> list[Path]:
     model_dir = Path(model_dir)
     if (model_dir / INDEX_FILE).is_file():

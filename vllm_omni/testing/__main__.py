@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> None:
         metavar="KEY=VALUE",
         help="HF config override, VALUE parsed as JSON if possible (repeatable)",
     )
+    parser.add_argument("--task-type", choices=["CustomVoice", "VoiceDesign", "Base"],
+                        help="qwen3_tts only: which released checkpoint type to build")
     args = parser.parse_args(argv)
 
     overrides = {}
@@ -45,6 +47,8 @@ def main(argv: list[str] | None = None) -> None:
         if not sep or not key:
             parser.error(f"--set expects KEY=VALUE, got {item!r}")
         overrides[key] = _parse_value(value)
+    if args.task_type is not None:
+        overrides["task_type"] = args.task_type
     print(make_tiny_model(args.arch, args.out_dir, seed=args.seed, **overrides))
 
 

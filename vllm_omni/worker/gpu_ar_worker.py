@@ -62,11 +62,10 @@ def exported_hidden_state_layers(model: str, stage: StageConfig) -> tuple[int, .
     """The layers a latent stage exports besides LAST, or None when its model exports no hidden
     states at all (StageModel.exports_hidden_states / exported_hidden_states; some layers depend
     on the checkpoint's config)."""
-    from transformers import AutoConfig
-
+    from vllm_omni.model_executor.model_loader import load_hf_config
     from vllm_omni.model_executor.models.registry import resolve_model_class
 
-    config = AutoConfig.from_pretrained(model)
+    config = load_hf_config(model)
     arch = stage.engine_args.model_arch or (config.architectures or [None])[0]
     if arch is None:
         raise ValueError(f"stage {stage.stage_id}: the config of {model} names no architecture; "

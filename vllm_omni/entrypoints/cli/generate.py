@@ -31,9 +31,17 @@ def add_parser(subparsers) -> None:
     p.add_argument("--use-audio-in-video", action="store_true", help="also listen to the videos' sound")
     p.add_argument("--speaker", default=None, help="voice of the spoken reply (e.g. Chelsie, Ethan)")
     p.add_argument("--modalities", default=None, help="comma-separated outputs, e.g. text or text,audio")
-    p.add_argument("--max-tokens", type=int, default=32, help="text tokens per reply")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="text tokens per reply (default 32); TTS: codec frames (default: the model's)")
+    p.add_argument("--temperature", type=float, default=None, help="default 0 (greedy); TTS: the model's")
+    # Text to speech (Qwen3-TTS, docs/tts.md): each --prompt is the text to speak.
+    p.add_argument("--instructions", default=None, help="TTS: speaking style, or the voice (VoiceDesign)")
+    p.add_argument("--language", default=None, help="TTS: language of the text (default Auto)")
+    p.add_argument("--task-type", default=None, choices=["CustomVoice", "VoiceDesign", "Base"],
+                   help="TTS: checked against the checkpoint's type")
+    p.add_argument("--ref-audio", default=None, help="TTS voice cloning (Base): reference audio file/URL")
+    p.add_argument("--ref-text", default=None, help="TTS voice cloning: transcript of --ref-audio")
+    p.add_argument("--top-p", type=float, default=None, help="default 1.0; TTS: the model's")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--stage-configs-path", default=None, help="a legacy stage_args YAML")
@@ -57,8 +65,20 @@ def build_prompts(args: argparse.Namespace, chat: bool) -> list[Any]:
             prompt["speaker"] = args.speaker
         if args.use_audio_in_video:
             prompt["mm_processor_kwargs"] = {"use_audio_in_video": True}
+        prompt.update({key: value for key, value in _tts_options(args).items() if value is not None})
         prompts.append(prompt)
     return prompts
+
+
+def _tts_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"instructions": args.instructions, "language": args.language, "task_type": args.task_type,
+            "ref_audio": args.ref_audio, "ref_text": args.ref_text}
+
+
+def _is_tts(model: str) -> bool:
+    from vllm_omni.config.bundled import read_hf_config
+
+    return (Path(model) / "config.json").is_file() and read_hf_config(model).get("model_type") == "qwen3_tts"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,10 +96,19 @@ def run(args: argparse.Namespace) -> int:
     with Omni(model, stage_configs_path=args.stage_configs_path, deploy_config=args.deploy_config,
               stage_overrides=args.stage_overrides, output_modalities=modalities, **engine_args) as omni:
         # A plain LM runs as a one-stage pipeline; anything bundled (Omni models) is chat-first.
-        chat = args.chat if args.chat is not None else omni.pipeline.format is not ConfigFormat.SINGLE_STAGE
+        # A TTS model speaks the prompt itself and keeps its own sampling defaults.
+        tts = _is_tts(model)
+        chat = args.chat if args.chat is not None else omni.pipeline.format is not ConfigFormat.SINGLE_STAGE and not tts
         prompts = build_prompts(args, chat)
-        stage0 = omni.pipeline.stages[0].new_sampling_params(
-            temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens)
+        if tts:
+            overrides = {key: value for key, value in (("temperature", args.temperature), ("top_p", args.top_p),
+                                                        ("seed", args.seed), ("max_tokens", args.max_tokens))
+                         if value is not None}
+        else:
+            overrides = dict(temperature=0.0 if args.temperature is None else args.temperature,
+                             top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed,
+                             max_tokens=32 if args.max_tokens is None else args.max_tokens)
+        stage0 = omni.pipeline.stages[0].new_sampling_params(**overrides)
         params: list[SamplingParams | None] = [stage0] + [None] * (len(omni.pipeline.stages) - 1)
         outputs = omni.generate(prompts, params, use_tqdm=False, modalities=modalities)
     if args.model is None:

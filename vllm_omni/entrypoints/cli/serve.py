@@ -68,6 +68,8 @@ def _check(args: argparse.Namespace) -> list[str]:
     for name in ("max_queued_requests", "batch_timeout", "media_fetch_timeout"):
         if getattr(args, name) < 0:
             problems.append(f"--{name.replace('_', '-')} must be >= 0")
+    if args.tts_max_instructions_length is not None and args.tts_max_instructions_length < 1:
+        problems.append("--tts-max-instructions-length must be >= 1")
     return problems
 
 
@@ -92,11 +94,18 @@ def serve(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     model, names = _model(args)
+    task_problem = _check_task_type(args.task_type, model)
+    if task_problem:
+        print(f"error: {task_problem}", file=sys.stderr)
+        sock.close()
+        return 2
     settings = ServerSettings(
         model_path=model, served_names=names, host=args.host, port=args.port, api_key=args.api_key, media=media,
         max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
         admission_timeout_s=args.batch_timeout, max_request_bytes=args.max_request_bytes,
         uvicorn_log_level=args.uvicorn_log_level, realtime=serve_args.realtime_limits.from_args(args),
+        **({"tts_max_instructions_length": args.tts_max_instructions_length}
+           if args.tts_max_instructions_length is not None else {}),
     )
     try:
         engine = _start_engine(args, model)
@@ -106,6 +115,20 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     run_server(engine, settings, sock)
     return 0
+
+
+def _check_task_type(task_type: str | None, model: str) -> str | None:
+    """--task-type must name what the TTS checkpoint is (one checkpoint serves one task type)."""
+    if task_type is None:
+        return None
+    from vllm_omni.entrypoints.openai.serving_speech import TTSModelInfo
+
+    info = TTSModelInfo.read(model)
+    if info is None:
+        return f"--task-type {task_type} is for text-to-speech models; {model} is not one"
+    if info.task_type != task_type:
+        return f"--task-type {task_type} does not match the checkpoint, a {info.task_type} model"
+    return None
 
 
 def _model(args: argparse.Namespace) -> tuple[str, list[str]]:

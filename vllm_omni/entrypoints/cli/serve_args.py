@@ -58,8 +58,8 @@ OMNI_FLAGS: tuple[Flag, ...] = (
     _bool("--omni", "Enable vLLM-Omni mode for multi-modal and diffusion models (required by `vllm serve`; "
           "`vllm-omni serve` is always in omni mode)."),
     _bool("--enable-sleep-mode", "Enable GPU memory pool for sleep mode.", "sleep mode is not implemented"),
-    _f("--task-type", "Default task type for TTS models.", "TTS models are not supported yet",
-       choices=("CustomVoice", "VoiceDesign", "Base"), default=None),
+    _f("--task-type", "Task type of a TTS model (CustomVoice, VoiceDesign or Base); default: inferred from the "
+       "checkpoint, which must match.", choices=("CustomVoice", "VoiceDesign", "Base"), default=None),
     _f("--stage-configs-path", "[Deprecated] Path to a legacy stage configs YAML (stage_args format). Prefer "
        "--deploy-config for new-format deploy YAMLs.", default=None),
     _f("--deploy-config", "Path to a deploy config YAML (new format with stages/engine_args). Mutually exclusive "
@@ -144,8 +144,8 @@ OMNI_FLAGS: tuple[Flag, ...] = (
        _DIFFUSION, default=None),
     _f("--max-generated-image-size", "The max size of a generated image (height * width).", _DIFFUSION, type=int,
        default=None),
-    _f("--tts-max-instructions-length", "Maximum length for TTS voice style instructions.",
-       "TTS models are not supported yet", type=int, default=None),
+    _f("--tts-max-instructions-length", "Maximum length (characters) of TTS voice style instructions; longer "
+       "ones get a 400 (default: 500).", type=int, default=None),
     _bool("--no-guardrails", "Disable Cosmos3 text/video safety guardrails.", "Cosmos3 is not supported"),
     _bool("--enable-diffusion-pipeline-profiler", "Enable the diffusion pipeline profiler.", _DIFFUSION),
     _bool("--enable-ar-profiler", "Include AR stage timing in stage_durations.", "the AR profiler is not implemented"),

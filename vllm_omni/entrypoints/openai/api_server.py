@@ -18,6 +18,7 @@ from vllm_omni.entrypoints.openai.media_fetch import MediaPolicy
 from vllm_omni.entrypoints.openai.metrics import ServerMetrics
 from vllm_omni.entrypoints.openai.realtime.limits import RealtimeLimits
 from vllm_omni.entrypoints.openai.serving_base import PipelineShape, ServingContext
+from vllm_omni.entrypoints.openai.serving_speech import DEFAULT_MAX_INSTRUCTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class ServerSettings:
     max_request_bytes: int = 128 * 1024 * 1024
     uvicorn_log_level: str = "info"
     realtime: RealtimeLimits = field(default_factory=RealtimeLimits)
+    tts_max_instructions_length: int = DEFAULT_MAX_INSTRUCTIONS  # --tts-max-instructions-length
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -68,7 +70,8 @@ def run_server(engine: Any, settings: ServerSettings, sock: socket.socket) -> No
     import uvicorn
 
     app = build_app(build_context(engine, settings), api_key=settings.api_key,
-                    max_request_bytes=settings.max_request_bytes, realtime=settings.realtime)
+                    max_request_bytes=settings.max_request_bytes, realtime=settings.realtime,
+                    tts_max_instructions_length=settings.tts_max_instructions_length)
     # log_config=None: uvicorn logs through the root logger, so --log-file and our format apply.
     config = uvicorn.Config(app, log_level=settings.uvicorn_log_level, log_config=None,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,

@@ -2,10 +2,11 @@
 
     app = build_app(ctx, api_key="secret")   # ctx: serving_base.ServingContext
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health (503
-naming each stage that is down), GET /version, GET /metrics (Prometheus text format); the
-realtime WebSocket GET /v1/realtime, POST /v1/audio/transcriptions and /v1/audio/translations,
-GET /v1/audio/voices, and the voice-chat page at / (static files under /static).
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/audio/speech (text-to-speech
+models), GET /v1/audio/voices, GET /v1/models, GET /health (503 naming each stage that is down),
+GET /version, GET /metrics (Prometheus text format); the realtime WebSocket GET /v1/realtime,
+POST /v1/audio/transcriptions and /v1/audio/translations, and the voice-chat page at / (static
+files under /static).
 With an API key, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise), as in
 vLLM; health, version and metrics stay open for probes and scrapers.
 """
@@ -32,11 +33,12 @@ from vllm_omni.entrypoints.openai.serving_chat import ChatService
 from vllm_omni.entrypoints.openai.serving_completions import CompletionService
 from vllm_omni.entrypoints.openai.realtime.endpoint import RealtimeEndpoint, model_abilities
 from vllm_omni.entrypoints.openai.realtime.limits import RealtimeLimits
+from vllm_omni.entrypoints.openai.serving_speech import DEFAULT_MAX_INSTRUCTIONS, SpeechRequest, SpeechService
 from vllm_omni.entrypoints.openai.serving_transcription import TranscriptionService
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"  # the voice-chat page (package data)
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version", "/metrics",
-           "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/audio/voices")
+           "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/audio/speech", "/v1/audio/voices")
 
 
 class StatusMetricsMiddleware:
@@ -120,7 +122,8 @@ class BodyLimitMiddleware:
 
 
 def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes: int = 128 * 1024 * 1024,
-              realtime: RealtimeLimits | None = None) -> FastAPI:
+              realtime: RealtimeLimits | None = None,
+              tts_max_instructions_length: int = DEFAULT_MAX_INSTRUCTIONS) -> FastAPI:
     app = FastAPI(title="vllm-omni", version=__version__)
     install_error_handlers(app)
 
@@ -138,6 +141,12 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Any:
         return await completions.create(body, raw)
+
+    speech = SpeechService(ctx, tts_max_instructions_length)
+
+    @app.post("/v1/audio/speech")
+    async def create_speech(body: SpeechRequest, raw: Request) -> Any:
+        return await speech.create(body, raw)
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
@@ -160,7 +169,8 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes
 
     @app.get("/v1/audio/voices")
     async def list_voices() -> dict[str, Any]:
-        return {"voices": list(abilities.voices)}
+        # A text-to-speech model's speakers (and its task type), else an omni model's talker voices.
+        return speech.voices() if speech.info is not None else {"voices": list(abilities.voices)}
 
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 

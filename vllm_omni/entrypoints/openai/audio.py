@@ -1,10 +1,10 @@
-"""Encode generated speech for the API: wav, flac, pcm16, mp3, opus.
+"""Encode generated speech for the API: wav, flac, pcm16, mp3, opus, aac.
 
     encode_audio(wave_f32, 24000, "wav") -> bytes of a complete file
 
 wav and flac are 16-bit PCM written by libsndfile (what players and OpenAI's API expect);
 pcm16 is raw little-endian 16-bit mono with no header, so streamed chunks concatenate into one
-stream. mp3 and opus go through PyAV (FFmpeg) when its build has the encoder; otherwise the
+stream. mp3, opus and aac go through PyAV (FFmpeg) when its build has the encoder; otherwise the
 request is refused with a 400 before any generation starts (`check_format`).
 Each streamed chunk is encoded on its own: a complete file per chunk (a bare run of samples
 for pcm16), which a client decodes and appends.
@@ -21,10 +21,10 @@ from vllm_omni.entrypoints.openai.errors import APIError
 OUTPUT_SAMPLE_RATE = 24000  # Qwen2.5-Omni's token2wav rate (contract: float32 at 24 kHz)
 
 # format -> (PyAV container, encoder) for the formats libsndfile does not write.
-_AV_FORMATS = {"mp3": ("mp3", "libmp3lame"), "opus": ("ogg", "libopus")}
+_AV_FORMATS = {"mp3": ("mp3", "libmp3lame"), "opus": ("ogg", "libopus"), "aac": ("adts", "aac")}
 _SF_FORMATS = {"wav": "WAV", "flac": "FLAC"}
 MEDIA_TYPES = {"wav": "audio/wav", "flac": "audio/flac", "pcm16": "audio/pcm", "mp3": "audio/mpeg",
-               "opus": "audio/ogg"}
+               "opus": "audio/ogg", "aac": "audio/aac"}
 
 
 @functools.cache

@@ -48,6 +48,9 @@ class ModelFamily:
     pipelines: Mapping[PipelineVariant, str] = field(default_factory=dict)  # -> bundled pipeline name
     # `python -m vllm_omni.testing NAME DIR` -> "module:builder" (see testing/tiny_models.py).
     tiny_checkpoints: Mapping[str, str] = field(default_factory=dict)
+    # "module:Class": the config class of model_types[0] when transformers has none (Qwen3-TTS);
+    # model_loader.load_hf_config registers it with AutoConfig before reading a checkpoint.
+    hf_config_class: str | None = None
 
     def __post_init__(self) -> None:
         if (self.single_stage_model is None) == (not self.stage_models):

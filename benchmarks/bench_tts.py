@@ -1,0 +1,233 @@
+"""Qwen3-TTS serving benchmark: time to first audio, RTF and throughput under load.
+
+Requests go through `AsyncOmni` (real stage processes: talker with code predictor -> code2wav),
+streaming (output_partial) so the first audio is timed when the pipeline hands it on. Each
+request speaks one sentence with a named voice (or clones a voice with --task Base) and
+generates exactly --frames codec frames (12.5 per audio second; EOS ignored, so every run does
+the same work).
+
+- closed loop: for each C in --concurrency, --num-requests requests with at most C in flight;
+- open loop: --rate R sends --num-requests requests at Poisson arrivals of R requests/s.
+
+Reported per run: time to first audio (mean / p50 / p90 / p95), end-to-end latency, RTF =
+request latency / audio seconds (mean, and aggregate wall / audio), throughput in audio seconds
+per second. --qwen-tts-python runs qwen-tts (its reference venv, tests/reference/qwen_tts) at
+c=1 on the same checkpoint for comparison: it is not streaming, so its first audio is its
+latency.
+
+    python benchmarks/bench_tts.py                       # tiny random checkpoint on CPU (smoke test)
+    python benchmarks/bench_tts.py --rate 4 --num-requests 16
+    # GPU: the released 1.7B CustomVoice architecture with random bf16 weights
+    python benchmarks/bench_tts.py --real-arch --concurrency 1,16,64 --num-requests 128 --frames 150 \
+        --rate 20 --json bench_tts.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+REAL_CONFIG = CONFIGS / "qwen3_tts_12hz_1.7b_customvoice.json"
+REAL_SPEECH_TOKENIZER = CONFIGS / "qwen3_tts_tokenizer_12hz.json"
+SENTENCES = ["Hello! How are you today?", "The weather is nice today, so we are going to the park.",
+             "Once upon a time there was a little girl who lived in a village near the forest.",
+             "Please write a short poem about the sea and the sky.", "A journey of a thousand miles begins."]
+SAMPLE_RATE = 24000
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="Qwen3-TTS checkpoint directory (default: build the tiny one)")
+    p.add_argument("--real-arch", action="store_true", help="the released 1.7B architecture, random weights")
+    p.add_argument("--task", default="CustomVoice", choices=["CustomVoice", "Base"])
+    p.add_argument("--concurrency", default="1,16", help="comma-separated in-flight limits (closed loop)")
+    p.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (open loop)")
+    p.add_argument("--num-requests", type=int, default=16, help="requests per run (at least C)")
+    p.add_argument("--frames", type=int, default=24, help="codec frames per request (12.5 per second)")
+    p.add_argument("--dtype", default=None, help="talker dtype (default: bfloat16 on GPU, the config's on CPU)")
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--no-predictor-graphs", action="store_true",
+                   help="run the code predictor eagerly on CUDA (default: CUDA graphs, unless --eager)")
+    p.add_argument("--qwen-tts-python", default=None, help="python of the qwen-tts venv: also run it at c=1")
+    p.add_argument("--json", default=None, help="write the results here")
+    return p.parse_args()
+
+
+def tiny_checkpoint(task: str, out: Path) -> Path:
+    from vllm_omni.testing.tiny_models import make_tiny_model
+
+    return make_tiny_model("qwen3_tts", out, task_type=task)
+
+
+def real_arch_checkpoint(out: Path) -> Path:
+    """config.json of the release + the speech tokenizer's config + a tokenizer: enough for
+    load_format dummy (the tiny tokenizer's ids all lie inside the real text vocabulary)."""
+    from vllm_omni.testing.tiny_qwen3_tts import GENERATION_CONFIG, save_tokenizer
+    from vllm_omni.testing.tokenizer import make_tiny_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(REAL_CONFIG, out / "config.json")
+    (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
+    save_tokenizer(make_tiny_tokenizer(), out)
+    (out / "speech_tokenizer").mkdir(exist_ok=True)
+    shutil.copy(REAL_SPEECH_TOKENIZER, out / "speech_tokenizer" / "config.json")
+    return out
+
+
+@dataclass
+class Result:
+    ttfa: float
+    latency: float
+    audio_s: float
+
+
+def prompt(i: int, task: str) -> dict[str, Any]:
+    text = SENTENCES[i % len(SENTENCES)]
+    if task == "Base":
+        import numpy as np
+
+        t = np.arange(int(2.0 * SAMPLE_RATE)) / SAMPLE_RATE
+        return {"prompt": text, "ref_audio": ((0.3 * np.sin(2 * np.pi * 140 * t)).astype("float32"), SAMPLE_RATE),
+                "ref_text": "This is my voice, please copy it."}
+    return {"prompt": text, "speaker": "vivian"}
+
+
+async def one(engine, i: int, task: str, params: list) -> Result:
+    start, first, samples = time.perf_counter(), None, 0
+    async for out in engine.generate(prompt(i, task), params, request_id=f"bench-{i}-{start}", modalities=["audio"],
+                                     output_partial=True):
+        if out.error is not None:
+            raise RuntimeError(out.error)
+        audio = out.request_output.outputs[0].multimodal_output.get("audio")
+        if audio is not None and audio.numel():
+            first = first or time.perf_counter()
+            samples = audio.numel()
+    end = time.perf_counter()
+    return Result(first - start, end - start, samples / SAMPLE_RATE)
+
+
+async def closed_loop(engine, n: int, concurrency: int, task: str, params: list) -> tuple[list[Result], float]:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def limited(i: int) -> Result:
+        async with gate:
+            return await one(engine, i, task, params)
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(limited(i) for i in range(n)))
+    return list(results), time.perf_counter() - start
+
+
+async def open_loop(engine, n: int, rate: float, task: str, params: list) -> tuple[list[Result], float]:
+    rng = random.Random(0)
+    start, tasks = time.perf_counter(), []
+    for i in range(n):
+        tasks.append(asyncio.ensure_future(one(engine, i, task, params)))
+        await asyncio.sleep(rng.expovariate(rate))
+    results = await asyncio.gather(*tasks)
+    return list(results), time.perf_counter() - start
+
+
+def summarize(name: str, results: list[Result], wall: float) -> dict[str, Any]:
+    def pct(values: list[float], q: float) -> float:
+        return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+    ttfa, lat = [r.ttfa for r in results], [r.latency for r in results]
+    audio = sum(r.audio_s for r in results)
+    row = {"run": name, "requests": len(results), "ttfa_mean_ms": 1e3 * statistics.mean(ttfa),
+           "ttfa_p50_ms": 1e3 * pct(ttfa, 50), "ttfa_p90_ms": 1e3 * pct(ttfa, 90), "ttfa_p95_ms": 1e3 * pct(ttfa, 95),
+           "latency_p50_ms": 1e3 * pct(lat, 50), "rtf_mean": statistics.mean(r.latency / r.audio_s for r in results),
+           "rtf_aggregate": wall / audio, "audio_s_per_s": audio / wall}
+    print(f"{name:>14}: TTFA mean {row['ttfa_mean_ms']:8.1f} p50 {row['ttfa_p50_ms']:8.1f} p90 "
+          f"{row['ttfa_p90_ms']:8.1f} p95 {row['ttfa_p95_ms']:8.1f} ms | latency p50 {row['latency_p50_ms']:8.1f} ms "
+          f"| RTF {row['rtf_mean']:.3f} (aggregate {row['rtf_aggregate']:.3f}) | {row['audio_s_per_s']:.2f} audio s/s",
+          flush=True)
+    return row
+
+
+def stage_overrides(args: argparse.Namespace, max_c: int) -> dict[str, Any]:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    talker: dict[str, Any] = {"max_num_seqs": max_c, "enforce_eager": args.eager or not cuda,
+                              "default_sampling_params": {"max_tokens": args.frames, "min_tokens": args.frames,
+                                                          "ignore_eos": True}}
+    code2wav: dict[str, Any] = {"max_num_seqs": max_c}
+    dtype = args.dtype or ("bfloat16" if cuda else None)
+    if dtype:
+        talker["dtype"] = dtype
+    if args.real_arch:
+        talker["load_format"] = code2wav["load_format"] = "dummy"
+    return {"0": talker, "1": code2wav}
+
+
+def run_qwen_tts(python: str, model: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """qwen-tts at c=1, in its own venv, sampling with its defaults (EOS may end a request early:
+    its RTF is per audio second it made)."""
+    script = f"""
+import time, torch, json
+from qwen_tts import Qwen3TTSModel
+m = Qwen3TTSModel.from_pretrained({str(model)!r}, dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32,
+                                  device_map="cuda" if torch.cuda.is_available() else "cpu")
+lat, audio = [], []
+for i, text in enumerate({SENTENCES!r} * 2):
+    t = time.perf_counter()
+    wavs, sr = m.generate_custom_voice(text, speaker="vivian", max_new_tokens={args.frames + 1})
+    lat.append(time.perf_counter() - t); audio.append(len(wavs[0]) / sr)
+print(json.dumps({{"latency": lat[1:], "audio": audio[1:]}}))
+"""
+    out = subprocess.run([python, "-c", script], capture_output=True, text=True, check=True)
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    return summarize("qwen-tts c=1", [Result(lt, lt, a) for lt, a in zip(data["latency"], data["audio"])],
+                     sum(data["latency"]))
+
+
+def main() -> None:
+    args = parse_args()
+    from vllm_omni.entrypoints.async_omni import AsyncOmni
+
+    if not (args.eager or args.no_predictor_graphs):  # read by the talker (stage processes inherit it)
+        os.environ["VLLM_OMNI_TTS_PREDICTOR_CUDA_GRAPHS"] = "1"
+    concurrency = [int(c) for c in args.concurrency.split(",") if c]
+    max_c = max([*concurrency, args.num_requests if args.rate else 1])
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model:
+            model = Path(args.model)
+        elif args.real_arch:
+            model = real_arch_checkpoint(Path(tmp) / "real")
+        else:
+            model = tiny_checkpoint(args.task, Path(tmp) / "tiny")
+        rows: list[dict[str, Any]] = []
+        params = [None, None]
+        with AsyncOmni(model=str(model), stage_overrides=stage_overrides(args, max_c)) as engine:
+            loop = asyncio.new_event_loop()
+            loop.run_until_complete(closed_loop(engine, 2, 1, args.task, params))  # warm-up
+            for c in concurrency:
+                n = max(args.num_requests, c)
+                rows.append(summarize(f"c={c}", *loop.run_until_complete(closed_loop(engine, n, c, args.task, params))))
+            if args.rate:
+                rows.append(summarize(f"poisson {args.rate}/s", *loop.run_until_complete(
+                    open_loop(engine, args.num_requests, args.rate, args.task, params))))
+            loop.close()
+        if args.qwen_tts_python:
+            if args.real_arch:
+                print("qwen-tts needs real weights on disk; skipped with --real-arch")
+            else:
+                rows.append(run_qwen_tts(args.qwen_tts_python, model, args))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""Qwen3-TTS on our engine against qwen-tts 0.1.1 (the reference implementation), CPU float32.
+
+qwen-tts pins transformers 4.57, so it runs in its own venv; its outputs on the tiny checkpoints
+are committed under tests/reference/qwen_tts/fixtures (regenerate.sh rebuilds them, see
+docs/tts.md). `test_fixtures_match_the_tiny_checkpoints` fails when a builder or case change
+made them stale.
+
+Greedy codes of every group must be identical and the waveform equal within 1e-4, for every task
+type and case, with all cases of a task batched together (decoded one by one the waveforms are
+bit-identical; batched convolutions round differently, by ~1e-5).
+qwen-tts samples with `torch.multinomial` on the global RNG; our sampler draws an exponential
+race from a per-request generator, so sampled codes cannot be compared draw for draw: sampling
+is checked for seeded reproducibility instead.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_omni.core.engine_config import EngineConfig
+from vllm_omni.core.llm_engine import LLMEngine
+from vllm_omni.model_executor.models.qwen3_tts.bridges import talker2code2wav
+from vllm_omni.model_executor.models.qwen3_tts.code2wav import Qwen3TTSCode2Wav, stream_chunks
+from vllm_omni.multimodal.qwen3_tts_input import Qwen3TTSInputProcessor
+from vllm_omni.model_executor.models.qwen3_tts.tts_request import CODES_KEY, REF_CODES_KEY
+from vllm_omni.sampling_params import SamplingParams
+from vllm_omni.stage_io import StageRequest
+
+REFERENCE = Path(__file__).resolve().parents[1] / "reference" / "qwen_tts"
+sys.path.insert(0, str(REFERENCE))
+from cases import CASES, MAX_NEW_TOKENS, REF_SAMPLE_RATE, SEED, reference_audio  # noqa: E402
+
+ARCH = "Qwen3TTSForConditionalGeneration"
+WAVE_ATOL = 1e-4
+TASKS = list(CASES)
+
+
+def fixture(task: str) -> dict:
+    return json.loads((REFERENCE / "fixtures" / f"{task}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_model):
+    return {task: tiny_model("qwen3_tts", seed=SEED, task_type=task) for task in TASKS}
+
+
+def talker_engine(ckpt: Path) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(ckpt), model_stage="talker", architecture=ARCH, device="cpu"))
+
+
+def case_prompt(task: str, case: dict) -> dict:
+    prompt = {"prompt": case["text"], "language": case["language"]}
+    for ours, theirs in (("speaker", "speaker"), ("instructions", "instruct"), ("ref_text", "ref_text"),
+                         ("x_vector_only_mode", "x_vector_only_mode"), ("non_streaming_mode", "non_streaming_mode")):
+        if theirs in case:
+            prompt[ours] = case[theirs]
+    if task == "Base":
+        prompt["ref_audio"] = (np.asarray(reference_audio(), dtype=np.float32), REF_SAMPLE_RATE)
+    return prompt
+
+
+def greedy() -> SamplingParams:
+    # qwen-tts: min_new_tokens=2, repetition_penalty 1.05 (generation_config); its last sampled
+    # token never gets a frame (the loop stops before expanding it), hence one token less.
+    return SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS - 1, repetition_penalty=1.05, min_tokens=2)
+
+
+def run_talker(engine: LLMEngine, prompts: dict[str, dict], params: dict[str, SamplingParams]) -> dict:
+    for rid, p in prompts.items():
+        assert engine.add_request(rid, p["prompt_token_ids"], params[rid],
+                                  model_inputs=p["additional_information"]) is None
+    done = {}
+    for _ in range(500):
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+        if len(done) == len(prompts):
+            return done
+    raise AssertionError(f"talker did not finish: {sorted(set(prompts) - set(done))}")
+
+
+def decode(code2wav: Qwen3TTSCode2Wav, outputs: dict) -> dict[str, np.ndarray]:
+    class _Stage:
+        engine_outputs = list(outputs.values())
+
+    inputs = talker2code2wav([_Stage()], [0])
+    requests = [StageRequest(request_id=rid, prompt_token_ids=p["prompt_token_ids"], sampling_params=SamplingParams(),
+                             additional_information=p.get("additional_information") or {})
+                for rid, p in zip(outputs, inputs)]
+    return {r.request_id: out["audio"].numpy() for r, out in zip(requests, code2wav.generate_batch(requests))}
+
+
+def test_fixtures_match_the_tiny_checkpoints(checkpoints):
+    """The committed qwen-tts outputs were made from exactly these checkpoints and cases."""
+    cases_hash = hashlib.sha256((REFERENCE / "cases.py").read_bytes()).hexdigest()
+    for task, ckpt in checkpoints.items():
+        record = fixture(task)
+        current = {str(p.relative_to(ckpt)): hashlib.sha256(p.read_bytes()).hexdigest()
+                   for p in sorted(ckpt.rglob("*")) if p.is_file()}
+        stale = "stale qwen-tts fixtures: run bash tests/reference/qwen_tts/regenerate.sh (docs/tts.md)"
+        assert record["checkpoint_sha256"] == current, f"{task}: {stale}"
+        assert record["cases_sha256"] == cases_hash, f"{task}: {stale}"
+        assert sorted(record["cases"]) == sorted(c["name"] for c in CASES[task])
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_greedy_codes_and_waveform_match_qwen_tts(checkpoints, task):
+    ckpt = checkpoints[task]
+    engine = talker_engine(ckpt)
+    processor = Qwen3TTSInputProcessor(ckpt, engine.tokenizer)
+    prompts = {c["name"]: processor.process(case_prompt(task, c)) for c in CASES[task]}
+    outputs = run_talker(engine, prompts, {rid: greedy() for rid in prompts})
+    waves = decode(Qwen3TTSCode2Wav.load(str(ckpt)), outputs)
+    expected = fixture(task)
+    reference_waves = np.load(REFERENCE / "fixtures" / f"{task}_waveforms.npz")
+    for name, out in outputs.items():
+        codes = out.outputs[0].multimodal_output[CODES_KEY]
+        assert codes.tolist() == expected["cases"][name]["codes"], f"{task}/{name}: codes differ from qwen-tts"
+        reference = reference_waves[name]
+        assert waves[name].shape == reference.shape, f"{task}/{name}"
+        np.testing.assert_allclose(waves[name], reference, rtol=0, atol=WAVE_ATOL, err_msg=f"{task}/{name}")
+    if task == "Base":  # the voice-clone prompt: the reference audio's codes (Mimi encoder)
+        ref_codes = outputs["icl_clone"].outputs[0].multimodal_output[REF_CODES_KEY]
+        assert ref_codes.tolist() == expected["voice_clone_prompt"]["ref_code"]
+        assert REF_CODES_KEY not in outputs["xvector_only"].outputs[0].multimodal_output
+
+
+def test_speaker_encoder_matches_qwen_tts(checkpoints):
+    engine = talker_engine(checkpoints["Base"])
+    audio = torch.tensor(reference_audio(), dtype=torch.float32)
+    ours = engine.model.speaker_encoder.embed(audio)
+    theirs = torch.tensor(fixture("Base")["voice_clone_prompt"]["ref_spk_embedding"])
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+def test_seeded_sampling_is_reproducible(checkpoints):
+    ckpt = checkpoints["CustomVoice"]
+    engine = talker_engine(ckpt)
+    processor = Qwen3TTSInputProcessor(ckpt, engine.tokenizer)
+    prompt = processor.process(case_prompt("CustomVoice", CASES["CustomVoice"][0]))
+
+    def sampled(seed: int) -> dict:
+        return SamplingParams(temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05, min_tokens=2,
+                              max_tokens=12, seed=seed)
+
+    params = {"a": sampled(1), "b": sampled(1), "c": sampled(2)}
+    out = run_talker(engine, {rid: prompt for rid in params}, params)
+    codes = {rid: o.outputs[0].multimodal_output[CODES_KEY].tolist() for rid, o in out.items()}
+    assert codes["a"] == codes["b"]
+    assert codes["a"] != codes["c"]
+    greedy_codes = run_talker(engine, {"g": prompt}, {"g": greedy()})["g"].outputs[0].multimodal_output[CODES_KEY]
+    assert codes["a"] != greedy_codes.tolist()
+
+
+def test_chunked_decode_joins_to_the_whole_decode(checkpoints):
+    """The streaming path's chunks (small first chunk, left context) join into the audio of one
+    whole decode: the decoder is causal, and 25 frames of context cover its receptive field
+    closely (not exactly: the transformer's sliding window spans 8 frames per layer)."""
+    decoder = Qwen3TTSCode2Wav.load(str(checkpoints["CustomVoice"])).decoder
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, decoder.codebook_size, (1, decoder.num_quantizers, 24), generator=generator)
+    with torch.inference_mode():
+        whole = decoder(codes)[:, 0]
+        pieces = [decoder.decode_chunk(codes, start, end, left_context=25)
+                  for start, end in stream_chunks(codes.shape[-1], first=2, size=9)]
+    joined = torch.cat(pieces, dim=-1)
+    assert [e - s for s, e in stream_chunks(24, 2, 9)] == [2, 9, 9, 4]
+    assert joined.shape == whole.shape
+    torch.testing.assert_close(joined, whole, rtol=0, atol=1e-4)
+    # Without context the chunk boundaries show: the context is what makes them match.
+    blind = torch.cat([decoder.decode_chunk(codes, s, e, left_context=0) for s, e in stream_chunks(24, 2, 9)], -1)
+    assert (blind - whole).abs().max() > 1e-2
+
+
+def test_tiny_checkpoint_cli_builds_each_task_type(tmp_path):
+    from vllm_omni.testing.__main__ import main
+
+    main(["qwen3_tts", str(tmp_path / "vd"), "--task-type", "VoiceDesign"])
+    config = json.loads((tmp_path / "vd" / "config.json").read_text())
+    assert config["tts_model_type"] == "voice_design" and "speaker_encoder_config" not in config
+    assert (tmp_path / "vd" / "speech_tokenizer" / "model.safetensors").is_file()
+
+
+def test_predictor_frame_function_matches_the_eager_predictor(checkpoints):
+    """The function the code predictor's CUDA graphs capture (static buffers, sampling inside),
+    run eagerly here: greedy codes equal the eager predictor's, padded rows change nothing, and
+    seeded sampling is reproducible and stays in the top-k."""
+    from vllm_omni.model_executor.models.qwen3_tts.predictor_graphs import PredictorFrame
+
+    talker = talker_engine(checkpoints["CustomVoice"]).model
+    predictor, width = talker.code_predictor, talker.hidden_size
+    vocab = talker.config.code_predictor.vocab_size
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, width, generator=g)
+    first = talker.model.embed_tokens(torch.tensor([5, 17, 40]))
+    with torch.inference_mode():
+        eager_codes, eager_embeds = predictor(hidden, first, lambda logits, group: logits.argmax(dim=-1))
+        frame = PredictorFrame(predictor, 4, width, vocab, 0.9, 50, torch.device("cpu"), torch.float32)
+        frame.load(hidden, first, [True] * 3, [None] * 3)
+        codes, embeds = frame(4)  # one padded row
+        assert codes[:3].tolist() == eager_codes.tolist()
+        torch.testing.assert_close(embeds[:3], eager_embeds)
+
+        def sampled(seed: int) -> list:
+            frame.load(hidden, first, [False, True, False], [torch.Generator().manual_seed(seed), None,
+                                                             torch.Generator().manual_seed(seed)])
+            return frame(3)[0].tolist()
+
+        a, b, c = sampled(1), sampled(1), sampled(2)
+    assert a == b and a != c and a[1] == eager_codes[1].tolist()  # the greedy row stays greedy
+    assert all(0 <= code < vocab for row in a for code in row)

@@ -1,0 +1,57 @@
+"""Qwen3-TTS through the whole pipeline (bundled configs, real stage processes) against qwen-tts:
+`Omni(model).generate` and `vllm-omni generate` speak exactly what qwen-tts speaks (greedy; the
+reference waveforms of tests/reference/qwen_tts/fixtures), and refuse bad voices before any
+stage runs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from tests.models.test_qwen3_tts import CASES, MAX_NEW_TOKENS, REFERENCE, SEED, WAVE_ATOL, case_prompt
+from vllm_omni import Omni
+from vllm_omni.entrypoints.cli.main import main
+
+# qwen-tts' greedy settings (see test_qwen3_tts.greedy), as per-stage overrides.
+GREEDY = [{"temperature": 0.0, "max_tokens": MAX_NEW_TOKENS - 1, "repetition_penalty": 1.05, "min_tokens": 2}, None]
+
+
+def reference_wave(task: str, name: str) -> np.ndarray:
+    return np.load(REFERENCE / "fixtures" / f"{task}_waveforms.npz")[name]
+
+
+@pytest.fixture(scope="module")
+def custom_voice(tiny_model):
+    return tiny_model("qwen3_tts", seed=SEED, task_type="CustomVoice")
+
+
+def test_omni_generate_speaks_like_qwen_tts(custom_voice):
+    cases = CASES["CustomVoice"]
+    with Omni(model=str(custom_voice), stage_overrides={"0": {"max_num_seqs": 4}, "1": {"max_num_seqs": 4}}) as omni:
+        outputs = omni.generate([case_prompt("CustomVoice", c) for c in cases], GREEDY, use_tqdm=False)
+        with pytest.raises(ValueError, match=r"unknown voice 'nobody'; available voices: \['eric', 'ryan', 'vivian'\]"):
+            omni.generate([{"prompt": "Hi", "speaker": "nobody"}], use_tqdm=False)
+    assert len(outputs) == len(cases)
+    order = {}
+    for out in outputs:  # one audio output per request, in completion order
+        assert out.error is None and out.final_output_type == "audio"
+        order[out.request_id] = out.request_output.outputs[0].multimodal_output
+    for case, produced in zip(cases, [order[k] for k in sorted(order, key=int)]):
+        assert int(produced["sample_rate"]) == 24000
+        np.testing.assert_allclose(produced["audio"].numpy(), reference_wave("CustomVoice", case["name"]),
+                                   rtol=0, atol=WAVE_ATOL, err_msg=case["name"])
+
+
+def test_cli_generate_writes_the_wav(custom_voice, tmp_path, capsys):
+    case = CASES["CustomVoice"][1]  # with instructions and a language
+    out_dir = tmp_path / "out"
+    argv = ["generate", str(custom_voice), "--prompt", case["text"], "--speaker", case["speaker"],
+            "--instructions", case["instruct"], "--language", case["language"], "--temperature", "0",
+            "--max-tokens", str(MAX_NEW_TOKENS - 1), "--output-dir", str(out_dir)]
+    assert main(argv) == 0, capsys.readouterr().out
+    wave, rate = sf.read(out_dir / "reply_0.wav", dtype="float32")
+    assert rate == 24000
+    reference = reference_wave("CustomVoice", case["name"])
+    assert wave.shape == reference.shape
+    # The file holds 16-bit PCM: within one quantization step of qwen-tts' float waveform.
+    assert np.abs(wave - reference).max() <= 1.5 / 32768

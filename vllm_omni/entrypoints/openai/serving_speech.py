@@ -1,0 +1,248 @@
+"""POST /v1/audio/speech (OpenAI's text-to-speech API) and GET /v1/audio/voices, for TTS models.
+
+    {"model": ..., "input": "Hello!", "voice": "vivian", "response_format": "mp3", "speed": 1.0,
+     "instructions": "...", "stream_format": "audio" | "sse",
+     "task_type": ..., "language": ..., "ref_audio": URL | data URL | base64, "ref_text": ...}
+
+The request becomes a TTS prompt for the pipeline's input processor (Qwen3-TTS: multimodal/qwen3_tts_input.py),
+which refuses what the checkpoint cannot do (an unknown voice names the voices) -> 400.
+Responses (docs/tts.md):
+- no stream_format: the whole file, with usage in x-vllm-omni-*-tokens headers;
+- "audio": chunked bytes as the pipeline hands audio on (pcm or wav: a streaming WAV header,
+  then 16-bit PCM); chunks concatenate into the file;
+- "sse": `speech.audio.delta` events (base64 of the same bytes), then `speech.audio.done` with
+  usage (input_tokens = text tokens of input + instructions, output_tokens = codec frames), or
+  `speech.audio.error`.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from vllm_omni.entrypoints.openai.accumulator import AudioEvent, RequestAccumulator
+from vllm_omni.entrypoints.openai.audio import OUTPUT_SAMPLE_RATE, check_format
+from vllm_omni.entrypoints.openai.errors import APIError
+from vllm_omni.entrypoints.openai.media_fetch import resolve_media
+from vllm_omni.entrypoints.openai.serving_base import (
+    EventStream, ServingContext, as_api_error, engine_error, first_output, race_disconnect, set_final_status,
+)
+from vllm_omni.entrypoints.openai.speech_audio import (
+    SPEECH_MEDIA_TYPES, STREAMABLE_FORMATS, change_speed, encode_speech, encoder_format, pcm16, wav_stream_header,
+)
+from vllm_omni.outputs import OmniRequestOutput
+
+ENDPOINT = "/v1/audio/speech"
+MAX_INPUT_CHARS = 4096  # OpenAI's limit on `input`
+DEFAULT_MAX_INSTRUCTIONS = 500  # spec 001: --tts-max-instructions-length default
+
+
+class SpeechRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    input: str
+    voice: str | None = None
+    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "mp3"  # OpenAI's default
+    speed: float = Field(1.0, ge=0.25, le=4.0)
+    instructions: str | None = None
+    stream_format: Literal["audio", "sse"] | None = None
+    # vLLM-Omni's extensions
+    task_type: Literal["CustomVoice", "VoiceDesign", "Base"] | None = None
+    language: str | None = None
+    ref_audio: str | None = None
+    ref_text: str | None = None
+    x_vector_only_mode: bool | None = None
+    non_streaming_mode: bool | None = None
+    max_new_tokens: int | None = Field(None, ge=1)
+
+
+@dataclass(frozen=True)
+class TTSModelInfo:
+    """What the endpoint needs to know of the served TTS checkpoint (its config.json)."""
+
+    task_type: str
+    voices: list[str]
+    samples_per_frame: int
+
+    @classmethod
+    def read(cls, model_path: str) -> TTSModelInfo | None:
+        """None when the model is not a TTS checkpoint."""
+        path = Path(model_path) / "config.json"
+        config = json.loads(path.read_text()) if path.is_file() else {}
+        if config.get("model_type") != "qwen3_tts":
+            return None
+        from vllm_omni.model_executor.models.qwen3_tts.configuration import TaskType
+
+        speech = json.loads((Path(model_path) / "speech_tokenizer" / "config.json").read_text())
+        task = TaskType.from_model_type(config.get("tts_model_type"))
+        # Only CustomVoice speaks in named voices (the others design or clone theirs).
+        voices = (config.get("talker_config") or {}).get("spk_id") or {} if task is TaskType.CUSTOM_VOICE else {}
+        return cls(task.value, sorted(voices), int(speech.get("decode_upsample_rate", 1920)))
+
+
+class SpeechService:
+    def __init__(self, ctx: ServingContext, max_instructions_length: int = DEFAULT_MAX_INSTRUCTIONS) -> None:
+        self.ctx = ctx
+        self.info = TTSModelInfo.read(ctx.model_path)
+        self.max_instructions_length = max_instructions_length
+
+    def voices(self) -> dict[str, Any]:
+        info = self._tts()
+        return {"voices": info.voices, "task_type": info.task_type}
+
+    def _tts(self) -> TTSModelInfo:
+        if self.info is None:
+            raise APIError(400, f"the served model ({self.ctx.model_path}) is not a text-to-speech model")
+        return self.info
+
+    def _check(self, body: SpeechRequest) -> None:
+        if not body.input.strip():
+            raise APIError(400, "input must be a non-empty text", param="input")
+        if len(body.input) > MAX_INPUT_CHARS:
+            raise APIError(413, f"input is {len(body.input)} characters; the limit is {MAX_INPUT_CHARS}",
+                           param="input")
+        if body.instructions is not None and len(body.instructions) > self.max_instructions_length:
+            raise APIError(400, f"instructions are {len(body.instructions)} characters; the limit is "
+                                f"{self.max_instructions_length} (--tts-max-instructions-length)",
+                           param="instructions")
+        if body.stream_format is not None and body.response_format not in STREAMABLE_FORMATS:
+            raise APIError(400, f"streaming (stream_format={body.stream_format!r}) needs response_format pcm or wav",
+                           param="response_format")
+        if body.stream_format is not None and body.speed != 1.0:
+            raise APIError(400, "speed must be 1.0 when streaming", param="speed")
+        check_format(encoder_format(body.response_format))
+
+    async def _prompt(self, body: SpeechRequest) -> dict[str, Any]:
+        info = self._tts()
+        prompt: dict[str, Any] = {"prompt": body.input}
+        # The OpenAI client always sends a voice; only CustomVoice checkpoints have named voices.
+        if body.voice and info.task_type == "CustomVoice":
+            prompt["speaker"] = body.voice
+        for key in ("instructions", "language", "task_type", "ref_text", "x_vector_only_mode", "non_streaming_mode"):
+            if getattr(body, key) is not None:
+                prompt[key] = getattr(body, key)
+        if body.ref_audio is not None:
+            prompt["ref_audio"] = await self._reference_audio(body.ref_audio)
+        return prompt
+
+    async def _reference_audio(self, value: str) -> Any:
+        """URLs under the server's media policy; anything else is taken for bare base64."""
+        if value.startswith(("data:", "http://", "https://", "file:")):
+            message = {"content": [{"type": "audio_url", "audio_url": value}]}
+            (resolved,) = await resolve_media([message], self.ctx.media)
+            return resolved["content"][0]["audio_url"]["url"]
+        try:
+            return base64.b64decode("".join(value.split()), validate=True)
+        except ValueError:
+            raise APIError(400, "ref_audio must be an http(s) URL, a data URL or base64 audio", param="ref_audio") \
+                from None
+
+    async def create(self, body: SpeechRequest, raw: Request) -> Any:
+        ctx, arrived = self.ctx, time.monotonic()
+        ctx.check_model(body.model)
+        self._check(body)
+        prompt = await self._prompt(body)
+        params = [{"max_tokens": body.max_new_tokens} if body.max_new_tokens else None] + \
+            [None] * (ctx.shape.num_stages - 1)
+        ctx.check_stages_up(ctx.shape.needed_stages(["audio"]))
+        ticket = await race_disconnect(raw, ctx.gate.admit())
+        acc = RequestAccumulator(arrived_at=arrived)
+        gen = ctx.engine.generate(prompt, params, request_id=f"speech-{uuid.uuid4().hex}", modalities=["audio"],
+                                  output_partial=True)
+        try:
+            first = await first_output(ctx, raw, gen)
+            if body.stream_format is not None:
+                stream = self._stream(raw, body, acc, first, gen, ticket)
+                response = EventStream(stream, raw, partial(_close, ticket, gen))
+                if body.stream_format == "audio":
+                    _set_media_type(response, SPEECH_MEDIA_TYPES[body.response_format])
+                return response
+            await race_disconnect(raw, _collect(first, gen, acc))
+        except BaseException as e:
+            ticket.release()
+            await gen.aclose()
+            raise as_api_error(ctx, e)  # noqa: B904 - chained inside as_api_error
+        ticket.release()
+        ctx.record_finished(ENDPOINT, acc)
+        wave = change_speed(acc.audio(), OUTPUT_SAMPLE_RATE, body.speed)
+        usage = self._usage(body, acc)
+        headers = {f"x-vllm-omni-{k.replace('_', '-')}": str(v) for k, v in usage.items()}
+        return Response(encode_speech(wave, OUTPUT_SAMPLE_RATE, body.response_format),
+                        media_type=SPEECH_MEDIA_TYPES[body.response_format], headers=headers)
+
+    def _usage(self, body: SpeechRequest, acc: RequestAccumulator) -> dict[str, int]:
+        tokenizer = self.ctx.engine.get_tokenizer()
+        texts = [body.input, body.instructions or ""]
+        text_tokens = sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in texts if t)
+        frames = math.ceil(acc.audio_samples / self._tts().samples_per_frame)
+        return {"input_tokens": text_tokens, "output_tokens": frames, "total_tokens": text_tokens + frames}
+
+    async def _stream(self, raw: Request, body: SpeechRequest, acc: RequestAccumulator, first: OmniRequestOutput,
+                      gen: AsyncIterator[OmniRequestOutput], ticket: Any) -> AsyncIterator[Any]:
+        sse, status = body.stream_format == "sse", 200
+
+        def piece(data: bytes) -> Any:
+            if not sse:
+                return data
+            event = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}
+            return f"event: speech.audio.delta\ndata: {json.dumps(event)}\n\n"
+
+        try:
+            if body.response_format == "wav":
+                yield piece(wav_stream_header(OUTPUT_SAMPLE_RATE))
+            for event in acc.add(first):
+                if isinstance(event, AudioEvent) and event.samples.size:
+                    yield piece(pcm16(event.samples))
+            async for out in gen:
+                for event in acc.add(out):
+                    if isinstance(event, AudioEvent) and event.samples.size:
+                        yield piece(pcm16(event.samples))
+            if not acc.audio_finished:
+                raise APIError(500, "the pipeline ended the request without audio")
+            if sse:
+                done = {"type": "speech.audio.done", "usage": self._usage(body, acc)}
+                yield f"event: speech.audio.done\ndata: {json.dumps(done)}\n\n"
+            self.ctx.record_finished(ENDPOINT, acc)
+        except BaseException as e:  # noqa: BLE001 - a stream's failure can only be reported in-band
+            err = engine_error(self.ctx, e)
+            if not isinstance(err, APIError):
+                status = 499  # cancelled: the client left (AsyncOmni aborted the request)
+                raise
+            status = err.status
+            if sse:
+                error = {"type": "speech.audio.error", "error": err.body()["error"]}
+                yield f"event: speech.audio.error\ndata: {json.dumps(error)}\n\n"
+        finally:
+            ticket.release()
+            set_final_status(raw, status)
+
+
+async def _collect(first: OmniRequestOutput, gen: AsyncIterator[OmniRequestOutput], acc: RequestAccumulator) -> None:
+    acc.add(first)
+    async for out in gen:
+        acc.add(out)
+    if not acc.audio_finished:
+        raise APIError(500, "the pipeline ended the request without audio")
+
+
+def _set_media_type(response: EventStream, media_type: str) -> None:
+    response.media_type = media_type
+    response.raw_headers = [(k, v) for k, v in response.raw_headers if k != b"content-type"]
+    response.raw_headers.append((b"content-type", media_type.encode()))
+
+
+async def _close(ticket: Any, gen: Any) -> None:
+    ticket.release()
+    await gen.aclose()  # aborts the request in every stage unless it already finished

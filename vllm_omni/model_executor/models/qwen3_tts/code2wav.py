@@ -1,0 +1,106 @@
+"""Qwen3-TTS code2wav stage: codec frames -> 24 kHz waveform (stage_io.GenerationModel).
+
+Decodes with our `SpeechDecoder` (speech_decoder.py) loaded from the checkpoint's
+speech_tokenizer/ folder, the way qwen-tts' tokenizer `decode` does: chunks of 300 frames
+with 25 frames of left context. Input: a request's prompt_token_ids are its frames flattened
+codebook-major (the talker2code2wav bridge); `additional_information["context_frames"]` leading
+frames are the voice-cloning reference, decoded for context and cut from the audio the way
+qwen-tts cuts them.
+
+Requests of any lengths share one batch: the decoder is causal, so frames past a request's end
+(padding) cannot change its samples; each waveform is cut at its own length.
+
+`stream_chunks` / `SpeechDecoder.decode_chunk` decode a growing code sequence piece by piece
+(small first chunk for a fast first audio, then larger ones, each with left context): what a
+streaming talker -> code2wav edge calls per chunk.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from vllm_omni.model_executor.models.qwen3_tts.speech_decoder import SpeechDecoder
+from vllm_omni.stage_io import StageRequest
+
+CONTEXT_FRAMES_KEY = "context_frames"
+DECODER_PREFIX = "decoder."
+CHUNK_FRAMES, LEFT_CONTEXT_FRAMES = 300, 25  # qwen-tts' chunked_decode defaults
+_DTYPES = {"auto": torch.float32, "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
+           "fp16": torch.float16}
+
+
+def stream_chunks(num_frames: int, first: int, size: int) -> list[tuple[int, int]]:
+    """[start, end) frame ranges: one of `first` frames, then `size` each."""
+    bounds, start = [], 0
+    while start < num_frames:
+        end = min(start + (first if start == 0 else size), num_frames)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+class Qwen3TTSCode2Wav:
+    """GenerationModel: `generate_batch` -> [{"audio": float32 [N], "sample_rate": int32 []}]."""
+
+    def __init__(self, decoder: SpeechDecoder, device: torch.device, sample_rate: int) -> None:
+        self.decoder = decoder
+        self.device = device
+        self.sample_rate = sample_rate
+
+    @classmethod
+    def load(cls, model_path: str, *, model_stage: str | None = None, device: torch.device | str = "cpu",
+             dtype: str = "auto", load_format: str = "auto") -> Qwen3TTSCode2Wav:
+        if dtype not in _DTYPES:
+            raise ValueError(f"code2wav: unsupported dtype {dtype!r}; supported: {sorted(_DTYPES)}")
+        folder = Path(model_path) / "speech_tokenizer"
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"{model_path}: no speech_tokenizer/config.json (the 12 Hz codec of Qwen3-TTS)")
+        config = json.loads((folder / "config.json").read_text())
+        device = torch.device(device)
+        with torch.device(device):
+            decoder = SpeechDecoder(config["decoder_config"])
+        # "auto" is float32: the vocoder is small and half precision is audible in its samples.
+        decoder = decoder.to(_DTYPES[dtype])
+        if load_format != "dummy":
+            tensors = {k[len(DECODER_PREFIX):]: v for k, v in load_file(str(folder / "model.safetensors")).items()
+                       if k.startswith(DECODER_PREFIX)}
+            decoder.load_state_dict(tensors, strict=True)
+        return cls(decoder.eval(), device, int(config.get("output_sample_rate", 24000)))
+
+    @torch.inference_mode()
+    def generate_batch(self, inputs: list[StageRequest]) -> list[dict[str, torch.Tensor]]:
+        codes = [self._codes(req) for req in inputs]
+        lengths = [c.shape[1] for c in codes]
+        wavs = [torch.zeros(0, dtype=torch.float32) for _ in inputs]
+        live = [i for i, n in enumerate(lengths) if n > 0]
+        if live:
+            batch = torch.zeros(len(live), self.decoder.num_quantizers, max(lengths[i] for i in live),
+                                dtype=torch.long)
+            for row, i in enumerate(live):
+                batch[row, :, : lengths[i]] = codes[i]
+            out = self.decoder.chunked_decode(batch.to(self.device), CHUNK_FRAMES, LEFT_CONTEXT_FRAMES)
+            out = out.float().cpu()
+            spf = self.decoder.samples_per_frame
+            for row, i in enumerate(live):
+                wav = out[row, : lengths[i] * spf]
+                context = int(inputs[i].additional_information.get(CONTEXT_FRAMES_KEY, 0))
+                # qwen-tts' cut of the reference's share of the audio (float arithmetic and all).
+                cut = int(context / max(lengths[i], 1) * wav.shape[0]) if context else 0
+                wavs[i] = wav[cut:].clone()
+        rate = torch.tensor(self.sample_rate, dtype=torch.int32)
+        return [{"audio": wav, "sample_rate": rate} for wav in wavs]
+
+    def _codes(self, req: StageRequest) -> torch.Tensor:
+        """[groups, frames] from the codebook-major flat prompt."""
+        groups = self.decoder.num_quantizers
+        flat = torch.tensor(req.prompt_token_ids, dtype=torch.long)
+        if flat.numel() % groups:
+            raise ValueError(f"request {req.request_id}: {flat.numel()} codes are not a whole number of frames of "
+                             f"{groups} code groups")
+        if flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < self.decoder.codebook_size):
+            raise ValueError(f"request {req.request_id}: codec codes must lie in [0, {self.decoder.codebook_size})")
+        return flat.view(groups, -1)

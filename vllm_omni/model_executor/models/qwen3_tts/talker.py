@@ -1,0 +1,275 @@
+"""Qwen3-TTS talker stage: text (+ voice) -> RVQ codec frames, on our AR engine.
+
+One engine step is one frame. The decoder (dense Qwen3 layers; its interleaved M-RoPE sees
+three equal position rows for TTS, which is plain RoPE) samples a frame's group-0 code through
+the engine's sampler; `on_tokens_sampled` then runs the code predictor for groups 1..G-1 and
+builds the next input row, as qwen-tts' talker does between `generate` steps:
+
+    next input = sum of the frame's code embeddings + trailing text row k (then tts_pad)
+
+The prompt is laid out by prompt.py from the request's `TTSRequest` payload. Voice cloning
+(Base checkpoints) embeds the reference audio here, on the stage's device: the speaker encoder
+gives the voice row, the speech tokenizer's encoder the reference frames (in-context cloning).
+Codes of the vocabulary's last 1024 ids except codec EOS are suppressed (qwen-tts'
+`suppress_tokens`); codec EOS ends the request.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vllm_omni.model_executor.layers.linear import Linear, VocabEmbedding
+from vllm_omni.model_executor.layers.rotary import get_rope
+from vllm_omni.model_executor.layers.sampler import Sampler, SamplingBatch
+from vllm_omni.model_executor.models.decoder import DecoderModel, config_head_dim
+from vllm_omni.model_executor.models.qwen3 import make_qwen3_layer
+from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_moe_talker import ResizeMLP
+from vllm_omni.model_executor.models.qwen3_tts.code_predictor import Qwen3TTSCodePredictor
+from vllm_omni.model_executor.models.qwen3_tts.configuration import TaskType, TTSConfig
+from vllm_omni.model_executor.models.qwen3_tts.predictor_graphs import PredictorFrame, PredictorGraphs
+from vllm_omni.model_executor.models.qwen3_tts.prompt import TalkerPrompt, build_prompt, prompt_length
+from vllm_omni.model_executor.models.qwen3_tts.speaker_encoder import SpeakerEncoder
+from vllm_omni.model_executor.models.qwen3_tts.speech_encoder import ENCODER_PREFIX, SpeechEncoder
+from vllm_omni.model_executor.models.qwen3_tts.tts_request import CODES_KEY, REF_CODES_KEY, TTSRequest
+from vllm_omni.model_executor.models.stage_model import StageModel
+from vllm_omni.model_executor.models.utils import load_weights_strict, map_stacked_name
+from vllm_omni.sampling_params import SamplingParams
+
+_STATE_KEY = "qwen3_tts_talker"
+_NUM_SPECIAL_CODES = 1024  # the talker vocabulary's trailing control codes
+# qwen-tts' code predictor sampling (subtalker_*) when the talker samples; greedy when it is greedy.
+PREDICTOR_SAMPLING = SamplingParams(temperature=0.9, top_k=50, top_p=1.0, max_tokens=None)
+SPEECH_TOKENIZER_DIR = "speech_tokenizer"
+# Opt-in until measured on the GPU (docs/tts.md): the code predictor's frames as CUDA graphs.
+PREDICTOR_GRAPHS_ENV = "VLLM_OMNI_TTS_PREDICTOR_CUDA_GRAPHS"
+PREDICTOR_GRAPH_MAX_BATCH = 64
+
+
+@dataclass
+class _RequestState:
+    prompt: TalkerPrompt
+    ref_codes: torch.Tensor | None  # [F, G] reference frames (in-context cloning)
+    frame_embeds: list[torch.Tensor] = field(default_factory=list)  # input row after output token k
+    frames: list[torch.Tensor] = field(default_factory=list)  # [G] codes of output token k
+    frames_sent: int = 0  # frames handed out by request_outputs
+
+
+def read_speech_tokenizer_config(model_dir: str) -> dict:
+    path = Path(model_dir) / SPEECH_TOKENIZER_DIR / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{model_dir}: no {SPEECH_TOKENIZER_DIR}/config.json (the 12 Hz codec of Qwen3-TTS)")
+    return json.loads(path.read_text())
+
+
+class Qwen3TTSTalkerForConditionalGeneration(StageModel):
+    embeds_requests = True
+    exports_hidden_states = False  # it exports its codes (request_outputs)
+    # The decode step (embeddings in, logits out) is graph-safe; the code predictor runs after it
+    # (eagerly, or as its own graphs: predictor_graphs.py).
+
+    def __init__(self, hf_config):
+        super().__init__()
+        config = TTSConfig.parse(hf_config)
+        tc = config.talker
+        self.full_config, self.config = config, tc
+        self.model = DecoderModel(tc, lambda i: make_qwen3_layer(tc, i))
+        self.model.rotary_emb = get_rope(config_head_dim(tc), tc.rope_parameters, tc.max_position_embeddings)
+        self.text_embedding = VocabEmbedding(tc.text_vocab_size, tc.text_hidden_size)
+        self.text_projection = ResizeMLP(tc.text_hidden_size, tc.text_hidden_size, tc.hidden_size, tc.hidden_act)
+        self.codec_head = Linear(tc.hidden_size, tc.vocab_size)
+        self.code_predictor = Qwen3TTSCodePredictor(tc.code_predictor, tc.hidden_size)
+        self.special_text_ids = (config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id)
+        self.is_base = config.task_type is TaskType.BASE
+        self.speaker_encoder = SpeakerEncoder(config.speaker_encoder) if self.is_base else None
+        self.speech_encoder: SpeechEncoder | None = None
+        self.samples_per_frame = 1920
+        if self.is_base:
+            speech = read_speech_tokenizer_config(config.model_dir)
+            self.samples_per_frame = speech["encode_downsample_rate"]
+            # Kept out of the module tree: its tensors live in their own file (load_weights).
+            object.__setattr__(self, "speech_encoder", SpeechEncoder(
+                speech["encoder_config"], speech["encoder_valid_num_quantizers"], self.samples_per_frame))
+
+        # Engine-facing attributes (DecoderForCausalLM's set).
+        self.num_layers = tc.num_hidden_layers
+        self.num_kv_heads = tc.num_key_value_heads
+        self.head_dim = config_head_dim(tc)
+        self.hidden_size = tc.hidden_size
+        self.vocab_size = tc.vocab_size
+        self.max_position_embeddings = tc.max_position_embeddings
+        self.eos_token_ids = (tc.codec_eos_token_id,)
+        suppressed = torch.zeros(tc.vocab_size, dtype=torch.bool)
+        suppressed[max(tc.vocab_size - _NUM_SPECIAL_CODES, 0):] = True
+        suppressed[tc.codec_eos_token_id] = False
+        self.register_buffer("suppressed", suppressed, persistent=False)
+        self.sampler = Sampler()
+        self.predictor_graphs: PredictorGraphs | None = None  # built on the first CUDA frame, if enabled
+
+    # --- weights ----------------------------------------------------------------
+    def map_weight_name(self, name: str) -> tuple[str, object] | None:
+        if name.startswith("speaker_encoder."):
+            return (name, None) if self.is_base else None
+        if not name.startswith("talker.") or "rotary_emb.inv_freq" in name:
+            return None
+        name = name[len("talker."):]
+        if name == "model.codec_embedding.weight":
+            return "model.embed_tokens.weight", None
+        if name == "model.text_embedding.weight":
+            return "text_embedding.weight", None
+        return map_stacked_name(name)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = load_weights_strict(self, weights, self.map_weight_name)
+        if self.speech_encoder is not None:
+            from safetensors.torch import load_file
+
+            path = Path(self.full_config.model_dir) / SPEECH_TOKENIZER_DIR / "model.safetensors"
+            tensors = {k[len(ENCODER_PREFIX):]: v for k, v in load_file(str(path)).items()
+                       if k.startswith(ENCODER_PREFIX)}
+            self.speech_encoder.load_released(tensors)
+            self.speech_encoder.eval()
+        return loaded
+
+    # --- forward ----------------------------------------------------------------
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, *, inputs_embeds=None, capture_layers=()):
+        if inputs_embeds is None:  # codec ids alone (profiling)
+            inputs_embeds = self.get_input_embeddings(input_ids)
+        return self.model(None, positions, inputs_embeds, capture_layers)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden_states, self.codec_head.weight).float()
+        return logits.masked_fill(self.suppressed, float("-inf"))
+
+    def on_tokens_sampled(self, requests: list, hidden: torch.Tensor, token_ids: list[int]) -> None:
+        """After sampling: groups 1..G-1 of each sampled frame and the next step's input row.
+        hidden: [B, H] final states that produced the sampled group-0 codes `token_ids`."""
+        tokens = torch.tensor(token_ids, device=hidden.device)
+        first = self.model.embed_tokens(tokens)
+        codes, embeds = self._predict(requests, hidden, first)
+        codec_rows = torch.cat([first[:, None], embeds], dim=1).sum(1)  # qwen-tts' codec_hiddens.sum(1)
+        frames = torch.cat([tokens[:, None], codes], dim=1).cpu()
+        for i, req in enumerate(requests):
+            st, k = self._state(req), req.num_output_tokens  # the engine appends the token after this hook
+            del st.frames[k:], st.frame_embeds[k:]
+            trailing = st.prompt.trailing
+            text = trailing[k] if k < trailing.shape[0] else st.prompt.pad
+            st.frame_embeds.append(codec_rows[i] + text)
+            st.frames.append(frames[i])
+
+    def request_outputs(self, request, finished: bool) -> dict[str, torch.Tensor]:
+        """{"codec_codes": [frames, G]}: the frames made since the previous call, one per sampled
+        token except an EOS that ended the request; with the first, for in-context cloning, the
+        reference's frames {"ref_codes": [F, G]}."""
+        st = request.model_state.get(_STATE_KEY)
+        if st is None:
+            return {}
+        end = request.num_output_tokens
+        if finished and end and request.output_token_ids[-1] in self.eos_token_ids \
+                and not request.sampling_params.ignore_eos:
+            end -= 1
+        new, first = st.frames[st.frames_sent:end], st.frames_sent == 0
+        st.frames_sent = max(st.frames_sent, end)
+        out = {}
+        if new or finished:
+            out[CODES_KEY] = torch.stack(new) if new else torch.zeros(0, self.config.num_code_groups,
+                                                                       dtype=torch.long)
+        if first and out and st.ref_codes is not None:
+            out[REF_CODES_KEY] = st.ref_codes
+        return out
+
+    def _predict(self, requests: list, hidden: torch.Tensor, first: torch.Tensor):
+        if hidden.is_cuda and os.environ.get(PREDICTOR_GRAPHS_ENV) == "1" \
+                and len(requests) <= PREDICTOR_GRAPH_MAX_BATCH:
+            if self.predictor_graphs is None:
+                frame = PredictorFrame(self.code_predictor, PREDICTOR_GRAPH_MAX_BATCH, self.hidden_size,
+                                       self.config.code_predictor.vocab_size, PREDICTOR_SAMPLING.temperature,
+                                       PREDICTOR_SAMPLING.top_k, hidden.device, hidden.dtype)
+                self.predictor_graphs = PredictorGraphs(frame, PREDICTOR_GRAPH_MAX_BATCH)
+                self.predictor_graphs.capture()
+            return self.predictor_graphs.run(hidden, first, [r.sampling_params.greedy for r in requests],
+                                             [r.generator for r in requests])
+        return self.code_predictor(hidden, first, self._predictor_sample_fn(requests))
+
+    def _predictor_sample_fn(self, requests: list):
+        if all(r.sampling_params.greedy for r in requests):
+            return lambda logits, group: logits.argmax(dim=-1)
+        greedy = SamplingParams(temperature=0.0, max_tokens=None)
+        n = len(requests)
+        batch = SamplingBatch(params=[greedy if r.sampling_params.greedy else PREDICTOR_SAMPLING for r in requests],
+                              prompt_token_ids=[[]] * n, output_token_ids=[[]] * n,
+                              generators=[r.generator for r in requests])
+        return lambda logits, group: torch.tensor(self.sampler(logits, batch).token_ids, device=logits.device)
+
+    # --- per-request inputs (model runner / engine hooks) ------------------------
+    def parse_request_inputs(self, info: Mapping[str, Any]) -> TTSRequest:
+        return self._request(info)
+
+    def prompt_token_ids(self, prompt_token_ids: list[int], request: TTSRequest) -> list[int]:
+        """The talker prompt's length in codec pad ids: qwen-tts generates from embeddings alone,
+        so no prompt id is penalized (codec pad is suppressed anyway)."""
+        ref_frames = 0
+        if request.in_context:
+            ref_frames = -(-request.ref_audio.shape[0] // self.samples_per_frame)
+        return [self.config.codec_pad_id] * prompt_length(self.config, request, ref_frames)
+
+    def embed_request_span(self, request, start: int, end: int, token_ids: torch.Tensor) -> torch.Tensor:
+        """[end - start, hidden] input rows of talker positions start..end-1."""
+        st = self._state(request)
+        num_prompt = st.prompt.rows.shape[0]
+        rows = [st.prompt.rows[start:min(end, num_prompt)]]
+        rows.extend(st.frame_embeds[k - num_prompt][None] for k in range(max(start, num_prompt), end))
+        return torch.cat(rows)
+
+    def _request(self, info: Mapping[str, Any]) -> TTSRequest:
+        request = TTSRequest.from_info(info)
+        tc = self.config
+        if request.speaker is not None and request.speaker not in tc.spk_id:
+            raise ValueError(f"unknown speaker {request.speaker!r}; available: {sorted(tc.spk_id)}")
+        if request.language != "auto" and request.language not in tc.codec_language_id:
+            raise ValueError(f"unsupported language {request.language!r}; supported: "
+                             f"{['auto', *sorted(k for k in tc.codec_language_id if 'dialect' not in k)]}")
+        if request.ref_audio is not None and not self.is_base:
+            raise ValueError("voice cloning (ref_audio) needs a Base checkpoint")
+        return request
+
+    def _state(self, request) -> _RequestState:
+        state = request.model_state.get(_STATE_KEY)
+        if state is None:
+            state = request.model_state[_STATE_KEY] = self._build_state(request)
+        return state
+
+    @torch.inference_mode()
+    def _build_state(self, request) -> _RequestState:
+        tts: TTSRequest = request.model_inputs
+        device = self.codec_head.weight.device
+        speaker, ref_codes, ref_rows = None, None, None
+        if tts.speaker is not None:
+            speaker = self.model.embed_tokens(torch.tensor([self.config.spk_id[tts.speaker]], device=device))[0]
+        if tts.ref_audio is not None:
+            speaker = self.speaker_encoder.embed(tts.ref_audio)
+            if tts.in_context:
+                ref_codes = self.speech_encoder.encode(tts.ref_audio)
+                ref_rows = self.code_predictor.embed_codes(ref_codes.to(device), self.model.embed_tokens)
+        prompt = build_prompt(self.config, self.special_text_ids, tts, self._text_rows, self._codec_rows,
+                              speaker, ref_rows)
+        if prompt.rows.shape[0] != request.num_prompt_tokens:
+            raise ValueError(f"request {request.request_id}: talker prompt has {prompt.rows.shape[0]} rows, "
+                             f"expected {request.num_prompt_tokens} (see prompt_token_ids)")
+        return _RequestState(prompt=prompt, ref_codes=ref_codes)
+
+    def _text_rows(self, ids: list[int]) -> torch.Tensor:
+        ids_t = torch.tensor(ids, dtype=torch.long, device=self.codec_head.weight.device)
+        return self.text_projection(self.text_embedding(ids_t))
+
+    def _codec_rows(self, ids: list[int]) -> torch.Tensor:
+        return self.model.embed_tokens(torch.tensor(ids, dtype=torch.long, device=self.codec_head.weight.device))
