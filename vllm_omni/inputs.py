@@ -26,6 +26,7 @@ class TextPrompt(TypedDict, total=False):
     mm_processor_kwargs: NotRequired[dict[str, Any] | None]
     speaker: NotRequired[str | None]
     additional_information: NotRequired[dict[str, Any] | None]  # e.g. processed media, a voice
+    negative_prompt: NotRequired[str | None]  # diffusion models: what the image should not show
 
 
 class TokensPrompt(TypedDict, total=False):
@@ -60,7 +61,7 @@ class OmniTokensPrompt(TokensPrompt, total=False):
 
 PromptType = Union[str, TextPrompt, TokensPrompt, ChatPrompt, OmniTokensPrompt]
 
-_OPTIONAL_KEYS = ("multi_modal_data", "mm_processor_kwargs", "speaker", "additional_information")
+_OPTIONAL_KEYS = ("multi_modal_data", "mm_processor_kwargs", "speaker", "additional_information", "negative_prompt")
 _ALLOWED_KEYS = frozenset({"prompt", "prompt_token_ids", "messages", *_OPTIONAL_KEYS})
 
 

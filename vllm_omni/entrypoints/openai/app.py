@@ -2,7 +2,8 @@
 
     app = build_app(ctx, api_key="secret")   # ctx: serving_base.ServingContext
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health (503
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/images/generations and
+/v1/images/edits (diffusion models), GET /v1/models, GET /health (503
 naming each stage that is down), GET /version, GET /metrics (Prometheus text format).
 With an API key, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise), as in
 vLLM; health, version and metrics stay open for probes and scrapers.
@@ -26,8 +27,10 @@ from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest, Complet
 from vllm_omni.entrypoints.openai.serving_base import ServingContext, summarize_reason
 from vllm_omni.entrypoints.openai.serving_chat import ChatService
 from vllm_omni.entrypoints.openai.serving_completions import CompletionService
+from vllm_omni.entrypoints.openai.serving_images import ImageRequest, ImageService
 
-_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version", "/metrics")
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version", "/metrics",
+           "/v1/images/generations", "/v1/images/edits")
 
 
 class StatusMetricsMiddleware:
@@ -128,6 +131,16 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Any:
         return await completions.create(body, raw)
+
+    images = ImageService(ctx)
+
+    @app.post("/v1/images/generations")
+    async def create_image(body: ImageRequest, raw: Request) -> Any:
+        return await images.generate(body, raw)
+
+    @app.post("/v1/images/edits")
+    async def edit_image(raw: Request) -> Any:  # multipart: parsed by the service
+        return await images.edit(raw)
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

@@ -12,6 +12,7 @@ from typing import Any
 from vllm_omni.model_executor.models.family import ModelFamily
 from vllm_omni.model_executor.models.qwen2_5_omni import FAMILY as QWEN2_5_OMNI
 from vllm_omni.model_executor.models.qwen3_omni import FAMILY as QWEN3_OMNI
+from vllm_omni.model_executor.models.qwen_image import FAMILY as QWEN_IMAGE
 
 
 def _llm(name: str, module: str, architecture: str) -> ModelFamily:
@@ -27,6 +28,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     _llm("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM"),
     QWEN2_5_OMNI,
     QWEN3_OMNI,
+    QWEN_IMAGE,
 )
 
 
