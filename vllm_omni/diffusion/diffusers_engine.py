@@ -36,8 +36,10 @@ def load_diffusers_pipeline(model_path: str, args: StageEngineArgs, device: torc
         cls = getattr(diffusers, args.model_class_name, None)
         if cls is None:
             raise ValueError(f"model_class_name={args.model_class_name!r} is not a diffusers pipeline class")
-    # The user's load kwargs override ours (spec 001).
-    pipe = cls.from_pretrained(model_path, **{"torch_dtype": dtype, **dict(args.diffusers_load_kwargs)})
+    # The user's load kwargs override ours (spec 001), in either spelling of the dtype.
+    user = dict(args.diffusers_load_kwargs)
+    ours = {} if "torch_dtype" in user else {"dtype": dtype}
+    pipe = cls.from_pretrained(model_path, **{**ours, **user})
     if args.vae_use_slicing:
         pipe.vae.enable_slicing()
     if args.vae_use_tiling:

@@ -111,7 +111,8 @@ class OmniRuntime:
         plan = plan_request(self.pipeline, modalities if modalities is not None else self.default_modalities)
         params = self.resolve_params(sampling_params_list)
         parsed = parse_prompt(prompt)
-        if "prompt_token_ids" in parsed and not needs_input_processing(parsed):
+        diffusion = self.pipeline.entry_stages[0].worker_type == WorkerType.DIFFUSION  # text only, always processed
+        if "prompt_token_ids" in parsed and not needs_input_processing(parsed) and not diffusion:
             processed = parsed  # nothing to do: skip the processor's lock
         else:
             with self._processing:

@@ -72,9 +72,7 @@ def _component_class(entry: list[str]) -> type:
 
 
 def _load(model_dir: Path, name: str, entry: list[str], device: torch.device, dtype: torch.dtype) -> Any:
-    cls = _component_class(entry)
-    kwargs = {"torch_dtype": dtype} if entry[0] == "diffusers" else {"dtype": dtype}
-    return cls.from_pretrained(model_dir / name, **kwargs).to(device).eval()
+    return _component_class(entry).from_pretrained(model_dir / name, dtype=dtype).to(device).eval()
 
 
 def _build(model_dir: Path, name: str, entry: list[str], device: torch.device, dtype: torch.dtype) -> Any:
