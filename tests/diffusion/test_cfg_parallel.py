@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.diffusion.conftest import Case, image_of, run_engine
+from tests.pipeline.conftest import pid_alive
 from vllm_omni.diffusion.cfg_parallel import CfgParallelGroup, ModelSpec
 from vllm_omni.diffusion.tea_cache import TeaCache, TeaCacheConfig
 
@@ -71,17 +72,6 @@ def test_rank_one_does_not_outlive_its_parent(qwen_image_dir, tmp_path):
                           cwd=Path(__file__).resolve().parents[2])
     rank1 = int(proc.stdout.split()[0])
     deadline = time.monotonic() + 10
-    while _alive(rank1) and time.monotonic() < deadline:
+    while pid_alive(rank1) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(rank1), "rank 1 outlived rank 0"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie (exited, not reaped yet) counts as gone
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
+    assert not pid_alive(rank1), "rank 1 outlived rank 0"
