@@ -1,7 +1,6 @@
 """--cfg-parallel-size 2 on the CPU: the unconditional rows on a second process (gloo)."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
