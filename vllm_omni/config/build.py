@@ -149,7 +149,7 @@ def _check_diffusion_settings(stages: tuple[StageConfig, ...], merged: dict[int,
         return
     for stage in stages:
         m = merged[stage.stage_id]
-        for name in schema.DIFFUSION_ENGINE_FIELDS:
+        for name in schema.DIFFUSION_FIELDS:
             path = f"engine_args.{name}"
             if m.has(path) and m.get(path) != schema.STAGE_FIELDS[path].default:
                 raise ConfigError("is a diffusion setting and this pipeline has no diffusion stage",

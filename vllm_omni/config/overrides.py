@@ -14,6 +14,7 @@ from typing import Any
 
 from vllm_omni.config.errors import ConfigError
 from vllm_omni.config.layers import Layer, read_stage_fields
+from vllm_omni.config.schema import DIFFUSION_FIELDS
 
 STAGE_OVERRIDES = "--stage-overrides"
 CLI_FLAGS = "CLI flags"
@@ -24,10 +25,7 @@ STAGE_CLI_FIELDS = (
     "gpu_memory_utilization", "enforce_eager", "trust_remote_code", "enable_prefix_caching",
     "enable_chunked_prefill", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "dtype",
     "block_size", "tensor_parallel_size", "seed", "load_format",
-    # Diffusion flags of spec 001, for the pipeline's diffusion stages.
-    "step_execution", "diffusion_load_format", "model_class_name", "diffusers_load_kwargs", "diffusers_call_kwargs",
-    "cache_backend", "cache_config", "vae_use_slicing", "vae_use_tiling", "enable_cpu_offload", "cfg_parallel_size",
-    "max_generated_image_size",
+    *DIFFUSION_FIELDS,  # spec 001's diffusion flags, for the pipeline's diffusion stages
 )
 
 

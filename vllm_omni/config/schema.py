@@ -154,6 +154,12 @@ def check_cache_config(v: Any) -> tuple[tuple[str, Any], ...] | None:
     return tuple(v.items())
 
 
+def check_cfg_parallel_size(v: Any) -> int:
+    if isinstance(v, int) and not isinstance(v, bool) and v in (1, 2):
+        return v
+    raise BadValue("1 or 2")
+
+
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "fp32", "fp16", "bf16")
 
 
@@ -162,6 +168,22 @@ class FieldSpec:
     check: Check
     default: Any
 
+
+# Engine args of diffusion stages (spec 001's diffusion flags; docs/diffusion.md).
+DIFFUSION_FIELDS: dict[str, FieldSpec] = {
+    "step_execution": FieldSpec(check_bool, False),  # our diffusion engine always steps
+    "diffusion_load_format": FieldSpec(check_choice("default", "dummy", "diffusers"), "default"),
+    "model_class_name": FieldSpec(check_str(), None),
+    "diffusers_load_kwargs": FieldSpec(check_json_object, ()),
+    "diffusers_call_kwargs": FieldSpec(check_json_object, ()),
+    "cache_backend": FieldSpec(check_choice("none", "tea_cache"), "none"),
+    "cache_config": FieldSpec(check_cache_config, None),
+    "vae_use_slicing": FieldSpec(check_bool, False),
+    "vae_use_tiling": FieldSpec(check_bool, False),
+    "enable_cpu_offload": FieldSpec(check_bool, False),
+    "cfg_parallel_size": FieldSpec(check_cfg_parallel_size, 1),
+    "max_generated_image_size": FieldSpec(check_int(1, optional=True), None),
+}
 
 # Topology fields describe the model's stage graph; a deploy YAML may not set them
 # (they come from the pipeline it overlays), every other layer may.
@@ -214,25 +236,8 @@ STAGE_FIELDS: dict[str, FieldSpec] = {
     "engine_args.load_format": FieldSpec(check_choice("auto", "dummy"), "auto"),
     # "llm" (AR or generation engines) or "diffusion" (upstream's spelling of worker_type: diffusion).
     "stage_type": FieldSpec(check_choice("llm", "diffusion"), None),
-    # Diffusion stages only (spec 001's diffusion flags; docs/diffusion.md).
-    **{f"engine_args.{name}": spec for name, spec in {
-        "step_execution": FieldSpec(check_bool, False),  # our diffusion engine always steps
-        "diffusion_load_format": FieldSpec(check_choice("default", "dummy", "diffusers"), "default"),
-        "model_class_name": FieldSpec(check_str(), None),
-        "diffusers_load_kwargs": FieldSpec(check_json_object, ()),
-        "diffusers_call_kwargs": FieldSpec(check_json_object, ()),
-        "cache_backend": FieldSpec(check_choice("none", "tea_cache"), "none"),
-        "cache_config": FieldSpec(check_cache_config, None),
-        "vae_use_slicing": FieldSpec(check_bool, False),
-        "vae_use_tiling": FieldSpec(check_bool, False),
-        "enable_cpu_offload": FieldSpec(check_bool, False),
-        "cfg_parallel_size": FieldSpec(check_int(1), 1),
-        "max_generated_image_size": FieldSpec(check_int(1, optional=True), None),
-    }.items()},
+    **{f"engine_args.{name}": spec for name, spec in DIFFUSION_FIELDS.items()},
 }
-DIFFUSION_ENGINE_FIELDS = ("step_execution", "diffusion_load_format", "model_class_name", "diffusers_load_kwargs",
-                           "diffusers_call_kwargs", "cache_backend", "cache_config", "vae_use_slicing",
-                           "vae_use_tiling", "enable_cpu_offload", "cfg_parallel_size", "max_generated_image_size")
 
 RUNTIME_KEYS = tuple(p.split(".", 1)[1] for p in STAGE_FIELDS if p.startswith("runtime."))
 ENGINE_KEYS = tuple(p.split(".", 1)[1] for p in STAGE_FIELDS if p.startswith("engine_args."))

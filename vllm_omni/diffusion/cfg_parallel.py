@@ -46,7 +46,8 @@ class ModelSpec:
     cpu_offload: bool = False
 
     def build(self, device: torch.device) -> Any:
-        torch.manual_seed(self.seed)
+        if self.dummy:
+            torch.manual_seed(self.seed)
         return import_dotted(self.class_path).load(
             self.model_path, device=device, dtype=getattr(torch, self.dtype), dummy=self.dummy,
             vae_use_slicing=self.vae_use_slicing, vae_use_tiling=self.vae_use_tiling, cpu_offload=self.cpu_offload)

@@ -94,7 +94,7 @@ class DiffusersPipelineEngine:
         outputs, self._ready = self._ready, []
         return outputs
 
-    def call_arguments(self, req: StageRequest) -> dict[str, Any]:
+    def _call_arguments(self, req: StageRequest) -> dict[str, Any]:
         params: DiffusionSamplingParams = req.sampling_params
         given: dict[str, Any] = {"prompt": diffusion_inputs.prompt_text(req)}
         negative = diffusion_inputs.negative_prompt(req)
@@ -118,7 +118,7 @@ class DiffusersPipelineEngine:
 
     @torch.inference_mode()
     def _call(self, req: StageRequest) -> dict[str, torch.Tensor]:
-        out = self.pipe(**self.call_arguments(req))
+        out = self.pipe(**self._call_arguments(req))
         if getattr(out, "frames", None) is not None:
             return {"video": torch.as_tensor(out.frames).float().cpu()}
         images = getattr(out, "images", None)

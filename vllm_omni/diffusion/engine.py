@@ -91,7 +91,8 @@ class DiffusionEngine:
             prepared = self.model.prepare(r.request, r.params)
         except Exception as e:  # noqa: BLE001 - a request that cannot start fails alone
             logger.warning("stage %d: request %s cannot start: %s", self.stage_id, r.request_id, e)
-            self._fail(r.request_id, f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e))
+            # ValueError is a model's "this request cannot run"; anything else is named.
+            self._fail(r.request_id, str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
             return False
         if self._too_large(prepared.height, prepared.width):
             self._fail(r.request_id, self._size_error(prepared.height, prepared.width))

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,7 +18,6 @@ class DiffusionRequest:
     prepared: Any = None  # the model's PreparedRequest, made when the request reaches the head of the queue
     latents: torch.Tensor | None = None  # the current sample
     step: int = 0  # denoising steps done
-    tea_cache_keys: list[Hashable] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:

@@ -64,10 +64,10 @@ class TeaCache:
             run_blocks: Callable[[torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
         """The blocks' output for every row: computed for rows that must, cached for the others."""
         states = [self._rows.setdefault(k, _RowState()) for k in keys]
-        compute = [self._must_compute(s, modulated[i]) for i, s in enumerate(states)]
+        compute = self._decide(states, modulated)
         for state, row_input in zip(states, modulated):
             state.previous_input = row_input.detach().clone()
-        rows = [i for i, c in enumerate(compute) if c]
+        rows = [i for i, must in enumerate(compute) if must]
         self.computed += len(rows)
         self.skipped += len(keys) - len(rows)
         if len(rows) == len(keys):
@@ -84,16 +84,24 @@ class TeaCache:
             states[i].residual = out[i] - block_input[i]
         return out
 
-    def _must_compute(self, state: _RowState, modulated: torch.Tensor) -> bool:
-        if state.previous_input is None or state.residual is None:
-            return True
-        prev = state.previous_input
-        distance = ((modulated - prev).abs().mean() / (prev.abs().mean() + 1e-8)).item()
-        state.accumulated += abs(self.config.rescale(distance))
-        if state.accumulated < self.config.rel_l1_thresh:
-            return False
-        state.accumulated = 0.0
-        return True
+    def _decide(self, states: list[_RowState], modulated: torch.Tensor) -> list[bool]:
+        """Per row: run the blocks? A row's first step always does. The distances of all rows
+        are computed together: one device-to-host copy per step, not one per row."""
+        known = [i for i, s in enumerate(states) if s.previous_input is not None and s.residual is not None]
+        compute = [True] * len(states)
+        if not known:
+            return compute
+        current = modulated[known].flatten(1)
+        previous = torch.stack([states[i].previous_input for i in known]).flatten(1)
+        distances = ((current - previous).abs().mean(1) / (previous.abs().mean(1) + 1e-8)).tolist()
+        for i, distance in zip(known, distances):
+            state = states[i]
+            state.accumulated += abs(self.config.rescale(distance))
+            if state.accumulated < self.config.rel_l1_thresh:
+                compute[i] = False
+            else:
+                state.accumulated = 0.0
+        return compute
 
     def retain(self, keys: Iterable[Hashable]) -> None:
         """Forget the rows of requests that finished or were aborted."""

@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_omni.config.schema import DIFFUSION_FIELDS
+
 _DIFFUSION = "the diffusion engine does not implement it yet"
 _STAGE_CLI = "the stage-based CLI (one stage per process, headless workers, a remote master) is not implemented yet"
 _REPLICAS = "stage replicas are not supported yet (one replica per stage)"
@@ -232,20 +234,28 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # Diffusion flags of spec 001 that are settings of the diffusion stages (config.STAGE_CLI_FIELDS).
-DIFFUSION_STAGE_FLAGS = ("model_class_name", "diffusion_load_format", "diffusers_load_kwargs", "diffusers_call_kwargs",
-                         "cache_backend", "cache_config", "step_execution", "vae_use_slicing", "vae_use_tiling",
-                         "enable_cpu_offload", "cfg_parallel_size", "max_generated_image_size")
+DIFFUSION_STAGE_FLAGS = tuple(DIFFUSION_FIELDS)
 
 
 def stage_overrides(args: argparse.Namespace) -> str | dict[str, Any] | None:
-    """--stage-overrides, with --default-sampling-params folded in underneath it (it wins per field)."""
+    """--stage-overrides, with --default-sampling-params folded in underneath it (it wins per field).
+    Malformed values are passed on as they are: the config layer reports them with their source."""
     if args.default_sampling_params is None:
         return args.stage_overrides
-    overrides = json.loads(args.stage_overrides) if args.stage_overrides else {}
+    try:
+        overrides = json.loads(args.stage_overrides) if args.stage_overrides else {}
+    except json.JSONDecodeError:
+        return args.stage_overrides
     if not isinstance(overrides, dict):
-        return args.stage_overrides  # the config layer reports the bad value
-    merged = {str(k): dict(v) for k, v in overrides.items() if isinstance(v, dict)}
+        return args.stage_overrides
+    merged = {str(k): v for k, v in overrides.items()}
     for stage_id, defaults in args.default_sampling_params.items():
         entry = merged.setdefault(str(stage_id), {})
-        entry["default_sampling_params"] = {**(defaults or {}), **entry.get("default_sampling_params", {})}
+        if not isinstance(entry, dict):
+            continue
+        given = entry.get("default_sampling_params")
+        if given is None:
+            entry["default_sampling_params"] = defaults
+        elif isinstance(given, dict) and isinstance(defaults, dict):
+            entry["default_sampling_params"] = {**defaults, **given}
     return merged
