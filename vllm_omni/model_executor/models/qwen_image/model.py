@@ -86,6 +86,7 @@ class QwenImageModel:
 
     def _prepare_edit(self, text: str, negative: str | None, image_hw3: torch.Tensor,
                       params: DiffusionSamplingParams, generator: torch.Generator) -> QwenImageRequest:
+        from diffusers import QwenImagePipeline
         from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
         from PIL import Image
 
@@ -101,8 +102,6 @@ class QwenImageModel:
             neg = self.encoder.encode_with_image(negative, prompt_image, self.device) if negative is not None else None
         n = params.num_outputs_per_prompt
         image_latents = self._encode_image(pixels.to(self.device, prompt.embeds.dtype)).repeat(n, 1, 1, 1, 1)
-        from diffusers import QwenImagePipeline
-
         # The VAE's layout is [n, C, 1, h, w]; the pipeline packs it with the sizes it reads off it.
         packed_image = QwenImagePipeline._pack_latents(image_latents, n, image_latents.shape[1],
                                                        *image_latents.shape[3:])
@@ -123,16 +122,19 @@ class QwenImageModel:
         noise = randn_tensor((n, 1, channels, h, w), generator=generator, device=self.device, dtype=dtype)
         return QwenImagePipeline._pack_latents(noise, n, channels, h, w)
 
-
     def _encode_image(self, pixels: torch.Tensor) -> torch.Tensor:
         """QwenImageEditPipeline._encode_vae_image: the posterior's mode, normalized."""
         vae = self.c.vae
         with self._on_device(vae):
             latents = vae.encode(pixels.to(vae.device)).latent_dist.mode().to(self.device)
-        z = vae.config.z_dim
-        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
-        std = torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
+        mean, std = self._latent_stats(latents)
         return (latents - mean) / std
+
+    def _latent_stats(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The VAE's per-channel latent mean and std, shaped [1, z, 1, 1, 1] like `like`."""
+        config = self.c.vae.config
+        return tuple(torch.tensor(values).view(1, config.z_dim, 1, 1, 1).to(like.device, like.dtype)
+                     for values in (config.latents_mean, config.latents_std))
 
     def _schedule(self, steps: int, image_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The pipeline's sigmas and timesteps (FlowMatchEulerDiscreteScheduler.set_timesteps with
@@ -201,10 +203,9 @@ class QwenImageModel:
                                                    self.vae_scale_factor)
         with self._on_device(vae):
             packed = packed.to(vae.device, vae.dtype)
-            z = vae.config.z_dim
-            mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(packed.device, packed.dtype)
-            inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(packed.device, packed.dtype)
-            images = vae.decode(packed / inv_std + mean, return_dict=False)[0][:, :, 0]
+            mean, std = self._latent_stats(packed)
+            # The pipeline divides by 1 / std (not the same rounding as multiplying by std).
+            images = vae.decode(packed / (1.0 / std) + mean, return_dict=False)[0][:, :, 0]
         images = self.image_processor.postprocess(images, output_type="pt").float().cpu()
         sizes = [lat.shape[0] for lat in latents]
         return [{"image": part} for part in torch.split(images, sizes)]
