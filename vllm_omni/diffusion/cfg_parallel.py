@@ -8,7 +8,8 @@ velocities back. Guidance is combined on rank 0, so the images equal those of si
 
 Rank 1 exits when rank 0 sends None (close), when rank 0's process is gone (a watchdog
 thread checks every second), or when the group breaks. Every collective has the group's
-timeout: a dead rank fails the step instead of hanging it.
+timeout (`init_timeout_s`, which also covers loading the model): a dead rank fails the step
+instead of hanging it.
 """
 from __future__ import annotations
 
@@ -23,12 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from vllm_omni.imports import import_dotted
 
 logger = logging.getLogger(__name__)
 
-STEP_TIMEOUT_S = 600.0  # one step of the largest model on one device, with a wide margin
 _PARENT_POLL_S = 1.0
 
 
@@ -78,29 +79,20 @@ class CfgParallelGroup:
         return cls(process, device, address, init_timeout_s)
 
     def wait_ready(self) -> None:
-        import torch.distributed as dist
-
         dist.init_process_group(_backend(self.device), init_method=self.address, rank=0, world_size=2,
                                 timeout=datetime.timedelta(seconds=self.init_timeout_s))
-        self._set_timeout(STEP_TIMEOUT_S)
         self._ready = True
 
     def submit(self, batch: Any, keys: list[Any]) -> None:
-        import torch.distributed as dist
-
         self._check_alive()
         dist.broadcast_object_list([(_to(batch, "cpu"), keys)], src=0)
 
     def result(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        import torch.distributed as dist
-
         out = torch.empty(shape, dtype=dtype, device=self.device)
         dist.recv(out, src=1)
         return out
 
     def close(self) -> None:
-        import torch.distributed as dist
-
         if self._ready and self.process.is_alive():
             try:
                 dist.broadcast_object_list([None], src=0)
@@ -117,20 +109,9 @@ class CfgParallelGroup:
         if not self.process.is_alive():
             raise RuntimeError(f"the CFG-parallel rank 1 process exited (code {self.process.exitcode})")
 
-    @staticmethod
-    def _set_timeout(seconds: float) -> None:
-        # init_process_group's timeout covers model loading; steps get their own, shorter one.
-        import torch.distributed.distributed_c10d as c10d
-
-        pg = c10d._get_default_group()
-        if hasattr(pg, "_set_default_timeout"):
-            pg._set_default_timeout(datetime.timedelta(seconds=seconds))
-
 
 def _rank1_main(spec: ModelSpec, tea_cache: dict[str, Any] | None, device_name: str, address: str,
                 parent_pid: int, init_timeout_s: float) -> None:
-    import torch.distributed as dist
-
     from vllm_omni.diffusion.denoise import run_denoiser
     from vllm_omni.diffusion.tea_cache import TeaCache, TeaCacheConfig
 
