@@ -21,7 +21,7 @@ FLOORS: list[set[str]] = [
     {"model_executor"},  # layers, models, family records, bridges
     {"multimodal"},  # prompt and media processing (reads model files: speakers, templates)
     {"config"},  # stage configs; finds bundled pipelines through the family records
-    {"core"},  # the AR engine
+    {"core", "diffusion"},  # the AR engine; the diffusion engine
     {"worker"},  # what a stage process drives
     {"engine"},  # the multi-stage runtime
     {"testing"},  # tiny checkpoints, the demo model

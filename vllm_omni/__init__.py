@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_omni import logging_filters
 from vllm_omni.outputs import CompletionOutput, RequestOutput
-from vllm_omni.sampling_params import SamplingParams
+from vllm_omni.sampling_params import DiffusionSamplingParams, SamplingParams
 from vllm_omni.version import __version__
 
 logging_filters.install()
@@ -34,4 +34,4 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "DiffusionSamplingParams", "RequestOutput", "CompletionOutput", "__version__"]

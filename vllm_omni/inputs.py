@@ -26,6 +26,7 @@ class TextPrompt(TypedDict, total=False):
     mm_processor_kwargs: NotRequired[dict[str, Any] | None]
     speaker: NotRequired[str | None]
     additional_information: NotRequired[dict[str, Any] | None]  # e.g. processed media, a voice
+    negative_prompt: NotRequired[str | None]  # diffusion models: what the image should not show
 
 
 class TokensPrompt(TypedDict, total=False):
@@ -63,7 +64,8 @@ PromptType = Union[str, TextPrompt, TokensPrompt, ChatPrompt, OmniTokensPrompt]
 # Text-to-speech voice options (Qwen3-TTS, see docs/tts.md); the model's input processor checks them.
 TTS_KEYS = ("instructions", "language", "task_type", "ref_audio", "ref_text", "x_vector_only_mode",
             "non_streaming_mode")
-_OPTIONAL_KEYS = ("multi_modal_data", "mm_processor_kwargs", "speaker", "additional_information", *TTS_KEYS)
+_OPTIONAL_KEYS = ("multi_modal_data", "mm_processor_kwargs", "speaker", "additional_information",
+                  "negative_prompt", *TTS_KEYS)
 _ALLOWED_KEYS = frozenset({"prompt", "prompt_token_ids", "messages", *_OPTIONAL_KEYS})
 
 

@@ -9,6 +9,8 @@ import copy
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import msgspec
+
 # Below this temperature sampling is greedy (vLLM uses the same threshold).
 GREEDY_TEMPERATURE = 1e-5
 
@@ -112,3 +114,75 @@ class SamplingParams:
         if changes:
             new.__post_init__()
         return new
+
+
+class DiffusionSamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag="diffusion"):
+    """Per-request parameters of a diffusion stage (diffusers' pipeline call arguments).
+
+        DiffusionSamplingParams(height=1024, width=1024, num_inference_steps=50, true_cfg_scale=4.0, seed=0)
+
+    A msgspec Struct rather than a dataclass: a StageRequest carries either kind in one field,
+    and msgspec tells them apart only when this one encodes as an array (`array_like`).
+    Classifier-free guidance runs when `true_cfg_scale > 1` and the prompt has a
+    `negative_prompt` (diffusers' QwenImagePipeline rule); `guidance_scale` is the embedded
+    guidance of guidance-distilled models and is ignored by the others.
+    """
+
+    height: int | None = None  # None: the model's default (or, for an edit, the input image's)
+    width: int | None = None
+    num_inference_steps: int = 50
+    true_cfg_scale: float = 4.0
+    guidance_scale: float | None = None
+    seed: int | None = None  # None: a fresh random seed per request
+    num_outputs_per_prompt: int = 1
+
+    def __post_init__(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"DiffusionSamplingParams.{name}={getattr(self, name)!r} is invalid: must be {allowed}")
+
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < IMAGE_SIZE_MULTIPLE
+                                      or value % IMAGE_SIZE_MULTIPLE):
+                raise bad(name, f"a positive multiple of {IMAGE_SIZE_MULTIPLE} or None")
+        if not _is_int(self.num_inference_steps) or not 1 <= self.num_inference_steps <= MAX_INFERENCE_STEPS:
+            raise bad("num_inference_steps", f"an integer in [1, {MAX_INFERENCE_STEPS}]")
+        if not _is_number(self.true_cfg_scale) or self.true_cfg_scale < 0:
+            raise bad("true_cfg_scale", "a number >= 0")
+        if self.guidance_scale is not None and (not _is_number(self.guidance_scale) or self.guidance_scale < 0):
+            raise bad("guidance_scale", "a number >= 0 or None")
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+            raise bad("seed", "a non-negative integer or None")
+        if not _is_int(self.num_outputs_per_prompt) or not 1 <= self.num_outputs_per_prompt <= MAX_OUTPUTS_PER_PROMPT:
+            raise bad("num_outputs_per_prompt", f"an integer in [1, {MAX_OUTPUTS_PER_PROMPT}]")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], *, where: str = "diffusion sampling params") -> DiffusionSamplingParams:
+        unknown = sorted(set(values) - set(cls.__struct_fields__))
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(cls.__struct_fields__)}")
+        return cls(**values)
+
+    def clone(self, **changes: Any) -> DiffusionSamplingParams:
+        """A copy with `changes` applied and validated (SamplingParams.clone's contract)."""
+        unknown = sorted(set(changes) - set(self.__struct_fields__))
+        if unknown:
+            raise ValueError(f"DiffusionSamplingParams has no field(s) {unknown}")
+        return msgspec.structs.replace(self, **changes)  # runs __post_init__
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.structs.asdict(self)
+
+
+# Latent patches are 16 pixels wide for Qwen-Image, FLUX, SD3 and Wan (VAE x8, then 2x2 packing).
+IMAGE_SIZE_MULTIPLE = 16
+MAX_INFERENCE_STEPS = 1000  # the training schedule's length
+MAX_OUTPUTS_PER_PROMPT = 16
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -27,7 +27,7 @@ import torch
 
 from vllm_omni.inputs import OmniTokensPrompt
 from vllm_omni.outputs import RequestOutput
-from vllm_omni.sampling_params import SamplingParams
+from vllm_omni.sampling_params import DiffusionSamplingParams, SamplingParams
 
 # additional_information key: [prompt_len, hidden] rows that replace the prompt's token embeddings.
 PROMPT_EMBEDS_KEY = "prompt_embeds"
@@ -47,7 +47,7 @@ class StageRequest(msgspec.Struct, tag="add", kw_only=True):
 
     request_id: str  # the orchestrator's internal key, unique per submission
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | DiffusionSamplingParams  # the latter for diffusion stages
     prompt: str | None = None
     # Per-request payloads built by a bridge (spec 003 OmniTokensPrompt.additional_information).
     additional_information: dict[str, Any] = {}

@@ -70,7 +70,7 @@ def test_help_lists_every_flag_with_its_help(capsys):
     for flag in all_flags():
         for name in flag.names:
             assert name in out, name
-    assert "Not supported yet: diffusion models" in out and "admission queue" in out
+    assert "Not supported yet: the diffusion engine" in out and "admission queue" in out
     assert "serve" in build_parser().format_help()
 
 
@@ -88,7 +88,7 @@ def test_implemented_flags_and_engine_flags():
     implemented = {n for f in all_flags() if f.refused is None for n in f.names}
     assert set(MUST_IMPLEMENT) <= implemented
     # Engine flags are exactly the stage fields the config layer accepts from the CLI.
-    assert {f.dest for f in serve_args.ENGINE_FLAGS} == set(STAGE_CLI_FIELDS)
+    assert {f.dest for f in serve_args.ENGINE_FLAGS} | set(serve_args.DIFFUSION_STAGE_FLAGS) == set(STAGE_CLI_FIELDS)
     args = serve_parser().parse_args(["--max-num-seqs", "8", "--no-enable-prefix-caching", "--enforce-eager"])
     assert serve_args.engine_args(args) == {"max_num_seqs": 8, "enable_prefix_caching": False, "enforce_eager": True}
 

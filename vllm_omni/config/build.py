@@ -16,7 +16,7 @@ from vllm_omni.config.layers import Layer
 from vllm_omni.config.stage_config import (ConfigFormat, PipelineConfig, PipelineRuntimeConfig,
                                            StageConfig, StageEngineArgs, StageRuntimeConfig,
                                            WorkerType)
-from vllm_omni.sampling_params import SamplingParams
+from vllm_omni.sampling_params import DiffusionSamplingParams, SamplingParams
 
 DOCUMENTED = "documented default"
 _DSP = "default_sampling_params."
@@ -71,6 +71,7 @@ def build_pipeline(layers: Sequence[Layer], *, fmt: ConfigFormat, source: str,
         return merged[sid].source(path)
 
     graph.check_graph(stages, source_of=source_of, source=source)
+    _check_diffusion_settings(stages, merged)
     runtime = PipelineRuntimeConfig(enabled=top.get("runtime.enabled", True),
                                     window_size=top.get("runtime.defaults.window_size", -1),
                                     max_inflight=top.get("runtime.defaults.max_inflight", 1))
@@ -100,7 +101,7 @@ def build_stage(stage_id: int, m: _Merged, *, feeds_another_stage: bool) -> Stag
     _check_devices(stage_id, runtime, engine_args, m)
     return StageConfig(
         stage_id=stage_id, runtime=runtime, engine_args=engine_args,
-        default_sampling_params=_sampling(stage_id, m),
+        default_sampling_params=_sampling(stage_id, m, diffusion=worker_type == WorkerType.DIFFUSION),
         engine_input_source=get("engine_input_source"),
         custom_process_input_func=get("custom_process_input_func"),
         is_comprehension=get("is_comprehension"), final_output=final_output,
@@ -115,6 +116,16 @@ def _worker(stage_id: int, m: _Merged) -> tuple[WorkerType, str | None, str | No
     worker_cls = m.get("engine_args.worker_cls")
     scheduler_cls = m.get("engine_args.scheduler_cls")
     worker_type = m.get("engine_args.worker_type")
+    if m.get("stage_type") == "diffusion":  # upstream's spelling; must agree with worker_type
+        if worker_type not in (None, WorkerType.DIFFUSION):
+            raise ConfigError(f"stage_type 'diffusion' (from {m.source('stage_type')}) contradicts worker_type",
+                              source=m.source("engine_args.worker_type"), stage_id=stage_id,
+                              field="engine_args.worker_type", value=worker_type.value, allowed="'diffusion'")
+        worker_type = WorkerType.DIFFUSION
+    elif m.get("stage_type") == "llm" and worker_type == WorkerType.DIFFUSION:
+        raise ConfigError("contradicts stage_type 'llm'", source=m.source("engine_args.worker_type"),
+                          stage_id=stage_id, field="engine_args.worker_type", value="diffusion",
+                          allowed="'ar' or 'generation' for an llm stage")
     if worker_type is None:
         implied = [resolve.WORKER_TYPE_OF[c] for c in (worker_cls, scheduler_cls) if c in resolve.WORKER_TYPE_OF]
         worker_type = implied[0] if implied else WorkerType.AR
@@ -132,9 +143,24 @@ def _worker(stage_id: int, m: _Merged) -> tuple[WorkerType, str | None, str | No
     return worker_type, worker_cls, scheduler_cls
 
 
-def _sampling(stage_id: int, m: _Merged) -> SamplingParams:
+def _check_diffusion_settings(stages: tuple[StageConfig, ...], merged: dict[int, _Merged]) -> None:
+    """Diffusion settings (CLI flags apply them to every stage) need a diffusion stage to use them."""
+    if any(s.worker_type == WorkerType.DIFFUSION for s in stages):
+        return
+    for stage in stages:
+        m = merged[stage.stage_id]
+        for name in schema.DIFFUSION_FIELDS:
+            path = f"engine_args.{name}"
+            if m.has(path) and m.get(path) != schema.STAGE_FIELDS[path].default:
+                raise ConfigError("is a diffusion setting and this pipeline has no diffusion stage",
+                                  source=m.source(path), stage_id=stage.stage_id, field=path, value=m.get(path))
+
+
+def _sampling(stage_id: int, m: _Merged, *, diffusion: bool) -> SamplingParams | DiffusionSamplingParams:
     given = {p[len(_DSP):]: v for p, (v, _) in m.values.items() if p.startswith(_DSP)}
     try:
+        if diffusion:  # spec 000's sampling defaults are the text ones; diffusion has its own
+            return DiffusionSamplingParams.from_dict(given, where="a diffusion stage's sampling params")
         return SamplingParams.from_dict({**schema.SAMPLING_DEFAULTS, **given})
     except (TypeError, ValueError) as exc:
         # Each value passed on its own when read, so this is a combination (e.g. min_tokens
@@ -146,12 +172,14 @@ def _sampling(stage_id: int, m: _Merged) -> SamplingParams:
 
 def _check_devices(stage_id: int, runtime: StageRuntimeConfig, args: StageEngineArgs, m: _Merged) -> None:
     # One replica uses tensor_parallel_size devices; a replica pool lists them all (spec 002).
-    n, tp, replicas = len(runtime.device_ids), args.tensor_parallel_size, runtime.num_replicas
+    # A diffusion stage with cfg_parallel_size 2 runs its two guidance branches on two devices.
+    n, tp, replicas = len(runtime.device_ids), args.tensor_parallel_size * args.cfg_parallel_size, runtime.num_replicas
     if n == tp or n == tp * replicas:
         return
     need = f"{tp}" + (f" (template) or {tp * replicas} (pool of {replicas} replicas)" if replicas > 1 else "")
-    raise ConfigError(f"lists {n} device(s) but tensor_parallel_size={tp} "
-                      f"(from {m.source('engine_args.tensor_parallel_size')}) needs {need}",
+    raise ConfigError(f"lists {n} device(s) but tensor_parallel_size={args.tensor_parallel_size} "
+                      f"(from {m.source('engine_args.tensor_parallel_size')}) x cfg_parallel_size="
+                      f"{args.cfg_parallel_size} needs {need}",
                       source=m.source("runtime.devices"), stage_id=stage_id, field="runtime.devices",
                       value=runtime.devices, allowed=f"exactly {need} device indices")
 

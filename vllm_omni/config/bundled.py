@@ -21,6 +21,7 @@ from vllm_omni.model_executor.models.family import PipelineVariant
 
 _PACKAGE = Path(__file__).resolve().parent.parent
 STAGE_CONFIGS_DIR = _PACKAGE / "model_executor" / "stage_configs"
+DIFFUSERS_INDEX = "model_index.json"  # a diffusers pipeline folder's config
 DEPLOY_DIR = _PACKAGE / "deploy"
 
 
@@ -51,9 +52,10 @@ def bundled_pipeline(name: str) -> BundledPipeline:
 
 def read_hf_config(model: str | os.PathLike) -> dict[str, Any]:
     """config.json of a local model directory, a config.json path, or a cached HF hub id.
-    Nothing is downloaded: a model that is not on disk is an error."""
+    Nothing is downloaded: a model that is not on disk is an error. A diffusers pipeline
+    folder has model_index.json instead: its `_class_name` is the architecture."""
     path = Path(model).expanduser()
-    candidates = [path] if path.is_file() else [path / "config.json"]
+    candidates = [path] if path.is_file() else [path / "config.json", path / DIFFUSERS_INDEX]
     if not path.exists() and "/" in str(model) and not str(model).startswith(("/", ".")):
         candidates += _hub_cache_candidates(str(model))
     for candidate in candidates:
@@ -64,6 +66,8 @@ def read_hf_config(model: str | os.PathLike) -> dict[str, Any]:
                 raise ConfigError(f"cannot read model config: {exc}", source=str(candidate)) from None
             if not isinstance(data, dict):
                 raise ConfigError("model config is not a JSON object", source=str(candidate))
+            if candidate.name == DIFFUSERS_INDEX:
+                return {**data, "architectures": [data.get("_class_name")]}
             return data
     raise ConfigError("no config.json found (not a local model directory and not in the Hugging Face "
                       "cache)", field="model", value=str(model),
@@ -76,8 +80,10 @@ def _hub_cache_candidates(repo_id: str) -> list[Path]:
     repo = Path(root) / ("models--" + repo_id.replace("/", "--"))
     ref = repo / "refs" / "main"
     if ref.is_file():
-        return [repo / "snapshots" / ref.read_text().strip() / "config.json"]
-    return sorted((repo / "snapshots").glob("*/config.json")) if repo.is_dir() else []
+        snapshot = repo / "snapshots" / ref.read_text().strip()
+        return [snapshot / "config.json", snapshot / DIFFUSERS_INDEX]
+    return sorted(p for name in ("config.json", DIFFUSERS_INDEX)
+                  for p in (repo / "snapshots").glob(f"*/{name}")) if repo.is_dir() else []
 
 
 def _as_hf_dict(model_dir_or_hf_config: Any) -> Mapping[str, Any]:

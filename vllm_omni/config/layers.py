@@ -113,7 +113,7 @@ def _allowed_keys(style: Style) -> set[str]:
         return common | set(schema.TOP_STAGE_KEYS) | set(_SECTIONS)
     deploy_flat = {k for k, p in _FLAT.items() if p not in schema.TOPOLOGY_FIELDS}
     if style == "deploy":
-        return common | deploy_flat
+        return common | deploy_flat | {"stage_type"}  # upstream deploy files name it
     return common | set(_FLAT) | set(schema.TOP_STAGE_KEYS) | set(_SECTIONS)
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from vllm_omni.config.errors import ConfigError
 from vllm_omni.config.layers import Layer, read_stage_fields
+from vllm_omni.config.schema import DIFFUSION_FIELDS
 
 STAGE_OVERRIDES = "--stage-overrides"
 CLI_FLAGS = "CLI flags"
@@ -24,6 +25,7 @@ STAGE_CLI_FIELDS = (
     "gpu_memory_utilization", "enforce_eager", "trust_remote_code", "enable_prefix_caching",
     "enable_chunked_prefill", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "dtype",
     "block_size", "tensor_parallel_size", "seed", "load_format",
+    *DIFFUSION_FIELDS,  # spec 001's diffusion flags, for the pipeline's diffusion stages
 )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from vllm_omni.config.stage_config import PipelineConfig, StageConfig
-from vllm_omni.sampling_params import SamplingParams
+from vllm_omni.sampling_params import DiffusionSamplingParams, SamplingParams
 
 _TABLE_ENGINE_FIELDS = {"model_stage", "model_arch", "worker_type", "worker_cls", "scheduler_cls",
                         "engine_output_type", "gpu_memory_utilization", "tensor_parallel_size"}
@@ -73,7 +73,9 @@ def _details(s: StageConfig) -> list[str]:
     return out
 
 
-def _sampling(sp: SamplingParams) -> str:
+def _sampling(sp: SamplingParams | DiffusionSamplingParams) -> str:
+    if isinstance(sp, DiffusionSamplingParams):
+        return " ".join(f"{k}={_fmt(v)}" for k, v in sp.to_dict().items() if v is not None)
     base = SamplingParams()
     shown = [n for n in _ALWAYS_SHOWN_SAMPLING] + [
         f.name for f in fields(sp) if not f.name.startswith("_") and f.name not in _ALWAYS_SHOWN_SAMPLING

@@ -20,20 +20,22 @@ AR_WORKER = "vllm_omni.worker.gpu_ar_worker.GPUARWorker"
 GENERATION_WORKER = "vllm_omni.worker.gpu_generation_worker.GPUGenerationWorker"
 AR_SCHEDULER = "vllm_omni.core.sched.omni_ar_scheduler.OmniARScheduler"
 GENERATION_SCHEDULER = "vllm_omni.core.sched.omni_generation_scheduler.OmniGenerationScheduler"
+DIFFUSION_WORKER = "vllm_omni.worker.gpu_diffusion_worker.GPUDiffusionWorker"
 _PROCESSORS = "vllm_omni.model_executor.stage_input_processors"
 
-# worker_type -> default worker_cls / scheduler_cls (diffusion stages bring their own engine).
+# worker_type -> default worker_cls / scheduler_cls (the diffusion engine schedules its own steps).
 DEFAULT_WORKER_CLS = {WorkerType.AR: AR_WORKER, WorkerType.GENERATION: GENERATION_WORKER,
-                      WorkerType.DIFFUSION: None}
+                      WorkerType.DIFFUSION: DIFFUSION_WORKER}
 DEFAULT_SCHEDULER_CLS = {WorkerType.AR: AR_SCHEDULER, WorkerType.GENERATION: GENERATION_SCHEDULER,
                          WorkerType.DIFFUSION: None}
 # A documented class implies its worker type, so `worker_cls: ...GPUGenerationWorker` alone
 # (as upstream's Qwen3-Omni YAML writes it) still selects the generation engine.
 WORKER_TYPE_OF = {AR_WORKER: WorkerType.AR, GENERATION_WORKER: WorkerType.GENERATION,
-                  AR_SCHEDULER: WorkerType.AR, GENERATION_SCHEDULER: WorkerType.GENERATION}
+                  AR_SCHEDULER: WorkerType.AR, GENERATION_SCHEDULER: WorkerType.GENERATION,
+                  DIFFUSION_WORKER: WorkerType.DIFFUSION}
 
 DOCUMENTED_DOTTED_NAMES = frozenset({
-    AR_WORKER, GENERATION_WORKER, AR_SCHEDULER, GENERATION_SCHEDULER,
+    AR_WORKER, GENERATION_WORKER, AR_SCHEDULER, GENERATION_SCHEDULER, DIFFUSION_WORKER,
     f"{_PROCESSORS}.qwen2_5_omni.thinker2talker", f"{_PROCESSORS}.qwen2_5_omni.talker2code2wav",
     f"{_PROCESSORS}.qwen3_omni.thinker2talker", f"{_PROCESSORS}.qwen3_omni.talker2code2wav",
 })

@@ -17,7 +17,7 @@ from typing import Any
 
 from vllm_omni.config.errors import BadValue
 from vllm_omni.config.stage_config import EngineOutputType, FinalOutputType, WorkerType
-from vllm_omni.sampling_params import SamplingParams
+from vllm_omni.sampling_params import DiffusionSamplingParams, SamplingParams
 
 Check = Callable[[Any], Any]
 
@@ -129,6 +129,37 @@ def check_env(v: Any) -> tuple[tuple[str, str], ...]:
     raise BadValue("a mapping of environment variable names to strings")
 
 
+def check_json_object(v: Any) -> tuple[tuple[str, Any], ...]:
+    if isinstance(v, dict) and all(isinstance(k, str) for k in v):
+        return tuple(v.items())
+    raise BadValue("a JSON object")
+
+
+TEA_CACHE_KEYS = ("rel_l1_thresh", "coefficients")
+
+
+def check_cache_config(v: Any) -> tuple[tuple[str, Any], ...] | None:
+    """TeaCache's settings: rel_l1_thresh > 0 and the 5 rescaling polynomial coefficients."""
+    if v is None:
+        return None
+    allowed = "null or {\"rel_l1_thresh\": <number > 0>, \"coefficients\": [<5 numbers>]} (TeaCache)"
+    if not isinstance(v, dict) or set(v) - set(TEA_CACHE_KEYS):
+        raise BadValue(allowed)
+    thresh, coefficients = v.get("rel_l1_thresh", 0.2), v.get("coefficients", [0.0] * 5)
+    number = (int, float)
+    if isinstance(thresh, bool) or not isinstance(thresh, number) or thresh <= 0 \
+            or not isinstance(coefficients, list) or len(coefficients) != 5 \
+            or any(isinstance(c, bool) or not isinstance(c, number) for c in coefficients):
+        raise BadValue(allowed)
+    return tuple(v.items())
+
+
+def check_cfg_parallel_size(v: Any) -> int:
+    if isinstance(v, int) and not isinstance(v, bool) and v in (1, 2):
+        return v
+    raise BadValue("1 or 2")
+
+
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "fp32", "fp16", "bf16")
 
 
@@ -137,6 +168,22 @@ class FieldSpec:
     check: Check
     default: Any
 
+
+# Engine args of diffusion stages (spec 001's diffusion flags; docs/diffusion.md).
+DIFFUSION_FIELDS: dict[str, FieldSpec] = {
+    "step_execution": FieldSpec(check_bool, False),  # our diffusion engine always steps
+    "diffusion_load_format": FieldSpec(check_choice("default", "dummy", "diffusers"), "default"),
+    "model_class_name": FieldSpec(check_str(), None),
+    "diffusers_load_kwargs": FieldSpec(check_json_object, ()),
+    "diffusers_call_kwargs": FieldSpec(check_json_object, ()),
+    "cache_backend": FieldSpec(check_choice("none", "tea_cache"), "none"),
+    "cache_config": FieldSpec(check_cache_config, None),
+    "vae_use_slicing": FieldSpec(check_bool, False),
+    "vae_use_tiling": FieldSpec(check_bool, False),
+    "enable_cpu_offload": FieldSpec(check_bool, False),
+    "cfg_parallel_size": FieldSpec(check_cfg_parallel_size, 1),
+    "max_generated_image_size": FieldSpec(check_int(1, optional=True), None),
+}
 
 # Topology fields describe the model's stage graph; a deploy YAML may not set them
 # (they come from the pipeline it overlays), every other layer may.
@@ -187,6 +234,9 @@ STAGE_FIELDS: dict[str, FieldSpec] = {
     "engine_args.seed": FieldSpec(check_int(0, optional=True), None),
     # "dummy": random weights of the real shapes, no checkpoint read (benchmarks, vLLM's flag).
     "engine_args.load_format": FieldSpec(check_choice("auto", "dummy"), "auto"),
+    # "llm" (AR or generation engines) or "diffusion" (upstream's spelling of worker_type: diffusion).
+    "stage_type": FieldSpec(check_choice("llm", "diffusion"), None),
+    **{f"engine_args.{name}": spec for name, spec in DIFFUSION_FIELDS.items()},
 }
 
 RUNTIME_KEYS = tuple(p.split(".", 1)[1] for p in STAGE_FIELDS if p.startswith("runtime."))
@@ -218,12 +268,21 @@ SAMPLING_DEFAULTS: dict[str, Any] = {  # spec 000 `default_sampling_params` defa
     "temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_tokens": 2048,
     "seed": 42, "detokenize": True, "repetition_penalty": 1.1,
 }
-SAMPLING_KEYS = tuple(sorted(f.name for f in fields(SamplingParams) if not f.name.startswith("_")))
+TEXT_SAMPLING_KEYS = tuple(sorted(f.name for f in fields(SamplingParams) if not f.name.startswith("_")))
+DIFFUSION_SAMPLING_KEYS = tuple(sorted(DiffusionSamplingParams.__struct_fields__))
+# A layer does not know whether its stage is a diffusion stage; build.py checks the merged set.
+SAMPLING_KEYS = tuple(sorted({*TEXT_SAMPLING_KEYS, *DIFFUSION_SAMPLING_KEYS}))
 _SAMPLING_TYPES = {f.name: str(f.type) for f in fields(SamplingParams)}
 
 
 def check_sampling_value(name: str, value: Any) -> Any:
     """Type check from the SamplingParams annotation, then its own range checks."""
+    if name not in TEXT_SAMPLING_KEYS:
+        try:
+            DiffusionSamplingParams(**{name: value})
+        except (TypeError, ValueError) as exc:
+            raise BadValue(str(exc).split("must be ", 1)[-1]) from None
+        return value
     kinds = [k.strip() for k in _SAMPLING_TYPES[name].split("|")]
     ok = any(_is_kind(value, k) for k in kinds)
     if not ok:

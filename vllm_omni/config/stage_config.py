@@ -11,7 +11,9 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
-from vllm_omni.sampling_params import SamplingParams
+import msgspec
+
+from vllm_omni.sampling_params import DiffusionSamplingParams, SamplingParams
 
 
 class WorkerType(str, Enum):
@@ -92,6 +94,19 @@ class StageEngineArgs:
     tokenizer: str | None = None
     seed: int | None = None
     load_format: str = "auto"
+    # Diffusion stages (docs/diffusion.md); JSON objects are stored as tuples of pairs.
+    step_execution: bool = False
+    diffusion_load_format: str = "default"
+    model_class_name: str | None = None
+    diffusers_load_kwargs: tuple[tuple[str, Any], ...] = ()
+    diffusers_call_kwargs: tuple[tuple[str, Any], ...] = ()
+    cache_backend: str = "none"
+    cache_config: tuple[tuple[str, Any], ...] | None = None
+    vae_use_slicing: bool = False
+    vae_use_tiling: bool = False
+    enable_cpu_offload: bool = False
+    cfg_parallel_size: int = 1
+    max_generated_image_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -100,7 +115,8 @@ class StageConfig:
     runtime: StageRuntimeConfig
     engine_args: StageEngineArgs
     # Mutable (vLLM's shape): take a copy with new_sampling_params() before changing it.
-    default_sampling_params: SamplingParams
+    # Diffusion stages have DiffusionSamplingParams (frozen).
+    default_sampling_params: SamplingParams | DiffusionSamplingParams
     engine_input_source: tuple[int, ...] = ()
     custom_process_input_func: str | None = None
     is_comprehension: bool = True
@@ -119,7 +135,7 @@ class StageConfig:
     def worker_type(self) -> WorkerType:
         return self.engine_args.worker_type
 
-    def new_sampling_params(self, **changes: Any) -> SamplingParams:
+    def new_sampling_params(self, **changes: Any) -> SamplingParams | DiffusionSamplingParams:
         return self.default_sampling_params.clone(**changes)
 
 
@@ -224,6 +240,8 @@ class PipelineConfig:
         def clean(obj: Any) -> Any:
             if isinstance(obj, Enum):
                 return obj.value
+            if isinstance(obj, msgspec.Struct):
+                return clean(msgspec.structs.asdict(obj))
             if isinstance(obj, dict):
                 return {k: clean(v) for k, v in obj.items() if not str(k).startswith("_")}
             if isinstance(obj, (list, tuple)):

@@ -87,6 +87,8 @@ class StageStats(msgspec.Struct, tag="stats", kw_only=True):
     kv_free_blocks: int | None = None  # AR stages only
     kv_total_blocks: int | None = None
     num_waiting: int | None = None  # generation stages: queued requests
+    num_running: int | None = None  # diffusion stages: requests in the running batch
+    diffusion_steps: int | None = None  # diffusion stages: request-steps denoised since the stage started
 
 
 FromWorker = Union[StageReady, StageInitFailed, Heartbeat, StageFatal, StageOutputBatch, StageStats]

@@ -16,7 +16,7 @@ from pathlib import Path
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from vllm_omni.config.stage_config import PipelineConfig
+from vllm_omni.config.stage_config import PipelineConfig, StageConfig, WorkerType
 from vllm_omni.engine.orchestrator import Orchestrator, RuntimeOptions, Submission
 from vllm_omni.engine.request_plan import check_modalities, plan_request
 from vllm_omni.engine.request_state import RequestSink
@@ -24,7 +24,7 @@ from vllm_omni.engine.stage_client import StageHealth
 from vllm_omni.engine.stage_init_utils import prepare_engine_environment
 from vllm_omni.engine.messages import StageStats
 from vllm_omni.inputs import needs_input_processing, parse_prompt
-from vllm_omni.sampling_params import SamplingParams
+from vllm_omni.sampling_params import DiffusionSamplingParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,10 @@ class OmniRuntime:
 
         entry = self.pipeline.entry_stages[0]
         path = entry.engine_args.model or self.model
+        if entry.worker_type == WorkerType.DIFFUSION:
+            from vllm_omni.multimodal.diffusion_prompt import DiffusionPromptProcessor
+
+            return DiffusionPromptProcessor(model_name=path)
         hf_config = read_hf_config(path) if (Path(path) / "config.json").is_file() else None
         if hf_config is None:  # e.g. a hub id resolved by the stage itself: text prompts only
             return TextInputProcessor(self.tokenizer, model_name=path)
@@ -107,7 +111,8 @@ class OmniRuntime:
         plan = plan_request(self.pipeline, modalities if modalities is not None else self.default_modalities)
         params = self.resolve_params(sampling_params_list)
         parsed = parse_prompt(prompt)
-        if "prompt_token_ids" in parsed and not needs_input_processing(parsed):
+        diffusion = self.pipeline.entry_stages[0].worker_type == WorkerType.DIFFUSION  # text only, always processed
+        if "prompt_token_ids" in parsed and not needs_input_processing(parsed) and not diffusion:
             processed = parsed  # nothing to do: skip the processor's lock
         else:
             with self._processing:
@@ -135,7 +140,7 @@ class OmniRuntime:
         stages = self.pipeline.stages
         if sampling_params_list is None:
             return [s.new_sampling_params() for s in stages]
-        if isinstance(sampling_params_list, (SamplingParams, dict)):
+        if isinstance(sampling_params_list, (SamplingParams, DiffusionSamplingParams, dict)):
             sampling_params_list = [sampling_params_list]
         if not isinstance(sampling_params_list, Sequence) or len(sampling_params_list) != len(stages):
             n = len(sampling_params_list) if isinstance(sampling_params_list, Sequence) else 1
@@ -143,7 +148,9 @@ class OmniRuntime:
                              "(one entry per stage, None for a stage's defaults)")
         out = []
         for stage, item in zip(stages, sampling_params_list):
-            if item is None:
+            if stage.worker_type == WorkerType.DIFFUSION:
+                out.append(_diffusion_params(stage, item))
+            elif item is None:
                 out.append(stage.new_sampling_params())
             elif isinstance(item, SamplingParams):
                 out.append(item)
@@ -215,3 +222,17 @@ class OmniRuntime:
         # If the loop died or timed out, make sure no stage process outlives us.
         for client in self.orchestrator.clients.values():
             client.launcher.stop_blocking(self.options.shutdown_timeout_s)
+
+
+def _diffusion_params(stage: StageConfig, item: Any) -> DiffusionSamplingParams:
+    """A diffusion stage's request parameters: DiffusionSamplingParams, or a dict of fields
+    that override the stage defaults, or None for the defaults."""
+    if item is None:
+        return stage.new_sampling_params()
+    if isinstance(item, DiffusionSamplingParams):
+        return item
+    if isinstance(item, dict):
+        return DiffusionSamplingParams.from_dict({**stage.default_sampling_params.to_dict(), **item},
+                                                 where=f"stage {stage.stage_id} sampling params")
+    raise ValueError(f"stage {stage.stage_id} is a diffusion stage: its sampling params must be "
+                     f"DiffusionSamplingParams, a dict or None, got {type(item).__name__}")

@@ -135,6 +135,10 @@ def _worker_class(stage: StageConfig) -> type:
         from vllm_omni.worker.gpu_generation_worker import GPUGenerationWorker
 
         return GPUGenerationWorker
+    if stage.worker_type == WorkerType.DIFFUSION:
+        from vllm_omni.worker.gpu_diffusion_worker import GPUDiffusionWorker
+
+        return GPUDiffusionWorker
     raise ValueError(f"stage {stage.stage_id}: worker_type={stage.worker_type.value!r} has no engine yet")
 
 

@@ -39,6 +39,8 @@ def _tokenize(tokenizer: Any, text: str) -> list[int]:
 
 
 def _base(prompt: Mapping[str, Any], ids: list[int], text: str | None, info: dict[str, Any]) -> OmniTokensPrompt:
+    if prompt.get("negative_prompt") is not None:
+        raise ValueError("negative_prompt is for diffusion models; this model generates text")
     out = OmniTokensPrompt(prompt_token_ids=list(ids))
     if text is not None:
         out["prompt"] = text

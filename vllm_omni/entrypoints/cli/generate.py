@@ -48,6 +48,15 @@ def add_parser(subparsers) -> None:
     p.add_argument("--deploy-config", default=None, help="a deploy YAML")
     p.add_argument("--stage-overrides", default=None, help="per-stage JSON overrides")
     p.add_argument("--output-dir", default="vllm_omni_output", help="where audio replies are written")
+    # Diffusion models (images out): `vllm-omni generate MODEL --prompt ... -o out.png`.
+    p.add_argument("-o", "--output", default=None, help="image file to write (more images: NAME_1.png, ...)")
+    p.add_argument("--negative-prompt", default=None, help="what the image should not show (enables CFG)")
+    p.add_argument("--height", type=int, default=None)
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--num-inference-steps", type=int, default=None)
+    p.add_argument("--true-cfg-scale", type=float, default=None)
+    p.add_argument("--guidance-scale", type=float, default=None)
+    p.add_argument("--num-images-per-prompt", type=int, default=None)
 
 
 def build_prompts(args: argparse.Namespace, chat: bool) -> list[Any]:
@@ -84,7 +93,7 @@ def _is_tts(model: str) -> bool:
 def run(args: argparse.Namespace) -> int:
     from vllm_omni.entrypoints.omni import Omni
     from vllm_omni.sampling_params import SamplingParams
-    from vllm_omni.config import ConfigFormat
+    from vllm_omni.config import ConfigFormat, WorkerType
     from vllm_omni.testing import demo_model_path
 
     from vllm_omni.engine.stage_init_utils import prepare_engine_environment
@@ -95,6 +104,10 @@ def run(args: argparse.Namespace) -> int:
     engine_args = {"dtype": args.dtype} if args.dtype else {}
     with Omni(model, stage_configs_path=args.stage_configs_path, deploy_config=args.deploy_config,
               stage_overrides=args.stage_overrides, output_modalities=modalities, **engine_args) as omni:
+        if omni.pipeline.entry_stages[0].worker_type == WorkerType.DIFFUSION:
+            from vllm_omni.entrypoints.cli.generate_images import generate_images
+
+            return generate_images(omni, args)
         # A plain LM runs as a one-stage pipeline; anything bundled (Omni models) is chat-first.
         # A TTS model speaks the prompt itself and keeps its own sampling defaults.
         tts = _is_tts(model)

@@ -147,7 +147,7 @@ def _start_engine(args: argparse.Namespace, model: str):
 
     return AsyncOmni(
         model=model, stage_configs_path=args.stage_configs_path, deploy_config=args.deploy_config,
-        stage_overrides=args.stage_overrides, stage_init_timeout=args.stage_init_timeout,
+        stage_overrides=serve_args.stage_overrides(args), stage_init_timeout=args.stage_init_timeout,
         init_timeout=args.init_timeout, shm_threshold_bytes=args.shm_threshold_bytes, log_stats=args.log_stats,
         async_chunk=args.async_chunk, **serve_args.engine_args(args),
     )

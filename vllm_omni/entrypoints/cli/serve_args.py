@@ -12,9 +12,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_omni.config.schema import DIFFUSION_FIELDS
 from vllm_omni.entrypoints.openai.realtime import limits as realtime_limits
 
-_DIFFUSION = "diffusion models are not supported yet"
+_DIFFUSION = "the diffusion engine does not implement it yet"
 _STAGE_CLI = "the stage-based CLI (one stage per process, headless workers, a remote master) is not implemented yet"
 _REPLICAS = "stage replicas are not supported yet (one replica per stage)"
 
@@ -95,13 +96,16 @@ OMNI_FLAGS: tuple[Flag, ...] = (
     _f("--omni-heartbeat-timeout", "Seconds before an unreporting replica is marked ERROR.",
        "the stage heartbeat deadline is not configurable yet", type=float, default=30.0),
     _f("--num-gpus", "Number of GPUs to use for diffusion model inference.", _DIFFUSION, type=int, default=None),
-    _f("--model-class-name", "Override the diffusion pipeline class name.", _DIFFUSION, default=None),
-    _f("--diffusion-load-format", "How to load the diffusion pipeline.", _DIFFUSION,
-       choices=("default", "custom_pipeline", "dummy", "diffusers"), default=None),
-    _f("--diffusers-load-kwargs", "JSON object passed to DiffusionPipeline.from_pretrained().", _DIFFUSION,
-       type=_json_object, default={}),
-    _f("--diffusers-call-kwargs", "JSON object passed to pipeline.call().", _DIFFUSION, type=_json_object,
+    _f("--model-class-name", "Override the diffusion pipeline class name (a native pipeline such as "
+       "QwenImagePipeline, or with --diffusion-load-format diffusers any diffusers pipeline class).", default=None),
+    _f("--diffusion-load-format", "How to load the diffusion pipeline: default (our engine), dummy (our engine, "
+       "random weights) or diffusers (any diffusers pipeline, one whole call per request). custom_pipeline is not "
+       "supported.", choices=("default", "custom_pipeline", "dummy", "diffusers"), default=None),
+    _f("--diffusers-load-kwargs", "JSON object passed to DiffusionPipeline.from_pretrained() (diffusers load "
+       "format); it overrides the matching settings of vLLM-Omni (e.g. torch_dtype).", type=_json_object,
        default={}),
+    _f("--diffusers-call-kwargs", "JSON object passed to pipeline.__call__() (diffusers load format); a "
+       "request's own parameters override it.", type=_json_object, default={}),
     _f("--usp --ulysses-degree", "Ulysses Sequence Parallelism degree for diffusion models.", _DIFFUSION,
        type=int, default=None),
     _f("--ulysses-mode", "Ulysses sequence-parallel mode for diffusion models.", _DIFFUSION,
@@ -116,18 +120,21 @@ OMNI_FLAGS: tuple[Flag, ...] = (
     _f("--hsdp-replicate-size", "Number of replica groups for HSDP.", _DIFFUSION, type=int, default=1),
     _f("--diffusion-attention-backend", "Diffusion attention backend (shorthand).", _DIFFUSION, default=None),
     _f("--diffusion-attention-config -dac", "Diffusion attention config (JSON).", _DIFFUSION, default=None),
-    _f("--cache-backend", "Cache backend for diffusion models: tea_cache, cache_dit, mag_cache.", _DIFFUSION,
-       default="none"),
-    _f("--cache-config", "JSON string of cache configuration.", _DIFFUSION, default=None),
+    _f("--cache-backend", "Cache backend for diffusion models: none or tea_cache (cache_dit and mag_cache are not "
+       "supported).", default="none"),
+    _f("--cache-config", "JSON object of cache settings. TeaCache: '{\"rel_l1_thresh\": 0.2}' (and optionally "
+       "\"coefficients\": 5 numbers).", type=_json_object, default=None),
     _bool("--enable-cache-dit-summary", "Enable cache-dit summary logging.", _DIFFUSION),
-    _bool("--step-execution", "Enable per-step diffusion execution.", _DIFFUSION),
-    _bool("--vae-use-slicing", "Enable VAE slicing.", _DIFFUSION),
-    _bool("--vae-use-tiling", "Enable VAE tiling.", _DIFFUSION),
+    _bool("--step-execution", "Enable per-step diffusion execution. Our diffusion engine always runs one "
+          "denoising step at a time (requests join and abort between steps); accepted for compatibility."),
+    _bool("--vae-use-slicing", "Enable VAE slicing (decode the images of a batch one at a time)."),
+    _bool("--vae-use-tiling", "Enable VAE tiling (encode and decode large images in tiles)."),
     _bool("--disable-multithread-weight-load", "Disable multi-threaded safetensors loading. Our loader reads "
           "weights on one thread, which is what this (default-on) flag asks for.", default=True),
     _f("--num-weight-load-threads", "Number of threads for parallel weight loading.",
        "the weight loader is single-threaded", type=int, default=4),
-    _bool("--enable-cpu-offload", "Enable CPU offloading for diffusion models.", _DIFFUSION),
+    _bool("--enable-cpu-offload", "Enable CPU offloading for diffusion models (the text encoder and the VAE wait "
+          "on the CPU between their calls)."),
     _bool("--enable-layerwise-offload", "Enable layerwise offloading on DiT modules.", _DIFFUSION),
     _f("--boundary-ratio", "Boundary split ratio for low/high DiT in video models.", _DIFFUSION, type=float,
        default=None),
@@ -137,13 +144,14 @@ OMNI_FLAGS: tuple[Flag, ...] = (
        default=None),
     _f("--diffusion-kv-cache-skip-layers", "Diffusion KV-cache quantization skip-layer selector.", _DIFFUSION,
        default=None),
-    _f("--cfg-parallel-size", "Number of devices for CFG parallel computation.", _DIFFUSION, type=int,
-       choices=(1, 2), default=1),
+    _f("--cfg-parallel-size", "Number of devices for CFG parallel computation (2: the unconditional branch on a "
+       "second device).", type=int, choices=(1, 2), default=1),
     _f("--vae-patch-parallel-size", "VAE Patch Parallelism degree.", _DIFFUSION, type=int, default=1),
-    _f("--default-sampling-params", "JSON default sampling parameters per stage (diffusion models only).",
-       _DIFFUSION, default=None),
-    _f("--max-generated-image-size", "The max size of a generated image (height * width).", _DIFFUSION, type=int,
+    _f("--default-sampling-params", "JSON default sampling parameters per stage, e.g. '{\"0\": "
+       "{\"num_inference_steps\": 30}}' (diffusion models only; --stage-overrides wins).", type=_json_object,
        default=None),
+    _f("--max-generated-image-size", "The max size of a generated image (height * width); larger requests are "
+       "answered 400.", type=int, default=None),
     _f("--tts-max-instructions-length", "Maximum length (characters) of TTS voice style instructions; longer "
        "ones get a 400 (default: 500).", type=int, default=None),
     _bool("--no-guardrails", "Disable Cosmos3 text/video safety guardrails.", "Cosmos3 is not supported"),
@@ -218,5 +226,37 @@ def refused_flags(args: argparse.Namespace) -> list[str]:
 
 
 def engine_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine flags the user gave (forwarded to every stage)."""
-    return {f.dest: getattr(args, f.dest) for f in ENGINE_FLAGS if getattr(args, f.dest) is not None}
+    """The engine flags the user gave (forwarded to every stage), diffusion flags included."""
+    given = {f.dest: getattr(args, f.dest) for f in ENGINE_FLAGS if getattr(args, f.dest) is not None}
+    for flag in OMNI_FLAGS:
+        if flag.dest in DIFFUSION_STAGE_FLAGS and getattr(args, flag.dest) != flag.default:
+            given[flag.dest] = getattr(args, flag.dest)
+    return given
+
+
+# Diffusion flags of spec 001 that are settings of the diffusion stages (config.STAGE_CLI_FIELDS).
+DIFFUSION_STAGE_FLAGS = tuple(DIFFUSION_FIELDS)
+
+
+def stage_overrides(args: argparse.Namespace) -> str | dict[str, Any] | None:
+    """--stage-overrides, with --default-sampling-params folded in underneath it (it wins per field).
+    Malformed values are passed on as they are: the config layer reports them with their source."""
+    if args.default_sampling_params is None:
+        return args.stage_overrides
+    try:
+        overrides = json.loads(args.stage_overrides) if args.stage_overrides else {}
+    except json.JSONDecodeError:
+        return args.stage_overrides
+    if not isinstance(overrides, dict):
+        return args.stage_overrides
+    merged = {str(k): v for k, v in overrides.items()}
+    for stage_id, defaults in args.default_sampling_params.items():
+        entry = merged.setdefault(str(stage_id), {})
+        if not isinstance(entry, dict):
+            continue
+        given = entry.get("default_sampling_params")
+        if given is None:
+            entry["default_sampling_params"] = defaults
+        elif isinstance(given, dict) and isinstance(defaults, dict):
+            entry["default_sampling_params"] = {**defaults, **given}
+    return merged

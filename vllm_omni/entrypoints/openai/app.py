@@ -3,10 +3,11 @@
     app = build_app(ctx, api_key="secret")   # ctx: serving_base.ServingContext
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/audio/speech (text-to-speech
-models), GET /v1/audio/voices, GET /v1/models, GET /health (503 naming each stage that is down),
-GET /version, GET /metrics (Prometheus text format); the realtime WebSocket GET /v1/realtime,
-POST /v1/audio/transcriptions and /v1/audio/translations, and the voice-chat page at / (static
-files under /static).
+models), POST /v1/images/generations and /v1/images/edits (diffusion models), GET
+/v1/audio/voices, GET /v1/models, GET /health (503 naming each stage that is down), GET
+/version, GET /metrics (Prometheus text format); the realtime WebSocket GET /v1/realtime, POST
+/v1/audio/transcriptions and /v1/audio/translations, and the voice-chat page at / (static files
+under /static).
 With an API key, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise), as in
 vLLM; health, version and metrics stay open for probes and scrapers.
 """
@@ -33,12 +34,14 @@ from vllm_omni.entrypoints.openai.serving_chat import ChatService
 from vllm_omni.entrypoints.openai.serving_completions import CompletionService
 from vllm_omni.entrypoints.openai.realtime.endpoint import RealtimeEndpoint, model_abilities
 from vllm_omni.entrypoints.openai.realtime.limits import RealtimeLimits
+from vllm_omni.entrypoints.openai.serving_images import ImageRequest, ImageService
 from vllm_omni.entrypoints.openai.serving_speech import DEFAULT_MAX_INSTRUCTIONS, SpeechRequest, SpeechService
 from vllm_omni.entrypoints.openai.serving_transcription import TranscriptionService
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"  # the voice-chat page (package data)
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version", "/metrics",
-           "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/audio/speech", "/v1/audio/voices")
+           "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/audio/speech", "/v1/audio/voices",
+           "/v1/images/generations", "/v1/images/edits")
 
 
 class StatusMetricsMiddleware:
@@ -147,6 +150,16 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes
     @app.post("/v1/audio/speech")
     async def create_speech(body: SpeechRequest, raw: Request) -> Any:
         return await speech.create(body, raw)
+
+    images = ImageService(ctx)
+
+    @app.post("/v1/images/generations")
+    async def create_image(body: ImageRequest, raw: Request) -> Any:
+        return await images.generate(body, raw)
+
+    @app.post("/v1/images/edits")
+    async def edit_image(raw: Request) -> Any:  # multipart: parsed by the service
+        return await images.edit(raw)
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

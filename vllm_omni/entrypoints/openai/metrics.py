@@ -58,6 +58,9 @@ class ServerMetrics:
                                  labels, registry=r)
         self.stage_kv_usage = Gauge("vllm_omni:stage_kv_cache_usage_perc", "Fraction of the KV blocks in use "
                                     "(AR stages)", labels, registry=r)
+        self.diffusion_steps = Gauge("vllm_omni:stage_diffusion_steps_done", "Denoising steps done (one per "
+                                     "request per step) since the stage started (diffusion stages)", labels,
+                                     registry=r)
 
     # --- request series -------------------------------------------------------
     def observe_status(self, endpoint: str, status: int) -> None:
@@ -111,6 +114,8 @@ class ServerMetrics:
         self.stage_unfinished.labels(*labels).set(s.num_unfinished)
         self.stage_queue.labels(*labels).set(waiting)
         self.stage_batch.labels(*labels).set(running)
+        if getattr(s, "diffusion_steps", None) is not None:
+            self.diffusion_steps.labels(*labels).set(s.diffusion_steps)
         total = getattr(s, "kv_total_blocks", None)
         if total:
             self.stage_kv_usage.labels(*labels).set(1.0 - s.kv_free_blocks / total)

@@ -13,6 +13,7 @@ from vllm_omni.model_executor.models.family import ModelFamily
 from vllm_omni.model_executor.models.qwen2_5_omni import FAMILY as QWEN2_5_OMNI
 from vllm_omni.model_executor.models.qwen3_omni import FAMILY as QWEN3_OMNI
 from vllm_omni.model_executor.models.qwen3_tts import FAMILY as QWEN3_TTS
+from vllm_omni.model_executor.models.qwen_image import FAMILY as QWEN_IMAGE
 
 
 def _llm(name: str, module: str, architecture: str) -> ModelFamily:
@@ -29,6 +30,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     QWEN2_5_OMNI,
     QWEN3_OMNI,
     QWEN3_TTS,
+    QWEN_IMAGE,
 )
 
 

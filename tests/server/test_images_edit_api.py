@@ -1,0 +1,66 @@
+"""/v1/images/edits (multipart) on a real server of the tiny Qwen-Image-Edit, with the `openai`
+client. The edit runs at the pipeline's real condition size (about 1024 x 1024 pixels), the
+slowest request of the tiny models; its pixels are checked against diffusers in
+tests/diffusion/test_qwen_image_edit_vs_diffusers.py."""
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from tests.server.conftest import ServerProcess
+
+NAME = "tiny-edit"
+
+
+def png(width: int, height: int, seed: int = 0) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def edit_server(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("edit-server")
+    srv = ServerProcess.launch([str(tiny_model("qwen_image_edit")), "--served-model-name", NAME],
+                               tmp / "stdout.log").wait_ready()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_edit_with_the_openai_client(edit_server):
+    client = openai.OpenAI(base_url=f"{edit_server.url}/v1", api_key="unused", max_retries=0, timeout=600)
+    result = client.images.edit(model=NAME, image=("in.png", png(80, 48), "image/png"), prompt="make it snow",
+                                size="48x32", extra_body={"num_inference_steps": 2, "seed": 1,
+                                                          "negative_prompt": "blurry"})
+    image = Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json)))
+    assert image.size == (48, 32) and image.format == "PNG"
+    pixels = np.asarray(image, dtype=np.int16)
+    assert pixels.std() > 1  # an image, not a blank
+
+
+@pytest.mark.parametrize("files, data, param, match", [
+    ({}, {"prompt": "x"}, "image", "exactly one image file, got 0"),
+    ({"image": ("a.png", b"not an image", "image/png")}, {"prompt": "x"}, "image", "cannot decode image"),
+    ({"image[]": [("a.png", png(8, 8), "image/png"), ("b.png", png(8, 8), "image/png")]}, {"prompt": "x"},
+     "image", "exactly one image file, got 2"),
+    ({"image": ("a.png", png(8, 8), "image/png"), "mask": ("m.png", png(8, 8), "image/png")}, {"prompt": "x"},
+     "mask", "masks are not supported"),
+    ({"image": ("a.png", png(8, 8), "image/png")}, {"prompt": "x", "size": "17x16"}, "size", "multiple of 16"),
+    ({"image": ("a.png", png(8, 8), "image/png")}, {"prompt": "x", "style": "vivid"}, "style",
+     "unsupported parameter"),
+])
+def test_bad_edits_are_400(edit_server, files, data, param, match):
+    import httpx
+
+    items = [(k, f) for k, v in files.items() for f in (v if isinstance(v, list) else [v])]
+    r = httpx.post(f"{edit_server.url}/v1/images/edits", files=items or None, data=data, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and match in r.json()["error"]["message"]

@@ -1,0 +1,58 @@
+"""diffusers' QwenImageTransformer2DModel.forward, split at the transformer blocks.
+
+The parts run exactly the module calls of the diffusers forward (no zero_cond_t, no
+ControlNet), so a whole forward equals diffusers' to the bit; the split lets the engine's
+TeaCache skip the blocks for some rows of a batch and reuse their cached residuals.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_omni.model_executor.models.qwen_image.inputs import Embedded, QwenImageBatch
+
+
+def embed(transformer: Any, batch: QwenImageBatch) -> Embedded:
+    from diffusers.models.transformers.transformer_qwenimage import compute_text_seq_len_from_mask
+
+    hidden = transformer.img_in(batch.hidden_states)
+    timestep = batch.timestep.to(hidden.dtype)
+    encoder = transformer.txt_in(transformer.txt_norm(batch.encoder_hidden_states))
+    text_seq_len, _, mask = compute_text_seq_len_from_mask(encoder, batch.encoder_mask)
+    temb = transformer.time_text_embed(timestep, hidden, None)
+    rope = transformer.pos_embed(batch.img_shapes, max_txt_seq_len=text_seq_len, device=hidden.device)
+    return Embedded(hidden, encoder, mask, temb, rope, batch.num_latent_tokens)
+
+
+def modulated_input(transformer: Any, emb: Embedded) -> torch.Tensor:
+    """The first block's modulated image input: what TeaCache compares between steps."""
+    block = transformer.transformer_blocks[0]
+    img_mod1 = block.img_mod(emb.temb).chunk(2, dim=-1)[0]
+    modulated, _ = block._modulate(block.img_norm1(emb.hidden), img_mod1)
+    return modulated
+
+
+def run_blocks(transformer: Any, emb: Embedded, rows: torch.Tensor | None) -> torch.Tensor:
+    hidden, encoder, mask, temb = emb.hidden, emb.encoder, emb.mask, emb.temb
+    if rows is not None:
+        hidden, encoder, temb = hidden[rows], encoder[rows], temb[rows]
+        mask = mask[rows] if mask is not None else None
+    for block in transformer.transformer_blocks:
+        encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, encoder_hidden_states_mask=mask,
+                                temb=temb, image_rotary_emb=emb.rope, joint_attention_kwargs={}, modulate_index=None)
+    return hidden
+
+
+def finish(transformer: Any, emb: Embedded, hidden: torch.Tensor) -> torch.Tensor:
+    """Velocity for the sample's tokens (an edit's image tokens are dropped, as the pipeline does)."""
+    out = transformer.proj_out(transformer.norm_out(hidden, emb.temb))
+    return out[:, :emb.num_latent_tokens]
+
+
+def check_supported(transformer: Any) -> None:
+    config = transformer.config
+    for flag in ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope", "guidance_embeds"):
+        if config.get(flag, False):
+            raise ValueError(f"QwenImageTransformer2DModel with {flag}=True (a later Qwen-Image variant) is not "
+                             "supported by the native engine; use --diffusion-load-format diffusers")

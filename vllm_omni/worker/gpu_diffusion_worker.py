@@ -1,0 +1,93 @@
+"""`GPUDiffusionWorker`: builds a diffusion stage (`stage_type: diffusion`, spec 000 `worker_cls`).
+
+The model comes from the stage's checkpoint, a diffusers pipeline folder: its model_index.json
+`_class_name` (or `model_class_name` / `model_arch`) names the family record's stage model,
+e.g. QwenImagePipeline -> QwenImageModel, which runs on our DiffusionEngine. With
+`diffusion_load_format: diffusers` any diffusers pipeline runs through the adapter instead (one
+whole pipeline call per request); `dummy` builds the native model with random weights.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_omni.config.stage_config import StageConfig, StageEngineArgs
+
+# dtype "auto": what the real checkpoints are run in on a GPU; float32 on the CPU (bf16 matmuls there are slow).
+_AUTO_CUDA_DTYPE = torch.bfloat16
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    names = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+             "half": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if dtype == "auto":
+        return _AUTO_CUDA_DTYPE if device.type == "cuda" else torch.float32
+    return names[dtype]
+
+
+def load_format(args: StageEngineArgs) -> str:
+    """"default" (our engine), "dummy" (our engine, random weights) or "diffusers" (the adapter)."""
+    return "dummy" if args.load_format == "dummy" else args.diffusion_load_format
+
+
+class GPUDiffusionWorker:
+    def __init__(self, stage: StageConfig, model: str, *, device: str = "auto") -> None:
+        self.stage = stage
+        self.model_path = stage.engine_args.model or model
+        self.device = torch.device(device if device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+
+    def build_engine(self) -> Any:
+        ea = self.stage.engine_args
+        dtype = resolve_dtype(ea.dtype, self.device)
+        batch = ea.max_num_seqs or self.stage.runtime.max_batch_size
+        if load_format(ea) == "diffusers":
+            from vllm_omni.diffusion.diffusers_engine import DiffusersPipelineEngine, load_diffusers_pipeline
+
+            pipe = load_diffusers_pipeline(self.model_path, ea, self.device, dtype)
+            return DiffusersPipelineEngine(pipe, stage_id=self.stage.stage_id, device=str(self.device),
+                                           call_kwargs=dict(ea.diffusers_call_kwargs),
+                                           max_image_pixels=ea.max_generated_image_size)
+        from vllm_omni.diffusion.cfg_parallel import CfgParallelGroup, ModelSpec
+        from vllm_omni.diffusion.engine import DiffusionEngine
+        from vllm_omni.diffusion.tea_cache import TeaCache, TeaCacheConfig
+
+        spec = ModelSpec(model_class_path(self.stage, self.model_path), self.model_path, str(dtype).removeprefix("torch."),
+                         dummy=load_format(ea) == "dummy", seed=ea.seed or 0, vae_use_slicing=ea.vae_use_slicing,
+                         vae_use_tiling=ea.vae_use_tiling, cpu_offload=ea.enable_cpu_offload)
+        cfg_group = CfgParallelGroup.start(spec, self._tea_cache_settings(), self.device) \
+            if ea.cfg_parallel_size == 2 else None
+        try:
+            model = spec.build(self.device)
+        except BaseException:
+            if cfg_group is not None:
+                cfg_group.close()
+            raise
+        cache = None
+        if ea.cache_backend == "tea_cache":
+            cache = TeaCache(TeaCacheConfig.for_model(model.describe()["transformer"], self._tea_cache_settings()))
+        if cfg_group is not None:
+            cfg_group.wait_ready()
+        return DiffusionEngine(model, stage_id=self.stage.stage_id, max_batch_size=batch, device=str(self.device),
+                               cache=cache, cfg_group=cfg_group, max_image_pixels=ea.max_generated_image_size)
+
+    def _tea_cache_settings(self) -> dict[str, Any] | None:
+        ea = self.stage.engine_args
+        return dict(ea.cache_config or ()) if ea.cache_backend == "tea_cache" else None
+
+
+def model_class_path(stage: StageConfig, model_path: str) -> str:
+    """"module:Class" of the native stage model, from the family records."""
+    from vllm_omni.config.bundled import model_architecture
+    from vllm_omni.model_executor.models.families import FAMILIES
+
+    ea = stage.engine_args
+    arch = ea.model_class_name or ea.model_arch or model_architecture(model_path)
+    if "." in arch:  # a user's own model class (a plugin)
+        return arch
+    for family in FAMILIES:
+        path = family.model_class_path(arch, ea.model_stage)
+        if path is not None:
+            return path
+    raise ValueError(f"stage {stage.stage_id}: no native diffusion model for pipeline {arch!r}; run it with "
+                     "--diffusion-load-format diffusers")
