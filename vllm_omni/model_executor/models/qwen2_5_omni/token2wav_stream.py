@@ -1,0 +1,172 @@
+"""One request's streaming decode for Qwen2.5-Omni token2wav (`stage_io.StreamingDecoder`).
+
+Codec codes (50 Hz, 2 mel frames each) arrive by `push`. Chunks follow the DiT's block
+attention: a chunk is a whole number of blocks (24 mel frames = 12 codes released), and it
+is decoded as one flow-matching window of the chunk plus `past_blocks` before it and
+`future_blocks` after it, the blocks its look-back and look-ahead layers attend to. So a
+chunk waits for `future_blocks` of codes past its end. Its mel is then vocoded with
+overlap-save (token2wav_vocoder.py): the last `vocoder_context_frames` mel frames of a
+chunk are held back until the next chunk gives them their right context.
+
+The noise of each window comes from the request's own generator, drawn block by block in
+the order of the whole request's draw; chunk boundaries depend only on the schedule and
+the total length, never on when codes arrived. Only the codes, noise and mel a later window
+still needs are kept.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from vllm_omni.model_executor.models.codec_streaming import ChunkRamp
+from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_dit import draw_noise, new_generator
+from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_vocoder import VocoderWindow
+
+
+@dataclass(frozen=True)
+class Token2WavStreamConfig:
+    """Chunking of the streaming token2wav decode, in DiT blocks and mel frames (docs/streaming.md).
+    None: derived from the checkpoint (`Qwen2_5OmniToken2Wav.load`)."""
+
+    initial_chunk_blocks: int = 2  # 0.48 s of audio, of which the vocoder holds back its context
+    chunk_blocks: int = 3  # 0.72 s per steady chunk (Qwen's own streaming code uses 3 blocks)
+    past_blocks: int | None = None  # None: one per look-back DiT layer (2 released)
+    future_blocks: int | None = None  # None: one per look-ahead DiT layer (1 released)
+    vocoder_context_frames: int | None = None  # None: BigVGAN's receptive field (34 released)
+
+    def __post_init__(self) -> None:
+        ChunkRamp(self.initial_chunk_blocks, self.chunk_blocks)  # validates the sizes
+        for name in ("past_blocks", "future_blocks", "vocoder_context_frames"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any]) -> Token2WavStreamConfig:
+        """From a connector's `extra` mapping (these field names); other keys are ignored."""
+        return cls(**{f.name: int(extra[f.name]) for f in fields(cls) if f.name in extra})
+
+
+@dataclass(frozen=True)
+class StreamGeometry:
+    """What a stream needs to know of the model: resolved chunking and the DiT's units."""
+
+    config: Token2WavStreamConfig  # every field set
+    block_frames: int  # mel frames per DiT block
+    repeats: int  # mel frames per code
+    mel_dim: int
+    num_embeds: int  # the largest valid code
+
+
+@dataclass(frozen=True)
+class DiTWindow:
+    codes: torch.Tensor  # [n_codes]
+    noise: torch.Tensor  # [n_codes * repeats, mel_dim]
+    keep_from: int  # mel frames of the window's solution that belong to the chunk: [keep_from, keep_to)
+    keep_to: int
+    last: bool  # the request's final chunk
+
+
+class Token2WavStream:
+    """`stage_io.StreamingDecoder` of one request; `Qwen2_5OmniToken2Wav.decode_streams` runs it."""
+
+    def __init__(self, request_id: str, speaker: str, num_steps: int, seed: int | None,
+                 geometry: StreamGeometry) -> None:
+        self.request_id = request_id
+        self.speaker = speaker
+        self.num_steps = num_steps
+        self.geo = geometry
+        self._ramp = ChunkRamp(geometry.config.initial_chunk_blocks, geometry.config.chunk_blocks)
+        self._generator = new_generator(seed)
+        self._codes = torch.zeros(0, dtype=torch.long)  # codes from code index _codes_base
+        self._noise = torch.zeros(0, geometry.mel_dim)  # noise rows from mel frame _noise_base
+        self._mel = torch.zeros(0, geometry.mel_dim)  # final mel from mel frame _mel_base
+        self._codes_base = self._noise_base = self._noise_end = self._mel_base = 0
+        self._received = 0  # codes
+        self._dit_done = 0  # mel frames with final mel
+        self._vocoded = 0  # mel frames whose samples were returned
+        self._chunks = 0
+        self._final = False
+        self.sent_sample_rate = False
+
+    # ------------------------------------------------------------------ StreamingDecoder
+    def push(self, units: torch.Tensor, final: bool) -> None:
+        """Append codec codes [n] (n may be 0 with `final`)."""
+        if self._final:
+            raise ValueError(f"request {self.request_id}: codes pushed after the final push")
+        codes = torch.as_tensor(units)
+        if codes.dim() != 1 or codes.dtype.is_floating_point:
+            raise ValueError(f"request {self.request_id}: expected integer codec codes [n], got "
+                             f"{tuple(codes.shape)} {codes.dtype}")
+        if codes.numel() and not (0 <= int(codes.min()) and int(codes.max()) <= self.geo.num_embeds):
+            raise ValueError(f"request {self.request_id}: codec codes must lie in [0, {self.geo.num_embeds}]")
+        self._codes = torch.cat([self._codes, codes.to(torch.long).cpu()])
+        self._received += codes.numel()
+        self._final = final
+
+    def ready(self) -> bool:
+        if self._dit_done == self._frames:
+            return False
+        # A chunk that is not the last needs its look-ahead and one code more: so the last
+        # chunk always has DiT work, and the vocoder's held-back frames go out with it.
+        return self._final or self._frames > self._chunk_end + self._future
+
+    @property
+    def finished(self) -> bool:
+        return self._final and self._vocoded == self._frames
+
+    @property
+    def consumed(self) -> int:
+        return self._dit_done // self.geo.repeats
+
+    # ------------------------------------------------------------------ used by the model
+    def next_dit_window(self) -> DiTWindow:
+        """The next chunk's flow-matching window (call only when `ready()`)."""
+        if not self.ready():
+            raise RuntimeError(f"request {self.request_id}: no chunk is ready to decode")
+        start, end = self._dit_done, self._chunk_end
+        last = self._frames <= end + self._future  # only when final: the rest is one chunk
+        window_end = self._frames if last else end + self._future
+        window_start = max(0, start - self.geo.config.past_blocks * self.geo.block_frames)
+        while self._noise_end < window_end:  # whole blocks, in order: the request's own draw
+            self._noise = torch.cat([self._noise, draw_noise(self._generator, self.geo.block_frames, self.geo.mel_dim)])
+            self._noise_end += self.geo.block_frames
+        r = self.geo.repeats
+        return DiTWindow(codes=self._codes[window_start // r - self._codes_base: window_end // r - self._codes_base],
+                         noise=self._noise[window_start - self._noise_base: window_end - self._noise_base],
+                         keep_from=start - window_start, keep_to=(self._frames if last else end) - window_start,
+                         last=last)
+
+    def commit_dit(self, window: DiTWindow, mel: torch.Tensor) -> VocoderWindow:
+        """Store the chunk's mel (the window's solution [frames, mel_dim]); return what to vocode."""
+        self._mel = torch.cat([self._mel, mel[window.keep_from: window.keep_to]])
+        self._dit_done += window.keep_to - window.keep_from
+        self._chunks += 1
+        next_start = max(0, self._dit_done - self.geo.config.past_blocks * self.geo.block_frames)
+        self._codes, self._codes_base = self._codes[next_start // self.geo.repeats - self._codes_base:], \
+            next_start // self.geo.repeats
+        self._noise, self._noise_base = self._noise[next_start - self._noise_base:], next_start
+        context = self.geo.config.vocoder_context_frames
+        emit_to = self._dit_done if window.last else max(self._vocoded, self._dit_done - context)
+        mel_from = max(0, self._vocoded - context)
+        voc = VocoderWindow(mel=self._mel[mel_from - self._mel_base:].T, emit_from=self._vocoded - mel_from,
+                            emit_to=emit_to - mel_from, exact_end=window.last)
+        self._vocoded = emit_to
+        keep = max(0, emit_to - context)
+        self._mel, self._mel_base = self._mel[keep - self._mel_base:], keep
+        return voc
+
+    @property
+    def _frames(self) -> int:
+        return self._received * self.geo.repeats
+
+    @property
+    def _future(self) -> int:
+        return self.geo.config.future_blocks * self.geo.block_frames
+
+    @property
+    def _chunk_end(self) -> int:
+        return self._dit_done + self._ramp.size(self._chunks) * self.geo.block_frames
