@@ -2,6 +2,7 @@
 
 - `ChunkRamp`: the chunk sizes of a stream: a small first chunk (first audio early), each next
   one twice the previous, up to a steady size (fewer, larger decode calls once audio flows).
+- `RowBuffer`: the part of a growing sequence a stream still needs, by whole-sequence index.
 - `plan_padded_calls`: which rows of different lengths share one right-padded forward call.
 - `Precision` and `precision_scope`: float32 / TF32 / bfloat16 execution of a decoder.
 
@@ -31,6 +32,32 @@ class ChunkRamp:
     def size(self, index: int) -> int:
         """The size of chunk `index` (0 = the first)."""
         return min(self.steady, self.initial << min(index, 32))
+
+
+class RowBuffer:
+    """Rows [start, end) of a sequence that grows along dim 0, addressed by their index in the
+    whole sequence; rows before `start` were dropped (a stream keeps only what it still needs)."""
+
+    def __init__(self, empty: torch.Tensor) -> None:
+        self.rows = empty
+        self.start = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows.shape[0]
+
+    def append(self, rows: torch.Tensor) -> None:
+        self.rows = torch.cat([self.rows, rows])
+
+    def get(self, begin: int, stop: int) -> torch.Tensor:
+        if not self.start <= begin <= stop <= self.end:
+            raise IndexError(f"rows [{begin}, {stop}) outside the kept [{self.start}, {self.end})")
+        return self.rows[begin - self.start: stop - self.start]
+
+    def drop_before(self, index: int) -> None:
+        index = min(max(index, self.start), self.end)
+        self.rows = self.rows[index - self.start:]
+        self.start = index
 
 
 def plan_padded_calls(lengths: Sequence[int], call_cost: int) -> list[list[int]]:

@@ -29,7 +29,7 @@ from vllm_omni.model_executor.models.codec_streaming import (
 )
 from vllm_omni.model_executor.models.qwen2_5_omni.bridges import Code2WavInputs
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_dit import (
-    DiTRow, draw_noise, new_generator, sample_mel, speaker_features,
+    DiTRow, draw_noise, forward_cfg, new_generator, sample_mel, speaker_features,
 )
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_stream import (
     StreamGeometry, Token2WavStream, Token2WavStreamConfig,
@@ -78,7 +78,7 @@ class Qwen2_5OmniToken2Wav:
 
     def __init__(self, module: torch.nn.Module, speakers: dict[str, Speaker], device: torch.device,
                  num_steps: int = DEFAULT_NUM_STEPS, precision: Precision = Precision.FLOAT32,
-                 stream_config: Token2WavStreamConfig | None = None) -> None:
+                 stream_config: Token2WavStreamConfig | None = None, compile_mode: str | None = None) -> None:
         self.module = module
         self.dit = module.code2wav_dit_model
         self.bigvgan = module.code2wav_bigvgan_model
@@ -89,11 +89,17 @@ class Qwen2_5OmniToken2Wav:
         self.sample_rate = SAMPLE_RATE
         self.stream_geometry = self._geometry(stream_config or Token2WavStreamConfig())
         self._speaker_features: dict[str, torch.Tensor] = {}
+        # Benchmark option (GPU): torch.compile the DiT evaluation ("reduce-overhead" captures
+        # CUDA graphs of it), static shapes: each new (rows, frames) compiles once; eager unless asked.
+        self._dit_forward = forward_cfg
+        if compile_mode is not None:
+            self._dit_forward = torch.compile(forward_cfg, mode=compile_mode, dynamic=False)
 
     @classmethod
     def load(cls, model_path: str, *, model_stage: str | None = None, device: torch.device | str = "cpu",
              dtype: str = "auto", num_steps: int = DEFAULT_NUM_STEPS, load_format: str = "auto",
-             precision: str | None = None, stream_config: Token2WavStreamConfig | None = None) -> Qwen2_5OmniToken2Wav:
+             precision: str | None = None, stream_config: Token2WavStreamConfig | None = None,
+             compile_mode: str | None = None) -> Qwen2_5OmniToken2Wav:
         from transformers import AutoConfig
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
@@ -110,7 +116,7 @@ class Qwen2_5OmniToken2Wav:
         if load_format != "dummy":  # dummy: keep the random init (benchmarks)
             # from_pretrained would not strip the `token2wav.` prefix of the full checkpoint.
             module.load_state_dict(_prefixed_tensors(model_path, WEIGHT_PREFIX), strict=True)
-        return cls(module.eval(), load_speakers(model_path), device, num_steps, mode, stream_config)
+        return cls(module.eval(), load_speakers(model_path), device, num_steps, mode, stream_config, compile_mode)
 
     def _geometry(self, config: Token2WavStreamConfig) -> StreamGeometry:
         """The stream config with its checkpoint-derived defaults filled in."""
@@ -132,17 +138,11 @@ class Qwen2_5OmniToken2Wav:
     def generate_batch(self, inputs: list[StageRequest]) -> list[dict[str, torch.Tensor]]:
         jobs = [self._job(req) for req in inputs]
         live = [i for i, job in enumerate(jobs) if job.codes.numel()]
-        generators = {i: new_generator(jobs[i].seed) for i in live}
-        rows = {i: self._dit_row(jobs[i].speaker, jobs[i].codes, self._whole_noise(generators[i], jobs[i].codes))
-                for i in live}
-        mels = self._sample_mels([(rows[i], jobs[i].num_steps) for i in live])
+        mels = self._sample_mels([(self._dit_row(jobs[i].speaker, jobs[i].codes, self._whole_noise(jobs[i])),
+                                   jobs[i].num_steps) for i in live])
         wavs: list[torch.Tensor] = [torch.zeros(0)] * len(jobs)
-        for length in sorted({mels[k].shape[0] for k in range(len(live))}):  # the vocoder: equal lengths only
-            group = [k for k in range(len(live)) if mels[k].shape[0] == length]
-            with precision_scope(self.device, tf32=self.precision is not Precision.FLOAT32):
-                batch = vocode(self.bigvgan, torch.stack([mels[k].T for k in group]).to(self.device))
-            for slot, k in enumerate(group):
-                wavs[live[k]] = batch[slot]
+        for i, wav in zip(live, self._vocode_whole(mels)):
+            wavs[i] = wav
         # The rate travels with the audio so that callers (CLI, server) can encode it without
         # knowing the model; a 0-dim tensor is metadata, replaced rather than concatenated.
         rate = torch.tensor(self.sample_rate, dtype=torch.int32)
@@ -162,10 +162,22 @@ class Qwen2_5OmniToken2Wav:
             raise ValueError(f"request {req.request_id}: num_steps must be >= 2, got {num_steps}")
         return _Job(codes, speaker, num_steps, req.sampling_params.seed)
 
-    def _whole_noise(self, gen: torch.Generator, codes: torch.Tensor) -> torch.Tensor:
-        """A whole request's noise, drawn in DiT blocks like a stream draws it."""
-        frames, block = codes.numel() * self.dit.repeats, self.dit.config.block_size
-        return draw_noise(gen, -(-frames // block) * block, self.dit.mel_dim)[:frames]
+    def _whole_noise(self, job: _Job) -> torch.Tensor:
+        """A whole request's noise, drawn in DiT blocks as a stream draws it."""
+        frames, block = job.codes.numel() * self.dit.repeats, self.dit.config.block_size
+        return draw_noise(new_generator(job.seed), -(-frames // block) * block, self.dit.mel_dim)[:frames]
+
+    def _vocode_whole(self, mels: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Whole mels [frames, mel_dim] -> waveforms; only mels of one length share a call (the
+        vocoder's edges see its padding)."""
+        wavs: list[torch.Tensor] = [torch.zeros(0)] * len(mels)
+        for length in sorted({mel.shape[0] for mel in mels}):
+            group = [i for i, mel in enumerate(mels) if mel.shape[0] == length]
+            with precision_scope(self.device, tf32=self.precision is not Precision.FLOAT32):
+                batch = vocode(self.bigvgan, torch.stack([mels[i].T for i in group]).to(self.device))
+            for slot, i in enumerate(group):
+                wavs[i] = batch[slot]
+        return wavs
 
     # ------------------------------------------------------------------ streaming
     def open_stream(self, req: StageRequest) -> Token2WavStream:
@@ -219,7 +231,7 @@ class Qwen2_5OmniToken2Wav:
                 batch = [members[j] for j in call]
                 with precision_scope(self.device, tf32=self.precision is Precision.TF32):
                     out = sample_mel(self.dit, [rows[i][0] for i in batch], num_steps, self.device,
-                                     bf16=self.precision is Precision.BFLOAT16)
+                                     bf16=self.precision is Precision.BFLOAT16, forward=self._dit_forward)
                 for i, mel in zip(batch, out):
                     mels[i] = mel
         return mels

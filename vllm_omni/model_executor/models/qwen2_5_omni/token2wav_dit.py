@@ -16,6 +16,7 @@ the same submodules (the checkpoint's weights) with:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,11 +62,13 @@ def draw_noise(gen: torch.Generator, frames: int, mel_dim: int) -> torch.Tensor:
     return torch.randn(frames, mel_dim, generator=gen, dtype=torch.float32)
 
 
-def sample_mel(dit, rows: list[DiTRow], num_steps: int, device: torch.device,
-               bf16: bool = False) -> list[torch.Tensor]:
+def sample_mel(dit, rows: list[DiTRow], num_steps: int, device: torch.device, bf16: bool = False,
+               forward: Callable[..., torch.Tensor] | None = None) -> list[torch.Tensor]:
     """transformers' `sample` (RK4 flow matching, classifier-free guidance 0.5, sway -1) for
     rows of any lengths in one batch; returns each row's mel [frames, mel_dim] (float32, CPU).
-    `bf16`: the DiT evaluations under bfloat16 autocast; the ODE state stays float32."""
+    `bf16`: the DiT evaluations under bfloat16 autocast; the ODE state stays float32.
+    `forward`: `forward_cfg` or a compiled version of it."""
+    forward = forward or forward_cfg
     lengths = [r.noise.shape[0] for r in rows]
     longest, batch, repeats = max(lengths), len(rows), dit.repeats
     noise = torch.zeros(batch, longest, dit.mel_dim)
@@ -80,7 +83,7 @@ def sample_mel(dit, rows: list[DiTRow], num_steps: int, device: torch.device,
     block_diff = _masked_block_diff(torch.tensor(lengths), longest, dit.block_size).to(device)
 
     def velocity(time: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        out = _forward_cfg(dit, x, time, codes, speaker, feats, block_diff)
+        out = forward(dit, x, time, codes, speaker, feats, block_diff)
         guided, unguided = torch.chunk(out.float(), 2, dim=0)
         return guided + (guided - unguided) * GUIDANCE_SCALE
 
@@ -95,7 +98,7 @@ def sample_mel(dit, rows: list[DiTRow], num_steps: int, device: torch.device,
     return [mel[i, :n] for i, n in enumerate(lengths)]
 
 
-def _forward_cfg(dit, x, time, codes, speaker, feats, block_diff) -> torch.Tensor:
+def forward_cfg(dit, x, time, codes, speaker, feats, block_diff) -> torch.Tensor:
     """transformers' DiT forward with apply_cfg=True ([guided rows; unguided rows]), given the
     speaker features and a padding-aware block difference."""
     rows, frames = x.shape[0], x.shape[1]

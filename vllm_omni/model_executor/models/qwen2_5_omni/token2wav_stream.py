@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni.model_executor.models.codec_streaming import ChunkRamp
+from vllm_omni.model_executor.models.codec_streaming import ChunkRamp, RowBuffer
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_dit import draw_noise, new_generator
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_vocoder import VocoderWindow
 
@@ -71,7 +71,8 @@ class DiTWindow:
 
 
 class Token2WavStream:
-    """`stage_io.StreamingDecoder` of one request; `Qwen2_5OmniToken2Wav.decode_streams` runs it."""
+    """`stage_io.StreamingDecoder` of one request; `Qwen2_5OmniToken2Wav.decode_streams` runs it.
+    Positions are mel frames (2 per code) unless named codes."""
 
     def __init__(self, request_id: str, speaker: str, num_steps: int, seed: int | None,
                  geometry: StreamGeometry) -> None:
@@ -81,13 +82,10 @@ class Token2WavStream:
         self.geo = geometry
         self._ramp = ChunkRamp(geometry.config.initial_chunk_blocks, geometry.config.chunk_blocks)
         self._generator = new_generator(seed)
-        self._codes = torch.zeros(0, dtype=torch.long)  # codes from code index _codes_base
-        self._noise = torch.zeros(0, geometry.mel_dim)  # noise rows from mel frame _noise_base
-        self._mel = torch.zeros(0, geometry.mel_dim)  # final mel from mel frame _mel_base
-        self._codes_base = self._noise_base = self._noise_end = self._mel_base = 0
-        self._received = 0  # codes
-        self._dit_done = 0  # mel frames with final mel
-        self._vocoded = 0  # mel frames whose samples were returned
+        self._codes = RowBuffer(torch.zeros(0, dtype=torch.long))  # indexed by code
+        self._noise = RowBuffer(torch.zeros(0, geometry.mel_dim))  # indexed by mel frame
+        self._mel = RowBuffer(torch.zeros(0, geometry.mel_dim))  # final mel, not yet vocoded or context
+        self._vocoded = 0  # frames whose samples were returned
         self._chunks = 0
         self._final = False
         self.sent_sample_rate = False
@@ -103,12 +101,11 @@ class Token2WavStream:
                              f"{tuple(codes.shape)} {codes.dtype}")
         if codes.numel() and not (0 <= int(codes.min()) and int(codes.max()) <= self.geo.num_embeds):
             raise ValueError(f"request {self.request_id}: codec codes must lie in [0, {self.geo.num_embeds}]")
-        self._codes = torch.cat([self._codes, codes.to(torch.long).cpu()])
-        self._received += codes.numel()
+        self._codes.append(codes.to(torch.long).cpu())
         self._final = final
 
     def ready(self) -> bool:
-        if self._dit_done == self._frames:
+        if self._mel.end == self._frames:
             return False
         # A chunk that is not the last needs its look-ahead and one code more: so the last
         # chunk always has DiT work, and the vocoder's held-back frames go out with it.
@@ -120,48 +117,51 @@ class Token2WavStream:
 
     @property
     def consumed(self) -> int:
-        return self._dit_done // self.geo.repeats
+        return self._mel.end // self.geo.repeats
 
     # ------------------------------------------------------------------ used by the model
     def next_dit_window(self) -> DiTWindow:
         """The next chunk's flow-matching window (call only when `ready()`)."""
         if not self.ready():
             raise RuntimeError(f"request {self.request_id}: no chunk is ready to decode")
-        start, end = self._dit_done, self._chunk_end
+        start, end = self._mel.end, self._chunk_end
         last = self._frames <= end + self._future  # only when final: the rest is one chunk
-        window_end = self._frames if last else end + self._future
+        end = self._frames if last else end
+        window_end = end if last else end + self._future
         window_start = max(0, start - self.geo.config.past_blocks * self.geo.block_frames)
-        while self._noise_end < window_end:  # whole blocks, in order: the request's own draw
-            self._noise = torch.cat([self._noise, draw_noise(self._generator, self.geo.block_frames, self.geo.mel_dim)])
-            self._noise_end += self.geo.block_frames
+        while self._noise.end < window_end:  # whole blocks, in order: the request's own draw
+            self._noise.append(draw_noise(self._generator, self.geo.block_frames, self.geo.mel_dim))
         r = self.geo.repeats
-        return DiTWindow(codes=self._codes[window_start // r - self._codes_base: window_end // r - self._codes_base],
-                         noise=self._noise[window_start - self._noise_base: window_end - self._noise_base],
-                         keep_from=start - window_start, keep_to=(self._frames if last else end) - window_start,
-                         last=last)
+        return DiTWindow(codes=self._codes.get(window_start // r, window_end // r),
+                         noise=self._noise.get(window_start, window_end),
+                         keep_from=start - window_start, keep_to=end - window_start, last=last)
 
     def commit_dit(self, window: DiTWindow, mel: torch.Tensor) -> VocoderWindow:
-        """Store the chunk's mel (the window's solution [frames, mel_dim]); return what to vocode."""
-        self._mel = torch.cat([self._mel, mel[window.keep_from: window.keep_to]])
-        self._dit_done += window.keep_to - window.keep_from
+        """Keep the chunk's part of the window's solution (mel [frames, mel_dim]); forget the
+        codes and noise no later window needs; return what to vocode now."""
+        self._mel.append(mel[window.keep_from: window.keep_to])
         self._chunks += 1
-        next_start = max(0, self._dit_done - self.geo.config.past_blocks * self.geo.block_frames)
-        self._codes, self._codes_base = self._codes[next_start // self.geo.repeats - self._codes_base:], \
-            next_start // self.geo.repeats
-        self._noise, self._noise_base = self._noise[next_start - self._noise_base:], next_start
+        next_window_start = self._mel.end - self.geo.config.past_blocks * self.geo.block_frames
+        self._codes.drop_before(next_window_start // self.geo.repeats)
+        self._noise.drop_before(next_window_start)
+        return self._vocoder_window(last=window.last)
+
+    def _vocoder_window(self, last: bool) -> VocoderWindow:
+        """The frames whose samples are final now: all of them after the last chunk, else all
+        but the last `context` (their right context is the next chunk's mel)."""
         context = self.geo.config.vocoder_context_frames
-        emit_to = self._dit_done if window.last else max(self._vocoded, self._dit_done - context)
-        mel_from = max(0, self._vocoded - context)
-        voc = VocoderWindow(mel=self._mel[mel_from - self._mel_base:].T, emit_from=self._vocoded - mel_from,
-                            emit_to=emit_to - mel_from, exact_end=window.last)
+        emit_to = self._mel.end if last else max(self._vocoded, self._mel.end - context)
+        start = max(0, self._vocoded - context)
+        window = VocoderWindow(mel=self._mel.get(start, self._mel.end).T, emit_from=self._vocoded - start,
+                               emit_to=emit_to - start, exact_end=last)
         self._vocoded = emit_to
-        keep = max(0, emit_to - context)
-        self._mel, self._mel_base = self._mel[keep - self._mel_base:], keep
-        return voc
+        self._mel.drop_before(emit_to - context)
+        return window
 
     @property
     def _frames(self) -> int:
-        return self._received * self.geo.repeats
+        """Mel frames of the codes received so far."""
+        return self._codes.end * self.geo.repeats
 
     @property
     def _future(self) -> int:
@@ -169,4 +169,4 @@ class Token2WavStream:
 
     @property
     def _chunk_end(self) -> int:
-        return self._dit_done + self._ramp.size(self._chunks) * self.geo.block_frames
+        return self._mel.end + self._ramp.size(self._chunks) * self.geo.block_frames

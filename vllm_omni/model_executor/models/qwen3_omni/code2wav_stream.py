@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni.model_executor.models.codec_streaming import ChunkRamp
+from vllm_omni.model_executor.models.codec_streaming import ChunkRamp, RowBuffer
 
 # Keys of a connector's `extra` (upstream vLLM-Omni's names) that configure the chunks.
 _EXTRA_KEYS = {"initial_codec_chunk_frames": "initial_chunk_frames", "codec_chunk_frames": "chunk_frames",
@@ -71,9 +71,7 @@ class Code2WavStream:
         self.codebook_size = codebook_size
         self.config = config
         self._ramp = config.ramp
-        self._frames = torch.zeros(0, num_quantizers, dtype=torch.long)  # frames [base, received)
-        self._base = 0
-        self._received = 0
+        self._frames = RowBuffer(torch.zeros(0, num_quantizers, dtype=torch.long))  # [n, num_quantizers]
         self._decoded = 0
         self._chunks = 0
         self._final = False
@@ -90,18 +88,17 @@ class Code2WavStream:
                              f"got {tuple(frames.shape)} {frames.dtype}")
         if frames.numel() and not (0 <= int(frames.min()) and int(frames.max()) < self.codebook_size):
             raise ValueError(f"request {self.request_id}: codec codes must lie in [0, {self.codebook_size})")
-        self._frames = torch.cat([self._frames, frames.to(torch.long).cpu()])
-        self._received += frames.shape[0]
+        self._frames.append(frames.to(torch.long).cpu())
         self._final = final
 
     def ready(self) -> bool:
-        if self._decoded == self._received:
+        if self._decoded == self._frames.end:
             return False
-        return self._final or self._received >= self._decoded + self._ramp.size(self._chunks)
+        return self._final or self._frames.end >= self._decoded + self._ramp.size(self._chunks)
 
     @property
     def finished(self) -> bool:
-        return self._final and self._decoded == self._received
+        return self._final and self._decoded == self._frames.end
 
     @property
     def consumed(self) -> int:
@@ -113,15 +110,12 @@ class Code2WavStream:
         if not self.ready():
             raise RuntimeError(f"request {self.request_id}: no chunk is ready to decode")
         start = self._decoded
-        end = min(start + self._ramp.size(self._chunks), self._received)
+        end = min(start + self._ramp.size(self._chunks), self._frames.end)
         context = min(self.config.left_context_frames, start)
-        codes = self._frames[start - context - self._base: end - self._base]
-        return Code2WavWindow(codes=codes.T.contiguous(), context=context, end=end)
+        return Code2WavWindow(codes=self._frames.get(start - context, end).T.contiguous(), context=context, end=end)
 
     def commit(self, window: Code2WavWindow) -> None:
         """The window was decoded: move on and forget frames no later window needs."""
         self._decoded = window.end
         self._chunks += 1
-        keep_from = max(0, self._decoded - self.config.left_context_frames)
-        self._frames = self._frames[keep_from - self._base:]
-        self._base = keep_from
+        self._frames.drop_before(self._decoded - self.config.left_context_frames)

@@ -55,8 +55,9 @@ class Qwen3OmniMoeCode2Wav:
         if self.stream_config.left_context_frames * self.samples_per_frame < self._tail:
             raise ValueError(f"code2wav: {self.stream_config.left_context_frames} frames of left context cannot "
                              f"re-decode the {self._tail} samples a chunk leaves unfinished")
-        # Benchmark option (GPU): torch.compile the decoder; eager unless asked for.
-        self._forward = module if compile_mode is None else torch.compile(module, mode=compile_mode, dynamic=True)
+        # Benchmark option (GPU): torch.compile the decoder ("reduce-overhead" captures CUDA
+        # graphs), static shapes: each new (rows, frames) compiles once; eager unless asked for.
+        self._forward = module if compile_mode is None else torch.compile(module, mode=compile_mode, dynamic=False)
 
     @classmethod
     def load(cls, model_path: str, *, model_stage: str | None = None, device: torch.device | str = "cpu",
