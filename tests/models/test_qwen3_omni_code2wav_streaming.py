@@ -51,7 +51,7 @@ def test_stream_is_transformers_chunked_decode_plus_the_samples_it_drops(ckpt, h
     model = load(ckpt, initial_chunk_frames=20, chunk_frames=20, left_context_frames=25)
     frames = random_frames(137, seed=1)
     chunks = audio_of(run_stream(model, open_empty(model), frames, pieces=[3, 1, 40, 50, 43]))
-    spf, tail = model.samples_per_frame, model._tail
+    spf, tail = model.samples_per_frame, model.unfinished_samples
     assert [c.numel() for c in chunks] == [20 * spf - tail] + [20 * spf] * 5 + [17 * spf]
     ref = hf_code2wav.chunked_decode(frames.T[None], chunk_size=20, left_context_size=25).reshape(-1)
     assert ref.numel() == 137 * spf - 7 * tail
@@ -72,7 +72,7 @@ def test_stream_matches_whole_request(ckpt, hf_code2wav):
     model = load(ckpt)
     outputs = run_stream(model, open_empty(model), frames, pieces=[1] * 137)  # frame by frame, like a talker
     streamed = torch.cat(audio_of(outputs))
-    spf, tail = model.samples_per_frame, model._tail
+    spf, tail = model.samples_per_frame, model.unfinished_samples
     assert [c.numel() for c in audio_of(outputs)] == [4 * spf - tail] + [n * spf for n in (8, 16, 25, 25, 25, 25, 9)]
     assert outputs[0]["sample_rate"].item() == 24000 and all("sample_rate" not in o for o in outputs[1:])
     assert streamed.dtype == torch.float32 and streamed.shape == whole.shape
@@ -130,7 +130,7 @@ def test_no_clicks_at_chunk_joins(tiny_model):
     assert at_joins <= inside
 
     dropped = model.module.chunked_decode(frames.T[None], chunk_size=25, left_context_size=25).reshape(-1)
-    chunk = 25 * model.samples_per_frame - model._tail
+    chunk = 25 * model.samples_per_frame - model.unfinished_samples
     assert join_and_inner_jumps(list(dropped.split(chunk)))[0] > 2 * inside
 
 

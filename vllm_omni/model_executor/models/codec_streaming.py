@@ -5,6 +5,7 @@
 - `RowBuffer`: the part of a growing sequence a stream still needs, by whole-sequence index.
 - `plan_padded_calls`: which rows of different lengths share one right-padded forward call.
 - `Precision` and `precision_scope`: float32 / TF32 / bfloat16 execution of a decoder.
+- `own_streams`, `chunk_output`: what both models' `decode_streams` do with their streams.
 
 docs/streaming.md explains the choices.
 """
@@ -14,8 +15,11 @@ import contextlib
 import enum
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
+
+S = TypeVar("S")
 
 
 @dataclass(frozen=True)
@@ -87,24 +91,16 @@ class Precision(str, enum.Enum):
     BFLOAT16 = "bfloat16"
 
 
-_BF16_DTYPES = ("bfloat16", "bf16")
-_FP32_DTYPES = ("auto", "float32", "float", "fp32")
-
-
 def resolve_precision(dtype: str, precision: str | None) -> Precision:
-    """The precision a stage asked for: an explicit `precision`, else from its dtype."""
-    if precision is not None:
-        try:
-            return Precision(precision)
-        except ValueError:
-            raise ValueError(f"unknown precision {precision!r}; expected one of "
-                             f"{[p.value for p in Precision]}") from None
-    if dtype in _BF16_DTYPES:
-        return Precision.BFLOAT16
-    if dtype in _FP32_DTYPES:
-        return Precision.FLOAT32
-    raise ValueError(f"codec decoder: unsupported dtype {dtype!r}; use one of "
-                     f"{sorted(_FP32_DTYPES + _BF16_DTYPES)} (float16 overflows in the vocoder)")
+    """The precision a stage asked for: an explicit `precision`, else from its dtype
+    (bfloat16 -> BFLOAT16; anything else, float16 included, -> FLOAT32: a pipeline-wide
+    float16 must not push audio through half precision, where the vocoders overflow)."""
+    if precision is None:
+        return Precision.BFLOAT16 if dtype in ("bfloat16", "bf16") else Precision.FLOAT32
+    try:
+        return Precision(precision)
+    except ValueError:
+        raise ValueError(f"unknown precision {precision!r}; expected one of {[p.value for p in Precision]}") from None
 
 
 @contextlib.contextmanager
@@ -124,3 +120,21 @@ def precision_scope(device: torch.device, tf32: bool) -> Iterator[None]:
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
+def own_streams(decoders: Sequence[object], stream_type: type[S]) -> list[S]:
+    """The decoders, checked to be streams this model opened."""
+    for decoder in decoders:
+        if not isinstance(decoder, stream_type):
+            raise TypeError(f"decode_streams got a {type(decoder).__name__}, not a {stream_type.__name__} "
+                            "opened by this model")
+    return list(decoders)
+
+
+def chunk_output(stream, audio: torch.Tensor, sample_rate: int) -> dict[str, torch.Tensor]:
+    """One chunk's output; the first chunk of a stream also carries the 0-dim sample rate."""
+    out = {"audio": audio}
+    if not stream.sent_sample_rate:
+        out["sample_rate"] = torch.tensor(sample_rate, dtype=torch.int32)
+        stream.sent_sample_rate = True
+    return out

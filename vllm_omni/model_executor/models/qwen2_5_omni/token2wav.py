@@ -25,7 +25,7 @@ import torch
 
 from vllm_omni.model_executor.model_loader import safetensors_files
 from vllm_omni.model_executor.models.codec_streaming import (
-    Precision, plan_padded_calls, precision_scope, resolve_precision,
+    Precision, chunk_output, own_streams, plan_padded_calls, precision_scope, resolve_precision,
 )
 from vllm_omni.model_executor.models.qwen2_5_omni.bridges import Code2WavInputs
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_dit import (
@@ -189,26 +189,14 @@ class Qwen2_5OmniToken2Wav:
 
     @torch.inference_mode()
     def decode_streams(self, decoders: list[StreamingDecoder]) -> list[dict[str, torch.Tensor]]:
-        streams = [self._own(d) for d in decoders]
+        streams = own_streams(decoders, Token2WavStream)
         windows = [s.next_dit_window() for s in streams]
         mels = self._sample_mels([(self._dit_row(s.speaker, w.codes, w.noise), s.num_steps)
                                   for s, w in zip(streams, windows)])
         voc_windows = [s.commit_dit(w, mel) for s, w, mel in zip(streams, windows, mels)]
         with precision_scope(self.device, tf32=self.precision is not Precision.FLOAT32):
             audio = vocode_windows(self.bigvgan, voc_windows, self.device)
-        outputs = []
-        for stream, wav in zip(streams, audio):
-            out = {"audio": wav}
-            if not stream.sent_sample_rate:
-                out["sample_rate"] = torch.tensor(self.sample_rate, dtype=torch.int32)
-                stream.sent_sample_rate = True
-            outputs.append(out)
-        return outputs
-
-    def _own(self, decoder: StreamingDecoder) -> Token2WavStream:
-        if not isinstance(decoder, Token2WavStream):
-            raise TypeError(f"decode_streams got a {type(decoder).__name__}, not a stream opened by this model")
-        return decoder
+        return [chunk_output(stream, wav, self.sample_rate) for stream, wav in zip(streams, audio)]
 
     # ------------------------------------------------------------------ the DiT
     def _dit_row(self, speaker: str, codes: torch.Tensor, noise: torch.Tensor) -> DiTRow:

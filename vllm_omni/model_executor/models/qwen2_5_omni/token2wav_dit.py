@@ -80,7 +80,7 @@ def sample_mel(dit, rows: list[DiTRow], num_steps: int, device: torch.device, bf
     speaker = torch.stack([r.speaker_embedding for r in rows]).to(device, torch.float32)
     feats = torch.stack([r.speaker_features for r in rows]).to(device, torch.float32)  # [B, 2, enc_dim]
     feats = torch.cat([feats[:, 0], feats[:, 1]])  # guided rows, then unguided rows (transformers' order)
-    block_diff = _masked_block_diff(torch.tensor(lengths), longest, dit.block_size).to(device)
+    block_diff = _masked_block_diff(torch.tensor(lengths, device=device), longest, dit.block_size)
 
     def velocity(time: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         out = forward(dit, x, time, codes, speaker, feats, block_diff)
@@ -118,7 +118,7 @@ def _masked_block_diff(lengths: torch.Tensor, frames: int, block_size: int) -> t
     """[2B, 1, T, T] key block - query block (what each layer's look-back / look-ahead mask
     reads), with real and padding positions never seeing each other. Padding sees padding,
     so that no softmax row is empty (that would be NaN, and NaN * 0 reaches real rows)."""
-    index = torch.arange(frames)
+    index = torch.arange(frames, device=lengths.device)
     blocks = index // block_size
     diff = (blocks[None, :] - blocks[:, None]).to(torch.int16)  # [T, T]
     real = index[None, :] < lengths[:, None]  # [B, T]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from vllm_omni.model_executor.models.codec_streaming import (
-    Precision, plan_padded_calls, precision_scope, resolve_precision,
+    Precision, chunk_output, own_streams, plan_padded_calls, precision_scope, resolve_precision,
 )
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav import _prefixed_tensors
 from vllm_omni.model_executor.models.qwen3_omni.code2wav_stream import (
@@ -51,10 +51,11 @@ class Qwen3OmniMoeCode2Wav:
         self.codebook_size = module.config.codebook_size
         self.samples_per_frame = int(module.total_upsample)
         self.sample_rate = SAMPLE_RATE
-        self._tail = _unfinished_samples(module.config.upsample_rates)
-        if self.stream_config.left_context_frames * self.samples_per_frame < self._tail:
+        # A window of n frames decodes to n * samples_per_frame - unfinished_samples samples.
+        self.unfinished_samples = _unfinished_samples(module.config.upsample_rates)
+        if self.stream_config.left_context_frames * self.samples_per_frame < self.unfinished_samples:
             raise ValueError(f"code2wav: {self.stream_config.left_context_frames} frames of left context cannot "
-                             f"re-decode the {self._tail} samples a chunk leaves unfinished")
+                             f"re-decode the {self.unfinished_samples} samples a chunk leaves unfinished")
         # Benchmark option (GPU): torch.compile the decoder ("reduce-overhead" captures CUDA
         # graphs), static shapes: each new (rows, frames) compiles once; eager unless asked for.
         self._forward = module if compile_mode is None else torch.compile(module, mode=compile_mode, dynamic=False)
@@ -119,26 +120,19 @@ class Qwen3OmniMoeCode2Wav:
 
     @torch.inference_mode()
     def decode_streams(self, decoders: list[StreamingDecoder]) -> list[dict[str, torch.Tensor]]:
-        streams = [self._own(d) for d in decoders]
+        streams = own_streams(decoders, Code2WavStream)
         windows = [s.next_window() for s in streams]
-        wavs = self._decode_windows([w.codes for w in windows])
-        return [self._chunk_output(s, w, wav) for s, w, wav in zip(streams, windows, wavs)]
+        outputs = []
+        for stream, window, wav in zip(streams, windows, self._decode_windows([w.codes for w in windows])):
+            stream.commit(window)
+            outputs.append(chunk_output(stream, wav[self._new_samples_from(window):], self.sample_rate))
+        return outputs
 
-    def _chunk_output(self, stream: Code2WavStream, window: Code2WavWindow, wav: torch.Tensor) -> dict:
-        # The previous chunk stopped `tail` samples short of its end; this window's context
-        # frames decode those samples again, now with the frame they were waiting for.
-        start = window.context * self.samples_per_frame - self._tail if window.context else 0
-        stream.commit(window)
-        out = {"audio": wav[start:]}
-        if not stream.sent_sample_rate:
-            out["sample_rate"] = torch.tensor(self.sample_rate, dtype=torch.int32)
-            stream.sent_sample_rate = True
-        return out
-
-    def _own(self, decoder: StreamingDecoder) -> Code2WavStream:
-        if not isinstance(decoder, Code2WavStream):
-            raise TypeError(f"decode_streams got a {type(decoder).__name__}, not a stream opened by this model")
-        return decoder
+    def _new_samples_from(self, window: Code2WavWindow) -> int:
+        """Where a window's new samples start: the previous chunk stopped `tail` samples short of
+        its end, and this window's context frames decode those again, now with the frame they
+        were waiting for."""
+        return window.context * self.samples_per_frame - self.unfinished_samples if window.context else 0
 
     # ------------------------------------------------------------------ the decoder calls
     def _decode_windows(self, windows: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -153,11 +147,11 @@ class Qwen3OmniMoeCode2Wav:
                 batch[slot, :, : lengths[i]] = windows[i]
             with precision_scope(self.device, tf32=self.precision is Precision.TF32):
                 out = self._forward(batch.to(self.device))[:, 0].float().cpu()  # [rows, samples]
-            if out.shape[1] != longest * self.samples_per_frame - self._tail:
+            if out.shape[1] != longest * self.samples_per_frame - self.unfinished_samples:
                 raise RuntimeError(f"code2wav: {out.shape[1]} samples for {longest} frames; expected "
-                                   f"{longest} * {self.samples_per_frame} - {self._tail}")
+                                   f"{longest} * {self.samples_per_frame} - {self.unfinished_samples}")
             for slot, i in enumerate(rows):
-                wavs[i] = out[slot, : lengths[i] * self.samples_per_frame - self._tail].clone()
+                wavs[i] = out[slot, : lengths[i] * self.samples_per_frame - self.unfinished_samples].clone()
         return wavs
 
 
