@@ -4,7 +4,7 @@ Codec codes (50 Hz, 2 mel frames each) arrive by `push`. Chunks follow the DiT's
 attention: a chunk is a whole number of blocks (24 mel frames = 12 codes released), and it
 is decoded as one flow-matching window of the chunk plus `past_blocks` before it and
 `future_blocks` after it, the blocks its look-back and look-ahead layers attend to. So a
-chunk waits for `future_blocks` of codes past its end. Its mel is then vocoded with
+chunk waits for its look-ahead blocks of codes (and one code more). Its mel is then vocoded with
 overlap-save (token2wav_vocoder.py): the last `vocoder_context_frames` mel frames of a
 chunk are held back until the next chunk gives them their right context.
 
@@ -92,7 +92,7 @@ class Token2WavStream:
 
     # ------------------------------------------------------------------ StreamingDecoder
     def push(self, units: torch.Tensor, final: bool) -> None:
-        """Append codec codes [n] (n may be 0 with `final`)."""
+        """Append codec codes [n] (n may be 0 with `final`), the talker's stop token excluded."""
         if self._final:
             raise ValueError(f"request {self.request_id}: codes pushed after the final push")
         codes = torch.as_tensor(units)

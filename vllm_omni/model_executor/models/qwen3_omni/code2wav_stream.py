@@ -79,7 +79,7 @@ class Code2WavStream:
 
     # ------------------------------------------------------------------ StreamingDecoder
     def push(self, units: torch.Tensor, final: bool) -> None:
-        """Append codec frames [n, num_quantizers] (n may be 0 with `final`)."""
+        """Append codec frames [n, num_quantizers] (n may be 0 with `final`), no stop-token frame."""
         if self._final:
             raise ValueError(f"request {self.request_id}: frames pushed after the final push")
         frames = torch.as_tensor(units)

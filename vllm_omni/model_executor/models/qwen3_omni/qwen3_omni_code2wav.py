@@ -129,15 +129,15 @@ class Qwen3OmniMoeCode2Wav:
         return outputs
 
     def _new_samples_from(self, window: Code2WavWindow) -> int:
-        """Where a window's new samples start: the previous chunk stopped `tail` samples short of
-        its end, and this window's context frames decode those again, now with the frame they
-        were waiting for."""
+        """Where a window's new samples start: the previous chunk stopped `unfinished_samples`
+        short of its end, and this window's context frames decode those again, now with the
+        frame they were waiting for."""
         return window.context * self.samples_per_frame - self.unfinished_samples if window.context else 0
 
     # ------------------------------------------------------------------ the decoder calls
     def _decode_windows(self, windows: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Waveforms of code windows [num_quantizers, n_i] (float32 on CPU, n_i * spf - tail
-        samples each), in as few right-padded calls as `plan_padded_calls` allows."""
+        """Waveforms of code windows [num_quantizers, n_i] (float32 on CPU, n_i * samples_per_frame
+        - unfinished_samples each), in as few right-padded calls as `plan_padded_calls` allows."""
         lengths = [w.shape[1] for w in windows]
         wavs: list[torch.Tensor] = [torch.zeros(0)] * len(windows)
         for rows in plan_padded_calls(lengths, CALL_COST_FRAMES):
