@@ -55,7 +55,7 @@ def test_short_stream_is_the_whole_request_and_transformers(ckpt, hf_token2wav):
     """A request that ends inside its first window is decoded as one window: the whole
     request's computation exactly, noise included (the request's seed, drawn in blocks)."""
     model = load(ckpt)
-    codes = random_codes(30, seed=1)  # 60 mel frames < first chunk (48) + look-ahead (24)
+    codes = random_codes(30, seed=1)  # 60 mel frames < first chunk (72) + look-ahead (24)
     [whole] = model.generate_batch([whole_request(codes, seed=7)])
     chunks = stream_audio(model, codes, seed=7, pieces=[5, 5, 20])
     assert len(chunks) == 1 and torch.equal(chunks[0], whole["audio"])
@@ -68,19 +68,19 @@ def test_short_stream_is_the_whole_request_and_transformers(ckpt, hf_token2wav):
 
 @torch.inference_mode()
 def test_stream_matches_whole_request(ckpt):
-    """Default chunking (2 blocks, then 3; 1 block of look-back and 1 of look-ahead for the
-    tiny DiT's one look-back and one look-ahead layer; the vocoder's 15-frame receptive field
-    held back). The ODE couples all positions, so windows differ from the whole request:
-    tolerance SNR >= 70 dB and max abs <= 1e-4 (measured: 98 dB, 2e-6 on a 0.07 signal).
+    """Default chunking (3 blocks; 1 block of look-back and 1 of look-ahead for the tiny
+    DiT's one look-back and one look-ahead layer; the vocoder's 15-frame receptive field held
+    back). The ODE couples all positions, so windows differ from the whole request:
+    tolerance SNR >= 70 dB and max abs <= 1e-4 (measured: 98.7 dB, 1.5e-6 on a 0.07 signal).
     The bound sees what the context buys: without look-back / look-ahead blocks SNR is 56 dB,
-    without vocoder overlap 9 dB."""
+    without vocoder overlap 15 dB."""
     model = load(ckpt)
     codes, seed = random_codes(150, seed=2), 11
     [whole] = model.generate_batch([whole_request(codes, seed)])
     whole = whole["audio"]
     chunks = stream_audio(model, codes, seed, pieces=[1] * 150)  # code by code, like a talker
     hop, held = 20, 15  # tiny vocoder: 20 samples per mel frame, 15 frames held back
-    assert [c.numel() for c in chunks] == [(48 - held) * hop] + [72 * hop] * 3 + [(300 - 264 + held) * hop]
+    assert [c.numel() for c in chunks] == [(72 - held) * hop] + [72 * hop] * 2 + [(300 - 216 + held) * hop]
     streamed = torch.cat(chunks)
     assert streamed.shape == whole.shape
     max_abs, snr = (streamed - whole).abs().max().item(), snr_db(whole, streamed)
@@ -195,7 +195,7 @@ def test_stream_errors(ckpt):
     with pytest.raises(ValueError, match="must lie in"):
         stream.push(torch.tensor([500]), final=False)
     stream.push(random_codes(10, seed=0), final=False)
-    assert not stream.ready() and stream.consumed == 0  # 2 blocks + 1 block of look-ahead + 1 code
+    assert not stream.ready() and stream.consumed == 0  # 3 blocks + 1 block of look-ahead + 1 code
     with pytest.raises(RuntimeError, match="no chunk is ready"):
         model.decode_streams([stream])
     stream.push(random_codes(2, seed=0), final=True)

@@ -31,8 +31,10 @@ class Token2WavStreamConfig:
     """Chunking of the streaming token2wav decode, in DiT blocks and mel frames (docs/streaming.md).
     None: derived from the checkpoint (`Qwen2_5OmniToken2Wav.load`)."""
 
-    initial_chunk_blocks: int = 2  # 0.48 s of audio, of which the vocoder holds back its context
-    chunk_blocks: int = 3  # 0.72 s per steady chunk (Qwen's own streaming code uses 3 blocks)
+    # 3 blocks (0.72 s, Qwen's own streaming code): the first chunk plays 0.38 s (the vocoder
+    # holds back its context), long enough to cover the next chunk's codes and ODE solve.
+    initial_chunk_blocks: int = 3
+    chunk_blocks: int = 3
     past_blocks: int | None = None  # None: one per look-back DiT layer (2 released)
     future_blocks: int | None = None  # None: one per look-ahead DiT layer (1 released)
     vocoder_context_frames: int | None = None  # None: BigVGAN's receptive field (34 released)
