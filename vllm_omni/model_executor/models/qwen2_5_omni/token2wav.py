@@ -1,20 +1,21 @@
 """Qwen2.5-Omni code2wav stage: codec codes + speaker -> 24 kHz waveform (DiT + BigVGAN).
 
-A thin wrapper around transformers' `Qwen2_5OmniToken2WavModel` (DESIGN section 5), loaded
-from the `token2wav.*` tensors of the full checkpoint, driven as a generation-stage model
-(`stage_io.GenerationModel`). What differs from transformers' `forward`:
+A wrapper around transformers' `Qwen2_5OmniToken2WavModel` (DESIGN section 5), loaded from
+the `token2wav.*` tensors of the full checkpoint, driven as `stage_io.StreamingGenerationModel`.
+What differs from transformers' `forward`:
 
 - The DiT's flow-matching ODE starts from noise drawn from each request's own seeded
   generator (`sampling_params.seed`), not the global RNG, so a waveform depends only on its
-  request, never on what else shares the batch. transformers' `sample` draws the noise inside,
-  so its short solver loop is repeated here around the same DiT forward.
-- Requests with the same code length, speaker and solver settings run as one batch; the DiT
-  and the vocoder have no padding mask, so different lengths cannot share a batch.
+  request, never on what else shares the batch (token2wav_dit.py).
+- Requests of different lengths, voices and seeds share one DiT batch: right padding with a
+  mask that keeps real and padding positions apart. The vocoder has no such mask, so whole
+  requests share a vocoder call only with requests of their own length.
+- `open_stream` / `decode_streams` decode a request in chunks that follow the DiT's block
+  attention, then vocode them with overlap-save (token2wav_stream.py, docs/streaming.md).
 """
 from __future__ import annotations
 
-import logging
-from collections import defaultdict
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,20 +23,29 @@ from typing import Any
 
 import torch
 
-from vllm_omni.stage_io import StageRequest
 from vllm_omni.model_executor.model_loader import safetensors_files
+from vllm_omni.model_executor.models.codec_streaming import (
+    Precision, chunk_output, own_streams, plan_padded_calls, precision_scope, resolve_precision,
+)
 from vllm_omni.model_executor.models.qwen2_5_omni.bridges import Code2WavInputs
+from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_dit import (
+    DiTRow, draw_noise, forward_cfg, new_generator, sample_mel, speaker_features,
+)
+from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_stream import (
+    StreamGeometry, Token2WavStream, Token2WavStreamConfig,
+)
+from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_vocoder import receptive_field, vocode, vocode_windows
+from vllm_omni.stage_io import StageRequest, StreamingDecoder
 
-logger = logging.getLogger(__name__)
 
 SPEAKER_FILE = "spk_dict.pt"
 DEFAULT_SPEAKER = "Chelsie"  # transformers' generate default
 SAMPLE_RATE = 24000
 WEIGHT_PREFIX = "token2wav."
-# transformers' Qwen2_5OmniToken2WavModel.forward defaults.
-DEFAULT_NUM_STEPS = 10
-DEFAULT_GUIDANCE_SCALE = 0.5
-DEFAULT_SWAY_COEFFICIENT = -1.0
+DEFAULT_NUM_STEPS = 10  # transformers' Qwen2_5OmniToken2WavModel.forward default
+# Padding a DiT row by this many mel frames costs about one more batched ODE solve (its
+# launches: 36 evaluations x 22 layers), so rows closer in length than that share a call.
+DIT_CALL_COST_FRAMES = 1024
 
 
 @dataclass(frozen=True)
@@ -63,28 +73,39 @@ def select_speaker(speakers: Mapping[str, Any], name: str | None) -> str:
 
 
 class Qwen2_5OmniToken2Wav:
-    """GenerationModel for the `code2wav` stage; `generate_batch` -> [{"audio": float32 [N],
-    "sample_rate": int32 []}]."""
+    """StreamingGenerationModel for the `code2wav` stage; each result is {"audio": float32 [N],
+    "sample_rate": int32 []} (a stream's chunks carry the rate in the first one only)."""
 
     def __init__(self, module: torch.nn.Module, speakers: dict[str, Speaker], device: torch.device,
-                 num_steps: int = DEFAULT_NUM_STEPS) -> None:
+                 num_steps: int = DEFAULT_NUM_STEPS, precision: Precision = Precision.FLOAT32,
+                 stream_config: Token2WavStreamConfig | None = None, compile_mode: str | None = None) -> None:
         self.module = module
+        self.dit = module.code2wav_dit_model
+        self.bigvgan = module.code2wav_bigvgan_model
         self.speakers = speakers
         self.device = device
         self.num_steps = num_steps
+        self.precision = precision
         self.sample_rate = SAMPLE_RATE
+        self.stream_geometry = self._geometry(stream_config or Token2WavStreamConfig())
+        self._speaker_features: dict[str, torch.Tensor] = {}
+        # Benchmark option (GPU): torch.compile the DiT evaluation ("reduce-overhead" captures
+        # CUDA graphs of it), static shapes: each new (rows, frames) compiles once; eager unless asked.
+        self._dit_forward = forward_cfg
+        if compile_mode is not None:
+            self._dit_forward = torch.compile(forward_cfg, mode=compile_mode, dynamic=False)
 
     @classmethod
     def load(cls, model_path: str, *, model_stage: str | None = None, device: torch.device | str = "cpu",
-             dtype: str = "auto", num_steps: int = DEFAULT_NUM_STEPS,
-             load_format: str = "auto") -> Qwen2_5OmniToken2Wav:
+             dtype: str = "auto", num_steps: int = DEFAULT_NUM_STEPS, load_format: str = "auto",
+             precision: str | None = None, stream_config: Token2WavStreamConfig | None = None,
+             compile_mode: str | None = None) -> Qwen2_5OmniToken2Wav:
         from transformers import AutoConfig
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
-        if dtype not in ("auto", "float32", "float"):
-            # transformers casts token2wav to float32 before use too: the ODE and the vocoder
-            # lose too much in half precision.
-            logger.info("code2wav runs in float32; ignoring dtype=%s", dtype)
+        # Weights stay float32 (transformers casts token2wav to float32 too: the ODE and the
+        # vocoder lose too much in half precision); bfloat16 / tf32 change only how it computes.
+        mode = resolve_precision(dtype, precision)
         config = AutoConfig.from_pretrained(model_path)
         t2w_config = getattr(config, "token2wav_config", None)
         if t2w_config is None:
@@ -95,55 +116,113 @@ class Qwen2_5OmniToken2Wav:
         if load_format != "dummy":  # dummy: keep the random init (benchmarks)
             # from_pretrained would not strip the `token2wav.` prefix of the full checkpoint.
             module.load_state_dict(_prefixed_tensors(model_path, WEIGHT_PREFIX), strict=True)
-        return cls(module.eval(), load_speakers(model_path), device, num_steps)
+        return cls(module.eval(), load_speakers(model_path), device, num_steps, mode, stream_config, compile_mode)
 
-    # ------------------------------------------------------------------ batch entry point
+    def _geometry(self, config: Token2WavStreamConfig) -> StreamGeometry:
+        """The stream config with its checkpoint-derived defaults filled in."""
+        dit_config = self.dit.config
+        if dit_config.block_size % self.dit.repeats:
+            raise ValueError(f"token2wav: DiT block_size {dit_config.block_size} is not a whole number of codes "
+                             f"({self.dit.repeats} mel frames each)")
+        resolved = dataclasses.replace(
+            config,
+            past_blocks=len(dit_config.look_backward_layers) if config.past_blocks is None else config.past_blocks,
+            future_blocks=len(dit_config.look_ahead_layers) if config.future_blocks is None else config.future_blocks,
+            vocoder_context_frames=(receptive_field(self.bigvgan) if config.vocoder_context_frames is None
+                                    else config.vocoder_context_frames))
+        return StreamGeometry(resolved, dit_config.block_size, self.dit.repeats, self.dit.mel_dim,
+                              dit_config.num_embeds)
+
+    # ------------------------------------------------------------------ whole requests
     @torch.inference_mode()
     def generate_batch(self, inputs: list[StageRequest]) -> list[dict[str, torch.Tensor]]:
         jobs = [self._job(req) for req in inputs]
-        results: list[torch.Tensor | None] = [None] * len(jobs)
-        groups: dict[tuple, list[int]] = defaultdict(list)
-        for i, job in enumerate(jobs):
-            if job.codes.numel() == 0:
-                results[i] = torch.zeros(0, dtype=torch.float32)
-            else:
-                groups[job.group_key].append(i)
-        for members in groups.values():
-            for i, wav in zip(members, self._synthesize([jobs[i] for i in members])):
-                results[i] = wav
+        live = [i for i, job in enumerate(jobs) if job.codes.numel()]
+        mels = self._sample_mels([(self._dit_row(jobs[i].speaker, jobs[i].codes, self._whole_noise(jobs[i])),
+                                   jobs[i].num_steps) for i in live])
+        wavs: list[torch.Tensor] = [torch.zeros(0)] * len(jobs)
+        for i, wav in zip(live, self._vocode_whole(mels)):
+            wavs[i] = wav
         # The rate travels with the audio so that callers (CLI, server) can encode it without
         # knowing the model; a 0-dim tensor is metadata, replaced rather than concatenated.
         rate = torch.tensor(self.sample_rate, dtype=torch.int32)
-        return [{"audio": wav, "sample_rate": rate} for wav in results]
+        return [{"audio": wav, "sample_rate": rate} for wav in wavs]
 
     def _job(self, req: StageRequest) -> _Job:
         inputs = Code2WavInputs.from_info(req.additional_information)
         num_steps = self.num_steps if inputs.num_steps is None else inputs.num_steps
         speaker = select_speaker(self.speakers, inputs.speaker)
-        dit = self.module.code2wav_dit_model
         codes = torch.tensor(req.prompt_token_ids, dtype=torch.long)
-        if codes.numel() and not (0 <= int(codes.min()) and int(codes.max()) <= dit.config.num_embeds):
-            raise ValueError(f"request {req.request_id}: codec codes must lie in [0, {dit.config.num_embeds}]")
-        if codes.numel() * dit.repeats > dit.config.max_position_embeddings:
+        if codes.numel() and not (0 <= int(codes.min()) and int(codes.max()) <= self.dit.config.num_embeds):
+            raise ValueError(f"request {req.request_id}: codec codes must lie in [0, {self.dit.config.num_embeds}]")
+        if codes.numel() * self.dit.repeats > self.dit.config.max_position_embeddings:
             raise ValueError(f"request {req.request_id}: {codes.numel()} codes exceed the DiT's "
-                             f"{dit.config.max_position_embeddings // dit.repeats}-code limit")
+                             f"{self.dit.config.max_position_embeddings // self.dit.repeats}-code limit")
         if num_steps < 2:
             raise ValueError(f"request {req.request_id}: num_steps must be >= 2, got {num_steps}")
         return _Job(codes, speaker, num_steps, req.sampling_params.seed)
 
-    def _synthesize(self, jobs: list[_Job]) -> list[torch.Tensor]:
-        """One batched DiT + vocoder pass over jobs sharing code length, speaker and steps."""
-        dev, dit = self.device, self.module.code2wav_dit_model
-        speaker = self.speakers[jobs[0].speaker]
-        codes = torch.stack([j.codes for j in jobs]).to(dev)  # [B, L]
-        batch = len(jobs)
-        cond = speaker.cond.to(dev, torch.float32).expand(batch, -1)
-        ref_mel = speaker.ref_mel.to(dev, torch.float32).expand(batch, -1, -1)
-        frames = codes.shape[1] * dit.repeats
-        noise = torch.cat([_noise(j.seed, (1, frames, dit.mel_dim), dev) for j in jobs])
-        mel = _sample_mel(dit, cond, ref_mel, codes, noise, jobs[0].num_steps)
-        wav = self.module.code2wav_bigvgan_model(mel)  # squeezed and on CPU: [B, N] or [N]
-        return list(wav.reshape(batch, -1).float().unbind(0))
+    def _whole_noise(self, job: _Job) -> torch.Tensor:
+        """A whole request's noise, drawn in DiT blocks as a stream draws it."""
+        frames, block = job.codes.numel() * self.dit.repeats, self.dit.config.block_size
+        return draw_noise(new_generator(job.seed), -(-frames // block) * block, self.dit.mel_dim)[:frames]
+
+    def _vocode_whole(self, mels: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Whole mels [frames, mel_dim] -> waveforms; only mels of one length share a call (the
+        vocoder's edges see its padding)."""
+        wavs: list[torch.Tensor] = [torch.zeros(0)] * len(mels)
+        for length in sorted({mel.shape[0] for mel in mels}):
+            group = [i for i, mel in enumerate(mels) if mel.shape[0] == length]
+            with precision_scope(self.device, tf32=self.precision is not Precision.FLOAT32):
+                batch = vocode(self.bigvgan, torch.stack([mels[i].T for i in group]).to(self.device))
+            for slot, i in enumerate(group):
+                wavs[i] = batch[slot]
+        return wavs
+
+    # ------------------------------------------------------------------ streaming
+    def open_stream(self, req: StageRequest) -> Token2WavStream:
+        job = self._job(req)
+        stream = Token2WavStream(req.request_id, job.speaker, job.num_steps, job.seed, self.stream_geometry)
+        if job.codes.numel():
+            stream.push(job.codes, final=False)
+        return stream
+
+    @torch.inference_mode()
+    def decode_streams(self, decoders: list[StreamingDecoder]) -> list[dict[str, torch.Tensor]]:
+        streams = own_streams(decoders, Token2WavStream)
+        windows = [s.next_dit_window() for s in streams]
+        mels = self._sample_mels([(self._dit_row(s.speaker, w.codes, w.noise), s.num_steps)
+                                  for s, w in zip(streams, windows)])
+        voc_windows = [s.commit_dit(w, mel) for s, w, mel in zip(streams, windows, mels)]
+        with precision_scope(self.device, tf32=self.precision is not Precision.FLOAT32):
+            audio = vocode_windows(self.bigvgan, voc_windows, self.device)
+        return [chunk_output(stream, wav, self.sample_rate) for stream, wav in zip(streams, audio)]
+
+    # ------------------------------------------------------------------ the DiT
+    def _dit_row(self, speaker: str, codes: torch.Tensor, noise: torch.Tensor) -> DiTRow:
+        voice = self.speakers[speaker]
+        if speaker not in self._speaker_features:
+            with precision_scope(self.device, tf32=False):
+                self._speaker_features[speaker] = speaker_features(
+                    self.dit, voice.ref_mel.to(self.device, torch.float32)).cpu()
+        return DiTRow(codes=codes, noise=noise, speaker_embedding=voice.cond[0].float(),
+                      speaker_features=self._speaker_features[speaker])
+
+    def _sample_mels(self, rows: list[tuple[DiTRow, int]]) -> list[torch.Tensor]:
+        """Each row's mel [frames, mel_dim]: one batched ODE per call that `plan_padded_calls`
+        forms among the rows sharing a step count."""
+        mels: list[torch.Tensor] = [torch.zeros(0)] * len(rows)
+        for num_steps in sorted({steps for _, steps in rows}):
+            members = [i for i, (_, steps) in enumerate(rows) if steps == num_steps]
+            lengths = [rows[i][0].noise.shape[0] for i in members]
+            for call in plan_padded_calls(lengths, DIT_CALL_COST_FRAMES):
+                batch = [members[j] for j in call]
+                with precision_scope(self.device, tf32=self.precision is Precision.TF32):
+                    out = sample_mel(self.dit, [rows[i][0] for i in batch], num_steps, self.device,
+                                     bf16=self.precision is Precision.BFLOAT16, forward=self._dit_forward)
+                for i, mel in zip(batch, out):
+                    mels[i] = mel
+        return mels
 
 
 def _prefixed_tensors(model_path: str, prefix: str) -> dict[str, torch.Tensor]:
@@ -166,41 +245,3 @@ class _Job:
     speaker: str
     num_steps: int
     seed: int | None
-
-    @property
-    def group_key(self) -> tuple:
-        return (self.codes.numel(), self.speaker, self.num_steps)
-
-
-def _noise(seed: int | None, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    gen = torch.Generator(device=device)
-    if seed is None:
-        gen.seed()  # unseeded request: fresh entropy, like vLLM's unseeded sampling
-    else:
-        gen.manual_seed(seed)
-    return torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
-
-
-def _sample_mel(dit, cond: torch.Tensor, ref_mel: torch.Tensor, codes: torch.Tensor, noise: torch.Tensor,
-                num_steps: int, guidance_scale: float = DEFAULT_GUIDANCE_SCALE,
-                sway_coefficient: float | None = DEFAULT_SWAY_COEFFICIENT) -> torch.Tensor:
-    """transformers' `Qwen2_5OmniToken2WavDiTModel.sample`, starting from `noise` [B, T, mel]."""
-    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
-
-    cond = cond.unsqueeze(1).repeat(1, noise.shape[1], 1)
-
-    def velocity(time_step, hidden_states):
-        if guidance_scale < 1e-5:
-            return dit(hidden_states=hidden_states, speaker_embedding=cond, condition_vector=ref_mel,
-                       quantized_code=codes, time_step=time_step, drop_audio_conditioning=False,
-                       drop_code=False, apply_cfg=False)
-        out = dit(hidden_states=hidden_states, quantized_code=codes, speaker_embedding=cond,
-                  condition_vector=ref_mel, time_step=time_step, apply_cfg=True)
-        guided, unconditioned = torch.chunk(out, 2, dim=0)
-        return guided + (guided - unconditioned) * guidance_scale
-
-    times = torch.linspace(0, 1, num_steps, device=codes.device, dtype=cond.dtype)
-    if sway_coefficient is not None:
-        times += sway_coefficient * (torch.cos(torch.pi / 2 * times) - 1 + times)
-    trajectory = RungeKutta4ODESolver(function=velocity, initial_value=noise).integrate(times)
-    return trajectory[-1].permute(0, 2, 1)  # [B, mel, T]

@@ -1,52 +1,76 @@
 """Qwen3-Omni code2wav stage: RVQ codec frames -> 24 kHz waveform, as a generation-stage model.
 
-A thin wrapper around transformers' `Qwen3OmniMoeCode2Wav` (loaded from the checkpoint's
-`code2wav.*` tensors) driven as `stage_io.GenerationModel`. It decodes like transformers'
-`Qwen3OmniMoeForConditionalGeneration.generate`: `chunked_decode` with chunks of 300 frames
-and 25 frames of left context.
+A wrapper around transformers' `Qwen3OmniMoeCode2Wav` (loaded from the checkpoint's
+`code2wav.*` tensors), driven as `stage_io.StreamingGenerationModel`:
 
-Input: a request's prompt_token_ids are its codes flattened codebook-major (the
-talker2code2wav bridge): num_quantizers runs of `frames` codes. Requests of any lengths share
-one batch: the decoder is causal (causal convolutions, causal sliding-window attention), so
-frames past a request's end (padding) cannot change its samples; each waveform is then cut
-at its own length, the way transformers batches its talker outputs.
+- `generate_batch` decodes whole requests like transformers' `generate`: `chunked_decode`
+  with chunks of 300 frames and 25 frames of left context (and, like it, without the few
+  samples at the end of each 300-frame chunk that its transposed convolutions cannot finish).
+- `open_stream` / `decode_streams` decode a request chunk by chunk as the talker produces it
+  (code2wav_stream.py); each chunk re-decodes the unfinished samples of the one before, so
+  the joined stream has no gap, and it equals the whole decode but for the context cut.
+
+Requests of any lengths share a call: the decoder is causal (causal convolutions, causal
+sliding-window attention), so frames past a request's end (right padding) cannot change its
+samples; each waveform is cut at its own length. Calls group rows of similar length
+(`plan_padded_calls`), so a short first chunk is not padded to a long window.
 """
 from __future__ import annotations
 
 import torch
 
-from vllm_omni.stage_io import StageRequest
+from vllm_omni.model_executor.models.codec_streaming import (
+    Precision, chunk_output, own_streams, plan_padded_calls, precision_scope, resolve_precision,
+)
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav import _prefixed_tensors
+from vllm_omni.model_executor.models.qwen3_omni.code2wav_stream import (
+    Code2WavStream, Code2WavStreamConfig, Code2WavWindow,
+)
+from vllm_omni.stage_io import StageRequest, StreamingDecoder
 
 SAMPLE_RATE = 24000
 WEIGHT_PREFIX = "code2wav."
 CHUNK_FRAMES = 300  # transformers' generate: chunked_decode(chunk_size=300, left_context_size=25)
 LEFT_CONTEXT_FRAMES = 25
-_DTYPES = {"auto": torch.float32, "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
-           "fp16": torch.float16}
+# Padding a row by this many frames costs about one extra decode call (upstream vLLM-Omni
+# measured 32 frames on the GPU); rows further apart in length get separate calls.
+CALL_COST_FRAMES = 32
 
 
 class Qwen3OmniMoeCode2Wav:
-    """GenerationModel for the `code2wav` stage; `generate_batch` -> [{"audio": float32 [N],
-    "sample_rate": int32 []}]."""
+    """StreamingGenerationModel for the `code2wav` stage; each result is {"audio": float32 [N],
+    "sample_rate": int32 []} (a stream's chunks carry the rate in the first one only)."""
 
-    def __init__(self, module: torch.nn.Module, device: torch.device) -> None:
+    def __init__(self, module: torch.nn.Module, device: torch.device, precision: Precision = Precision.FLOAT32,
+                 stream_config: Code2WavStreamConfig | None = None, compile_mode: str | None = None) -> None:
         self.module = module
         self.device = device
+        self.precision = precision
+        self.stream_config = stream_config or Code2WavStreamConfig()
         self.num_quantizers = module.config.num_quantizers
         self.codebook_size = module.config.codebook_size
         self.samples_per_frame = int(module.total_upsample)
         self.sample_rate = SAMPLE_RATE
+        # A window of n frames decodes to n * samples_per_frame - unfinished_samples samples.
+        self.unfinished_samples = _unfinished_samples(module.config.upsample_rates)
+        if self.stream_config.left_context_frames * self.samples_per_frame < self.unfinished_samples:
+            raise ValueError(f"code2wav: {self.stream_config.left_context_frames} frames of left context cannot "
+                             f"re-decode the {self.unfinished_samples} samples a chunk leaves unfinished")
+        # Benchmark option (GPU): torch.compile the decoder ("reduce-overhead" captures CUDA
+        # graphs), static shapes: each new (rows, frames) compiles once; eager unless asked for.
+        self._forward = module if compile_mode is None else torch.compile(module, mode=compile_mode, dynamic=False)
 
     @classmethod
     def load(cls, model_path: str, *, model_stage: str | None = None, device: torch.device | str = "cpu",
-             dtype: str = "auto", load_format: str = "auto") -> Qwen3OmniMoeCode2Wav:
+             dtype: str = "auto", load_format: str = "auto", precision: str | None = None,
+             stream_config: Code2WavStreamConfig | None = None,
+             compile_mode: str | None = None) -> Qwen3OmniMoeCode2Wav:
         from transformers import AutoConfig
         from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav as HFCode2Wav
 
-        if dtype not in _DTYPES:
-            raise ValueError(f"code2wav: unsupported dtype {dtype!r}; supported: {sorted(_DTYPES)}")
+        # "auto" is float32, not the checkpoint's bf16: the vocoder is small and its output is
+        # audio samples, where half precision is audible; ask for bfloat16 or tf32 explicitly.
+        mode = resolve_precision(dtype, precision)
         config = AutoConfig.from_pretrained(model_path)
         c2w_config = getattr(config, "code2wav_config", None)
         if c2w_config is None:
@@ -54,35 +78,27 @@ class Qwen3OmniMoeCode2Wav:
         device = torch.device(device)
         with torch.device(device):  # random init (overwritten below) is much faster on a GPU
             module = HFCode2Wav(c2w_config)
-        # "auto" is float32, not the checkpoint's bf16: the vocoder is small and its output is
-        # audio samples, where half precision is audible; ask for bfloat16 explicitly to save time.
-        module = module.to(_DTYPES[dtype])
         if load_format != "dummy":  # dummy: keep the random init (benchmarks)
             module.load_state_dict(_prefixed_tensors(model_path, WEIGHT_PREFIX), strict=True)
-        return cls(module.eval(), device)
+        module = module.to(torch.bfloat16 if mode is Precision.BFLOAT16 else torch.float32)
+        return cls(module.eval(), device, mode, stream_config, compile_mode)
 
+    # ------------------------------------------------------------------ whole requests
     @torch.inference_mode()
     def generate_batch(self, inputs: list[StageRequest]) -> list[dict[str, torch.Tensor]]:
         codes = [self._codes(req) for req in inputs]
-        lengths = [c.shape[1] for c in codes]
-        wavs = [torch.zeros(0, dtype=torch.float32) for _ in inputs]
-        live = [i for i, n in enumerate(lengths) if n > 0]
-        if live:
-            longest = max(lengths[i] for i in live)
-            batch = torch.zeros(len(live), self.num_quantizers, longest, dtype=torch.long)
-            for row, i in enumerate(live):
-                batch[row, :, : lengths[i]] = codes[i]
-            out = self.module.chunked_decode(batch.to(self.device), chunk_size=CHUNK_FRAMES,
-                                             left_context_size=LEFT_CONTEXT_FRAMES)  # [B, 1, samples]
-            # Each chunk drops the same number of trailing samples (causal transposed convs).
-            lost = (longest * self.samples_per_frame - out.shape[-1]) // _num_chunks(longest)
-            out = out[:, 0].float().cpu()
-            for row, i in enumerate(live):
-                wavs[i] = out[row, : lengths[i] * self.samples_per_frame - lost * _num_chunks(lengths[i])].clone()
+        pieces: list[list[torch.Tensor]] = [[] for _ in inputs]
+        longest = max((c.shape[1] for c in codes), default=0)
+        for start in range(0, longest, CHUNK_FRAMES):  # transformers' chunked_decode, rows batched
+            rows = [i for i, c in enumerate(codes) if c.shape[1] > start]
+            context = LEFT_CONTEXT_FRAMES if start > LEFT_CONTEXT_FRAMES else start
+            windows = [codes[i][:, start - context: start + CHUNK_FRAMES] for i in rows]
+            for i, wav in zip(rows, self._decode_windows(windows)):
+                pieces[i].append(wav[context * self.samples_per_frame:])
         # The rate travels with the audio, as Qwen2.5-Omni's does, so callers (CLI, server) can
         # encode it without knowing the model; a 0-dim tensor is metadata, never concatenated.
         rate = torch.tensor(self.sample_rate, dtype=torch.int32)
-        return [{"audio": wav, "sample_rate": rate} for wav in wavs]
+        return [{"audio": torch.cat(p) if p else torch.zeros(0), "sample_rate": rate} for p in pieces]
 
     def _codes(self, req: StageRequest) -> torch.Tensor:
         """[num_quantizers, frames] from the codebook-major flat prompt."""
@@ -94,6 +110,59 @@ class Qwen3OmniMoeCode2Wav:
             raise ValueError(f"request {req.request_id}: codec codes must lie in [0, {self.codebook_size})")
         return flat.view(self.num_quantizers, -1)
 
+    # ------------------------------------------------------------------ streaming
+    def open_stream(self, req: StageRequest) -> Code2WavStream:
+        stream = Code2WavStream(req.request_id, self.num_quantizers, self.codebook_size, self.stream_config)
+        first = self._codes(req)
+        if first.shape[1]:
+            stream.push(first.T, final=False)
+        return stream
 
-def _num_chunks(frames: int) -> int:
-    return -(-frames // CHUNK_FRAMES)
+    @torch.inference_mode()
+    def decode_streams(self, decoders: list[StreamingDecoder]) -> list[dict[str, torch.Tensor]]:
+        streams = own_streams(decoders, Code2WavStream)
+        windows = [s.next_window() for s in streams]
+        outputs = []
+        for stream, window, wav in zip(streams, windows, self._decode_windows([w.codes for w in windows])):
+            stream.commit(window)
+            outputs.append(chunk_output(stream, wav[self._new_samples_from(window):], self.sample_rate))
+        return outputs
+
+    def _new_samples_from(self, window: Code2WavWindow) -> int:
+        """Where a window's new samples start: the previous chunk stopped `unfinished_samples`
+        short of its end, and this window's context frames decode those again, now with the
+        frame they were waiting for."""
+        return window.context * self.samples_per_frame - self.unfinished_samples if window.context else 0
+
+    # ------------------------------------------------------------------ the decoder calls
+    def _decode_windows(self, windows: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Waveforms of code windows [num_quantizers, n_i] (float32 on CPU, n_i * samples_per_frame
+        - unfinished_samples each), in as few right-padded calls as `plan_padded_calls` allows."""
+        lengths = [w.shape[1] for w in windows]
+        wavs: list[torch.Tensor] = [torch.zeros(0)] * len(windows)
+        for rows in plan_padded_calls(lengths, CALL_COST_FRAMES):
+            longest = lengths[rows[0]]
+            batch = torch.zeros(len(rows), self.num_quantizers, longest, dtype=torch.long)
+            for slot, i in enumerate(rows):
+                batch[slot, :, : lengths[i]] = windows[i]
+            with precision_scope(self.device, tf32=self.precision is Precision.TF32):
+                out = self._forward(batch.to(self.device))[:, 0].float().cpu()  # [rows, samples]
+            if out.shape[1] != longest * self.samples_per_frame - self.unfinished_samples:
+                raise RuntimeError(f"code2wav: {out.shape[1]} samples for {longest} frames; expected "
+                                   f"{longest} * {self.samples_per_frame} - {self.unfinished_samples}")
+            for slot, i in enumerate(rows):
+                wavs[i] = out[slot, : lengths[i] * self.samples_per_frame - self.unfinished_samples].clone()
+        return wavs
+
+
+def _unfinished_samples(upsample_rates: list[int]) -> int:
+    """Samples a window of n frames lacks at its end (n * samples_per_frame - output length).
+
+    Each decoder block's transposed convolution (kernel 2 * rate) drops its last input step,
+    `rate` outputs; later blocks multiply what was lost before. The ConvNeXt upsampling
+    (kernel = stride) loses nothing. 555 samples (23 ms) for the released (8, 5, 4, 3).
+    """
+    tail = 0
+    for rate in upsample_rates:
+        tail = (tail + 1) * rate
+    return tail

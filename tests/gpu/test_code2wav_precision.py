@@ -1,0 +1,109 @@
+"""Code2wav fast paths on the GPU against the float32 eager path.
+
+Random weights of the real architectures (`load_format="dummy"`, the same seed for both sides)
+for the precision tolerances; the tiny checkpoints for exactness of the GPU paths. The
+tolerances are SNR of the fast waveform against the float32 one: random weights clip and
+ring more than trained ones, so these are floors, not quality claims. bfloat16 was measured on
+the CPU with the real architectures: Qwen3 decoder 27 dB, Qwen2.5 (DiT in bf16, 4 steps) 51 dB.
+TF32 keeps 3 more mantissa bits than bfloat16 (8x smaller rounding, ~18 dB more), not measured.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from tests.models.codec_streams import audio_of, open_empty, run_stream, snr_db  # noqa: E402
+from vllm_omni.model_executor.models.qwen2_5_omni.token2wav import Qwen2_5OmniToken2Wav  # noqa: E402
+from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_code2wav import Qwen3OmniMoeCode2Wav  # noqa: E402
+from vllm_omni.sampling_params import SamplingParams  # noqa: E402
+from vllm_omni.stage_io import StageRequest  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
+FAMILIES = {"qwen3": (Qwen3OmniMoeCode2Wav, "qwen3_omni_30b_a3b.json", "qwen3_omni_moe"),
+            "qwen2_5": (Qwen2_5OmniToken2Wav, "qwen2_5_omni_7b.json", "qwen2_5_omni")}
+MIN_SNR_DB = {("qwen3", "bfloat16"): 20.0, ("qwen3", "tf32"): 35.0,
+              ("qwen2_5", "bfloat16"): 40.0, ("qwen2_5", "tf32"): 50.0}
+
+
+@pytest.fixture(scope="module")
+def real_dirs(tmp_path_factory):
+    from vllm_omni.testing.dummy_checkpoints import make_dummy_omni_checkpoint
+
+    return {family: make_dummy_omni_checkpoint(CONFIGS / config, tmp_path_factory.mktemp(family))
+            for family, (_, config, _) in FAMILIES.items()}
+
+
+def requests(family: str, seconds: list[float]) -> list[StageRequest]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i, s in enumerate(seconds):
+        ids = (torch.randint(0, 2048, (16 * round(12.5 * s),), generator=g) if family == "qwen3"
+               else torch.randint(0, 8193, (round(50 * s),), generator=g))
+        out.append(StageRequest(request_id=f"r{i}", prompt_token_ids=ids.tolist(), sampling_params=SamplingParams(seed=i)))
+    return out
+
+
+def load_real(family: str, path, precision: str):
+    torch.manual_seed(0)  # dummy weights: the same random init for every precision
+    return FAMILIES[family][0].load(str(path), device="cuda", load_format="dummy", precision=precision)
+
+
+@pytest.mark.parametrize("precision", ["tf32", "bfloat16"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fast_precision_within_tolerance_of_float32(real_dirs, family, precision):
+    reqs = requests(family, [2.0, 3.5])
+    reference = load_real(family, real_dirs[family], "float32").generate_batch(reqs)
+    fast = load_real(family, real_dirs[family], precision).generate_batch(reqs)
+    for ref, got in zip(reference, fast):
+        snr = snr_db(ref["audio"], got["audio"])
+        print(f"{family} {precision}: SNR {snr:.1f} dB against float32")
+        assert got["audio"].shape == ref["audio"].shape and snr >= MIN_SNR_DB[family, precision]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gpu_float32_matches_cpu_and_ignores_batch_mates(tiny_model, family):
+    """float32 on the GPU (TF32 off) is the CPU's float32 up to rounding, whole and streamed,
+    and a request's audio alone equals it in a mixed-length batch."""
+    cls, _, tiny = FAMILIES[family]
+    path = str(tiny_model(tiny))
+    cpu, gpu = cls.load(path), cls.load(path, device="cuda")
+    reqs = requests_tiny(family)
+    batch = gpu.generate_batch(reqs)
+    for req, on_cpu, on_gpu in zip(reqs, cpu.generate_batch(reqs), batch):
+        torch.testing.assert_close(on_gpu["audio"], on_cpu["audio"], atol=1e-4, rtol=0)
+        [alone] = gpu.generate_batch([req])
+        torch.testing.assert_close(on_gpu["audio"], alone["audio"], atol=1e-5, rtol=0)
+    units = stream_units(family, reqs[-1])
+    torch.testing.assert_close(torch.cat(audio_of(run_stream(gpu, open_empty(gpu, seed=0), units))),
+                               torch.cat(audio_of(run_stream(cpu, open_empty(cpu, seed=0), units))), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_compiled_matches_eager(tiny_model, family):
+    cls, _, tiny = FAMILIES[family]
+    path = str(tiny_model(tiny))
+    reqs = requests_tiny(family)
+    eager = cls.load(path, device="cuda").generate_batch(reqs)
+    compiled = cls.load(path, device="cuda", compile_mode="default").generate_batch(reqs)
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(b["audio"], a["audio"], atol=1e-4, rtol=0)
+
+
+def requests_tiny(family: str) -> list[StageRequest]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i, n in enumerate((9, 40, 75)):
+        ids = torch.randint(0, 64, (4 * n,), generator=g) if family == "qwen3" else torch.randint(0, 124, (n,), generator=g)
+        out.append(StageRequest(request_id=f"t{i}", prompt_token_ids=ids.tolist(), sampling_params=SamplingParams(seed=0),
+                                additional_information={} if family == "qwen3" else {"num_steps": 4}))
+    return out
+
+
+def stream_units(family: str, req: StageRequest) -> torch.Tensor:
+    ids = torch.tensor(req.prompt_token_ids)
+    return ids.view(4, -1).T if family == "qwen3" else ids

@@ -1,0 +1,140 @@
+"""What the two streaming codec decoders share (Qwen3-Omni code2wav, Qwen2.5-Omni token2wav).
+
+- `ChunkRamp`: the chunk sizes of a stream: a small first chunk (first audio early), each next
+  one twice the previous, up to a steady size (fewer, larger decode calls once audio flows).
+- `RowBuffer`: the part of a growing sequence a stream still needs, by whole-sequence index.
+- `plan_padded_calls`: which rows of different lengths share one right-padded forward call.
+- `Precision` and `precision_scope`: float32 / TF32 / bfloat16 execution of a decoder.
+- `own_streams`, `chunk_output`: what both models' `decode_streams` do with their streams.
+
+docs/streaming.md explains the choices.
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+S = TypeVar("S")
+
+
+@dataclass(frozen=True)
+class ChunkRamp:
+    """Chunk sizes in units (codec frames, DiT blocks): `initial`, then doubling up to `steady`."""
+
+    initial: int
+    steady: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.initial <= self.steady:
+            raise ValueError(f"chunk sizes need 1 <= initial ({self.initial}) <= steady ({self.steady})")
+
+    def size(self, index: int) -> int:
+        """The size of chunk `index` (0 = the first)."""
+        return min(self.steady, self.initial << min(index, 32))
+
+
+class RowBuffer:
+    """Rows [start, end) of a sequence that grows along dim 0, addressed by their index in the
+    whole sequence; rows before `start` were dropped (a stream keeps only what it still needs)."""
+
+    def __init__(self, empty: torch.Tensor) -> None:
+        self.rows = empty
+        self.start = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows.shape[0]
+
+    def append(self, rows: torch.Tensor) -> None:
+        self.rows = torch.cat([self.rows, rows])
+
+    def get(self, begin: int, stop: int) -> torch.Tensor:
+        if not self.start <= begin <= stop <= self.end:
+            raise IndexError(f"rows [{begin}, {stop}) outside the kept [{self.start}, {self.end})")
+        return self.rows[begin - self.start: stop - self.start]
+
+    def drop_before(self, index: int) -> None:
+        index = min(max(index, self.start), self.end)
+        self.rows = self.rows[index - self.start:]
+        self.start = index
+
+
+def plan_padded_calls(lengths: Sequence[int], call_cost: int) -> list[list[int]]:
+    """Group rows (by index) into right-padded forward calls, longest first.
+
+    A row joins the current call when the padding it adds (the call's length minus its own)
+    costs less than a call of its own, `call_cost` units of length (launch overhead); else it
+    opens the next call. So a batch of similar lengths is one call and a 4-frame first chunk
+    is not padded to a 50-frame window.
+    """
+    calls: list[list[int]] = []
+    for row in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if calls and lengths[calls[-1][0]] - lengths[row] < call_cost:
+            calls[-1].append(row)
+        else:
+            calls.append([row])
+    return calls
+
+
+class Precision(str, enum.Enum):
+    """How a codec decoder computes. FLOAT32 is the reference (TF32 off for matmuls and convs);
+    TF32 keeps float32 weights with TF32 tensor-core math (CUDA only); BFLOAT16 runs the heavy
+    network in bfloat16. tests/gpu/test_code2wav_precision.py holds the waveform tolerances."""
+
+    FLOAT32 = "float32"
+    TF32 = "tf32"
+    BFLOAT16 = "bfloat16"
+
+
+def resolve_precision(dtype: str, precision: str | None) -> Precision:
+    """The precision a stage asked for: an explicit `precision`, else from its dtype
+    (bfloat16 -> BFLOAT16; anything else, float16 included, -> FLOAT32: a pipeline-wide
+    float16 must not push audio through half precision, where the vocoders overflow)."""
+    if precision is None:
+        return Precision.BFLOAT16 if dtype in ("bfloat16", "bf16") else Precision.FLOAT32
+    try:
+        return Precision(precision)
+    except ValueError:
+        raise ValueError(f"unknown precision {precision!r}; expected one of {[p.value for p in Precision]}") from None
+
+
+@contextlib.contextmanager
+def precision_scope(device: torch.device, tf32: bool) -> Iterator[None]:
+    """TF32 on (or off) for CUDA matmuls and convolutions within the block, then restored.
+
+    PyTorch's own defaults differ (convs TF32, matmuls not); FLOAT32 turns both off. The
+    switches are process-wide: a stage that shares its process with another stage thread
+    changes them for that thread too while the block runs.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
+def own_streams(decoders: Sequence[object], stream_type: type[S]) -> list[S]:
+    """The decoders, checked to be streams this model opened."""
+    for decoder in decoders:
+        if not isinstance(decoder, stream_type):
+            raise TypeError(f"decode_streams got a {type(decoder).__name__}, not a {stream_type.__name__} "
+                            "opened by this model")
+    return list(decoders)
+
+
+def chunk_output(stream, audio: torch.Tensor, sample_rate: int) -> dict[str, torch.Tensor]:
+    """One chunk's output; the first chunk of a stream also carries the 0-dim sample rate."""
+    out = {"audio": audio}
+    if not stream.sent_sample_rate:
+        out["sample_rate"] = torch.tensor(sample_rate, dtype=torch.int32)
+        stream.sent_sample_rate = True
+    return out

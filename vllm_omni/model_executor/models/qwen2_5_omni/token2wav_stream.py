@@ -1,0 +1,174 @@
+"""One request's streaming decode for Qwen2.5-Omni token2wav (`stage_io.StreamingDecoder`).
+
+Codec codes (50 Hz, 2 mel frames each) arrive by `push`. Chunks follow the DiT's block
+attention: a chunk is a whole number of blocks (24 mel frames = 12 codes released), and it
+is decoded as one flow-matching window of the chunk plus `past_blocks` before it and
+`future_blocks` after it, the blocks its look-back and look-ahead layers attend to. So a
+chunk waits for its look-ahead blocks of codes (and one code more). Its mel is then vocoded with
+overlap-save (token2wav_vocoder.py): the last `vocoder_context_frames` mel frames of a
+chunk are held back until the next chunk gives them their right context.
+
+The noise of each window comes from the request's own generator, drawn block by block in
+the order of the whole request's draw; chunk boundaries depend only on the schedule and
+the total length, never on when codes arrived. Only the codes, noise and mel a later window
+still needs are kept.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from vllm_omni.model_executor.models.codec_streaming import ChunkRamp, RowBuffer
+from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_dit import draw_noise, new_generator
+from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_vocoder import VocoderWindow
+
+
+@dataclass(frozen=True)
+class Token2WavStreamConfig:
+    """Chunking of the streaming token2wav decode, in DiT blocks and mel frames (docs/streaming.md).
+    None: derived from the checkpoint (`Qwen2_5OmniToken2Wav.load`)."""
+
+    # 3 blocks (0.72 s, Qwen's own streaming code): the first chunk plays 0.38 s (the vocoder
+    # holds back its context), long enough to cover the next chunk's codes and ODE solve.
+    initial_chunk_blocks: int = 3
+    chunk_blocks: int = 3
+    past_blocks: int | None = None  # None: one per look-back DiT layer (2 released)
+    future_blocks: int | None = None  # None: one per look-ahead DiT layer (1 released)
+    vocoder_context_frames: int | None = None  # None: BigVGAN's receptive field (34 released)
+
+    def __post_init__(self) -> None:
+        ChunkRamp(self.initial_chunk_blocks, self.chunk_blocks)  # validates the sizes
+        for name in ("past_blocks", "future_blocks", "vocoder_context_frames"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any]) -> Token2WavStreamConfig:
+        """From a connector's `extra` mapping (these field names); other keys are ignored."""
+        return cls(**{f.name: int(extra[f.name]) for f in fields(cls) if f.name in extra})
+
+
+@dataclass(frozen=True)
+class StreamGeometry:
+    """What a stream needs to know of the model: resolved chunking and the DiT's units."""
+
+    config: Token2WavStreamConfig  # every field set
+    block_frames: int  # mel frames per DiT block
+    repeats: int  # mel frames per code
+    mel_dim: int
+    num_embeds: int  # the largest valid code
+
+
+@dataclass(frozen=True)
+class DiTWindow:
+    codes: torch.Tensor  # [n_codes]
+    noise: torch.Tensor  # [n_codes * repeats, mel_dim]
+    keep_from: int  # mel frames of the window's solution that belong to the chunk: [keep_from, keep_to)
+    keep_to: int
+    last: bool  # the request's final chunk
+
+
+class Token2WavStream:
+    """`stage_io.StreamingDecoder` of one request; `Qwen2_5OmniToken2Wav.decode_streams` runs it.
+    Positions are mel frames (2 per code) unless named codes."""
+
+    def __init__(self, request_id: str, speaker: str, num_steps: int, seed: int | None,
+                 geometry: StreamGeometry) -> None:
+        self.request_id = request_id
+        self.speaker = speaker
+        self.num_steps = num_steps
+        self.geo = geometry
+        self._ramp = ChunkRamp(geometry.config.initial_chunk_blocks, geometry.config.chunk_blocks)
+        self._generator = new_generator(seed)
+        self._codes = RowBuffer(torch.zeros(0, dtype=torch.long))  # indexed by code
+        self._noise = RowBuffer(torch.zeros(0, geometry.mel_dim))  # indexed by mel frame
+        self._mel = RowBuffer(torch.zeros(0, geometry.mel_dim))  # final mel, not yet vocoded or context
+        self._vocoded = 0  # frames whose samples were returned
+        self._chunks = 0
+        self._final = False
+        self.sent_sample_rate = False
+
+    # ------------------------------------------------------------------ StreamingDecoder
+    def push(self, units: torch.Tensor, final: bool) -> None:
+        """Append codec codes [n] (n may be 0 with `final`), the talker's stop token excluded."""
+        if self._final:
+            raise ValueError(f"request {self.request_id}: codes pushed after the final push")
+        codes = torch.as_tensor(units)
+        if codes.dim() != 1 or codes.dtype.is_floating_point:
+            raise ValueError(f"request {self.request_id}: expected integer codec codes [n], got "
+                             f"{tuple(codes.shape)} {codes.dtype}")
+        if codes.numel() and not (0 <= int(codes.min()) and int(codes.max()) <= self.geo.num_embeds):
+            raise ValueError(f"request {self.request_id}: codec codes must lie in [0, {self.geo.num_embeds}]")
+        self._codes.append(codes.to(torch.long).cpu())
+        self._final = final
+
+    def ready(self) -> bool:
+        if self._mel.end == self._frames:
+            return False
+        # A chunk that is not the last needs its look-ahead and one code more: so the last
+        # chunk always has DiT work, and the vocoder's held-back frames go out with it.
+        return self._final or self._frames > self._chunk_end + self._future
+
+    @property
+    def finished(self) -> bool:
+        return self._final and self._vocoded == self._frames
+
+    @property
+    def consumed(self) -> int:
+        return self._mel.end // self.geo.repeats
+
+    # ------------------------------------------------------------------ used by the model
+    def next_dit_window(self) -> DiTWindow:
+        """The next chunk's flow-matching window (call only when `ready()`)."""
+        if not self.ready():
+            raise RuntimeError(f"request {self.request_id}: no chunk is ready to decode")
+        start, end = self._mel.end, self._chunk_end
+        last = self._frames <= end + self._future  # only when final: the rest is one chunk
+        end = self._frames if last else end
+        window_end = end if last else end + self._future
+        window_start = max(0, start - self.geo.config.past_blocks * self.geo.block_frames)
+        while self._noise.end < window_end:  # whole blocks, in order: the request's own draw
+            self._noise.append(draw_noise(self._generator, self.geo.block_frames, self.geo.mel_dim))
+        r = self.geo.repeats
+        return DiTWindow(codes=self._codes.get(window_start // r, window_end // r),
+                         noise=self._noise.get(window_start, window_end),
+                         keep_from=start - window_start, keep_to=end - window_start, last=last)
+
+    def commit_dit(self, window: DiTWindow, mel: torch.Tensor) -> VocoderWindow:
+        """Keep the chunk's part of the window's solution (mel [frames, mel_dim]); forget the
+        codes and noise no later window needs; return what to vocode now."""
+        self._mel.append(mel[window.keep_from: window.keep_to])
+        self._chunks += 1
+        next_window_start = self._mel.end - self.geo.config.past_blocks * self.geo.block_frames
+        self._codes.drop_before(next_window_start // self.geo.repeats)
+        self._noise.drop_before(next_window_start)
+        return self._vocoder_window(last=window.last)
+
+    def _vocoder_window(self, last: bool) -> VocoderWindow:
+        """The frames whose samples are final now: all of them after the last chunk, else all
+        but the last `context` (their right context is the next chunk's mel)."""
+        context = self.geo.config.vocoder_context_frames
+        emit_to = self._mel.end if last else max(self._vocoded, self._mel.end - context)
+        start = max(0, self._vocoded - context)
+        window = VocoderWindow(mel=self._mel.get(start, self._mel.end).T, emit_from=self._vocoded - start,
+                               emit_to=emit_to - start, exact_end=last)
+        self._vocoded = emit_to
+        self._mel.drop_before(emit_to - context)
+        return window
+
+    @property
+    def _frames(self) -> int:
+        """Mel frames of the codes received so far."""
+        return self._codes.end * self.geo.repeats
+
+    @property
+    def _future(self) -> int:
+        return self.geo.config.future_blocks * self.geo.block_frames
+
+    @property
+    def _chunk_end(self) -> int:
+        return self._mel.end + self._ramp.size(self._chunks) * self.geo.block_frames

@@ -1,0 +1,121 @@
+"""One request's streaming decode for Qwen3-Omni code2wav (`stage_io.StreamingDecoder`).
+
+Codec frames ([num_quantizers] codes, 80 ms of audio each at 12.5 Hz) arrive by `push`. The
+stream cuts them into chunks (`ChunkRamp`: 4 frames, then 8, 16, 25, 25, ... by default) and
+decodes each chunk as one window: the chunk plus up to `left_context_frames` frames before
+it, like transformers' `chunked_decode` (whose defaults, 25 frames of context, it keeps).
+
+Chunk boundaries depend only on the schedule and the total length, never on when frames
+arrived, so the same codes give the same audio however the talker's output was split. A
+chunk that the final push cuts short is decoded at its remaining length.
+
+Only the frames a later window may still need are kept (the left context), so memory stays
+bounded however long the request runs.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_omni.model_executor.models.codec_streaming import ChunkRamp, RowBuffer
+
+# Keys of a connector's `extra` (upstream vLLM-Omni's names) that configure the chunks.
+_EXTRA_KEYS = {"initial_codec_chunk_frames": "initial_chunk_frames", "codec_chunk_frames": "chunk_frames",
+               "codec_left_context_frames": "left_context_frames"}
+
+
+@dataclass(frozen=True)
+class Code2WavStreamConfig:
+    """Chunking of the streaming code2wav decode (docs/streaming.md says why these defaults)."""
+
+    initial_chunk_frames: int = 4  # 320 ms of audio: the first chunk waits for 4 talker frames
+    chunk_frames: int = 25  # upstream's codec_chunk_frames: 2 s of audio per steady chunk
+    left_context_frames: int = 25  # transformers' chunked_decode left_context_size
+
+    def __post_init__(self) -> None:
+        ChunkRamp(self.initial_chunk_frames, self.chunk_frames)  # validates the sizes
+        # A chunk re-decodes the samples its predecessor could not finish (the decoder's
+        # transposed convolutions need one frame to the right): that takes >= 1 frame of context.
+        if self.left_context_frames < 1:
+            raise ValueError(f"left_context_frames must be >= 1, got {self.left_context_frames}")
+
+    @property
+    def ramp(self) -> ChunkRamp:
+        return ChunkRamp(self.initial_chunk_frames, self.chunk_frames)
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any]) -> Code2WavStreamConfig:
+        """From a connector's `extra` mapping, upstream's key names; other keys are ignored."""
+        return cls(**{field: int(extra[key]) for key, field in _EXTRA_KEYS.items() if key in extra})
+
+
+@dataclass(frozen=True)
+class Code2WavWindow:
+    """The next chunk of a stream: `codes` [num_quantizers, context + chunk frames]."""
+
+    codes: torch.Tensor
+    context: int  # frames of left context at the start of `codes`
+    end: int  # frame index (of the whole request) where the chunk ends
+
+
+class Code2WavStream:
+    """`stage_io.StreamingDecoder` of one request; `Qwen3OmniMoeCode2Wav.decode_streams` runs it."""
+
+    def __init__(self, request_id: str, num_quantizers: int, codebook_size: int,
+                 config: Code2WavStreamConfig) -> None:
+        self.request_id = request_id
+        self.num_quantizers = num_quantizers
+        self.codebook_size = codebook_size
+        self.config = config
+        self._ramp = config.ramp
+        self._frames = RowBuffer(torch.zeros(0, num_quantizers, dtype=torch.long))  # [n, num_quantizers]
+        self._decoded = 0
+        self._chunks = 0
+        self._final = False
+        self.sent_sample_rate = False
+
+    # ------------------------------------------------------------------ StreamingDecoder
+    def push(self, units: torch.Tensor, final: bool) -> None:
+        """Append codec frames [n, num_quantizers] (n may be 0 with `final`), no stop-token frame."""
+        if self._final:
+            raise ValueError(f"request {self.request_id}: frames pushed after the final push")
+        frames = torch.as_tensor(units)
+        if frames.dim() != 2 or frames.shape[1] != self.num_quantizers or frames.dtype.is_floating_point:
+            raise ValueError(f"request {self.request_id}: expected integer codec frames [n, {self.num_quantizers}], "
+                             f"got {tuple(frames.shape)} {frames.dtype}")
+        if frames.numel() and not (0 <= int(frames.min()) and int(frames.max()) < self.codebook_size):
+            raise ValueError(f"request {self.request_id}: codec codes must lie in [0, {self.codebook_size})")
+        self._frames.append(frames.to(torch.long).cpu())
+        self._final = final
+
+    def ready(self) -> bool:
+        if self._decoded == self._frames.end:
+            return False
+        return self._final or self._frames.end >= self._decoded + self._ramp.size(self._chunks)
+
+    @property
+    def finished(self) -> bool:
+        return self._final and self._decoded == self._frames.end
+
+    @property
+    def consumed(self) -> int:
+        return self._decoded
+
+    # ------------------------------------------------------------------ used by the model
+    def next_window(self) -> Code2WavWindow:
+        """The next chunk to decode (call only when `ready()`)."""
+        if not self.ready():
+            raise RuntimeError(f"request {self.request_id}: no chunk is ready to decode")
+        start = self._decoded
+        end = min(start + self._ramp.size(self._chunks), self._frames.end)
+        context = min(self.config.left_context_frames, start)
+        return Code2WavWindow(codes=self._frames.get(start - context, end).T.contiguous(), context=context, end=end)
+
+    def commit(self, window: Code2WavWindow) -> None:
+        """The window was decoded: move on and forget frames no later window needs."""
+        self._decoded = window.end
+        self._chunks += 1
+        self._frames.drop_before(self._decoded - self.config.left_context_frames)
