@@ -142,7 +142,11 @@ class StreamingDecoder(Protocol):
 
 @runtime_checkable
 class StreamingGenerationModel(GenerationModel, Protocol):
-    """A GenerationModel that can also decode a request in chunks as its input streams in."""
+    """A GenerationModel that can also decode a request in chunks as its input streams in.
+    `max_units_per_chunk`: the most units a decoder may wait for before it can decode (a chunk
+    and its look-ahead): flow control never holds its producer back below that."""
+
+    max_units_per_chunk: int
 
     def open_stream(self, req: StageRequest) -> StreamingDecoder: ...  # req: params, voice, first units
     def decode_streams(self, decoders: list[StreamingDecoder]) -> list[dict[str, torch.Tensor]]: ...
@@ -157,7 +161,11 @@ class StreamBridge:
       not) and the user's prompt, or None until enough exists (a talker needs the thinker's
       first reply row). ValueError: the request cannot go on.
     chunk(delta): the input one later upstream delta adds (row tensors, keyed as the downstream
-      stage reads them; an empty dict when it adds nothing)."""
+      stage reads them; an empty dict when it adds nothing).
+    prompt_token_ids(units): for a streaming generation stage, all the units it was sent (under
+      STREAM_UNITS_KEY) as the prompt ids the edge's spec 003 bridge would have given it (the
+      downstream output reports them, as without streaming); None: keep the start's ids."""
 
     start: Callable[[RequestOutput, Any], OmniTokensPrompt | None]
     chunk: Callable[[StageOutput], dict[str, torch.Tensor]]
+    prompt_token_ids: Callable[[torch.Tensor], list[int]] | None = None

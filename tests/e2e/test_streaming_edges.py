@@ -59,19 +59,21 @@ def test_flow_control_pauses_a_producer_and_changes_nothing(omni_dir):
     """The talker takes one request at a time while the thinker runs four: the thinker's rows
     pile up for the waiting ones until the backlog limit pauses them; outputs stay the same."""
     prompts = [{"messages": user({"type": "text", "text": f"Count to {n}, slowly."})} for n in range(4)]
-    params = short_params(thinker=16, talker=8)
+    params = short_params(thinker=48, talker=8)
     overrides = {"0": {"max_num_seqs": 4}, "1": {"max_num_seqs": 1}, "2": {"max_num_seqs": 4}}
     with Omni(model=str(omni_dir), stage_overrides=overrides, async_chunk=False) as omni:
         reference = by_request(omni.generate(prompts, params, use_tqdm=False))
     with Omni(model=str(omni_dir), stage_overrides=overrides) as omni:
         orch = omni._runtime.orchestrator
         limit = 3
-        orch._streaming = {dst: dataclasses.replace(edge, max_pending_units=limit)
-                           for dst, edge in orch._streaming.items()}
+        # thinker -> talker only: code2wav's edge keeps its floor (it needs a chunk of codes first).
+        orch._streaming[1] = dataclasses.replace(orch._streaming[1], max_pending_units=limit)
+        assert orch._streaming[2].max_pending_units >= 2 * orch.clients[2].info["stream_units_per_chunk"]
         streamed = by_request(omni.generate(prompts, params, use_tqdm=False))
         paused, resumed = counters(omni, 0)["pauses"], counters(omni, 0)["resumes"]
         assert paused > 0 and resumed == paused  # every pause was lifted
-        # Bounded: past the limit a pause goes out; at most the steps already in flight follow.
-        assert counters(omni, 1)["max_backlog"] <= limit + 3
+        # Bounded: past the limit a pause goes out; only the thinker steps already under way when
+        # it arrives follow (a few, on a loaded machine), not the 48 rows of a whole reply.
+        assert counters(omni, 1)["max_backlog"] <= limit + 8
     for i, (got, ref) in enumerate(zip(streamed, reference, strict=True)):
         assert_same(got, ref, f"prompt {i}")

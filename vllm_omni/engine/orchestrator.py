@@ -284,9 +284,12 @@ class Orchestrator:
                 flow.started = True
                 if not delta.finished:
                     self.stage_counters[edge.dst]["early_starts"] += 1  # started before its upstream ended
-                return self._send(state, edge.dst, list(inp["prompt_token_ids"]), None,
-                                  dict(inp.get("additional_information") or {}), inp.get("multi_modal_data"),
-                                  input_complete=delta.finished)
+                info = dict(inp.get("additional_information") or {})
+                if not self._send(state, edge.dst, list(inp["prompt_token_ids"]), None, info,
+                                  inp.get("multi_modal_data"), input_complete=delta.finished):
+                    return False
+                self._record_units(state, edge, flow, info)
+                return True
             flow.hold(edge.bridge.chunk(delta))
         except ValueError as e:
             self._fail(state, f"stage {edge.dst}: streaming input for request {state.request_id}: {e}", edge.dst)
@@ -296,11 +299,20 @@ class Orchestrator:
         chunk = StageInputChunk(request_id=state.key, additional_information=flow.take(), final=delta.finished)
         if not self._send_message(state, edge.dst, chunk):
             return False
+        self._record_units(state, edge, flow, chunk.additional_information)
         counters = self.stage_counters[edge.dst]
         counters["max_backlog"] = max(counters["max_backlog"], flow.backlog)
         if not delta.finished and not flow.paused and flow.backlog > edge.max_pending_units:
             self._pause(state, edge, flow, True)
         return True
+
+    def _record_units(self, state: RequestState, edge: StreamingEdge, flow: EdgeFlow, info: dict[str, Any]) -> None:
+        """The downstream output reports the prompt ids the non-streaming bridge would have sent."""
+        if edge.bridge.prompt_token_ids is None:
+            return
+        flow.record_units(info)
+        if flow.units is not None:
+            state.outputs[edge.dst].prompt_token_ids = edge.bridge.prompt_token_ids(flow.units.view)
 
     def _consumed(self, state: RequestState, edge: StreamingEdge, out: StageOutput) -> None:
         """The downstream end of a streaming edge reported progress: resume its producer once

@@ -14,7 +14,9 @@ request from the upstream output so far (None: not yet); after that, each upstre
 one `final`. Flow control: the downstream stage reports the units it has consumed; when the
 units sent but not consumed pass `max_pending_units`, the upstream stage pauses the request
 (it keeps its KV blocks) until the backlog is down to a quarter of that. So a slow consumer
-slows its producer and the queue between them stays bounded.
+slows its producer and the queue between them stays bounded. The limit is never below twice
+what the consumer may need before it can consume anything (a decoder's chunk and look-ahead:
+`stream_units_per_chunk`), or a paused producer would wait for a consumer waiting for it.
 """
 from __future__ import annotations
 
@@ -27,8 +29,9 @@ from typing import Any
 import torch
 
 from vllm_omni.config.stage_config import PipelineConfig, StageConfig
+from vllm_omni.growing_tensor import GrowingTensor
 from vllm_omni.imports import import_dotted
-from vllm_omni.stage_io import StreamBridge
+from vllm_omni.stage_io import STREAM_UNITS_KEY, StreamBridge
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,7 @@ class EdgeFlow:
     paused: bool = False  # the upstream stage holds the request back
     pending: list[dict[str, torch.Tensor]] = field(default_factory=list)  # not sent yet (window)
     pending_units: int = 0
+    units: GrowingTensor | None = None  # everything sent under STREAM_UNITS_KEY (its prompt ids)
 
     @property
     def backlog(self) -> int:
@@ -65,6 +69,14 @@ class EdgeFlow:
         if chunk:
             self.pending.append(chunk)
             self.pending_units += num_units(chunk)
+
+    def record_units(self, info: Mapping[str, Any]) -> None:
+        units = info.get(STREAM_UNITS_KEY)
+        if isinstance(units, torch.Tensor) and units.numel():
+            if self.units is None:
+                self.units = GrowingTensor(units)
+            else:
+                self.units.append(units)
 
     def take(self) -> dict[str, torch.Tensor]:
         """The held chunks as one (rows concatenated per key)."""
@@ -97,8 +109,10 @@ def resolve_streaming_edges(pipeline: PipelineConfig, model: str, stage_info: Ma
         if isinstance(reason, str):
             logger.info("edge %d -> %d runs on completion: %s", edge.from_stage, edge.to_stage, reason)
             continue
+        # Never hold the producer back below what the consumer needs to make any progress.
+        needed = 2 * (stage_info.get(dst.stage_id, {}).get("stream_units_per_chunk") or 1)
         edges[dst.stage_id] = StreamingEdge(edge.from_stage, dst.stage_id, reason,
-                                            max(edge.window_size, 1), max_pending_units)
+                                            max(edge.window_size, 1), max(max_pending_units, needed))
     return edges
 
 

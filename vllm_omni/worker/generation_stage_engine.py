@@ -36,6 +36,7 @@ class GenerationStageEngine:
         self.device = device
         self._ready: list[StageOutput] = []
         self._streams: dict[str, StreamingDecoder] = {}  # requests whose input streams in
+        self._no_units: dict[str, torch.Tensor] = {}  # per stream: zero units of its kind, for a bare final
 
     def add_request(self, req: StageRequest) -> None:
         try:
@@ -56,6 +57,7 @@ class GenerationStageEngine:
         decoder = self.model.open_stream(msgspec.structs.replace(req, additional_information=info))
         if units is not None:
             decoder.push(units, final=False)
+            self._no_units[req.request_id] = units[:0]
         self._streams[req.request_id] = decoder
 
     def add_input(self, chunk: StageInputChunk) -> None:
@@ -67,13 +69,25 @@ class GenerationStageEngine:
         try:
             if info:
                 raise ValueError(f"a streamed chunk holds only {STREAM_UNITS_KEY!r}, got {sorted(info)}")
+            if units is None and chunk.final:
+                units = self._no_units.get(chunk.request_id)
+                if units is None:
+                    raise ValueError("the stream ended before any input arrived")
             if units is not None:
                 decoder.push(units, final=chunk.final)
-            elif chunk.final:
-                decoder.push(torch.zeros(0), final=True)
+                self._no_units[chunk.request_id] = units[:0]
         except ValueError as e:
-            del self._streams[chunk.request_id]
+            self._close_stream(chunk.request_id)
             self._ready.append(error_output(chunk.request_id, f"stage {self.stage_id}: {e}"))
+            return
+        if decoder.finished:  # the final chunk brought nothing left to decode
+            self._close_stream(chunk.request_id)
+            self._ready.append(StageOutput(request_id=chunk.request_id, finished=True, finish_reason="stop",
+                                           consumed_units=decoder.consumed))
+
+    def _close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self._no_units.pop(request_id, None)
 
     def pause(self, request_ids: Sequence[str], paused: bool) -> None:
         """Nothing to pause: this stage feeds no streaming edge."""
@@ -81,7 +95,7 @@ class GenerationStageEngine:
     def abort(self, request_ids: Sequence[str]) -> None:
         self.scheduler.abort(request_ids)
         for rid in request_ids:
-            self._streams.pop(rid, None)
+            self._close_stream(rid)
 
     def step(self) -> list[StageOutput]:
         outputs, self._ready = self._ready, []
@@ -100,7 +114,7 @@ class GenerationStageEngine:
         except Exception as e:  # noqa: BLE001 - isolate the request that broke the batch
             if len(ids) == 1:
                 logger.warning("stage %d: request %s failed: %s", self.stage_id, ids[0], e)
-                del self._streams[ids[0]]
+                self._close_stream(ids[0])
                 return [error_output(ids[0], f"stage {self.stage_id}: {type(e).__name__}: {e}")]
             logger.warning("stage %d: a stream batch of %d failed (%s); retrying one by one", self.stage_id,
                            len(ids), e)
@@ -108,7 +122,7 @@ class GenerationStageEngine:
         outputs = []
         for rid, decoder, result in zip(ids, decoders, results):
             if decoder.finished:
-                del self._streams[rid]
+                self._close_stream(rid)
             outputs.append(StageOutput(request_id=rid, finished=decoder.finished,
                                        finish_reason="stop" if decoder.finished else None,
                                        multimodal_output=result, consumed_units=decoder.consumed))
@@ -157,5 +171,7 @@ class GenerationStageEngine:
         return {"num_unfinished": waiting + len(self._streams), "num_waiting": waiting}
 
     def describe(self) -> dict[str, Any]:
+        streams = isinstance(self.model, StreamingGenerationModel)
         return {"engine": "generation", "device": self.device, "max_batch_size": self.scheduler.max_batch_size,
-                "accepts_streamed_input": isinstance(self.model, StreamingGenerationModel)}
+                "accepts_streamed_input": streams,
+                "stream_units_per_chunk": self.model.max_units_per_chunk if streams else None}

@@ -234,4 +234,5 @@ def _code2wav_chunk(delta: StageOutput) -> dict[str, torch.Tensor]:
 
 
 THINKER_TO_TALKER_STREAM = StreamBridge(start=_start_talker, chunk=_talker_chunk)
-TALKER_TO_CODE2WAV_STREAM = StreamBridge(start=_start_code2wav, chunk=_code2wav_chunk)
+TALKER_TO_CODE2WAV_STREAM = StreamBridge(start=_start_code2wav, chunk=_code2wav_chunk,
+                                         prompt_token_ids=lambda codes: codes.tolist())

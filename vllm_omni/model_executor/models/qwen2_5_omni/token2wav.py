@@ -87,7 +87,10 @@ class Qwen2_5OmniToken2Wav:
         self.num_steps = num_steps
         self.precision = precision
         self.sample_rate = SAMPLE_RATE
-        self.stream_geometry = self._geometry(stream_config or Token2WavStreamConfig())
+        self.stream_geometry = geo = self._geometry(stream_config or Token2WavStreamConfig())
+        # A chunk's blocks and its look-ahead, in codes, and the one more code a chunk waits for.
+        blocks = max(geo.config.initial_chunk_blocks, geo.config.chunk_blocks) + geo.config.future_blocks
+        self.max_units_per_chunk = -(-blocks * geo.block_frames // geo.repeats) + 1
         self._speaker_features: dict[str, torch.Tensor] = {}
         # Benchmark option (GPU): torch.compile the DiT evaluation ("reduce-overhead" captures
         # CUDA graphs of it), static shapes: each new (rows, frames) compiles once; eager unless asked.

@@ -47,6 +47,7 @@ class Qwen3OmniMoeCode2Wav:
         self.device = device
         self.precision = precision
         self.stream_config = stream_config or Code2WavStreamConfig()
+        self.max_units_per_chunk = max(self.stream_config.initial_chunk_frames, self.stream_config.chunk_frames)
         self.num_quantizers = module.config.num_quantizers
         self.codebook_size = module.config.codebook_size
         self.samples_per_frame = int(module.total_upsample)
