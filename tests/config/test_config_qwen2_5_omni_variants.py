@@ -18,7 +18,7 @@ BRIDGES = "vllm_omni.model_executor.stage_input_processors.qwen2_5_omni"
 @pytest.fixture(autouse=True)
 def eight_gpus(monkeypatch):
     # The bundled choice depends on the visible GPU count; pin it so the test means the same anywhere.
-    monkeypatch.setattr("vllm_omni.config.loader._visible_devices", lambda platform: 8)
+    monkeypatch.setattr("vllm_omni.config.loader.visible_device_count", lambda platform: 8)
 
 
 def stage_settings(pipeline) -> list[tuple]:
@@ -87,7 +87,7 @@ def test_output_modalities_and_gpu_count_pick_the_bundled_variant(monkeypatch):
     assert load_pipeline_config(model=OMNI, output_modalities=["audio"]).num_stages == 3
     # A file is taken as given.
     assert load_pipeline_config(STAGE_CONFIGS_DIR / "qwen2_5_omni.yaml", output_modalities=["text"]).num_stages == 3
-    monkeypatch.setattr("vllm_omni.config.loader._visible_devices", lambda platform: 1)
+    monkeypatch.setattr("vllm_omni.config.loader.visible_device_count", lambda platform: 1)
     one_gpu = load_pipeline_config(model=OMNI, platform="cuda")
     assert one_gpu.pipeline_name == "qwen2_5_omni_single_gpu"
     assert [s.runtime.devices for s in one_gpu.stages] == ["0", "0", "0"]

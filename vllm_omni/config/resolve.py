@@ -20,6 +20,7 @@ AR_WORKER = "vllm_omni.worker.gpu_ar_worker.GPUARWorker"
 GENERATION_WORKER = "vllm_omni.worker.gpu_generation_worker.GPUGenerationWorker"
 AR_SCHEDULER = "vllm_omni.core.sched.omni_ar_scheduler.OmniARScheduler"
 GENERATION_SCHEDULER = "vllm_omni.core.sched.omni_generation_scheduler.OmniGenerationScheduler"
+DOCUMENTED_SCHEDULERS = (AR_SCHEDULER, GENERATION_SCHEDULER)
 _PROCESSORS = "vllm_omni.model_executor.stage_input_processors"
 
 # worker_type -> default worker_cls / scheduler_cls (diffusion stages bring their own engine).

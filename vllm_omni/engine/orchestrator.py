@@ -290,16 +290,10 @@ class Orchestrator:
 
 
 def _check_supported(pipeline: PipelineConfig) -> None:
-    for edge in pipeline.edges:
-        if edge.window_size != -1:
-            raise ValueError(f"edge {edge.from_stage} -> {edge.to_stage}: window_size={edge.window_size} is not "
-                             "supported yet: only -1 (the downstream stage starts after the upstream one finishes)")
+    # What no stage can run (streaming edges, replicas, tensor parallelism) is refused when the
+    # config is parsed (config/support.py).
     if pipeline.async_chunk:
         # Bundled deploy files say async_chunk: true (upstream's default); refusing them would
         # refuse the bundled configs, so say plainly that the setting has no effect yet.
         logger.warning("async_chunk is set but streaming between stages is not implemented yet: each stage "
                        "hands its complete output to the next (as with window_size -1)")
-    for stage in pipeline.stages:
-        if stage.runtime.num_replicas != 1:
-            raise ValueError(f"stage {stage.stage_id}: runtime.num_replicas={stage.runtime.num_replicas} is not "
-                             "supported yet: must be 1")

@@ -17,7 +17,7 @@ _Self = TypeVar("_Self", bound="OmniBase")
 
 def load_pipeline(model: str, stage_configs_path: str | None, deploy_config: str | None,
                   stage_overrides: str | Mapping[Any, Any] | None, engine_args: dict[str, Any],
-                  output_modalities: Sequence[str] | None = None) -> PipelineConfig:
+                  output_modalities: Sequence[str] | None = None, async_chunk: bool | None = None) -> PipelineConfig:
     """Parse every config input once (DESIGN 6) and check that its dotted names import."""
     from vllm_omni.config import detect_platform, load_pipeline_config, validate_dotted_names
 
@@ -27,7 +27,7 @@ def load_pipeline(model: str, stage_configs_path: str | None, deploy_config: str
     fmt = "legacy" if stage_configs_path is not None else "deploy" if deploy_config is not None else None
     pipeline = load_pipeline_config(path, model=model, expected_format=fmt, stage_overrides=stage_overrides,
                                     cli_args=engine_args or None, platform=detect_platform(),
-                                    output_modalities=output_modalities)
+                                    output_modalities=output_modalities, check_devices=True, async_chunk=async_chunk)
     validate_dotted_names(pipeline)
     return pipeline
 
@@ -37,7 +37,8 @@ class OmniBase:
 
     `output_modalities` (e.g. ["text"]): what this instance will ever return. With a bundled
     config it picks the smallest variant (text only: the thinker alone, no talker loaded), and
-    it is the default of generate's `modalities`."""
+    it is the default of generate's `modalities`. `async_chunk` overrides the config's
+    (--async-chunk / --no-async-chunk; None keeps it)."""
 
     def __init__(
         self,
@@ -50,13 +51,14 @@ class OmniBase:
         shm_threshold_bytes: int = 65536,
         log_stats: bool = False,
         output_modalities: Sequence[str] | None = None,
+        async_chunk: bool | None = None,
         **engine_args: Any,
     ) -> None:
         model = os.fspath(model)
         if isinstance(output_modalities, str):
             output_modalities = [output_modalities]
         pipeline = load_pipeline(model, stage_configs_path, deploy_config, stage_overrides, engine_args,
-                                 output_modalities)
+                                 output_modalities, async_chunk)
         options = RuntimeOptions(stage_init_timeout_s=float(stage_init_timeout), init_timeout_s=float(init_timeout),
                                  shm_threshold_bytes=int(shm_threshold_bytes), log_stats=log_stats)
         self._runtime = OmniRuntime(pipeline, model, options, output_modalities)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from vllm_omni.stage_io import StageRequest
+from vllm_omni.model_executor.dtypes import canonical_dtype
 from vllm_omni.model_executor.model_loader import safetensors_files
 from vllm_omni.model_executor.models.qwen2_5_omni.bridges import Code2WavInputs
 
@@ -81,7 +82,7 @@ class Qwen2_5OmniToken2Wav:
         from transformers import AutoConfig
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
-        if dtype not in ("auto", "float32", "float"):
+        if canonical_dtype(dtype) not in ("auto", "float32"):
             # transformers casts token2wav to float32 before use too: the ODE and the vocoder
             # lose too much in half precision.
             logger.info("code2wav runs in float32; ignoring dtype=%s", dtype)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_omni.model_executor.dtypes import canonical_dtype, torch_dtype
 from vllm_omni.stage_io import StageRequest
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav import _prefixed_tensors
 
@@ -22,9 +23,6 @@ SAMPLE_RATE = 24000
 WEIGHT_PREFIX = "code2wav."
 CHUNK_FRAMES = 300  # transformers' generate: chunked_decode(chunk_size=300, left_context_size=25)
 LEFT_CONTEXT_FRAMES = 25
-_DTYPES = {"auto": torch.float32, "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
-           "fp16": torch.float16}
 
 
 class Qwen3OmniMoeCode2Wav:
@@ -45,8 +43,9 @@ class Qwen3OmniMoeCode2Wav:
         from transformers import AutoConfig
         from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav as HFCode2Wav
 
-        if dtype not in _DTYPES:
-            raise ValueError(f"code2wav: unsupported dtype {dtype!r}; supported: {sorted(_DTYPES)}")
+        # "auto" is float32, not the checkpoint's bf16: the vocoder is small and its output is
+        # audio samples, where half precision is audible; ask for bfloat16 explicitly to save time.
+        param_dtype = torch.float32 if canonical_dtype(dtype) == "auto" else torch_dtype(dtype)
         config = AutoConfig.from_pretrained(model_path)
         c2w_config = getattr(config, "code2wav_config", None)
         if c2w_config is None:
@@ -54,9 +53,7 @@ class Qwen3OmniMoeCode2Wav:
         device = torch.device(device)
         with torch.device(device):  # random init (overwritten below) is much faster on a GPU
             module = HFCode2Wav(c2w_config)
-        # "auto" is float32, not the checkpoint's bf16: the vocoder is small and its output is
-        # audio samples, where half precision is audible; ask for bfloat16 explicitly to save time.
-        module = module.to(_DTYPES[dtype])
+        module = module.to(param_dtype)
         if load_format != "dummy":  # dummy: keep the random init (benchmarks)
             module.load_state_dict(_prefixed_tensors(model_path, WEIGHT_PREFIX), strict=True)
         return cls(module.eval(), device)
