@@ -98,5 +98,8 @@ class RequestAccumulator:
             return None
         return AudioEvent(new, out.finished)
 
+    def finished(self, modality: str) -> bool:
+        return self.text_finished if modality == "text" else self.audio_finished
+
     def audio(self) -> np.ndarray:
         return np.concatenate(self.audio_chunks) if self.audio_chunks else np.zeros(0, np.float32)

@@ -6,6 +6,12 @@ order: text in `choices[i].message.content`, speech in `choices[j].message.audio
 choice indices carry SSE `chat.completion.chunk`s: text deltas as the stage generates them, and
 audio chunks (`delta.audio.data`, each chunk a complete file in the requested format) as soon
 as the audio stage hands them over; then `data: [DONE]`.
+
+Partial responses (docs/compatibility.md): when a later stage fails after an earlier one finished
+an output the client asked for (the talker fails, the text is complete), the response is still
+200 with that output; the failed output's choice has `finish_reason: "error"` and an OpenAI-shaped
+`error` object (HTTP status in `code`). A stream has already sent the text by then: the error
+follows in-band, then [DONE].
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from fastapi.responses import JSONResponse
 
 from vllm_omni.entrypoints.openai.accumulator import AudioEvent, RequestAccumulator, TextEvent
 from vllm_omni.entrypoints.openai.admission import Ticket
+from vllm_omni.entrypoints.async_omni import RequestFailedError
 from vllm_omni.entrypoints.openai.audio import OUTPUT_SAMPLE_RATE, check_format, encode_audio
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.media_fetch import resolve_media
@@ -59,9 +66,14 @@ class ChatView:
         data = base64.b64encode(raw).decode("ascii")
         return {"id": self.audio_id, "data": data, "expires_at": self.created + AUDIO_TTL_S, "transcript": transcript}
 
-    async def response(self, acc: RequestAccumulator) -> dict[str, Any]:
+    async def response(self, acc: RequestAccumulator, failure: APIError | None = None) -> dict[str, Any]:
+        """`failure`: the error of an output that did not finish (a partial response)."""
         choices = []
         for i, modality in enumerate(self.modalities):
+            if failure is not None and not acc.finished(modality):
+                choices.append({"index": i, "message": {"role": "assistant", "content": None}, "logprobs": None,
+                                "finish_reason": "error", **failure.body()})
+                continue
             if modality == "text":
                 message = {"role": "assistant", "content": acc.text}
                 reason = acc.finish_reason
@@ -158,14 +170,19 @@ class ChatService:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream = self._stream(raw, view, acc, first, gen, ticket, include_usage)
             return EventStream(stream, raw, partial(_close, ticket, gen))
+        failure = None
         try:
             await race_disconnect(raw, _drain(first, gen, acc))
         except BaseException as e:
-            raise as_api_error(ctx, e)  # noqa: B904 - chained inside as_api_error
+            err = as_api_error(ctx, e)
+            # A later stage failed after an output the client asked for was complete: keep it.
+            if not (isinstance(e, RequestFailedError) and any(acc.finished(m) for m in requested)):
+                raise err  # noqa: B904 - chained inside as_api_error
+            failure = err
         finally:
             ticket.release()
         self.ctx.record_finished(ENDPOINT, acc)
-        return JSONResponse(await view.response(acc))
+        return JSONResponse(await view.response(acc, failure))
 
     async def _stream(self, raw: Request, view: ChatView, acc: RequestAccumulator, first: OmniRequestOutput,
                       gen: AsyncIterator[OmniRequestOutput], ticket: Ticket, include_usage: bool) -> AsyncIterator[str]:
