@@ -112,17 +112,24 @@ class Qwen2_5OmniInputProcessor:
         use_audio_in_video: bool = False,
         add_generation_prompt: bool = True,
         video_options: dict[str, Any] | None = None,
+        chat_template: str | None = None,
         **chat_template_kwargs: Any,
     ) -> ThinkerPrompt:
         """Chat messages (see chat_parts.py for the content parts) -> ThinkerPrompt.
 
         `video_options`: VideoSampling overrides for every video of the request (a video part's
-        own options win). Raises ValueError (MediaError) for bad input."""
+        own options win). `chat_template` replaces the model's for this call, `chat_template_kwargs`
+        are extra template variables. Raises ValueError (MediaError) for bad input."""
+        import jinja2
+
         rendered, items = parse_messages(messages)
-        text = self.tokenizer.apply_chat_template(
-            rendered, chat_template=self.chat_template, tokenize=False,
-            add_generation_prompt=add_generation_prompt, **chat_template_kwargs,
-        )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                rendered, chat_template=chat_template or self.chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt, **chat_template_kwargs,
+            )
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from e
         return self._finish(self._encode(text), items, use_audio_in_video, video_options)
 
     def process_prompt(

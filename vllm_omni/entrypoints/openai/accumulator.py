@@ -25,6 +25,9 @@ class TextEvent:
     delta: str
     finished: bool
     finish_reason: str | None
+    # (token id, {token id: logprob} of it and its top alternatives) of the tokens new since the
+    # last event; empty unless the request asked for logprobs
+    logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)
 
 
 @dataclass
@@ -41,6 +44,7 @@ class RequestAccumulator:
     text_finished: bool = False
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    token_logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)  # every output token's
     audio_chunks: list[np.ndarray] = field(default_factory=list)
     audio_samples: int = 0
     audio_finished: bool = False
@@ -77,9 +81,12 @@ class RequestAccumulator:
         if out.finished:
             self.text_finished = True
             self.finish_reason = comp.finish_reason or "stop"
-        if not delta and not out.finished:
+        seen = len(self.token_logprobs)
+        new_logprobs = list(zip(comp.token_ids[seen:], comp.logprobs[seen:])) if comp.logprobs else []
+        self.token_logprobs += new_logprobs
+        if not delta and not out.finished and not new_logprobs:
             return None
-        return TextEvent(delta, out.finished, self.finish_reason if out.finished else None)
+        return TextEvent(delta, out.finished, self.finish_reason if out.finished else None, new_logprobs)
 
     def _add_audio(self, out: OmniRequestOutput) -> AudioEvent | None:
         tensor = out.request_output.outputs[0].multimodal_output.get(AUDIO_KEY)
