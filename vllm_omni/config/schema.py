@@ -106,7 +106,8 @@ def check_scheduler_cls(v: Any) -> str | None:
     can replace it."""
     if v is None or v in DOCUMENTED_SCHEDULERS:
         return v
-    check_dotted(v)
+    if not (isinstance(v, str) and _DOTTED.match(v)):
+        raise BadValue("a dotted Python path 'package.module.Name' or null")
     raise BadValue(" | ".join(DOCUMENTED_SCHEDULERS),
                    f"scheduler_cls {v!r} is not supported: the scheduler is part of the stage engine; "
                    "only the documented names select it")
