@@ -150,3 +150,12 @@ def test_check_config_checks_this_machines_devices(tmp_path):
         out = subprocess.run([sys.executable, "-m", "vllm_omni.entrypoints.cli.main", "check-config", str(V012),
                               "--no-import", *extra], capture_output=True, text=True, timeout=120, env=env)
         assert out.returncode == 0, out.stderr
+
+
+def test_the_documented_tables_name_every_key():
+    from vllm_omni.config import upstream_keys
+
+    doc = (Path(__file__).parents[2] / "docs" / "compatibility.md").read_text()
+    keys = [*upstream_keys.IGNORED_ENGINE_ARGS, *upstream_keys.REFUSED_ENGINE_ARGS,
+            *(k for k in upstream_keys.UNSUPPORTED_FEATURES if k not in upstream_keys.DIFFUSION_KEYS)]
+    assert [k for k in keys if f"`{k}`" not in doc] == []

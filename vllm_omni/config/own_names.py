@@ -16,7 +16,7 @@ PACKAGE = "vllm_omni"
 _ROOT = Path(__file__).resolve().parents[1]  # the vllm_omni package folder
 
 # Upstream worker classes of other accelerators: refused by name, with the reason.
-_PLATFORM_WORKERS = {"npu": "Ascend NPU", "xpu": "Intel XPU", "hpu": "Intel Gaudi (HPU)", "musa": "MUSA"}
+_PLATFORM_WORKERS = {"npu": "Ascend NPU", "xpu": "Intel XPU", "hpu": "Intel Gaudi (HPU)", "rocm": "ROCm", "musa": "MUSA"}
 
 
 def foreign_name_problem(name: str) -> str | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 AudioFormat = Literal["wav", "mp3", "flac", "pcm16", "opus"]
 
@@ -20,9 +20,15 @@ class _Strict(BaseModel):
 # --------------------------------------------------------------------------- content parts
 
 
-class _URL(_Strict):
+class MediaURL(_Strict):
     url: str
     detail: str | None = None  # OpenAI's image detail hint; the processor sizes images itself
+
+
+def _url_object(value: Any) -> Any:
+    # A bare URL string is the object's `url`: one model per field, so a bad key is reported
+    # at its own path ("...image_url.foo"), not under a union member's class name.
+    return {"url": value} if isinstance(value, str) else value
 
 
 class TextPart(_Strict):
@@ -38,12 +44,12 @@ class _MediaPart(BaseModel):
 
 class ImageURLPart(_MediaPart):
     type: Literal["image_url"]
-    image_url: _URL | str
+    image_url: Annotated[MediaURL, BeforeValidator(_url_object)]
 
 
 class AudioURLPart(_MediaPart):
     type: Literal["audio_url"]
-    audio_url: _URL | str
+    audio_url: Annotated[MediaURL, BeforeValidator(_url_object)]
 
 
 class VideoURL(_Strict):
@@ -53,7 +59,7 @@ class VideoURL(_Strict):
 
 class VideoURLPart(_MediaPart):
     type: Literal["video_url"]
-    video_url: VideoURL | str
+    video_url: Annotated[VideoURL, BeforeValidator(_url_object)]
 
 
 class _InputAudio(_Strict):
