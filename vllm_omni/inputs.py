@@ -68,7 +68,7 @@ _OPTIONAL_KEYS = ("multi_modal_data", "mm_processor_kwargs", "speaker", "additio
 _TEMPLATE_KEYS = ("chat_template", "chat_template_kwargs")  # with "messages" only
 _ALLOWED_KEYS = frozenset({"prompt", "prompt_token_ids", "messages", *_OPTIONAL_KEYS, *_TEMPLATE_KEYS})
 # apply_chat_template's own arguments: chat_template_kwargs are template variables, not these.
-RESERVED_TEMPLATE_KWARGS = frozenset({
+_RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
     "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs"})
@@ -131,7 +131,7 @@ def _check_template_keys(prompt: Mapping[str, Any]) -> None:
     template = prompt.get("chat_template")
     if template is not None and not (isinstance(template, str) and template.strip()):
         raise ValueError("chat_template must be a non-empty string (a Jinja template)")
-    if reserved := sorted(set(prompt.get("chat_template_kwargs") or {}) & RESERVED_TEMPLATE_KWARGS):
+    if reserved := sorted(set(prompt.get("chat_template_kwargs") or {}) & _RESERVED_TEMPLATE_KWARGS):
         raise ValueError(f"chat_template_kwargs may not set {reserved}: they are arguments of "
                          "apply_chat_template itself, not template variables")
 

@@ -19,8 +19,8 @@ from vllm_omni.engine.stage_client import StageState
 from vllm_omni.entrypoints.async_omni import RequestFailedError
 from vllm_omni.entrypoints.openai.accumulator import RequestAccumulator
 from vllm_omni.entrypoints.openai.admission import AdmissionGate
-from vllm_omni.entrypoints.openai.chat_options import ChatOptions
 from vllm_omni.entrypoints.openai.audio import OUTPUT_SAMPLE_RATE
+from vllm_omni.entrypoints.openai.chat_options import ChatOptions
 from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected, from_request_failure
 from vllm_omni.entrypoints.openai.media_fetch import MediaPolicy
 from vllm_omni.entrypoints.openai.metrics import ServerMetrics

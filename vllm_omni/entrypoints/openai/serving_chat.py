@@ -29,9 +29,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from vllm_omni.entrypoints.async_omni import RequestFailedError
 from vllm_omni.entrypoints.openai.accumulator import AudioEvent, RequestAccumulator, TextEvent
 from vllm_omni.entrypoints.openai.admission import Ticket
-from vllm_omni.entrypoints.async_omni import RequestFailedError
 from vllm_omni.entrypoints.openai.audio import OUTPUT_SAMPLE_RATE, check_format, encode_audio
 from vllm_omni.entrypoints.openai.chat_options import ChatOptions
 from vllm_omni.entrypoints.openai.errors import APIError
