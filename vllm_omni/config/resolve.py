@@ -115,12 +115,6 @@ def validate_dotted_names(pipeline: PipelineConfig) -> None:
             if not callable(obj):
                 problems.append(f"stage {stage.stage_id}: {field}={name!r}: resolves to a "
                                 f"{type(obj).__name__}, not a class or function")
-    for conn in pipeline.connectors:
-        if "." in conn.name:
-            try:
-                resolve_dotted(conn.name)
-            except ConfigError as exc:
-                problems.append(f"connectors.{conn.key}.name={conn.name!r}: {_what(exc)}")
     if problems:
         raise ConfigError("dotted names do not resolve:\n  " + "\n  ".join(problems),
                           source=pipeline.source)

@@ -86,10 +86,6 @@ _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _DOTTED = re.compile(rf"^{_IDENT}(\.{_IDENT})+$")
 
 
-def is_dotted(v: Any) -> bool:
-    return isinstance(v, str) and bool(_DOTTED.match(v))
-
-
 def check_dotted(v: Any) -> str | None:
     """Syntax, and for names inside vllm_omni that they exist (own_names, read from our source
     files). A user's plugin is imported in resolve.validate_dotted_names, not at parse time."""

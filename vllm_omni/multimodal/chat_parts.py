@@ -174,3 +174,16 @@ def items_from_multi_modal_data(data: Mapping[str, Any] | None) -> list[MediaIte
             else:
                 items.append(MediaItem(kind, value))
     return items
+
+
+def render_chat(tokenizer: Any, messages: list[Any], chat_template: str | None = None,
+                add_generation_prompt: bool = True, template_kwargs: Mapping[str, Any] | None = None) -> str:
+    """The prompt text of chat messages through `chat_template` (None: the tokenizer's) and its
+    extra variables. A template that fails to render, or rejects a variable, is bad input."""
+    import jinja2
+
+    try:
+        return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+    except jinja2.TemplateError as e:
+        raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from e

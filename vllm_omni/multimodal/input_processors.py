@@ -68,6 +68,8 @@ class TextInputProcessor:
         return _base(prompt, _tokenize(self.tokenizer, prompt["prompt"]), prompt["prompt"], {})
 
     def _render(self, messages: list[Any], chat_template: str | None, template_kwargs: Mapping[str, Any] | None) -> str:
+        from vllm_omni.multimodal.chat_parts import render_chat  # media/vision pull in torch: only when used
+
         if self.tokenizer is None or not (chat_template or getattr(self.tokenizer, "chat_template", None)):
             raise ValueError(f"{self.model_name} has no chat template: pass a prompt string or token ids")
         rendered = []
@@ -76,19 +78,7 @@ class TextInputProcessor:
                 raise ValueError("each message must be a dict with a 'role' string")
             rendered.append({"role": message["role"], "content": _text_content(message.get("content"),
                                                                                 self.model_name)})
-        return render_template(self.tokenizer, rendered, chat_template, template_kwargs)
-
-
-def render_template(tokenizer: Any, messages: list[Any], chat_template: str | None,
-                    template_kwargs: Mapping[str, Any] | None) -> str:
-    """The prompt text of chat messages; a broken template or a variable it rejects is bad input."""
-    import jinja2
-
-    try:
-        return tokenizer.apply_chat_template(messages, chat_template=chat_template, add_generation_prompt=True,
-                                             tokenize=False, **(template_kwargs or {}))
-    except jinja2.TemplateError as e:
-        raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from e
+        return render_chat(self.tokenizer, rendered, chat_template, template_kwargs=template_kwargs)
 
 
 def _text_content(content: Any, model_name: str) -> str:
