@@ -209,7 +209,7 @@ def test_device_lock_contention_between_processes(lock_env):
         siu.terminate_alive_proc(holder, timeout=2)
 
 
-def test_device_locks_followvisible_device_count(lock_env, monkeypatch, tmp_path):
+def test_device_locks_follow_visible_devices(lock_env, monkeypatch, tmp_path):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1,2")
     fds = siu.acquire_device_locks(0, {"tensor_parallel_size": 2}, 1)
     try:
