@@ -38,9 +38,13 @@ class TokensPrompt(TypedDict, total=False):
 
 
 class ChatPrompt(TypedDict, total=False):
-    """OpenAI-style chat messages; content is a string or a list of text / media parts."""
+    """OpenAI-style chat messages; content is a string or a list of text / media parts.
+    `chat_template` replaces the model's template, `chat_template_kwargs` are extra template
+    variables (vLLM's request fields)."""
 
     messages: Required[list[dict[str, Any]]]
+    chat_template: NotRequired[str | None]
+    chat_template_kwargs: NotRequired[dict[str, Any] | None]
     mm_processor_kwargs: NotRequired[dict[str, Any] | None]
     speaker: NotRequired[str | None]
     additional_information: NotRequired[dict[str, Any] | None]
@@ -66,7 +70,13 @@ TTS_KEYS = ("instructions", "language", "task_type", "ref_audio", "ref_text", "x
             "non_streaming_mode")
 _OPTIONAL_KEYS = ("multi_modal_data", "mm_processor_kwargs", "speaker", "additional_information",
                   "negative_prompt", *TTS_KEYS)
-_ALLOWED_KEYS = frozenset({"prompt", "prompt_token_ids", "messages", *_OPTIONAL_KEYS})
+_TEMPLATE_KEYS = ("chat_template", "chat_template_kwargs")  # with "messages" only
+_ALLOWED_KEYS = frozenset({"prompt", "prompt_token_ids", "messages", *_OPTIONAL_KEYS, *_TEMPLATE_KEYS})
+# apply_chat_template's own arguments: chat_template_kwargs are template variables, not these.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 def parse_prompt(prompt: Any) -> OmniTokensPrompt | TextPrompt | ChatPrompt:
@@ -81,10 +91,11 @@ def parse_prompt(prompt: Any) -> OmniTokensPrompt | TextPrompt | ChatPrompt:
     unknown = sorted(set(prompt) - _ALLOWED_KEYS)
     if unknown:
         raise ValueError(f"prompt has unknown key(s) {unknown}; allowed: {sorted(_ALLOWED_KEYS)}")
-    for key in ("additional_information", "multi_modal_data", "mm_processor_kwargs"):
+    for key in ("additional_information", "multi_modal_data", "mm_processor_kwargs", "chat_template_kwargs"):
         value = prompt.get(key)
         if value is not None and not isinstance(value, Mapping):
             raise ValueError(f"{key} must be a dict, got {type(value).__name__}")
+    _check_template_keys(prompt)
     speaker = prompt.get("speaker")
     if speaker is not None and not isinstance(speaker, str):
         raise ValueError(f"speaker must be a voice name (a string), got {type(speaker).__name__}")
@@ -107,6 +118,7 @@ def parse_prompt(prompt: Any) -> OmniTokensPrompt | TextPrompt | ChatPrompt:
         if "multi_modal_data" in prompt:
             raise ValueError("with 'messages', media go in the message content parts, not multi_modal_data")
         out = {"messages": list(messages)}
+        out.update({k: prompt[k] for k in _TEMPLATE_KEYS if prompt.get(k) is not None})
     else:
         if not isinstance(prompt.get("prompt"), str):
             raise ValueError("a dict prompt needs 'prompt' (a string), 'prompt_token_ids' or 'messages'")
@@ -115,6 +127,18 @@ def parse_prompt(prompt: Any) -> OmniTokensPrompt | TextPrompt | ChatPrompt:
         if prompt.get(key) is not None:
             out[key] = prompt[key]
     return out  # type: ignore[return-value]
+
+
+def _check_template_keys(prompt: Mapping[str, Any]) -> None:
+    given = [k for k in _TEMPLATE_KEYS if prompt.get(k) is not None]
+    if given and "messages" not in prompt:
+        raise ValueError(f"{given[0]} applies to chat 'messages' prompts only")
+    template = prompt.get("chat_template")
+    if template is not None and not (isinstance(template, str) and template.strip()):
+        raise ValueError("chat_template must be a non-empty string (a Jinja template)")
+    if reserved := sorted(set(prompt.get("chat_template_kwargs") or {}) & _RESERVED_TEMPLATE_KWARGS):
+        raise ValueError(f"chat_template_kwargs may not set {reserved}: they are arguments of "
+                         "apply_chat_template itself, not template variables")
 
 
 def needs_input_processing(prompt: Mapping[str, Any]) -> bool:

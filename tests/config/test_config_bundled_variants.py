@@ -29,7 +29,7 @@ def legacy(family: ModelFamily, variant: PipelineVariant, **kw):
 @pytest.fixture(autouse=True)
 def eight_gpus(monkeypatch):
     # The bundled choice depends on the visible GPU count; pin it so the test means the same anywhere.
-    monkeypatch.setattr("vllm_omni.config.loader._visible_devices", lambda platform: 8)
+    monkeypatch.setattr("vllm_omni.config.loader.visible_device_count", lambda platform: 8)
 
 
 def stage_settings(pipeline) -> list[tuple]:
@@ -104,7 +104,7 @@ def test_output_modalities_and_gpu_count_pick_the_bundled_variant(family, monkey
     # Named in a deploy file's `pipeline:` like any bundled pipeline.
     assert load_pipeline_config(DEPLOY_DIR / f"{family.pipelines[SINGLE]}.yaml").pipeline_name == \
         family.pipelines[SINGLE]
-    monkeypatch.setattr("vllm_omni.config.loader._visible_devices", lambda platform: 1)
+    monkeypatch.setattr("vllm_omni.config.loader.visible_device_count", lambda platform: 1)
     one_gpu = load_pipeline_config(model=omni, platform="cuda")
     assert one_gpu.pipeline_name == family.pipelines[SINGLE]
     assert {s.runtime.devices for s in one_gpu.stages} == {"0"}

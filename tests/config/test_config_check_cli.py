@@ -41,13 +41,11 @@ def test_plugins_resolve(tmp_path):
     config.write_text("""\
 stage_args:
   - stage_id: 0
-    engine_args: {model_arch: cc_plugins.parts.Model, worker_cls: cc_plugins.parts.Worker,
-                  scheduler_cls: cc_plugins.parts.Sched}
+    engine_args: {model_arch: cc_plugins.parts.Model, worker_cls: cc_plugins.parts.Worker}
   - stage_id: 1
     engine_input_source: [0]
     custom_process_input_func: cc_plugins.parts.bridge
-    engine_args: {model_arch: cc_plugins.parts.Model, worker_cls: cc_plugins.parts.Worker,
-                  scheduler_cls: cc_plugins.parts.Sched, worker_type: generation}
+    engine_args: {model_arch: cc_plugins.parts.Model, worker_cls: cc_plugins.parts.Worker, worker_type: generation}
     final_output_type: audio
 """)
     out = check_config(str(config), pythonpath=str(tmp_path))
@@ -78,8 +76,8 @@ def test_bundled_by_model_with_overrides_and_json(tmp_path):
     data = json.loads(out.stdout)
     assert data["format"] == "deploy" and data["pipeline_name"] == "qwen3_omni_moe"
     assert data["async_chunk"] is False
-    assert data["stages"][0]["runtime"]["devices"] == "0,1"  # the npu delta
-    assert data["stages"][0]["engine_args"]["tensor_parallel_size"] == 2
+    assert data["stages"][0]["engine_args"]["max_num_batched_tokens"] == 8192  # the npu delta
+    assert data["stages"][2]["engine_args"]["gpu_memory_utilization"] == 0.3
     assert data["stages"][2]["engine_args"]["max_num_seqs"] == 3
     assert [e["connector"] for e in data["edges"]] == ["connector_of_shared_memory"] * 2
 

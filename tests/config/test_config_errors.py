@@ -199,20 +199,27 @@ def test_broken_legacy_config(name, write_yaml):
 DEPLOY_CASES = {
     "topology key in deploy": ("pipeline: qwen2_5_omni\nstages:\n  - stage_id: 1\n    model_stage: x\n",
                                ["stage 1", "model_stage", "part of the pipeline topology"]),
-    "nested engine_args in deploy": ("pipeline: qwen2_5_omni\nstages:\n  - stage_id: 1\n    engine_args: {}\n",
-                                     ["without a nested 'engine_args:' section"]),
+    "topology key in a nested deploy section": (
+        "pipeline: qwen2_5_omni\nstages:\n  - stage_id: 1\n    engine_args: {model_arch: X}\n",
+        ["stage 1", "engine_args.model_arch", "part of the pipeline topology"]),
     "stage not in the pipeline": ("pipeline: qwen2_5_omni\nstages:\n  - stage_id: 7\n    max_num_seqs: 1\n",
                                   ["stage 7", "the pipeline has no stage 7", "stage ids 0, 1, 2"]),
-    "unknown platform": ("pipeline: qwen2_5_omni\nplatforms:\n  tpu: {stages: []}\n",
-                         ["platforms", "unknown key 'tpu'", "cpu, cuda, npu, rocm, xpu"]),
-    "bad value in a platform delta": ("""\
+    "unknown platform": ("pipeline: qwen2_5_omni\nplatforms:\n  cdua: {stages: []}\n",
+                         ["platforms", "unknown key 'cdua'", "did you mean 'cuda'", "cpu, cuda, hpu"]),
+    "bad value in the current platform's delta": ("""\
         pipeline: qwen2_5_omni
         platforms:
-          npu:
+          cuda:
             stages:
               - stage_id: 0
                 max_num_seqs: 0
-        """, ["(platforms.npu)", "stage 0", "max_num_seqs=0", "an integer >= 1"]),
+        """, ["(platforms.cuda)", "stage 0", "max_num_seqs=0", "an integer >= 1"]),
+    "another platform's delta of the wrong shape": ("""\
+        pipeline: qwen2_5_omni
+        platforms:
+          npu:
+            stages: {stage_id: 0}
+        """, ["(platforms.npu)", "platforms.npu.stages", "must be a list of stage entries"]),
     "unknown pipeline": ("pipeline: qwen9\nstages:\n  - stage_id: 0\n",
                          ["pipeline='qwen9'", "qwen2_5_omni | qwen2_5_omni_single_gpu | qwen2_5_omni_thinker_only "
                                               "| qwen3_omni_moe"]),

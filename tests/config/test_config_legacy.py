@@ -1,10 +1,11 @@
 """Spec 000: the legacy stage_args format, its example YAML and its documented defaults."""
 import glob
+import re
 from pathlib import Path
 
 import pytest
 
-from vllm_omni.config import (ConfigFormat, EngineOutputType, FinalOutputType, PipelineConfig,
+from vllm_omni.config import (ConfigError, ConfigFormat, EngineOutputType, FinalOutputType, PipelineConfig,
                               WorkerType, load_pipeline_config, load_stage_configs_from_yaml)
 from vllm_omni.config.bundled import STAGE_CONFIGS_DIR
 
@@ -156,31 +157,49 @@ def test_worker_type_follows_a_documented_class(write_yaml):
     assert p.stage(0).engine_args.scheduler_cls == GEN_SCHED
 
 
+RUNTIME_EXTRAS = """\
+    async_chunk: true
+    connectors:
+      shm: {name: SharedMemoryConnector, extra: {codec_chunk_frames: 25}}
+    stage_args:
+      - stage_id: 0
+        runtime: {devices: "0", num_replicas: 1, env: {OMP_NUM_THREADS: 4}}
+        output_connectors: {to_stage_1: shm}
+        final_output: true
+      - stage_id: 1
+        engine_input_source: [0]
+        runtime: {devices: 1, process: false}
+        engine_args: {tensor_parallel_size: 1, max_num_seqs: 8, dtype: bf16}
+    runtime:
+      defaults: {window_size: -1, max_inflight: 4}
+    """
+
+
 def test_runtime_extras_edges_connectors(write_yaml):
-    p = load_pipeline_config(write_yaml("""\
-        async_chunk: true
-        connectors:
-          shm: {name: SharedMemoryConnector, extra: {codec_chunk_frames: 25}}
-        stage_args:
-          - stage_id: 0
-            runtime: {devices: "0,1", num_replicas: 2, env: {OMP_NUM_THREADS: 4}}
-            output_connectors: {to_stage_1: shm}
-            final_output: true
-          - stage_id: 1
-            engine_input_source: [0]
-            runtime: {devices: 1, process: false}
-            engine_args: {tensor_parallel_size: 1, max_num_seqs: 8, dtype: bfloat16}
-        runtime:
-          defaults: {window_size: 25, max_inflight: 4}
-        """))
+    p = load_pipeline_config(write_yaml(RUNTIME_EXTRAS))
     s0, s1 = p.stages
-    assert s0.runtime.device_ids == (0, 1) and s0.runtime.env_dict() == {"OMP_NUM_THREADS": "4"}
+    assert s0.runtime.device_ids == (0,) and s0.runtime.env_dict() == {"OMP_NUM_THREADS": "4"}
     assert s1.runtime.devices == "1" and s1.runtime.process is False
-    assert (s1.engine_args.max_num_seqs, s1.engine_args.dtype) == (8, "bfloat16")
+    assert (s1.engine_args.max_num_seqs, s1.engine_args.dtype) == (8, "bfloat16")  # one spelling kept
     assert p.async_chunk is True and p.runtime.max_inflight == 4
-    assert p.edges[0].window_size == 25 and p.edges[0].connector == "shm"
+    assert p.edges[0].window_size == -1 and p.edges[0].connector == "shm"
     assert p.connector("shm").extra_dict() == {"codec_chunk_frames": 25}
+    assert [i.field for i in p.ignored] == ["connectors.shm.extra.codec_chunk_frames"]
     assert p.to_dict()["stages"][1]["engine_args"]["worker_type"] == "ar"
+
+
+def test_what_no_stage_can_run_is_refused_when_parsed(write_yaml):
+    """Valid spec fields this build cannot run fail at parse time, never after the stages spawn."""
+    with pytest.raises(ConfigError, match=re.escape("stage 0: runtime.num_replicas=2: stage replicas are not "
+                                                    "supported yet")):
+        load_pipeline_config(write_yaml(RUNTIME_EXTRAS.replace("num_replicas: 1", "num_replicas: 2")))
+
+
+def test_streaming_windows_and_tensor_parallel_parse(write_yaml):
+    text = RUNTIME_EXTRAS.replace("window_size: -1", "window_size: 25")
+    text = text.replace("tensor_parallel_size: 1", "tensor_parallel_size: 2").replace("devices: 1,", 'devices: "0,1",')
+    p = load_pipeline_config(write_yaml(text))
+    assert p.edges[0].window_size == 25 and p.stage(1).engine_args.tensor_parallel_size == 2
 
 
 def test_ignored_vllm_engine_args_warn(write_yaml, caplog):
@@ -190,4 +209,6 @@ def test_ignored_vllm_engine_args_warn(write_yaml, caplog):
             engine_args: {distributed_executor_backend: mp}
         """))
     assert p.num_stages == 1
-    assert "distributed_executor_backend is ignored" in caplog.text
+    assert [i.describe() for i in p.ignored] == [
+        "engine_args.distributed_executor_backend (stage 0): stage workers are always separate processes here"]
+    assert "engine_args.distributed_executor_backend (stage 0): stage workers" in caplog.text

@@ -23,7 +23,8 @@ def test_parsing_imports_nothing_heavy(tmp_path):
         from vllm_omni.model_executor.models.families import FAMILIES
         load_pipeline_config({str(STAGE_CONFIGS_DIR / 'qwen3_omni_moe.yaml')!r})
         records = {{'vllm_omni.model_executor.models', 'vllm_omni.model_executor.models.family',
-                   'vllm_omni.model_executor.models.families'}}
+                   'vllm_omni.model_executor.models.families',
+                   'vllm_omni.model_executor.dtypes'}}  # dtype spellings: imports no torch
         # each family's package (the folder holding its record)
         records |= {{f.stage_models[s].split(':')[0].rsplit('.', 1)[0] for f in FAMILIES for s in f.stage_models}}
         heavy = [m for m in sys.modules if m.startswith(('vllm_omni.worker.', 'vllm_omni.model_executor.',
@@ -49,15 +50,14 @@ def test_documented_dotted_names_resolve(name):
 @pytest.fixture
 def plugins(plugin_package):
     return plugin_package({
-        "sched": "class MyScheduler:\n    pass\nNOT_CALLABLE = 3\n",
-        "worker": "class MyWorker:\n    pass\n",
+        "worker": "class MyWorker:\n    pass\nNOT_CALLABLE = 3\n",
         "bridge": "def encoder2decoder(stage_list, engine_input_source, prompt=None, mm=False):\n    return []\n",
         "model": "class MyModel:\n    pass\n",
     })
 
 
 def _plugin_yaml(pkg: str, **change: str) -> str:
-    names = {"scheduler_cls": f"{pkg}.sched.MyScheduler", "worker_cls": f"{pkg}.worker.MyWorker",
+    names = {"worker_cls": f"{pkg}.worker.MyWorker",
              "model_arch": f"{pkg}.model.MyModel", "func": f"{pkg}.bridge.encoder2decoder", **change}
     return f"""\
         stage_args:
@@ -69,7 +69,6 @@ def _plugin_yaml(pkg: str, **change: str) -> str:
             engine_args:
               model_arch: {names['model_arch']}
               worker_cls: {names['worker_cls']}
-              scheduler_cls: {names['scheduler_cls']}
         """
 
 
@@ -77,16 +76,16 @@ def test_user_plugins_are_imported(plugins, write_yaml):
     p = load_pipeline_config(write_yaml(_plugin_yaml(plugins)))
     validate_dotted_names(p)
     s1 = p.stage(1)
-    assert resolve_dotted(s1.engine_args.scheduler_cls).__name__ == "MyScheduler"
+    assert resolve_dotted(s1.engine_args.worker_cls).__name__ == "MyWorker"
     assert resolve_dotted(s1.custom_process_input_func)([], [0]) == []
     assert s1.engine_args.worker_type.value == "ar"
 
 
 @pytest.mark.parametrize("change, expected", [
-    ({"scheduler_cls": "{pkg}.sched.Missing"}, ["stage 1: engine_args.scheduler_cls=", "has no attribute 'Missing'",
-                                                "allowed: MyScheduler, NOT_CALLABLE"]),
+    ({"worker_cls": "{pkg}.worker.Missing"}, ["stage 1: engine_args.worker_cls=", "has no attribute 'Missing'",
+                                              "allowed: MyWorker, NOT_CALLABLE"]),
     ({"func": "{pkg}.nowhere.fn"}, ["stage 1: custom_process_input_func=", "not found on sys.path"]),
-    ({"worker_cls": "{pkg}.sched.NOT_CALLABLE"}, ["stage 1: engine_args.worker_cls=", "resolves to a int"]),
+    ({"worker_cls": "{pkg}.worker.NOT_CALLABLE"}, ["stage 1: engine_args.worker_cls=", "resolves to a int"]),
     ({"model_arch": "NoSuchArchForCausalLM"}, ["stage 0: engine_args.model_arch='NoSuchArchForCausalLM'"]),
 ])
 def test_unresolvable_dotted_names(plugins, write_yaml, change, expected):
@@ -103,9 +102,17 @@ def test_unresolvable_dotted_names(plugins, write_yaml, change, expected):
 def test_plugin_import_error_is_reported(plugin_package, write_yaml):
     pkg = plugin_package({"broken": "raise RuntimeError('plugin exploded')\n"})
     p = load_pipeline_config(write_yaml(f"stage_args:\n  - stage_id: 0\n    engine_args: "
-                                        f"{{scheduler_cls: {pkg}.broken.S}}\n"))
+                                        f"{{worker_cls: {pkg}.broken.S}}\n"))
     with pytest.raises(ConfigError, match="RuntimeError: plugin exploded"):
         validate_dotted_names(p)
+
+
+def test_a_scheduler_class_of_ones_own_is_refused_when_parsed(plugins, write_yaml):
+    # The scheduler is part of the stage engine: a class named here would never run.
+    with pytest.raises(ConfigError, match=r"stage 0: engine_args.scheduler_cls='[\w.]+MyWorker': scheduler_cls "
+                                          r"'[\w.]+' is not supported: the scheduler is part of the stage engine"):
+        load_pipeline_config(write_yaml(f"stage_args:\n  - stage_id: 0\n    engine_args: "
+                                        f"{{scheduler_cls: {plugins}.worker.MyWorker}}\n"))
 
 
 @pytest.mark.parametrize("hf, expected", [

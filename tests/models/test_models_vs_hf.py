@@ -10,7 +10,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
-from vllm_omni.model_executor.model_loader import iterate_safetensors, load_model, resolve_dtype  # noqa: E402
+from vllm_omni.model_executor.dtypes import canonical_dtype, torch_dtype  # noqa: E402
+from vllm_omni.model_executor.model_loader import iterate_safetensors, load_model  # noqa: E402
 from vllm_omni.model_executor.models.registry import resolve_model_class, supported_architectures  # noqa: E402
 
 COMMON = dict(
@@ -172,16 +173,18 @@ def test_cuda_bfloat16_matches_transformers(arch, tmp_path):
         assert rel_err(captured[idx], truth_hidden[idx]) <= bound, idx
 
 
-def test_resolve_dtype():
+def test_one_dtype_vocabulary():
     config = transformers.Qwen2Config()
-    assert resolve_dtype(config, "auto") == torch.float32  # no dtype in the config
+    assert torch_dtype("auto", config) == torch.float32  # no dtype in the config
     config.dtype = "bfloat16"
-    assert resolve_dtype(config, "auto") == torch.bfloat16
-    assert resolve_dtype(config, "half") == torch.float16
-    assert resolve_dtype(config, "float") == torch.float32
-    assert resolve_dtype(config, torch.float16) == torch.float16
+    assert torch_dtype("auto", config) == torch.bfloat16
+    assert torch_dtype("half", config) == torch.float16
+    assert torch_dtype("float", config) == torch.float32
+    assert torch_dtype(torch.float16) == torch.float16
+    assert [canonical_dtype(s) for s in ("fp32", "bf16", "fp16", "torch.bfloat16")] == \
+        ["float32", "bfloat16", "float16", "bfloat16"]
     with pytest.raises(ValueError, match="int8"):
-        resolve_dtype(config, "int8")
+        torch_dtype("int8", config)
 
 
 def test_registry():

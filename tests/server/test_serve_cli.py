@@ -110,8 +110,8 @@ def test_vllm_script_only_serves_with_omni(capsys):
     assert "only runs `vllm serve [MODEL] --omni" in capsys.readouterr().err
     assert vllm_main(["serve", "some/model"]) == 2
     assert "add --omni" in capsys.readouterr().err
-    assert vllm_main(["serve", "--omni", "--headless"]) == 2
-    assert "--headless=True is not supported" in capsys.readouterr().err
+    assert vllm_main(["serve", "--omni", "--stage-id", "2"]) == 2
+    assert "--stage-id=2 is not supported" in capsys.readouterr().err
 
 
 def _non_default(flag: serve_args.Flag) -> list[str]:
@@ -139,9 +139,9 @@ def test_flags_reach_async_omni(monkeypatch):
     args = serve_parser().parse_args([
         "m", "--stage-configs-path", "s.yaml", "--stage-overrides", '{"0": {"max_num_seqs": 2}}',
         "--stage-init-timeout", "30", "--init-timeout", "60", "--shm-threshold-bytes", "1024", "--log-stats",
-        "--max-num-seqs", "8", "--dtype", "float32"])
+        "--max-num-seqs", "8", "--dtype", "float32", "--no-async-chunk"])
     serve._start_engine(args, "m")
     assert seen == {"model": "m", "stage_configs_path": "s.yaml", "deploy_config": None,
                     "stage_overrides": '{"0": {"max_num_seqs": 2}}', "stage_init_timeout": 30.0,
-                    "init_timeout": 60.0, "shm_threshold_bytes": 1024, "log_stats": True,
+                    "init_timeout": 60.0, "shm_threshold_bytes": 1024, "log_stats": True, "async_chunk": False,
                     "max_num_seqs": 8, "dtype": "float32"}

@@ -289,12 +289,23 @@ def test_bad_parameters_and_unknown_model(env):
         env.client.chat.completions.create(model="gpt-4o", messages=user("hi"))
 
 
-def test_a_failing_request_is_500_alone(env):
+def test_a_failing_request_fails_alone_and_keeps_its_text(env):
     # A talker that stops on every code leaves token2wav nothing to speak: the pipeline fails
-    # this one request (stage 2's input), all stages stay up.
+    # this one request (stage 2's input), all stages stay up. The text was complete by then:
+    # it comes back, with the speech's error in the audio choice (a partial response).
     params = [None, {"stop_token_ids": list(range(TALKER_VOCAB))}, None]
+    partial = env.client.chat.completions.create(model=NAME, messages=user("hi"),
+                                                 extra_body={"sampling_params_list": params})
+    text, speech = partial.choices
+    assert text.message.content and text.finish_reason in ("stop", "length")
+    assert speech.finish_reason == "error" and speech.message.audio is None
+    assert speech.error["code"] == 500 and "no codec codes" in speech.error["message"]
+    assert text.message.content == env.client.chat.completions.create(
+        model=NAME, messages=user("hi"), modalities=["text"]).choices[0].message.content
+    # Asked for speech alone, nothing the client wanted was finished: the request is a 500.
     with pytest.raises(openai.InternalServerError, match="no codec codes"):
-        env.client.chat.completions.create(model=NAME, messages=user("hi"), extra_body={"sampling_params_list": params})
+        env.client.chat.completions.create(model=NAME, messages=user("hi"), modalities=["audio"],
+                                           extra_body={"sampling_params_list": params})
     # Streamed, the text is already out when the speech fails: the error comes in-band, then [DONE].
     stream = env.client.chat.completions.create(model=NAME, messages=user("hi"), stream=True,
                                                 extra_body={"sampling_params_list": params})

@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from vllm_omni.config import graph, resolve, schema
+from vllm_omni.config import graph, resolve, schema, support
 from vllm_omni.config.errors import ConfigError
 from vllm_omni.config.layers import Layer
-from vllm_omni.config.stage_config import (ConfigFormat, PipelineConfig, PipelineRuntimeConfig,
-                                           StageConfig, StageEngineArgs, StageRuntimeConfig,
-                                           WorkerType)
+from vllm_omni.config.stage_config import (ConfigFormat, IgnoredSetting, PipelineConfig,
+                                           PipelineRuntimeConfig, StageConfig, StageEngineArgs,
+                                           StageRuntimeConfig, WorkerType)
+from vllm_omni.config.upstream_keys import IGNORED_PREFIX
 from vllm_omni.sampling_params import DiffusionSamplingParams, SamplingParams
 
 DOCUMENTED = "documented default"
@@ -45,7 +46,10 @@ class _Merged:
 
 
 def build_pipeline(layers: Sequence[Layer], *, fmt: ConfigFormat, source: str,
-                   pipeline_name: str | None = None, default_async_chunk: bool = False) -> PipelineConfig:
+                   pipeline_name: str | None = None, default_async_chunk: bool = False,
+                   num_devices: int | None = None) -> PipelineConfig:
+    """num_devices: the devices this machine shows for the platform; given, every stage's
+    runtime.devices must exist (None: not checked, e.g. the CPU or another machine's config)."""
     topo = next((layer for layer in layers if layer.defines_topology), None)
     if topo is None:
         raise ConfigError("no layer defines the pipeline's stages", source=source)
@@ -66,6 +70,10 @@ def build_pipeline(layers: Sequence[Layer], *, fmt: ConfigFormat, source: str,
 
     consumed = {src for m in merged.values() for src in m.get("engine_input_source", ())}
     stages = tuple(build_stage(sid, merged[sid], feeds_another_stage=sid in consumed) for sid in stage_ids)
+    for stage in stages:
+        support.check_stage_supported(stage, merged[stage.stage_id].source)
+        if num_devices is not None:
+            support.check_devices_exist(stage, num_devices, merged[stage.stage_id].source)
 
     def source_of(sid: int, path: str) -> str:
         return merged[sid].source(path)
@@ -81,7 +89,22 @@ def build_pipeline(layers: Sequence[Layer], *, fmt: ConfigFormat, source: str,
                                 source_of=source_of)
     return PipelineConfig(stages=stages, edges=edges, runtime=runtime, connectors=connectors,
                           async_chunk=top.get("async_chunk", default_async_chunk), format=fmt,
-                          source=source, pipeline_name=pipeline_name)
+                          source=source, pipeline_name=pipeline_name, ignored=_ignored(merged, top))
+
+
+def _ignored(merged: dict[int, _Merged], top: _Merged) -> tuple[IgnoredSetting, ...]:
+    """Every key recorded as ignored, once per (field, reason), with the stages that set it."""
+    found: dict[tuple[str, str], tuple[list[int], list[str]]] = {}
+    for sid, m in [*merged.items(), (None, top)]:
+        for path, (reason, source) in m.values.items():
+            if path.startswith(IGNORED_PREFIX):
+                stages, sources = found.setdefault((path[len(IGNORED_PREFIX):], reason), ([], []))
+                if sid is not None:
+                    stages.append(sid)
+                if source not in sources:
+                    sources.append(source)
+    return tuple(IgnoredSetting(field, reason, tuple(stages), ", ".join(sources))
+                 for (field, reason), (stages, sources) in found.items())
 
 
 def build_stage(stage_id: int, m: _Merged, *, feeds_another_stage: bool) -> StageConfig:

@@ -15,27 +15,29 @@ Schema of one file (every key optional):
         default_sampling_params: {...}
         input_connectors: {from_stage_0: <key>}
     platforms:                   # deltas applied on top of `stages:` on that platform
-      rocm: {stages: [...]}
+      rocm: {stages: [...]}      # (only the current platform's section is read in full)
+
+Upstream's other top-level keys (session_mode, quantization, ...) are decided by upstream_keys.
 
 Overlays merge stage by stage and key by key (the child wins); the topology
 (which stages exist and how they connect) comes only from the pipeline.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_omni.config import schema, toplevel
+from vllm_omni.config import toplevel, upstream_keys
 from vllm_omni.config.bundled import DEPLOY_DIR
 from vllm_omni.config.errors import ConfigError, unknown_keys
 from vllm_omni.config.layers import Layer, check_field, read_stage_list
+from vllm_omni.config.upstream_keys import IGNORED_PREFIX
 from vllm_omni.config.yaml_io import load_yaml_file
 
-logger = logging.getLogger(__name__)
-
-PLATFORMS = ("cuda", "rocm", "npu", "xpu", "cpu")
+PLATFORMS = ("cuda", "rocm", "npu", "xpu", "cpu")  # where this build may run (`platform=`)
+# Section names of upstream deploy files: the platforms above and others upstream supports.
+PLATFORM_SECTIONS = (*PLATFORMS, "hpu", "musa", "tpu")
 # Deploy keys that apply to every stage (upstream calls them pipeline-wide).
 PIPELINE_WIDE = ("trust_remote_code", "dtype", "enable_prefix_caching", "enable_chunked_prefill")
 DEPLOY_KEYS = ("base_config", "pipeline", "async_chunk", "connectors", "runtime", "edges", "stages",
@@ -84,13 +86,8 @@ def _check_top_keys(data: dict[str, Any], *, source: str) -> None:
     if "stage_args" in data:
         raise ConfigError("is a legacy stage_args config, not a deploy config (pass it with "
                           "--stage-configs-path, or name it in `pipeline:`)", source=source)
-    if rejected := [k for k in data if k in schema.REJECTED_ENGINE_ARGS]:
-        raise ConfigError(f"is not supported: {schema.REJECTED_ENGINE_ARGS[rejected[0]]}", source=source,
-                          field=rejected[0])
-    if unknown := [k for k in data if k not in DEPLOY_KEYS and k not in schema.IGNORED_ENGINE_ARGS]:
+    if unknown := [k for k in data if k not in DEPLOY_KEYS and not upstream_keys.is_policy_key(k)]:
         raise unknown_keys(unknown, DEPLOY_KEYS, source=source)
-    for key in [k for k in data if k in schema.IGNORED_ENGINE_ARGS]:
-        logger.warning("%s: %s is ignored: %s", source, key, schema.IGNORED_ENGINE_ARGS[key])
     if "edges" in data and isinstance(data.get("runtime"), dict) and "edges" in data["runtime"]:
         raise ConfigError("edges are given twice (top-level `edges:` and `runtime.edges`)", source=source,
                           field="edges", allowed="one of them")
@@ -127,30 +124,47 @@ def _file_layer(path: Path, data: dict[str, Any]) -> Layer:
         layer.top["runtime.edges"] = toplevel.read_edges(data["edges"], source=source, section="edges")
     if "connectors" in data:
         layer.top.update(toplevel.read_connectors(data["connectors"], source=source))
+    for key in [k for k in data if k not in DEPLOY_KEYS]:  # upstream keys without a schema field here
+        reason = upstream_keys.apply_policy(key, data[key], source=source, stage_id=None, field=key)
+        if reason is not None:
+            layer.top[f"{IGNORED_PREFIX}{key}"] = reason
     return layer
 
 
 def _platform_layer(path: Path, data: dict[str, Any], platform: str) -> Layer | None:
-    """Every platform section is validated (a typo must fail on any machine); only the
-    current platform's becomes a layer."""
+    """Only the current platform's section is read against the schema and becomes a layer;
+    the others are checked for their shape alone, so that a key only another platform's
+    engine knows (say an NPU option) never blocks a CUDA user."""
     sections = data.get("platforms")
     if sections is None:
         return None
     if not isinstance(sections, dict):
         raise ConfigError("must be a mapping of platform -> {stages: [...]}", source=str(path),
                           field="platforms", value=sections)
-    if unknown := [k for k in sections if k not in PLATFORMS]:
-        raise unknown_keys(unknown, PLATFORMS, source=str(path), section="platforms")
+    if unknown := [k for k in sections if k not in PLATFORM_SECTIONS]:
+        raise unknown_keys(unknown, PLATFORM_SECTIONS, source=str(path), section="platforms")
     chosen = None
     for name, section in sections.items():
         where = f"platforms.{name}"
         if not isinstance(section, dict):
             raise ConfigError("must be a mapping {stages: [...]}", source=str(path), field=where, value=section)
-        if unknown := [k for k in section if k != "stages"]:
-            raise unknown_keys(unknown, ("stages",), source=str(path), section=where)
+        if unknown := [k for k in section if k not in ("stages", "model_runner")]:
+            raise unknown_keys(unknown, ("stages", "model_runner"), source=str(path), section=where)
         source = f"{path} ({where})"
-        stages = read_stage_list(section.get("stages"), source=source, section=f"{where}.stages",
-                                 style="deploy")
-        if name == platform:
-            chosen = Layer(source=source, stages=stages)
+        if name != platform:
+            _check_stage_list_shape(section.get("stages", []), source=source, section=f"{where}.stages")
+            continue
+        chosen = Layer(source=source, stages=read_stage_list(section.get("stages", []), source=source,
+                                                            section=f"{where}.stages", style="deploy"))
+        if "model_runner" in section:
+            chosen.top[f"{IGNORED_PREFIX}{where}.model_runner"] = upstream_keys.IGNORED_ENGINE_ARGS["model_runner"]
     return chosen
+
+
+def _check_stage_list_shape(entries: Any, *, source: str, section: str) -> None:
+    if not isinstance(entries, list):
+        raise ConfigError("must be a list of stage entries", source=source, field=section, value=entries)
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, dict) or not isinstance(entry.get("stage_id"), int):
+            raise ConfigError("must be a mapping with an integer stage_id", source=source,
+                              field=f"{section}[{index}]", value=entry)

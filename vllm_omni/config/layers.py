@@ -6,21 +6,23 @@ the canonical paths of schema.STAGE_FIELDS; build.py merges layers in
 precedence order. Three spellings of a stage entry exist:
 
 - legacy (spec 000): nested `runtime:` / `engine_args:` sections;
-- deploy (spec 001): flat keys (`devices`, `gpu_memory_utilization`, ...), no
-  topology keys, since topology comes from the pipeline the file overlays;
+- deploy (spec 001): flat keys (`devices`, `gpu_memory_utilization`, ...) or upstream's nested
+  `engine_args:` / `runtime:` / `engine_extras:`, no topology keys, since topology comes from
+  the pipeline the file overlays;
 - override (--stage-overrides, CLI): flat or nested, any field but stage_id.
+
+Keys of upstream configs that the schema does not implement are decided by upstream_keys:
+ignored (recorded as "ignored.<key>" for one warning), accepted as a no-op, or refused.
 """
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from vllm_omni.config import schema
+from vllm_omni.config import schema, upstream_keys
 from vllm_omni.config.errors import BadValue, ConfigError, bad_value, unknown_keys
-
-logger = logging.getLogger(__name__)
+from vllm_omni.config.upstream_keys import IGNORED_PREFIX
 
 Style = Literal["legacy", "deploy", "override"]
 
@@ -70,18 +72,13 @@ def read_stage_list(entries: Any, *, source: str, section: str, style: Style) ->
 
 def read_stage_fields(entry: dict[str, Any], *, source: str, stage_id: int | None,
                       style: Style) -> dict[str, Any]:
-    """Validate one stage entry and return {canonical path: value}."""
+    """Validate one stage entry and return {canonical path: value}; keys that are ignored here
+    come back as {"ignored.<key>": reason} (build.py turns them into one warning)."""
     out: dict[str, Any] = {}
     allowed = _allowed_keys(style)
-    unknown = [k for k in entry if k not in allowed and k != "stage_id"]
-    ignored = set()
-    if style != "legacy":  # flat spellings: vLLM-only engine args may appear at this level
-        ignored = {k for k in unknown if k in schema.IGNORED_ENGINE_ARGS or k in schema.REJECTED_ENGINE_ARGS}
-        for key in sorted(ignored):
-            _engine_arg_policy(key, source=source, stage_id=stage_id)
-        unknown = [k for k in unknown if k not in ignored]
-    if style == "deploy":
-        _reject_deploy_specials(unknown, source=source, stage_id=stage_id)
+    # A topology key in a deploy stage gets its own message (_check_not_topology) below.
+    unknown = [k for k in entry if k not in allowed and k != "stage_id" and not upstream_keys.is_policy_key(k)
+               and not (style == "deploy" and _FLAT.get(k, k) in schema.TOPOLOGY_FIELDS)]
     if style == "legacy" and (misplaced := [k for k in unknown if k in _FLAT]):
         section = _FLAT[misplaced[0]].split(".")[0]
         raise ConfigError(f"belongs in the '{section}:' section of a legacy stage entry", source=source,
@@ -89,72 +86,81 @@ def read_stage_fields(entry: dict[str, Any], *, source: str, stage_id: int | Non
     if unknown:
         raise unknown_keys(unknown, allowed, source=source, stage_id=stage_id)
     for key, value in entry.items():
-        if key in ignored:
-            continue
         if key == "stage_id":
             if style == "override":
                 raise ConfigError("stage_id cannot be overridden", source=source, stage_id=stage_id)
-            continue
-        if key in _SECTIONS:
-            _read_section(key, value, out, source=source, stage_id=stage_id)
+        elif key in _SECTIONS or key == "engine_extras":
+            # upstream's deploy stages may nest `engine_args:` / `runtime:` and `engine_extras:` too
+            section = "engine_args" if key == "engine_extras" else key
+            _read_section(section, value, out, source=source, stage_id=stage_id, shown=key, style=style)
         elif key == "default_sampling_params":
             out.update(read_sampling(value, source=source, stage_id=stage_id))
         elif key in _CONNECTOR_KEY:
             out.update(_read_connector_refs(key, value, source=source, stage_id=stage_id))
-        else:
+        elif key == "stage_type":  # upstream's: "llm" (ar / generation) or "diffusion"
+            out["stage_type"] = check_field("stage_type", value, source=source, stage_id=stage_id, shown=key)
+        elif key == "async_chunk":
+            # per stage (upstream deploy): streaming is decided for the whole pipeline here
+            check_bool_field("async_chunk", value, source=source, stage_id=stage_id)
+            out[f"{IGNORED_PREFIX}async_chunk"] = upstream_keys.PER_STAGE_STREAMING
+        elif key in _FLAT or key in schema.TOP_STAGE_KEYS:
             path = _FLAT.get(key, key)
+            _check_not_topology(path, key, style, source=source, stage_id=stage_id)
             out[path] = check_field(path, value, source=source, stage_id=stage_id, shown=key)
+        else:
+            _read_policy_key(key, value, out, source=source, stage_id=stage_id, shown=key)
     return out
 
 
 def _allowed_keys(style: Style) -> set[str]:
-    common = {"default_sampling_params", *_CONNECTOR_KEY}
+    common = {"default_sampling_params", "stage_type", *_CONNECTOR_KEY}
     if style == "legacy":
         return common | set(schema.TOP_STAGE_KEYS) | set(_SECTIONS)
     deploy_flat = {k for k, p in _FLAT.items() if p not in schema.TOPOLOGY_FIELDS}
     if style == "deploy":
-        return common | deploy_flat | {"stage_type"}  # upstream deploy files name it
+        return common | deploy_flat | set(_SECTIONS) | {"engine_extras", "async_chunk", "stage_type"}
     return common | set(_FLAT) | set(schema.TOP_STAGE_KEYS) | set(_SECTIONS)
 
 
-def _reject_deploy_specials(keys: list[str], *, source: str, stage_id: int | None) -> None:
-    """Explain the two usual mistakes in a deploy stage before the generic unknown-key error."""
-    for key in keys:
-        if key in _SECTIONS:
-            raise ConfigError(f"deploy stages take {key} fields directly, without a nested '{key}:' section",
-                              source=source, stage_id=stage_id, field=key)
-        if _FLAT.get(key, key) in schema.TOPOLOGY_FIELDS:
-            raise ConfigError(
-                "is part of the pipeline topology and cannot be set in a deploy config "
-                "(use a legacy stage_args YAML, or `pipeline:` naming one, to change topology)",
-                source=source, stage_id=stage_id, field=key)
+def _check_not_topology(path: str, shown: str, style: Style, *, source: str, stage_id: int | None) -> None:
+    if style == "deploy" and path in schema.TOPOLOGY_FIELDS:
+        raise ConfigError(
+            "is part of the pipeline topology and cannot be set in a deploy config "
+            "(use a legacy stage_args YAML, or `pipeline:` naming one, to change topology)",
+            source=source, stage_id=stage_id, field=shown)
 
 
-def _engine_arg_policy(key: str, *, source: str, stage_id: int | None) -> None:
-    if key in schema.REJECTED_ENGINE_ARGS:
-        raise ConfigError(f"is a vLLM engine argument that this engine does not implement: "
-                          f"{schema.REJECTED_ENGINE_ARGS[key]}", source=source, stage_id=stage_id,
-                          field=f"engine_args.{key}")
-    logger.warning("%s: stage %s: engine_args.%s is ignored: %s", source, stage_id, key,
-                   schema.IGNORED_ENGINE_ARGS[key])
+def _read_policy_key(key: str, value: Any, out: dict[str, Any], *, source: str, stage_id: int | None,
+                     shown: str) -> None:
+    reason = upstream_keys.apply_policy(key, value, source=source, stage_id=stage_id, field=shown)
+    if reason is not None:
+        out[f"{IGNORED_PREFIX}{shown}"] = reason
 
 
-def _read_section(section: str, value: Any, out: dict[str, Any], *, source: str,
-                  stage_id: int | None) -> None:
+def check_bool_field(shown: str, value: Any, *, source: str, stage_id: int | None) -> bool:
+    try:
+        return schema.check_bool(value)
+    except BadValue as exc:
+        raise bad_value(exc, source=source, stage_id=stage_id, field=shown, value=value) from None
+
+
+def _read_section(section: str, value: Any, out: dict[str, Any], *, source: str, stage_id: int | None,
+                  shown: str, style: Style) -> None:
     if not isinstance(value, dict):
-        raise ConfigError("must be a mapping", source=source, stage_id=stage_id, field=section, value=value)
+        raise ConfigError("must be a mapping", source=source, stage_id=stage_id, field=shown, value=value)
     known = schema.RUNTIME_KEYS if section == "runtime" else schema.ENGINE_KEYS
-    unknown = [k for k in value if k not in known]
-    if section == "engine_args":
-        for key in [k for k in unknown if k in schema.IGNORED_ENGINE_ARGS or k in schema.REJECTED_ENGINE_ARGS]:
-            _engine_arg_policy(key, source=source, stage_id=stage_id)
-            unknown.remove(key)
+    policy = section == "engine_args"
+    unknown = [k for k in value if k not in known and not (policy and upstream_keys.is_policy_key(k))]
     if unknown:
-        raise unknown_keys(unknown, known, source=source, stage_id=stage_id, section=section)
+        raise unknown_keys(unknown, known, source=source, stage_id=stage_id, section=shown)
     for key, v in value.items():
-        if key in known:
-            path = f"{section}.{key}"
-            out[path] = check_field(path, v, source=source, stage_id=stage_id, shown=path)
+        where = f"{shown}.{key}"
+        if key not in known:
+            _read_policy_key(key, v, out, source=source, stage_id=stage_id, shown=where)
+            continue
+        path = f"{section}.{key}"
+        _check_not_topology(path, where, style, source=source, stage_id=stage_id)
+        out[path] = check_field(path, v, source=source, stage_id=stage_id, shown=where)
 
 
 def check_field(path: str, value: Any, *, source: str, stage_id: int | None, shown: str) -> Any:

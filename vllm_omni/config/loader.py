@@ -17,6 +17,7 @@ Precedence, highest first (DESIGN 6):
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -30,6 +31,8 @@ from vllm_omni.config.layers import Layer, read_stage_fields, read_stage_list
 from vllm_omni.config.overrides import cli_flags_layer, parse_stage_overrides
 from vllm_omni.config.stage_config import ConfigFormat, PipelineConfig
 from vllm_omni.config.yaml_io import load_yaml_file
+
+logger = logging.getLogger(__name__)
 
 LEGACY_KEYS = ("stage_args", "runtime", "connectors", "async_chunk")
 ModelRef = str | os.PathLike | Mapping[str, Any] | None
@@ -46,6 +49,7 @@ def load_pipeline_config(
     async_chunk: bool | None = None,
     platform: str = "cuda",
     output_modalities: Sequence[str] | None = None,
+    check_devices: bool = False,
 ) -> PipelineConfig:
     """Read, merge and validate everything; raise ConfigError on the first problem.
 
@@ -55,18 +59,25 @@ def load_pipeline_config(
     cli_args: explicitly given engine flags (None values are skipped); cli_stage_id limits
     them to one stage. async_chunk: --async-chunk / --no-async-chunk (None: keep the YAML's).
     output_modalities: what the caller will ever ask for (picks a bundled variant; no effect on a file).
+    check_devices: `platform` is this machine's: every runtime.devices index must exist on it.
+    Keys the files set that have no effect here are logged in one warning (`PipelineConfig.ignored`).
     """
     if path is None:
         audio = None if output_modalities is None else "audio" in output_modalities
-        layers, fmt, source, name = _bundled_layers(model, platform, audio, _visible_devices(platform))
+        layers, fmt, source, name = _bundled_layers(model, platform, audio, visible_device_count(platform))
     else:
         layers, fmt, source, name = _file_layers(Path(path), model, expected_format, platform)
     layers.append(cli_flags_layer(cli_args, stage_id=cli_stage_id))
     layers.append(parse_stage_overrides(stage_overrides))
     if async_chunk is not None:
         layers.append(Layer(source="--async-chunk/--no-async-chunk", top={"async_chunk": async_chunk}))
-    return build_pipeline(layers, fmt=fmt, source=source, pipeline_name=name,
-                          default_async_chunk=fmt is ConfigFormat.DEPLOY)
+    pipeline = build_pipeline(layers, fmt=fmt, source=source, pipeline_name=name,
+                              default_async_chunk=fmt is ConfigFormat.DEPLOY,
+                              num_devices=visible_device_count(platform) if check_devices else None)
+    if pipeline.ignored:
+        logger.warning("%s: these settings have no effect on this engine and are ignored:\n  %s", source,
+                       "\n  ".join(i.describe() for i in pipeline.ignored))
+    return pipeline
 
 
 def load_stage_configs_from_yaml(path: str | os.PathLike) -> PipelineConfig:
@@ -114,7 +125,8 @@ def _file_layers(path: Path, model: ModelRef, expected: str | None, platform: st
     return [topo, *chain.layers], ConfigFormat.DEPLOY, source, name
 
 
-def _visible_devices(platform: str) -> int | None:
+def visible_device_count(platform: str) -> int | None:
+    """GPUs this process sees on `platform` (None: not counted, e.g. the CPU)."""
     if platform != "cuda":
         return None
     import torch
@@ -172,6 +184,9 @@ def legacy_layer(data: dict[str, Any], *, source: str) -> Layer:
         raise unknown_keys(unknown, LEGACY_KEYS, source=source)
     layer = Layer(source=source, defines_topology=True)
     layer.stages = read_stage_list(data["stage_args"], source=source, section="stage_args", style="legacy")
+    if "connectors" in data and isinstance(data.get("runtime"), dict) and "connectors" in data["runtime"]:
+        raise ConfigError("connectors are given twice (top-level `connectors:` and `runtime.connectors`)",
+                          source=source, field="connectors", allowed="one of them")
     if "runtime" in data:
         layer.top.update(toplevel.read_runtime(data["runtime"], source=source))
     if "connectors" in data:

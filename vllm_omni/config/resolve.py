@@ -21,6 +21,7 @@ GENERATION_WORKER = "vllm_omni.worker.gpu_generation_worker.GPUGenerationWorker"
 AR_SCHEDULER = "vllm_omni.core.sched.omni_ar_scheduler.OmniARScheduler"
 GENERATION_SCHEDULER = "vllm_omni.core.sched.omni_generation_scheduler.OmniGenerationScheduler"
 DIFFUSION_WORKER = "vllm_omni.worker.gpu_diffusion_worker.GPUDiffusionWorker"
+DOCUMENTED_SCHEDULERS = (AR_SCHEDULER, GENERATION_SCHEDULER)
 _PROCESSORS = "vllm_omni.model_executor.stage_input_processors"
 
 # worker_type -> default worker_cls / scheduler_cls (the diffusion engine schedules its own steps).
@@ -116,12 +117,6 @@ def validate_dotted_names(pipeline: PipelineConfig) -> None:
             if not callable(obj):
                 problems.append(f"stage {stage.stage_id}: {field}={name!r}: resolves to a "
                                 f"{type(obj).__name__}, not a class or function")
-    for conn in pipeline.connectors:
-        if "." in conn.name:
-            try:
-                resolve_dotted(conn.name)
-            except ConfigError as exc:
-                problems.append(f"connectors.{conn.key}.name={conn.name!r}: {_what(exc)}")
     if problems:
         raise ConfigError("dotted names do not resolve:\n  " + "\n  ".join(problems),
                           source=pipeline.source)

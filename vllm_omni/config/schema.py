@@ -16,7 +16,10 @@ from enum import Enum
 from typing import Any
 
 from vllm_omni.config.errors import BadValue
+from vllm_omni.config.own_names import foreign_name_problem
+from vllm_omni.config.resolve import DOCUMENTED_SCHEDULERS
 from vllm_omni.config.stage_config import EngineOutputType, FinalOutputType, WorkerType
+from vllm_omni.model_executor.dtypes import DTYPE_SPELLINGS, canonical_dtype
 from vllm_omni.sampling_params import DiffusionSamplingParams, SamplingParams
 
 Check = Callable[[Any], Any]
@@ -83,15 +86,27 @@ _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _DOTTED = re.compile(rf"^{_IDENT}(\.{_IDENT})+$")
 
 
-def is_dotted(v: Any) -> bool:
-    return isinstance(v, str) and bool(_DOTTED.match(v))
-
-
 def check_dotted(v: Any) -> str | None:
-    """Syntax only: importing happens in resolve.validate_dotted_names, not at parse time."""
-    if v is None or (isinstance(v, str) and _DOTTED.match(v)):
+    """Syntax, and for names inside vllm_omni that they exist (own_names, read from our source
+    files). A user's plugin is imported in resolve.validate_dotted_names, not at parse time."""
+    if v is not None and not (isinstance(v, str) and _DOTTED.match(v)):
+        raise BadValue("a dotted Python path 'package.module.Name' or null")
+    problem = foreign_name_problem(v) if v is not None else None
+    if problem is not None:
+        raise BadValue("a name of this vllm-omni or a dotted path to your own code", problem)
+    return v
+
+
+def check_scheduler_cls(v: Any) -> str | None:
+    """The scheduler is part of a stage's engine: the documented names select it, nothing else
+    can replace it."""
+    if v is None or v in DOCUMENTED_SCHEDULERS:
         return v
-    raise BadValue("a dotted Python path 'package.module.Name' or null")
+    if not (isinstance(v, str) and _DOTTED.match(v)):
+        raise BadValue("a dotted Python path 'package.module.Name' or null")
+    raise BadValue(" | ".join(DOCUMENTED_SCHEDULERS),
+                   f"scheduler_cls {v!r} is not supported: the scheduler is part of the stage engine; "
+                   "only the documented names select it")
 
 
 def check_model_arch(v: Any) -> str | None:
@@ -160,7 +175,12 @@ def check_cfg_parallel_size(v: Any) -> int:
     raise BadValue("1 or 2")
 
 
-DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "fp32", "fp16", "bf16")
+def check_dtype(v: Any) -> str:
+    """Any spelling of model_executor.dtypes, stored canonical ("bf16" -> "bfloat16")."""
+    try:
+        return canonical_dtype(v)
+    except ValueError:
+        raise BadValue(" | ".join(repr(s) for s in DTYPE_SPELLINGS)) from None
 
 
 @dataclass(frozen=True)
@@ -191,7 +211,7 @@ TOPOLOGY_FIELDS = frozenset({
     "engine_input_source", "custom_process_input_func", "is_comprehension", "final_output",
     "final_output_type", "requires_multimodal_data", "engine_args.model_stage",
     "engine_args.model_arch", "engine_args.worker_type", "engine_args.worker_cls",
-    "engine_args.scheduler_cls", "engine_args.engine_output_type", "engine_args.hf_config_name",
+    "engine_args.scheduler_cls", "engine_args.engine_output_type",
 })
 
 # Defaults are those documented in spec 000, with one derived default: spec 000 documents
@@ -215,7 +235,7 @@ STAGE_FIELDS: dict[str, FieldSpec] = {
     "engine_args.model_arch": FieldSpec(check_model_arch, None),
     "engine_args.worker_type": FieldSpec(check_enum(WorkerType), None),  # derived, see build.py
     "engine_args.worker_cls": FieldSpec(check_dotted, None),
-    "engine_args.scheduler_cls": FieldSpec(check_dotted, None),
+    "engine_args.scheduler_cls": FieldSpec(check_scheduler_cls, None),
     "engine_args.gpu_memory_utilization": FieldSpec(check_fraction, 0.8),
     "engine_args.enforce_eager": FieldSpec(check_bool, True),
     "engine_args.trust_remote_code": FieldSpec(check_bool, True),
@@ -225,10 +245,9 @@ STAGE_FIELDS: dict[str, FieldSpec] = {
     "engine_args.max_num_seqs": FieldSpec(check_int(1, optional=True), None),
     "engine_args.max_num_batched_tokens": FieldSpec(check_int(1, optional=True), None),
     "engine_args.max_model_len": FieldSpec(check_int(1, optional=True), None),
-    "engine_args.dtype": FieldSpec(check_choice(*DTYPES), "auto"),
+    "engine_args.dtype": FieldSpec(check_dtype, "auto"),
     "engine_args.block_size": FieldSpec(check_int(1, optional=True), None),
     "engine_args.tensor_parallel_size": FieldSpec(check_int(1), 1),
-    "engine_args.hf_config_name": FieldSpec(check_str(), None),
     "engine_args.model": FieldSpec(check_str(), None),
     "engine_args.tokenizer": FieldSpec(check_str(), None),
     "engine_args.seed": FieldSpec(check_int(0, optional=True), None),
@@ -242,25 +261,6 @@ STAGE_FIELDS: dict[str, FieldSpec] = {
 RUNTIME_KEYS = tuple(p.split(".", 1)[1] for p in STAGE_FIELDS if p.startswith("runtime."))
 ENGINE_KEYS = tuple(p.split(".", 1)[1] for p in STAGE_FIELDS if p.startswith("engine_args."))
 TOP_STAGE_KEYS = tuple(p for p in STAGE_FIELDS if "." not in p)
-
-# vLLM engine args seen in upstream configs that do not change results on our engine:
-# accepted with a warning so those files still load.
-IGNORED_ENGINE_ARGS = {
-    "distributed_executor_backend": "stage workers are always separate processes here",
-    "async_scheduling": "our scheduler has a single mode",
-    "mm_processor_cache_gb": "there is no multimodal processor cache",
-    "enable_flashinfer_autotune": "flashinfer is not used",
-    "max_cudagraph_capture_size": "CUDA graph sizes are chosen by the engine",
-}
-# vLLM engine args that would change results and that our engine does not implement.
-REJECTED_ENGINE_ARGS = {
-    "quantization": "quantized checkpoints are not supported",
-    "kv_cache_dtype": "the KV cache uses the model dtype",
-    "pipeline_parallel_size": "pipeline parallelism is not supported; use tensor_parallel_size",
-    "data_parallel_size": "use runtime.num_replicas (or --omni-dp-size-local) for replicas",
-    "speculative_config": "speculative decoding is not supported",
-    "enable_lora": "LoRA adapters are not supported",
-}
 
 # --- sampling parameters ----------------------------------------------------------------
 

@@ -89,7 +89,6 @@ class StageEngineArgs:
     dtype: str = "auto"
     block_size: int | None = None
     tensor_parallel_size: int = 1
-    hf_config_name: str | None = None
     model: str | None = None  # per-stage checkpoint; None = the served model
     tokenizer: str | None = None
     seed: int | None = None
@@ -161,6 +160,20 @@ class ConnectorConfig:
 
 
 @dataclass(frozen=True)
+class IgnoredSetting:
+    """A key of the config files that has no effect on this engine (config.upstream_keys)."""
+
+    field: str  # as written, e.g. "engine_args.hf_config_name"
+    reason: str
+    stages: tuple[int, ...] = ()  # empty: a pipeline-level key
+    source: str = ""
+
+    def describe(self) -> str:
+        where = f" (stage{'s' if len(self.stages) > 1 else ''} {', '.join(map(str, self.stages))})" if self.stages else ""
+        return f"{self.field}{where}: {self.reason}"
+
+
+@dataclass(frozen=True)
 class PipelineRuntimeConfig:
     """Top-level `runtime:` of spec 000."""
 
@@ -179,6 +192,7 @@ class PipelineConfig:
     format: ConfigFormat = ConfigFormat.LEGACY
     source: str = ""  # the file(s) or origin it was read from, for messages
     pipeline_name: str | None = None  # bundled pipeline key, when one was used
+    ignored: tuple[IgnoredSetting, ...] = ()  # keys read from the files that change nothing here
 
     @property
     def num_stages(self) -> int:

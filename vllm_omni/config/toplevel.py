@@ -7,12 +7,19 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from vllm_omni.config import schema
+from vllm_omni.config import schema, upstream_keys
 from vllm_omni.config.errors import BadValue, ConfigError, bad_value, unknown_keys
 from vllm_omni.config.stage_config import ConnectorConfig
+from vllm_omni.config.upstream_keys import IGNORED_PREFIX
 
-# Connector classes our transport implements; a dotted path names a user's own class.
-KNOWN_CONNECTORS = ("SharedMemoryConnector",)
+# The connector class our transport is: stages on one host exchange ZMQ messages whose large
+# tensors travel through shared memory. Every other upstream connector is refused by name.
+SHM_CONNECTOR = "SharedMemoryConnector"
+_CONNECTOR_OPTIONS = {
+    "shm_threshold_bytes": "the shared-memory threshold is --shm-threshold-bytes, for every edge",
+    "codec_chunk_frames": upstream_keys.CHUNKING,
+    "codec_left_context_frames": upstream_keys.CHUNKING,
+}
 
 check_window = schema.check_int(1, extra=(-1,))  # -1: whole upstream output; N: every N units
 
@@ -43,7 +50,7 @@ def read_async_chunk(value: Any, *, source: str) -> dict[str, Any]:
 
 def read_runtime(value: Any, *, source: str) -> dict[str, Any]:
     value = _mapping(value, source=source, field="runtime")
-    allowed = ("enabled", "defaults", "edges")
+    allowed = ("enabled", "defaults", "edges", "connectors")  # upstream v0.12 nests connectors here
     if unknown := [k for k in value if k not in allowed]:
         raise unknown_keys(unknown, allowed, source=source, section="runtime")
     out: dict[str, Any] = {}
@@ -64,6 +71,8 @@ def read_runtime(value: Any, *, source: str) -> dict[str, Any]:
                 field="runtime.defaults.max_inflight")
     if "edges" in value:
         out["runtime.edges"] = read_edges(value["edges"], source=source, section="runtime.edges")
+    if "connectors" in value:
+        out.update(read_connectors(value["connectors"], source=source, section="runtime.connectors"))
     return out
 
 
@@ -92,23 +101,28 @@ def read_edges(value: Any, *, source: str, section: str) -> tuple[EdgeSpec, ...]
     return tuple(edges)
 
 
-def read_connectors(value: Any, *, source: str) -> dict[str, Any]:
-    """`connectors: {<key>: {name: <class>, extra: {...}}}` -> {"connectors.<key>": ConnectorConfig}."""
-    value = _mapping(value, source=source, field="connectors")
+def read_connectors(value: Any, *, source: str, section: str = "connectors") -> dict[str, Any]:
+    """`connectors: {<key>: {name: <class>, extra: {...}}}` -> {"connectors.<key>": ConnectorConfig},
+    plus {"ignored.<section>.<key>.extra.<option>": reason} for options with no effect here."""
+    value = _mapping(value, source=source, field=section)
     out: dict[str, Any] = {}
     for key, spec in value.items():
-        where = f"connectors.{key}"
+        where = f"{section}.{key}"
         spec = _mapping(spec, source=source, field=where)
         if unknown := [k for k in spec if k not in ("name", "extra")]:
             raise unknown_keys(unknown, ("name", "extra"), source=source, section=where)
         name = spec.get("name")
-        if name not in KNOWN_CONNECTORS and not schema.is_dotted(name):
-            raise ConfigError("unknown connector class", source=source, field=f"{where}.name", value=name,
-                              allowed=" | ".join(KNOWN_CONNECTORS) + " | a dotted path to your own class")
+        if name != SHM_CONNECTOR:
+            raise ConfigError(f"{name} is not supported: stages exchange data as ZMQ messages whose large tensors "
+                              f"travel through shared memory, on one host ({SHM_CONNECTOR})", source=source,
+                              field=f"{where}.name", value=name, allowed=SHM_CONNECTOR)
         extra = _mapping(spec.get("extra") or {}, source=source, field=f"{where}.extra")
-        out[where] = ConnectorConfig(key=str(key), name=name,
-                                     extra=tuple((str(k), _freeze(v, source, f"{where}.extra.{k}"))
-                                                 for k, v in extra.items()))
+        for option in extra:
+            out[f"{IGNORED_PREFIX}{where}.extra.{option}"] = _CONNECTOR_OPTIONS.get(
+                option, "a connector option with no effect on this transport")
+        out[f"connectors.{key}"] = ConnectorConfig(key=str(key), name=name,
+                                                   extra=tuple((str(k), _freeze(v, source, f"{where}.extra.{k}"))
+                                                               for k, v in extra.items()))
     return out
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-_DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+from vllm_omni.model_executor.dtypes import DTYPE_SPELLINGS
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     block_size: int = 16
     enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True  # False: each prompt is prefilled in one step (vLLM's flag)
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # explicit KV pool size; overrides the memory-based sizing
     kv_cache_memory_bytes: int | None = None  # explicit KV budget; CPU default is 256 MiB
@@ -36,8 +37,8 @@ class EngineConfig:
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(f"engine argument {name}={getattr(self, name)!r} is invalid: must be {allowed}")
 
-        if self.dtype not in _DTYPES:
-            raise bad("dtype", f"one of {list(_DTYPES)}")
+        if self.dtype not in DTYPE_SPELLINGS:
+            raise bad("dtype", f"one of {list(DTYPE_SPELLINGS)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise bad("max_model_len", ">= 1 or None")
         if self.max_num_seqs < 1:

@@ -20,7 +20,8 @@ from vllm_omni.core.scheduler import Scheduler, SchedulerConfig
 from vllm_omni.core.detokenizer import IncrementalDetokenizer
 from vllm_omni.core.engine_config import EngineConfig
 from vllm_omni.core.kv_cache_sizing import plan_kv_cache
-from vllm_omni.model_executor.model_loader import load_hf_config, load_model, resolve_dtype
+from vllm_omni.model_executor.dtypes import torch_dtype
+from vllm_omni.model_executor.model_loader import load_hf_config, load_model
 from vllm_omni.model_executor.models.stage_model import StageModel, hidden_state_name
 from vllm_omni.outputs import CompletionOutput, RequestOutput
 from vllm_omni.sampling_params import SamplingParams
@@ -41,7 +42,7 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.hf_config = hf_config or load_hf_config(config.model)
-        self.dtype = resolve_dtype(self.hf_config, config.dtype)
+        self.dtype = torch_dtype(config.dtype, self.hf_config)
         torch.manual_seed(config.seed)
         self.tokenizer = None
         if not config.skip_tokenizer_init:
@@ -71,7 +72,8 @@ class LLMEngine:
         )
         self.block_manager = BlockManager(plan.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                            config.enable_chunked_prefill),
             self.block_manager,
         )
         logger.info(
@@ -135,6 +137,12 @@ class LLMEngine:
                 f"request {request_id}: the prompt has {request.num_prompt_tokens} tokens, which does not "
                 f"leave room for one output token within max_model_len={self.max_model_len}"
             )
+        elif not self.config.enable_chunked_prefill and request.num_prompt_tokens > self.config.max_num_batched_tokens:
+            request.error = (
+                f"request {request_id}: the prompt has {request.num_prompt_tokens} tokens, more than one step's "
+                f"max_num_batched_tokens={self.config.max_num_batched_tokens}, and enable_chunked_prefill is off"
+            )
+        if request.error is not None:
             request.status = RequestStatus.FINISHED_ERROR
             return self._make_output(request)
         if params.seed is not None:

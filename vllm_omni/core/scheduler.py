@@ -25,6 +25,9 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    # False (vLLM's enable_chunked_prefill=False): a prompt is prefilled in one step or waits.
+    # Recomputing a preempted request may still take several steps (same results).
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -130,7 +133,9 @@ class Scheduler:
             num_new = min(min(request.num_tokens, limit) - num_cached_tokens, budget)
             if num_new <= 0:
                 continue
-            if not self.block_manager.allocate(request, num_new, cached):
+            whole_prompt_waits = (not self.config.enable_chunked_prefill and request.num_output_tokens == 0
+                                  and num_new < request.num_tokens - num_cached_tokens)
+            if whole_prompt_waits or not self.block_manager.allocate(request, num_new, cached):
                 break
             self.waiting.remove(request)
             request.num_computed_tokens = num_cached_tokens

@@ -64,7 +64,6 @@ class Submission:
 
 class Orchestrator:
     def __init__(self, pipeline: PipelineConfig, model: str, options: RuntimeOptions) -> None:
-        _check_supported(pipeline)
         self.pipeline = pipeline
         self.model = model
         self.options = options
@@ -405,9 +404,3 @@ class Orchestrator:
         for state in list(self._requests.values()):
             self._fail(state, error, None)
 
-
-def _check_supported(pipeline: PipelineConfig) -> None:
-    for stage in pipeline.stages:
-        if stage.runtime.num_replicas != 1:
-            raise ValueError(f"stage {stage.stage_id}: runtime.num_replicas={stage.runtime.num_replicas} is not "
-                             "supported yet: must be 1")

@@ -27,7 +27,7 @@ def load_pipeline(model: str, stage_configs_path: str | None, deploy_config: str
     fmt = "legacy" if stage_configs_path is not None else "deploy" if deploy_config is not None else None
     pipeline = load_pipeline_config(path, model=model, expected_format=fmt, stage_overrides=stage_overrides,
                                     cli_args=engine_args or None, platform=detect_platform(),
-                                    output_modalities=output_modalities, async_chunk=async_chunk)
+                                    output_modalities=output_modalities, check_devices=True, async_chunk=async_chunk)
     validate_dotted_names(pipeline)
     return pipeline
 

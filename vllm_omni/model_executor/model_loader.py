@@ -13,44 +13,12 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from vllm_omni.model_executor.checkpoint_slice import CheckpointSlice, DummyCheckpointTensor
+from vllm_omni.model_executor.dtypes import torch_dtype
 from vllm_omni.model_executor.models.registry import resolve_model_class
 from vllm_omni.model_executor.parallel_state import current_tp_group
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-
-_DTYPE_NAMES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
-
-
-def _parse_dtype(value: str | torch.dtype, what: str) -> torch.dtype:
-    if isinstance(value, torch.dtype):
-        if value not in _DTYPE_NAMES.values():
-            raise ValueError(f"{what}: unsupported dtype {value}; supported: {sorted(_DTYPE_NAMES)}")
-        return value
-    name = value.removeprefix("torch.")
-    if name not in _DTYPE_NAMES:
-        raise ValueError(f"{what}: unsupported dtype {value!r}; supported: 'auto', {sorted(_DTYPE_NAMES)}")
-    return _DTYPE_NAMES[name]
-
-
-def resolve_dtype(hf_config: PretrainedConfig, dtype: str | torch.dtype) -> torch.dtype:
-    """"auto" -> the checkpoint's dtype (config `dtype`, older `torch_dtype`), float32 if unset."""
-    if dtype != "auto":
-        return _parse_dtype(dtype, "dtype")
-    # transformers 5 names it `dtype`; reading `torch_dtype` there only adds a deprecation warning.
-    config_dtype = getattr(hf_config, "dtype", None)
-    if config_dtype is None:
-        config_dtype = getattr(hf_config, "torch_dtype", None)
-    if config_dtype is None:
-        return torch.float32
-    return _parse_dtype(config_dtype, "config dtype")
-
 
 def load_hf_config(model: str | Path) -> PretrainedConfig:
     """`AutoConfig.from_pretrained`, also for families whose config class transformers lacks."""
@@ -122,10 +90,10 @@ def load_model(
             raise ValueError(f"config of {model_dir} names no architecture; pass architecture=")
         architecture = hf_config.architectures[0]
     model_cls = resolve_model_class(architecture, model_stage)
-    torch_dtype = resolve_dtype(hf_config, dtype)
+    param_dtype = torch_dtype(dtype, hf_config)
     # Parameters are allocated (uninitialized) on the target device in the target dtype,
     # so no full-size float32 CPU copy ever exists.
-    with default_dtype(torch_dtype), torch.device(device):
+    with default_dtype(param_dtype), torch.device(device):
         model = model_cls(hf_config)
     if load_format == "dummy":
         fill_dummy_weights(model)

@@ -10,7 +10,8 @@ Accepted content parts (OpenAI-style, the HF chat-template style, and raw object
   video: [T, H, W, 3] array | {"type": "video", "video": src or [frames]} |
          {"type": "video_url", "video_url": {"url": src}}
 A src is anything media.read_source takes (URL, data URL, path, bytes). Image parts may carry
-min_pixels / max_pixels; video parts any VideoSampling field (fps, max_frames, max_pixels...).
+min_pixels / max_pixels; video parts any VideoSampling field (fps, num_frames, max_pixels...),
+next to the source or inside a `video_url` object (vLLM's `{"url": ..., "num_frames": 16}`).
 """
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ def classify_part(part: Any) -> str | MediaItem:
     if key is None:
         raise MediaError(f"the {ptype or kind} part has no data (expected one of {_SOURCE_KEYS[kind]})")
     options = {k: part[k] for k in _OPTION_KEYS[kind] if part.get(k) is not None}
+    if key.endswith("_url") and isinstance(part[key], Mapping):  # {"url": ..., "num_frames": 16}
+        options.update({k: v for k, v in part[key].items() if k in _OPTION_KEYS[kind] and v is not None})
     return MediaItem(kind, _unwrap(kind, key, part[key]), options)
 
 
@@ -171,3 +174,16 @@ def items_from_multi_modal_data(data: Mapping[str, Any] | None) -> list[MediaIte
             else:
                 items.append(MediaItem(kind, value))
     return items
+
+
+def render_chat(tokenizer: Any, messages: list[Any], chat_template: str | None = None,
+                add_generation_prompt: bool = True, template_kwargs: Mapping[str, Any] | None = None) -> str:
+    """The prompt text of chat messages through `chat_template` (None: the tokenizer's) and its
+    extra variables. A template that fails to render, or rejects a variable, is bad input."""
+    import jinja2
+
+    try:
+        return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+    except jinja2.TemplateError as e:
+        raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from e

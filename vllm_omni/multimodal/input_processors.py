@@ -65,12 +65,14 @@ class TextInputProcessor:
         if "prompt_token_ids" in prompt:
             return _base(prompt, prompt["prompt_token_ids"], prompt.get("prompt"), {})
         if "messages" in prompt:
-            text = self._render(prompt["messages"])
+            text = self._render(prompt["messages"], prompt.get("chat_template"), prompt.get("chat_template_kwargs"))
             return _base(prompt, _tokenize(self.tokenizer, text), text, {})
         return _base(prompt, _tokenize(self.tokenizer, prompt["prompt"]), prompt["prompt"], {})
 
-    def _render(self, messages: list[Any]) -> str:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+    def _render(self, messages: list[Any], chat_template: str | None, template_kwargs: Mapping[str, Any] | None) -> str:
+        from vllm_omni.multimodal.chat_parts import render_chat  # media/vision pull in torch: only when used
+
+        if self.tokenizer is None or not (chat_template or getattr(self.tokenizer, "chat_template", None)):
             raise ValueError(f"{self.model_name} has no chat template: pass a prompt string or token ids")
         rendered = []
         for message in messages:
@@ -78,7 +80,7 @@ class TextInputProcessor:
                 raise ValueError("each message must be a dict with a 'role' string")
             rendered.append({"role": message["role"], "content": _text_content(message.get("content"),
                                                                                 self.model_name)})
-        return self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+        return render_chat(self.tokenizer, rendered, chat_template, template_kwargs=template_kwargs)
 
 
 def _text_content(content: Any, model_name: str) -> str:
@@ -138,7 +140,8 @@ class Qwen2_5OmniPromptProcessor:
         text = None
         if "messages" in prompt:
             result = self.inner.process_messages(prompt["messages"], use_audio_in_video=use_audio_in_video,
-                                                 video_options=video_options)
+                                                 video_options=video_options, chat_template=prompt.get("chat_template"),
+                                                 **(prompt.get("chat_template_kwargs") or {}))
         else:
             ids = prompt.get("prompt_token_ids")
             if ids is None:

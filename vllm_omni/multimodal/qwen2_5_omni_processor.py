@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from vllm_omni.multimodal import qwen2_5_omni_placeholders as ph
-from vllm_omni.multimodal.chat_parts import MediaItem, items_from_multi_modal_data, parse_messages
+from vllm_omni.multimodal.chat_parts import MediaItem, items_from_multi_modal_data, parse_messages, render_chat
 from vllm_omni.multimodal.chat_template import QWEN2_5_OMNI_CHAT_TEMPLATE
 from vllm_omni.multimodal.media import (
     DEFAULT_OPTIONS,
@@ -112,17 +112,17 @@ class Qwen2_5OmniInputProcessor:
         use_audio_in_video: bool = False,
         add_generation_prompt: bool = True,
         video_options: dict[str, Any] | None = None,
+        chat_template: str | None = None,
         **chat_template_kwargs: Any,
     ) -> ThinkerPrompt:
         """Chat messages (see chat_parts.py for the content parts) -> ThinkerPrompt.
 
         `video_options`: VideoSampling overrides for every video of the request (a video part's
-        own options win). Raises ValueError (MediaError) for bad input."""
+        own options win). `chat_template` replaces the model's for this call, `chat_template_kwargs`
+        are extra template variables. Raises ValueError (MediaError) for bad input."""
         rendered, items = parse_messages(messages)
-        text = self.tokenizer.apply_chat_template(
-            rendered, chat_template=self.chat_template, tokenize=False,
-            add_generation_prompt=add_generation_prompt, **chat_template_kwargs,
-        )
+        text = render_chat(self.tokenizer, rendered, chat_template or self.chat_template, add_generation_prompt,
+                           chat_template_kwargs)
         return self._finish(self._encode(text), items, use_audio_in_video, video_options)
 
     def process_prompt(

@@ -29,6 +29,7 @@ class VideoSampling:
     max_pixels: int = 768 * 28 * 28  # per frame
     total_pixels: int = int(128000 * 28 * 28 * 0.9)  # whole-video budget, shared by the frames
     image_factor: int = IMAGE_FACTOR
+    num_frames: int = 0  # > 0: sample this many frames (rounded to frame_factor) instead of `fps`
 
     def updated(self, options: dict[str, Any] | None) -> "VideoSampling":
         """A copy with the fields named in `options` replaced (unknown names raise ValueError)."""
@@ -72,9 +73,12 @@ def smart_resize(
 
 def num_sampled_frames(total_frames: int, video_fps: float, s: VideoSampling) -> int:
     """qwen-omni-utils' smart_nframes: `fps` frames per second within [min, max], a multiple
-    of frame_factor. Differs in one case: a video shorter than frame_factor frames gives
-    frame_factor (its frames repeat) instead of an error."""
+    of frame_factor, or `num_frames` when given. Differs in two cases: a video shorter than
+    frame_factor frames gives frame_factor (its frames repeat), and num_frames beyond the
+    video's frames gives all of them, instead of an error."""
     f = s.frame_factor
+    if s.num_frames:  # qwen-omni-utils' `nframes` (vLLM's num_frames), within the video's frames
+        return max(f, min(round(s.num_frames / f) * f, math.floor(total_frames / f) * f))
     min_frames = math.ceil(s.min_frames / f) * f
     max_frames = math.floor(min(s.max_frames, total_frames) / f) * f
     n = total_frames / video_fps * s.fps

@@ -11,9 +11,6 @@ from typing import Any
 from vllm_omni.config.stage_config import EngineOutputType, StageConfig
 from vllm_omni.worker.ar_stage_engine import ARStageEngine
 
-# The config layer accepts these spellings of dtypes; the engine wants canonical names.
-_DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-
 
 def engine_config_kwargs(stage: StageConfig, model: str, device: str) -> dict[str, Any]:
     """EngineConfig arguments for a stage; unset (None) stage fields keep the engine's defaults."""
@@ -21,7 +18,7 @@ def engine_config_kwargs(stage: StageConfig, model: str, device: str) -> dict[st
     kwargs: dict[str, Any] = dict(
         model=ea.model or model,
         tokenizer=ea.tokenizer,
-        dtype=_DTYPE_ALIASES.get(ea.dtype, ea.dtype),
+        dtype=ea.dtype,
         device=device,
         # runtime.max_batch_size is the stage's batch limit unless max_num_seqs says otherwise.
         max_num_seqs=ea.max_num_seqs or stage.runtime.max_batch_size,
@@ -34,7 +31,7 @@ def engine_config_kwargs(stage: StageConfig, model: str, device: str) -> dict[st
         tensor_parallel_size=ea.tensor_parallel_size,
     )
     optional = dict(seed=ea.seed, max_model_len=ea.max_model_len, block_size=ea.block_size,
-                    max_num_batched_tokens=ea.max_num_batched_tokens)
+                    max_num_batched_tokens=ea.max_num_batched_tokens, enable_chunked_prefill=ea.enable_chunked_prefill)
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     return kwargs
 

@@ -13,17 +13,16 @@ from typing import Any
 import torch
 
 from vllm_omni.config.stage_config import StageConfig, StageEngineArgs
+from vllm_omni.model_executor.dtypes import canonical_dtype, torch_dtype
 
 # dtype "auto": what the real checkpoints are run in on a GPU; float32 on the CPU (bf16 matmuls there are slow).
 _AUTO_CUDA_DTYPE = torch.bfloat16
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    names = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-             "half": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-    if dtype == "auto":
+    if canonical_dtype(dtype) == "auto":
         return _AUTO_CUDA_DTYPE if device.type == "cuda" else torch.float32
-    return names[dtype]
+    return torch_dtype(dtype)
 
 
 def load_format(args: StageEngineArgs) -> str:

@@ -28,20 +28,23 @@ def add_parser(subparsers) -> None:
                    help='per-stage JSON overrides, e.g. \'{"0": {"gpu_memory_utilization": 0.8}}\'')
     p.add_argument("--async-chunk", action=argparse.BooleanOptionalAction, default=None,
                    help="override the deploy YAML's async_chunk")
-    p.add_argument("--platform", default="cuda", choices=("cuda", "rocm", "npu", "xpu", "cpu"),
-                   help="whose `platforms:` delta to apply")
+    p.add_argument("--platform", default=None, choices=("cuda", "rocm", "npu", "xpu", "cpu"),
+                   help="whose `platforms:` delta to apply; default: this machine's, and then every "
+                        "runtime.devices index must exist here too")
     p.add_argument("--no-import", action="store_true",
                    help="check dotted names' syntax only; do not import them")
     p.add_argument("--json", action="store_true", help="print the resolved config as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_omni.config import (ConfigError, describe_pipeline, load_pipeline_config,
+    from vllm_omni.config import (ConfigError, describe_pipeline, detect_platform, load_pipeline_config,
                                   validate_dotted_names)
 
+    here = args.platform is None
     try:
         pipeline = load_pipeline_config(args.path, model=args.model, stage_overrides=args.stage_overrides,
-                                        async_chunk=args.async_chunk, platform=args.platform)
+                                        async_chunk=args.async_chunk, platform=args.platform or detect_platform(),
+                                        check_devices=here)
         if not args.no_import:
             validate_dotted_names(pipeline)
     except ConfigError as exc:
@@ -51,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(pipeline.to_dict(), indent=2))
     else:
         print(describe_pipeline(pipeline))
+        if pipeline.ignored:
+            print("\nIgnored (no effect on this engine):\n  " + "\n  ".join(i.describe() for i in pipeline.ignored))
         print("\nDotted names: " + ("syntax checked only (--no-import)" if args.no_import else "all resolve"))
         print("OK")
     return 0

@@ -82,13 +82,22 @@ def serve(args: argparse.Namespace) -> int:
     _configure_logging(args.log_file)
     if args.replica_id is not None:
         logger.warning("--replica-id is deprecated and ignored: replica ids are assigned automatically")
+    if args.init_sleep_seconds is not None:
+        logger.warning("--init-sleep-seconds is deprecated and ignored: stages start together and report when "
+                       "they are ready (bounded by --stage-init-timeout / --init-timeout)")
+    if args.disable_log_requests:
+        logger.warning("--disable-log-requests is deprecated: requests are not logged unless --enable-log-requests")
 
     from vllm_omni.entrypoints.openai.api_server import ServerSettings, bind_socket, local_media_root, run_server
+    from vllm_omni.entrypoints.openai.chat_options import ChatOptions, load_chat_template
     from vllm_omni.entrypoints.openai.media_fetch import MediaPolicy
 
     try:
         media = MediaPolicy(local_media_root(args.allowed_local_media_path), args.media_fetch_timeout,
                             args.max_media_bytes)
+        chat = ChatOptions(chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
+                           limit_mm_per_prompt=args.limit_mm_per_prompt or {},
+                           audio_stream_shape=args.audio_stream_shape)
         sock = bind_socket(args.host, args.port)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -104,6 +113,7 @@ def serve(args: argparse.Namespace) -> int:
         max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
         admission_timeout_s=args.batch_timeout, max_request_bytes=args.max_request_bytes,
         uvicorn_log_level=args.uvicorn_log_level, realtime=serve_args.realtime_limits.from_args(args),
+        chat=chat, log_requests=args.enable_log_requests,
         **({"tts_max_instructions_length": args.tts_max_instructions_length}
            if args.tts_max_instructions_length is not None else {}),
     )

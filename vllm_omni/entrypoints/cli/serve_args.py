@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni.config.schema import DIFFUSION_FIELDS
+from vllm_omni.entrypoints.openai.chat_options import parse_mm_limits
 from vllm_omni.entrypoints.openai.realtime import limits as realtime_limits
 
 _DIFFUSION = "the diffusion engine does not implement it yet"
@@ -180,6 +181,21 @@ SERVER_FLAGS: tuple[Flag, ...] = (
     _f("--uvicorn-log-level", "uvicorn's log level.", choices=("critical", "error", "warning", "info", "debug",
        "trace"), default="info"),
     _bool("--headless", "Run a stage without the API server (stage-based CLI).", _STAGE_CLI),
+    # vLLM's serve flags, upstream's older and streaming-shape flags (docs/compatibility.md).
+    _f("--init-sleep-seconds", "[Deprecated: accepted and ignored] upstream v0.12's pause between starting "
+       "stages; stages here start together and report when they are ready (see --stage-init-timeout).",
+       type=int, default=None),
+    _f("--chat-template", "The chat template to use instead of the model's: a file path, or the template "
+       "itself.", default=None),
+    _f("--limit-mm-per-prompt", "The most media items of each kind one request may carry, as JSON, e.g. "
+       "'{\"image\": 2, \"video\": 1}'; more is a 400. Unset: no limit.", type=parse_mm_limits, default=None),
+    _bool("--enable-log-requests", "Log every request (the access log)."),
+    _bool("--disable-log-requests", "[Deprecated: requests are not logged unless --enable-log-requests] "
+          "vLLM's old flag, accepted."),
+    _f("--audio-stream-shape", "Where streamed chat chunks carry audio: 'openai' puts it in delta.audio.data "
+       "(OpenAI's shape); 'upstream' in delta.content, as upstream vLLM-Omni does, for clients written "
+       "against it. Either way audio chunks are marked modality: \"audio\".",
+       choices=("openai", "upstream"), default="openai"),
 )
 
 # Engine arguments applied to every stage (config precedence: --stage-overrides > these > YAML).

@@ -25,6 +25,9 @@ class TextEvent:
     delta: str
     finished: bool
     finish_reason: str | None
+    # (token id, {token id: logprob} of it and its top alternatives) of the tokens new since the
+    # last event; empty unless the request asked for logprobs
+    logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)
 
 
 @dataclass
@@ -41,6 +44,7 @@ class RequestAccumulator:
     text_finished: bool = False
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    token_logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)  # every output token's
     audio_chunks: list[np.ndarray] = field(default_factory=list)
     audio_samples: int = 0
     audio_finished: bool = False
@@ -69,9 +73,11 @@ class RequestAccumulator:
         if out.finished:
             self.text_finished = True
             self.finish_reason = out.delta.finish_reason or "stop"
-        if not delta and not out.finished:
+        new_logprobs = list(zip(out.delta.token_ids, out.delta.logprobs)) if out.delta.logprobs else []
+        self.token_logprobs += new_logprobs
+        if not delta and not out.finished and not new_logprobs:
             return None
-        return TextEvent(delta, out.finished, self.finish_reason if out.finished else None)
+        return TextEvent(delta, out.finished, self.finish_reason if out.finished else None, new_logprobs)
 
     def _add_audio(self, out: OmniRequestOutput) -> AudioEvent | None:
         tensor = out.delta.multimodal_output.get(AUDIO_KEY)
@@ -91,6 +97,9 @@ class RequestAccumulator:
         if not new.size and not out.finished:
             return None
         return AudioEvent(new, out.finished)
+
+    def finished(self, modality: str) -> bool:
+        return self.text_finished if modality == "text" else self.audio_finished
 
     def audio(self) -> np.ndarray:
         return np.concatenate(self.audio_chunks) if self.audio_chunks else np.zeros(0, np.float32)

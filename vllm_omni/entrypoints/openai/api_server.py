@@ -14,6 +14,7 @@ from typing import Any
 
 from vllm_omni.entrypoints.openai.admission import AdmissionGate
 from vllm_omni.entrypoints.openai.app import build_app
+from vllm_omni.entrypoints.openai.chat_options import ChatOptions
 from vllm_omni.entrypoints.openai.media_fetch import MediaPolicy
 from vllm_omni.entrypoints.openai.metrics import ServerMetrics
 from vllm_omni.entrypoints.openai.realtime.limits import RealtimeLimits
@@ -40,6 +41,8 @@ class ServerSettings:
     uvicorn_log_level: str = "info"
     realtime: RealtimeLimits = field(default_factory=RealtimeLimits)
     tts_max_instructions_length: int = DEFAULT_MAX_INSTRUCTIONS  # --tts-max-instructions-length
+    chat: ChatOptions = field(default_factory=ChatOptions)  # --chat-template, --limit-mm-per-prompt, ...
+    log_requests: bool = False  # --enable-log-requests (the access log reads it)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -62,7 +65,7 @@ def build_context(engine: Any, settings: ServerSettings) -> ServingContext:
                          settings.admission_timeout_s)
     return ServingContext(engine=engine, shape=PipelineShape.of(pipeline), served_names=list(settings.served_names),
                           gate=gate, metrics=ServerMetrics(names), media=settings.media,
-                          model_path=settings.model_path, stage_names=names)
+                          model_path=settings.model_path, stage_names=names, chat=settings.chat)
 
 
 def run_server(engine: Any, settings: ServerSettings, sock: socket.socket) -> None:

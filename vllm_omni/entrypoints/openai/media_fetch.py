@@ -56,7 +56,7 @@ async def resolve_media(messages: list[dict[str, Any]], policy: MediaPolicy) -> 
     if jobs:
         sources = await asyncio.gather(*(job for _, _, job in jobs))
         for (part, key, _), source in zip(jobs, sources, strict=True):
-            part[key] = {"url": source}
+            part[key] = {**part[key], "url": source} if isinstance(part[key], dict) else {"url": source}
     return out
 
 

@@ -1,14 +1,14 @@
 """Request bodies of the OpenAI-compatible API, validated by pydantic (FastAPI) at the edge.
 
 Unknown fields are errors (400 "unsupported parameter 'tools'"), not silently dropped: a
-client that asks for tools, logprobs or n > 1 must learn that it did not get them.
+client that asks for tools or n > 1 must learn that it did not get them.
 Responses are built as plain dicts in serving_chat / serving_completions.
 """
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 AudioFormat = Literal["wav", "mp3", "flac", "pcm16", "opus"]
 
@@ -20,9 +20,15 @@ class _Strict(BaseModel):
 # --------------------------------------------------------------------------- content parts
 
 
-class _URL(_Strict):
+class MediaURL(_Strict):
     url: str
     detail: str | None = None  # OpenAI's image detail hint; the processor sizes images itself
+
+
+def _url_object(value: Any) -> Any:
+    # A bare URL string is the object's `url`: one model per field, so a bad key is reported
+    # at its own path ("...image_url.foo"), not under a union member's class name.
+    return {"url": value} if isinstance(value, str) else value
 
 
 class TextPart(_Strict):
@@ -38,17 +44,22 @@ class _MediaPart(BaseModel):
 
 class ImageURLPart(_MediaPart):
     type: Literal["image_url"]
-    image_url: _URL | str
+    image_url: Annotated[MediaURL, BeforeValidator(_url_object)]
 
 
 class AudioURLPart(_MediaPart):
     type: Literal["audio_url"]
-    audio_url: _URL | str
+    audio_url: Annotated[MediaURL, BeforeValidator(_url_object)]
+
+
+class VideoURL(_Strict):
+    url: str
+    num_frames: int | None = Field(None, ge=1)  # frames to sample (vLLM's video option); also a sibling key
 
 
 class VideoURLPart(_MediaPart):
     type: Literal["video_url"]
-    video_url: _URL | str
+    video_url: Annotated[VideoURL, BeforeValidator(_url_object)]
 
 
 class _InputAudio(_Strict):
@@ -106,6 +117,8 @@ class SamplingFields(_Strict):
     # the standard parameters above are applied on top for the comprehension stage.
     sampling_params_list: list[dict[str, Any] | None] | None = None
     user: str | None = None  # OpenAI's end-user id: accepted for compatibility, not used
+    request_id: str | None = Field(None, min_length=1)  # vLLM's: the response id is built from it
+    priority: int = 0  # vLLM's; only 0 without priority scheduling (see _no_priority)
 
     @field_validator("n")
     @classmethod
@@ -113,6 +126,27 @@ class SamplingFields(_Strict):
         if n != 1:
             raise ValueError("only n=1 is supported (no parallel sampling)")
         return n
+
+    @model_validator(mode="before")
+    @classmethod
+    def _merge_extra_body(cls, data: Any) -> Any:
+        """A nested `"extra_body": {...}` (what the OpenAI SDK's extra_body= sends merged into the
+        body, written out by hand in curl examples) is merged into the body; its keys win."""
+        if isinstance(data, dict) and "extra_body" in data:
+            data = dict(data)
+            nested = data.pop("extra_body")
+            if not isinstance(nested, dict):
+                raise ValueError("extra_body must be an object of request fields")
+            data.update(nested)
+        return data
+
+    @field_validator("priority")
+    @classmethod
+    def _no_priority(cls, priority: int) -> int:
+        if priority != 0:  # vLLM's answer without --scheduling-policy priority
+            raise ValueError(f"priority {priority} is not supported: priority scheduling is not enabled "
+                             "(requests are served first come, first served; priority must be 0)")
+        return priority
 
     def stage_overrides(self) -> dict[str, Any]:
         """The standard parameters that were given, as SamplingParams fields."""
@@ -124,6 +158,19 @@ class SamplingFields(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")  # json_schema & co., refused with their type
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, kind: str) -> str:
+        if kind != "text":
+            raise ValueError(f"response_format type {kind!r} is not supported: structured output (guided "
+                             "decoding) is not implemented; only 'text'")
+        return kind
 
 
 class AudioOutput(_Strict):
@@ -140,11 +187,23 @@ class ChatCompletionRequest(SamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables of the chat template
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     def stage_overrides(self) -> dict[str, Any]:
         fields = super().stage_overrides()
         if self.max_completion_tokens is not None:  # OpenAI's newer name wins, as in vLLM
             fields["max_tokens"] = self.max_completion_tokens
+        if self.logprobs:
+            fields["logprobs"] = self.top_logprobs or 0
         return fields
 
 
@@ -154,6 +213,8 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)  # top alternatives per token (legacy API)
+    response_format: ResponseFormat | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -161,6 +222,12 @@ class CompletionRequest(SamplingFields):
         if not prompt or (isinstance(prompt, list) and any(isinstance(p, (str, list)) and not p for p in prompt)):
             raise ValueError("prompt must not be empty")
         return prompt
+
+    def stage_overrides(self) -> dict[str, Any]:
+        fields = super().stage_overrides()
+        if self.logprobs is not None:
+            fields["logprobs"] = self.logprobs
+        return fields
 
     def prompts(self) -> list[dict[str, Any]]:
         p = self.prompt

@@ -14,16 +14,18 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from vllm_omni.config.stage_config import PipelineConfig
+from vllm_omni.config.stage_config import ConfigFormat, PipelineConfig
 from vllm_omni.engine.stage_client import StageState
 from vllm_omni.entrypoints.async_omni import RequestFailedError
 from vllm_omni.entrypoints.openai.accumulator import RequestAccumulator
 from vllm_omni.entrypoints.openai.admission import AdmissionGate
 from vllm_omni.entrypoints.openai.audio import OUTPUT_SAMPLE_RATE
+from vllm_omni.entrypoints.openai.chat_options import ChatOptions
 from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected, from_request_failure
 from vllm_omni.entrypoints.openai.media_fetch import MediaPolicy
 from vllm_omni.entrypoints.openai.metrics import ServerMetrics
 from vllm_omni.entrypoints.openai.protocol import SamplingFields
+from vllm_omni.entrypoints.openai.sampling_precedence import comprehension_overrides
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = logging.getLogger(__name__)
@@ -38,6 +40,7 @@ class PipelineShape:
     comprehension_stage: int | None  # where the standard sampling parameters apply
     final_types: dict[str, int]  # output type -> the final stage producing it (first one)
     upstream: dict[int, frozenset[int]]  # stage -> every stage it (transitively) depends on
+    stage_config_wins: bool = False  # served from a stage config: its sampling values win (sampling_precedence)
 
     @classmethod
     def of(cls, pipeline: PipelineConfig) -> PipelineShape:
@@ -50,7 +53,8 @@ class PipelineShape:
             srcs = pipeline.stage(sid).engine_input_source
             upstream[sid] = frozenset(srcs).union(*(upstream[s] for s in srcs))
         comp = pipeline.comprehension_stage
-        return cls(pipeline.num_stages, comp.stage_id if comp else None, final, upstream)
+        return cls(pipeline.num_stages, comp.stage_id if comp else None, final, upstream,
+                   stage_config_wins=pipeline.format is not ConfigFormat.SINGLE_STAGE)
 
     def modalities(self) -> list[str]:
         """Output types in stage order (choice order of a chat response)."""
@@ -74,6 +78,7 @@ class ServingContext:
     media: MediaPolicy
     model_path: str
     stage_names: dict[int, str] = field(default_factory=dict)
+    chat: ChatOptions = field(default_factory=ChatOptions)
 
     def check_model(self, model: str | None) -> str:
         """The served name a request addresses (None: the first one); 404 for any other."""
@@ -105,14 +110,15 @@ class ServingContext:
 
     def sampling_params_list(self, body: SamplingFields) -> list[dict[str, Any] | None]:
         """One entry per stage: the request's sampling_params_list, with the standard parameters
-        applied to the comprehension stage. Values are validated by the engine (-> 400)."""
+        applied to the comprehension stage as sampling_precedence says. Values are validated by the
+        engine (-> 400)."""
         n = self.shape.num_stages
         given = body.sampling_params_list
         if given is not None and len(given) != n:
             raise APIError(400, f"sampling_params_list has {len(given)} entries; the pipeline has {n} stages (one "
                                 "entry per stage, null for a stage's defaults)", param="sampling_params_list")
         out: list[dict[str, Any] | None] = list(given) if given is not None else [None] * n
-        overrides = body.stage_overrides()
+        overrides = comprehension_overrides(body.stage_overrides(), stage_config_wins=self.shape.stage_config_wins)
         if overrides:
             idx = self.shape.comprehension_stage
             if idx is None:

@@ -4,8 +4,15 @@ Response layout (upstream vLLM-Omni): one choice per requested output modality, 
 order: text in `choices[i].message.content`, speech in `choices[j].message.audio =
 {id, data (base64 of the encoded file), expires_at, transcript}`. With `stream: true` the same
 choice indices carry SSE `chat.completion.chunk`s: text deltas as the stage generates them, and
-audio chunks (`delta.audio.data`, each chunk a complete file in the requested format) as soon
-as the audio stage hands them over; then `data: [DONE]`.
+audio chunks (`delta.audio.data`, each chunk a complete file in the requested format; in
+`delta.content` with `--audio-stream-shape upstream`) as soon as the audio stage hands them
+over; then `data: [DONE]`. Every chunk names its `modality`.
+
+Partial responses (docs/compatibility.md): when a later stage fails after an earlier one finished
+an output the client asked for (the talker fails, the text is complete), the response is still
+200 with that output; the failed output's choice has `finish_reason: "error"` and an OpenAI-shaped
+`error` object (HTTP status in `code`). A stream has already sent the text by then: the error
+follows in-band, then [DONE].
 """
 from __future__ import annotations
 
@@ -22,10 +29,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from vllm_omni.entrypoints.async_omni import RequestFailedError
 from vllm_omni.entrypoints.openai.accumulator import AudioEvent, RequestAccumulator, TextEvent
 from vllm_omni.entrypoints.openai.admission import Ticket
 from vllm_omni.entrypoints.openai.audio import OUTPUT_SAMPLE_RATE, check_format, encode_audio
+from vllm_omni.entrypoints.openai.chat_options import ChatOptions
 from vllm_omni.entrypoints.openai.errors import APIError
+from vllm_omni.entrypoints.openai.logprobs import chat_logprobs
 from vllm_omni.entrypoints.openai.media_fetch import resolve_media
 from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest
 from vllm_omni.entrypoints.openai.serving_base import (
@@ -42,13 +52,20 @@ AUDIO_TTL_S = 24 * 3600  # `expires_at` of audio objects (upstream's value); not
 class ChatView:
     """Builds the JSON of one request's response or stream chunks."""
 
-    def __init__(self, request_id: str, model: str, modalities: list[str], audio_format: str) -> None:
+    def __init__(self, request_id: str, model: str, modalities: list[str], audio_format: str,
+                 options: ChatOptions, top_logprobs: int | None = None, tokenizer: Any = None) -> None:
         self.request_id = request_id
         self.model = model
         self.modalities = modalities  # what the client asked for, in stage (= choice) order
         self.audio_format = audio_format
+        self.audio_in_content = options.audio_stream_shape == "upstream"
+        self.top_logprobs = top_logprobs  # None: the request did not ask for logprobs
+        self.tokenizer = tokenizer
         self.created = int(time.time())
         self.audio_id = f"audio-{uuid.uuid4().hex[:16]}"
+
+    def logprobs(self, tokens: list) -> dict[str, Any] | None:
+        return None if self.top_logprobs is None else chat_logprobs(self.tokenizer, tokens, self.top_logprobs)
 
     def index(self, modality: str) -> int | None:
         return self.modalities.index(modality) if modality in self.modalities else None
@@ -59,17 +76,23 @@ class ChatView:
         data = base64.b64encode(raw).decode("ascii")
         return {"id": self.audio_id, "data": data, "expires_at": self.created + AUDIO_TTL_S, "transcript": transcript}
 
-    async def response(self, acc: RequestAccumulator) -> dict[str, Any]:
+    async def response(self, acc: RequestAccumulator, failure: APIError | None = None) -> dict[str, Any]:
+        """`failure`: the error of an output that did not finish (a partial response)."""
         choices = []
         for i, modality in enumerate(self.modalities):
+            if failure is not None and not acc.finished(modality):
+                choices.append({"index": i, "message": {"role": "assistant", "content": None}, "logprobs": None,
+                                "finish_reason": "error", **failure.body()})
+                continue
+            logprobs = None
             if modality == "text":
                 message = {"role": "assistant", "content": acc.text}
-                reason = acc.finish_reason
+                reason, logprobs = acc.finish_reason, self.logprobs(acc.token_logprobs)
             else:
                 audio = await self.audio_object(acc.audio(), acc.text)
                 message = {"role": "assistant", "content": None, "audio": audio}
                 reason = "stop"
-            choices.append({"index": i, "message": message, "logprobs": None, "finish_reason": reason})
+            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
         return {"id": self.request_id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage(acc)}
 
@@ -87,14 +110,18 @@ class ChatView:
             if i is None:  # audio-only request: the text is the transcript, sent with the audio
                 return None
             delta = {"content": event.delta} if event.delta else {}
-            return self.chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": event.finish_reason}],
-                              "text")
+            return self.chunk([{"index": i, "delta": delta, "logprobs": self.logprobs(event.logprobs),
+                                "finish_reason": event.finish_reason}], "text")
         i = self.index("audio")
         if i is None:
             return None
-        delta: dict[str, Any] = {"role": "assistant"} if first_audio else {}
+        delta: dict[str, Any] = {"role": "assistant"} if first_audio or self.audio_in_content else {}
         if event.samples.size or event.finished:
-            delta["audio"] = await self.audio_object(event.samples, acc.text if event.finished else "")
+            audio = await self.audio_object(event.samples, acc.text if event.finished else "")
+            if self.audio_in_content:  # upstream vLLM-Omni's shape: the base64 file is the content
+                delta["content"] = audio["data"]
+            else:
+                delta["audio"] = audio
         return self.chunk([{"index": i, "delta": delta, "logprobs": None,
                             "finish_reason": "stop" if event.finished else None}], "audio")
 
@@ -138,15 +165,25 @@ class ChatService:
         if "audio" in requested:
             check_format(audio_format)
         params = ctx.sampling_params_list(body)
-        messages = await race_disconnect(raw, resolve_media([m.to_engine() for m in body.messages], ctx.media))
+        messages = [m.to_engine() for m in body.messages]
+        ctx.chat.check_media_count(messages)
+        messages = await race_disconnect(raw, resolve_media(messages, ctx.media))
         prompt: dict[str, Any] = {"messages": messages}
         if body.mm_processor_kwargs:
             prompt["mm_processor_kwargs"] = body.mm_processor_kwargs
+        if ctx.chat.chat_template is not None:
+            prompt["chat_template"] = ctx.chat.chat_template
+        if body.chat_template_kwargs:
+            prompt["chat_template_kwargs"] = body.chat_template_kwargs
         if body.audio is not None and body.audio.voice is not None:
             prompt["speaker"] = body.audio.voice
         ctx.check_stages_up(ctx.shape.needed_stages(wanted))
         ticket = await race_disconnect(raw, ctx.gate.admit())  # a client gone while queued takes no slot
-        view = ChatView(f"chatcmpl-{uuid.uuid4().hex}", model, requested, audio_format)
+        # vLLM's request id: the X-Request-Id header, else the body's request_id, else a fresh one.
+        base_id = raw.headers.get("x-request-id") or body.request_id or uuid.uuid4().hex
+        top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        view = ChatView(f"chatcmpl-{base_id}", model, requested, audio_format, ctx.chat, top_logprobs,
+                        ctx.engine.get_tokenizer() if body.logprobs else None)
         try:
             # Only a streaming client needs the stages' intermediate outputs.
             gen = ctx.engine.generate(prompt, params, request_id=view.request_id, modalities=wanted,
@@ -159,14 +196,19 @@ class ChatService:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream = self._stream(raw, view, acc, first, gen, ticket, include_usage)
             return EventStream(stream, raw, partial(_close, ticket, gen))
+        failure = None
         try:
             await race_disconnect(raw, _drain(first, gen, acc))
         except BaseException as e:
-            raise as_api_error(ctx, e)  # noqa: B904 - chained inside as_api_error
+            err = as_api_error(ctx, e)
+            # A later stage failed after an output the client asked for was complete: keep it.
+            if not (isinstance(e, RequestFailedError) and any(acc.finished(m) for m in requested)):
+                raise err  # noqa: B904 - chained inside as_api_error
+            failure = err
         finally:
             ticket.release()
         self.ctx.record_finished(ENDPOINT, acc)
-        return JSONResponse(await view.response(acc))
+        return JSONResponse(await view.response(acc, failure))
 
     async def _stream(self, raw: Request, view: ChatView, acc: RequestAccumulator, first: OmniRequestOutput,
                       gen: AsyncIterator[OmniRequestOutput], ticket: Ticket, include_usage: bool) -> AsyncIterator[str]:

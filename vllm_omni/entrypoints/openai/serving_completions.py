@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from vllm_omni.entrypoints.openai.accumulator import RequestAccumulator, TextEvent
 from vllm_omni.entrypoints.openai.admission import Ticket
 from vllm_omni.entrypoints.openai.errors import APIError
+from vllm_omni.entrypoints.openai.logprobs import completion_logprobs
 from vllm_omni.entrypoints.openai.protocol import CompletionRequest
 from vllm_omni.entrypoints.openai.serving_base import (
     EventStream, ServingContext, as_api_error, engine_error, first_output, race_disconnect, set_final_status,
@@ -47,14 +48,15 @@ class CompletionService:
         # One admission slot per HTTP request, batch or not: a batch larger than the limit must
         # still be servable.
         tickets = [await race_disconnect(raw, ctx.gate.admit())]
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id = f"cmpl-{raw.headers.get('x-request-id') or body.request_id or uuid.uuid4().hex}"  # vLLM's rule
         accs = [RequestAccumulator(arrived_at=arrived) for _ in prompts]
         try:
             if body.stream:
                 gen = self._generate(prompts[0], params, request_id, stream=True)
                 first = await first_output(ctx, raw, gen)
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                stream = self._stream(raw, request_id, model, accs[0], first, gen, tickets, include_usage)
+                stream = self._stream(raw, request_id, model, accs[0], first, gen, tickets, include_usage,
+                                      body.logprobs)
                 return EventStream(stream, raw, partial(_close, tickets, gen))
             gens = [self._generate(p, params, f"{request_id}-{i}", stream=False) for i, p in enumerate(prompts)]
             await race_disconnect(raw, _all_or_none([self._collect(g, a) for g, a in zip(gens, accs, strict=True)]))
@@ -64,7 +66,10 @@ class CompletionService:
         _release(tickets)
         for acc in accs:
             self.ctx.record_finished(ENDPOINT, acc)
-        choices = [{"index": i, "text": a.text, "logprobs": None, "finish_reason": a.finish_reason}
+        tokenizer = ctx.engine.get_tokenizer() if body.logprobs is not None else None
+        choices = [{"index": i, "text": a.text, "finish_reason": a.finish_reason,
+                    "logprobs": None if tokenizer is None else completion_logprobs(tokenizer, a.token_logprobs,
+                                                                                   body.logprobs)}
                    for i, a in enumerate(accs)]
         total = _usage(accs)
         return JSONResponse({"id": request_id, "object": "text_completion", "created": int(time.time()),
@@ -85,8 +90,18 @@ class CompletionService:
 
     async def _stream(self, raw: Request, request_id: str, model: str, acc: RequestAccumulator,
                       first: OmniRequestOutput, gen: AsyncIterator[OmniRequestOutput], tickets: list[Ticket],
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, top_logprobs: int | None) -> AsyncIterator[str]:
         created, status = int(time.time()), 200
+        tokenizer = self.ctx.engine.get_tokenizer() if top_logprobs is not None else None
+        sent = 0  # characters of text sent: where the next chunk's tokens start
+
+        def choice(event: Any) -> dict[str, Any]:
+            nonlocal sent
+            assert isinstance(event, TextEvent)  # modalities=["text"]: nothing else comes
+            logprobs = None if tokenizer is None else completion_logprobs(tokenizer, event.logprobs, top_logprobs,
+                                                                          sent)
+            sent += len(event.delta)
+            return {"index": 0, "text": event.delta, "logprobs": logprobs, "finish_reason": event.finish_reason}
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
             body = {"id": request_id, "object": "text_completion", "created": created, "model": model,
@@ -95,10 +110,10 @@ class CompletionService:
 
         try:
             for event in acc.add(first):
-                yield chunk([_choice(event)])
+                yield chunk([choice(event)])
             async for out in gen:
                 for event in acc.add(out):
-                    yield chunk([_choice(event)])
+                    yield chunk([choice(event)])
             if include_usage:
                 yield chunk([], usage=_usage([acc]))
             yield "data: [DONE]\n\n"
@@ -114,11 +129,6 @@ class CompletionService:
         finally:
             _release(tickets)
             set_final_status(raw, status)
-
-
-def _choice(event: Any) -> dict[str, Any]:
-    assert isinstance(event, TextEvent)  # modalities=["text"]: nothing else comes
-    return {"index": 0, "text": event.delta, "logprobs": None, "finish_reason": event.finish_reason}
 
 
 def _usage(accs: list[RequestAccumulator]) -> dict[str, int]:

@@ -19,6 +19,8 @@ from typing import TypeVar
 
 import torch
 
+from vllm_omni.model_executor.dtypes import canonical_dtype
+
 S = TypeVar("S")
 
 
@@ -96,7 +98,7 @@ def resolve_precision(dtype: str, precision: str | None) -> Precision:
     (bfloat16 -> BFLOAT16; anything else, float16 included, -> FLOAT32: a pipeline-wide
     float16 must not push audio through half precision, where the vocoders overflow)."""
     if precision is None:
-        return Precision.BFLOAT16 if dtype in ("bfloat16", "bf16") else Precision.FLOAT32
+        return Precision.BFLOAT16 if canonical_dtype(dtype) == "bfloat16" else Precision.FLOAT32
     try:
         return Precision(precision)
     except ValueError:

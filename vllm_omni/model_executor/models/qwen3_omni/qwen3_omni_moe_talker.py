@@ -29,11 +29,12 @@ from transformers import PretrainedConfig
 
 from vllm_omni.model_executor.layers.linear import Linear, check_shape, set_loader
 from vllm_omni.model_executor.layers.moe import SparseMoeBlock, map_expert_weight_name
-from vllm_omni.model_executor.layers.rotary import get_rope
 from vllm_omni.model_executor.layers.sampler import Sampler, SamplingBatch
 from vllm_omni.model_executor.models.decoder import DecoderLayer, DecoderModel, GatedMLP, config_head_dim
 from vllm_omni.model_executor.models.qwen3 import make_qwen3_attention
+from vllm_omni.model_executor.models.qwen3_omni.deepstack import InterleavedMRotaryEmbedding
 from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_code_predictor import Qwen3OmniMoeCodePredictor
+from vllm_omni.model_executor.models.qwen3_omni.rope_index import GeneratedPositions
 from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_talker_prompt import TalkerPrompt, talker_prompt
 from vllm_omni.growing_tensor import GrowingTensor
 from vllm_omni.model_executor.models.bridge_utils import streamed_rows
@@ -92,6 +93,7 @@ class _RequestState:
     text_stream: GrowingTensor
     text_pad: torch.Tensor  # [H]
     complete: bool  # the thinker's reply is all there (no more streamed rows)
+    generated_positions: GeneratedPositions  # M-RoPE positions of output tokens
     codec_rows: list[torch.Tensor] = field(default_factory=list)  # codec part of output token k's row
     frames: list[torch.Tensor] = field(default_factory=list)  # [G] long CPU codes of output token k
     frames_sent: int = 0  # frames handed out by request_outputs
@@ -111,10 +113,10 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
         self.full_config, self.config = config, tc
         self.model = DecoderModel(text, lambda i: DecoderLayer(text, make_qwen3_attention(text),
                                                                SharedExpertMoeBlock(text)))
-        # transformers' talker rotary always interleaves M-RoPE, [24, 20, 20] unless configured.
-        rope = {"mrope_section": [24, 20, 20], **text.rope_parameters}
-        self.model.rotary_emb = get_rope(config_head_dim(text), rope, text.max_position_embeddings,
-                                         mrope_interleaved=True)
+        # transformers' talker rotary always interleaves M-RoPE, [24, 20, 20] unless configured; a
+        # video at an odd frame rate gives float32 positions, whose angles it computes directly.
+        self.model.rotary_emb = InterleavedMRotaryEmbedding(config_head_dim(text), text.rope_parameters,
+                                                            text.max_position_embeddings)
         width = (tc.thinker_hidden_size, text.intermediate_size, text.hidden_size, text.hidden_act)
         self.text_projection, self.hidden_projection = ResizeMLP(*width), ResizeMLP(*width)
         self.codec_head = Linear(text.hidden_size, text.vocab_size)
@@ -271,15 +273,16 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
     def request_positions(self, request, start: int, end: int) -> torch.Tensor:
         """[3, end - start]: the prompt's M-RoPE positions; generated tokens continue each row
         from the last prompt position (+1 per step), as transformers' generate does."""
-        positions = self._state(request).prompt.positions
+        state = self._state(request)
+        positions = state.prompt.positions
         num_prompt = positions.shape[1]
-        last = int(positions[:, -1].max()) + end - num_prompt
+        last = float(positions[:, -1].max()) + end - num_prompt
         if last >= self.model.rotary_emb.max_position:
             raise ValueError(f"request {request.request_id}: talker position {last} beyond the rotary table "
                              f"({self.model.rotary_emb.max_position})")
         spans = [positions[:, start : min(end, num_prompt)]] if start < num_prompt else []
         if end > num_prompt:
-            spans.append(positions[:, -1:] + torch.arange(max(start, num_prompt) - num_prompt, end - num_prompt) + 1)
+            spans.append(state.generated_positions.span(max(start, num_prompt) - num_prompt, end - num_prompt))
         return torch.cat(spans, dim=1)
 
     def _state(self, request) -> _RequestState:
@@ -297,8 +300,8 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
             raise ValueError(f"thinker states have width {inputs.thinker_embeds.shape[1]}, the talker expects "
                              f"thinker_hidden_size={tc.thinker_hidden_size}")
         prompt = talker_prompt(self.full_config, inputs, inputs.speaker or DEFAULT_SPEAKER)
-        if int(prompt.positions.max()) + 1 >= self.model.rotary_emb.max_position:
-            raise ValueError(f"talker M-RoPE position {int(prompt.positions.max())} beyond the rotary table "
+        if float(prompt.positions.max()) + 1 >= self.model.rotary_emb.max_position:
+            raise ValueError(f"talker M-RoPE position {float(prompt.positions.max())} beyond the rotary table "
                              f"({self.model.rotary_emb.max_position})")
         return prompt
 
@@ -326,7 +329,8 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
                                   tc.codec_pad_id, tc.codec_bos_id], device=weight.device)
         codec = torch.cat([text.new_zeros(3, self.hidden_size), self.model.embed_tokens(codec_ids)])
         st = _RequestState(prompt=prompt, prompt_embeds=torch.cat([user, text + codec]),
-                           text_stream=GrowingTensor(assistant[4:]), text_pad=pad, complete=False)
+                           text_stream=GrowingTensor(assistant[4:]), text_pad=pad, complete=False,
+                           generated_positions=GeneratedPositions(prompt.positions[:, -1:]))
         if request.input_complete:  # the whole reply, projected at once as transformers does
             st.text_stream.append(eos[None])
             st.complete = True

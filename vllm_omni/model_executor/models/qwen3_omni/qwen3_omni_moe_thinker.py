@@ -33,6 +33,7 @@ from vllm_omni.model_executor.models.qwen3_moe import make_qwen3_moe_layer
 from vllm_omni.model_executor.models.qwen3_omni.deepstack import DeepstackDecoderModel, StepDeepstack
 from vllm_omni.model_executor.models.qwen3_omni.rope_index import (
     RopeTokenConfig,
+    GeneratedPositions,
     as_index_positions,
     qwen3_omni_rope_index,
 )
@@ -44,6 +45,7 @@ from vllm_omni.model_executor.models.qwen3_omni.thinker_towers import (
 )
 
 _POSITIONS_KEY = "thinker_mrope"  # prompt positions [3, P] CPU (long, or float32 if fractional)
+_GENERATED_KEY = "thinker_mrope_generated"  # GeneratedPositions of the output tokens
 _MM_KEY = "thinker_mm"  # _PromptMedia of the request, dropped once the prompt is computed
 
 
@@ -137,8 +139,10 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerForCausalLM):
         if end > num_prompt:
             # Generated tokens continue each row from the last prompt position, as transformers'
             # generate does (+1 per step); the last position need not be the largest.
-            steps = torch.arange(max(start, num_prompt) - num_prompt, end - num_prompt) + 1
-            generated = positions[:, -1:] + steps.to(positions.dtype)
+            continued = request.model_state.get(_GENERATED_KEY)
+            if continued is None:
+                continued = request.model_state[_GENERATED_KEY] = GeneratedPositions(positions[:, -1:])
+            generated = continued.span(max(start, num_prompt) - num_prompt, end - num_prompt)
             self._check_position_limit(request, generated)
             spans.append(generated)
         return torch.cat(spans, dim=1)

@@ -5,7 +5,9 @@ generate`: the talker prompt is the thinker prompt's user turns (every token who
 `<|im_start|>` is followed by `user`, in order) and 9 assistant rows; its ids for M-RoPE are
 [those user tokens, tts_pad x 9]. Positions are plain text positions unless the request has
 image/video grids; then they are transformers' `get_rope_index` over those ids (our port,
-rope_index.py; audio alone counts like text there, as in transformers).
+rope_index.py; audio alone counts like text there, as in transformers, and so does
+use_audio_in_video, which transformers never passes to its talker): long when integral,
+float32 when a video's frame times are fractional (29.97 fps, 1 s clips), as transformers has them.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ class TalkerPrompt:
     multimodal: torch.Tensor  # [P] bool: audio/image/video placeholders of the thinker prompt
     assistant_start: int  # thinker position of the last `<|im_start|>assistant`
     speaker_id: int  # codec id of the voice
-    positions: torch.Tensor  # [3, U + 9] long, CPU; generated tokens continue from the last column
+    positions: torch.Tensor  # [3, U + 9] long (float32 if fractional), CPU; output continues from the last column
 
     @property
     def num_tokens(self) -> int:
@@ -73,11 +75,11 @@ def _rope_index(config: PretrainedConfig, talker_ids: torch.Tensor, inputs: Talk
         positions, _ = qwen3_omni_rope_index(
             talker_ids.tolist(), rope_tokens, image_grid_thw=grids[0], video_grid_thw=grids[1],
             audio_seqlens=inputs.audio_feature_lengths, second_per_grids=inputs.video_second_per_grid,
-            use_audio_in_video=inputs.use_audio_in_video,
+            # transformers' generate hands the talker the grids, audio lengths and seconds per grid
+            # but never use_audio_in_video, so its talker lays a video merged with its audio track
+            # out as an audio block followed by text; the same here, to the last code.
+            use_audio_in_video=False,
         )
     except (IndexError, ValueError) as e:
         raise ValueError(f"talker M-RoPE positions: the user turns do not match the media layout ({e})") from e
-    positions = as_index_positions(positions)
-    if positions.is_floating_point():
-        raise ValueError("talker M-RoPE positions are fractional (video second_per_grid); not supported yet")
-    return positions
+    return as_index_positions(positions)

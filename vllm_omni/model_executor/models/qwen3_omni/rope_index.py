@@ -8,9 +8,11 @@ Differs from Qwen2.5-Omni's TMRoPE (qwen2_5_omni/positions.py) in four ways, all
 - a video's frames and its audio track are merged token by token by their t value (a video
   token first on ties), not in fixed-size chunks;
 - positions are float32 (t = frame index * seconds per grid * position_id_per_seconds is
-  not truncated), so a video sampled at an odd frame rate gets fractional positions.
+  not truncated), so a video sampled at an odd frame rate gets fractional positions: every
+  29.97 fps video, every 1 s clip (4 frames sampled: 0.5 s per grid, t = 6.5 per frame group).
 The arithmetic follows HF's float32 order exactly; `as_index_positions` turns the usual
-all-integral result into a long tensor so the rotary can use its exact cos/sin tables.
+all-integral result into a long tensor so the rotary can use its exact cos/sin tables, and
+`GeneratedPositions` continues a prompt's positions through generation as HF's generate does.
 
 Shared by the thinker and the talker (both read their own config, see `RopeTokenConfig`).
 """
@@ -218,6 +220,26 @@ def qwen3_omni_rope_index(
             f"{positions.shape[1]}: placeholder counts do not match the multimodal inputs"
         )
     return positions, float(positions.max()) + 1 - num_tokens
+
+
+class GeneratedPositions:
+    """Positions of generated tokens: each row continues from the prompt's last column by +1 per
+    step, in the positions' dtype, the way transformers' generate extends `position_ids`
+    (`position_ids[..., -1:] + 1` after every step). For float32 positions that is a running
+    sum rounded at every step, which can differ in the last bit from `last + k`; the columns are
+    therefore built one step at a time and kept (one instance per request, in its model state)."""
+
+    def __init__(self, last_column: torch.Tensor) -> None:
+        self.last = last_column  # [3, 1] long or float32, CPU
+        self._columns: list[torch.Tensor] = []
+
+    def span(self, first: int, end: int) -> torch.Tensor:
+        """[3, end - first] positions of generated tokens first..end-1 (0: the first one)."""
+        if not self.last.is_floating_point():  # integers: the sum is exact
+            return self.last + torch.arange(first + 1, end + 1)
+        while len(self._columns) < end:
+            self._columns.append((self._columns[-1] if self._columns else self.last) + 1)
+        return torch.cat(self._columns[first:end], dim=1)
 
 
 def as_index_positions(positions: torch.Tensor) -> torch.Tensor:

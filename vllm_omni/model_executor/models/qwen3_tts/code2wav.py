@@ -23,14 +23,12 @@ import torch
 from safetensors.torch import load_file
 
 from vllm_omni.model_executor.models.qwen3_tts.speech_decoder import SpeechDecoder
+from vllm_omni.model_executor.dtypes import canonical_dtype, torch_dtype
 from vllm_omni.stage_io import StageRequest
 
 CONTEXT_FRAMES_KEY = "context_frames"
 DECODER_PREFIX = "decoder."
 CHUNK_FRAMES, LEFT_CONTEXT_FRAMES = 300, 25  # qwen-tts' chunked_decode defaults
-_DTYPES = {"auto": torch.float32, "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
-           "fp16": torch.float16}
 
 
 def stream_chunks(num_frames: int, first: int, size: int) -> list[tuple[int, int]]:
@@ -54,8 +52,8 @@ class Qwen3TTSCode2Wav:
     @classmethod
     def load(cls, model_path: str, *, model_stage: str | None = None, device: torch.device | str = "cpu",
              dtype: str = "auto", load_format: str = "auto") -> Qwen3TTSCode2Wav:
-        if dtype not in _DTYPES:
-            raise ValueError(f"code2wav: unsupported dtype {dtype!r}; supported: {sorted(_DTYPES)}")
+        # "auto" is float32: the vocoder is small and half precision is audible in its samples.
+        param_dtype = torch.float32 if canonical_dtype(dtype) == "auto" else torch_dtype(dtype)
         folder = Path(model_path) / "speech_tokenizer"
         if not (folder / "config.json").is_file():
             raise ValueError(f"{model_path}: no speech_tokenizer/config.json (the 12 Hz codec of Qwen3-TTS)")
@@ -63,8 +61,7 @@ class Qwen3TTSCode2Wav:
         device = torch.device(device)
         with torch.device(device):
             decoder = SpeechDecoder(config["decoder_config"])
-        # "auto" is float32: the vocoder is small and half precision is audible in its samples.
-        decoder = decoder.to(_DTYPES[dtype])
+        decoder = decoder.to(param_dtype)
         if load_format != "dummy":
             tensors = {k[len(DECODER_PREFIX):]: v for k, v in load_file(str(folder / "model.safetensors")).items()
                        if k.startswith(DECODER_PREFIX)}
