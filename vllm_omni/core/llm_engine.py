@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, Pretrained
 
 from vllm_omni.core.block_manager import BlockManager
 from vllm_omni.core.request import Request, RequestStatus
-from vllm_omni.core.scheduler import Scheduler, SchedulerConfig
+from vllm_omni.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from vllm_omni.core.detokenizer import IncrementalDetokenizer
 from vllm_omni.core.engine_config import EngineConfig
 from vllm_omni.core.kv_cache_sizing import plan_kv_cache
@@ -22,6 +22,7 @@ from vllm_omni.model_executor.model_loader import load_model, resolve_dtype
 from vllm_omni.outputs import CompletionOutput, RequestOutput
 from vllm_omni.sampling_params import SamplingParams
 from vllm_omni.core.model_runner import ARModelRunner, RunnerOutput
+from vllm_omni.core.isolated_step import execute_isolating_failures
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ class LLMEngine:
         self.model_request_outputs = getattr(self.model, "finished_request_outputs", None)
         # A stage model whose vocabulary is not the tokenizer's (a talker's codec) names its own EOS.
         self.eos_token_ids = tuple(getattr(self.model, "eos_token_ids", ()) or self.eos_token_ids)
+        # The rows of the model's input embedding (a talker's codec vocabulary, not the tokenizer's).
+        self.vocab_size: int | None = getattr(self.model, "vocab_size", None)
         plan = plan_kv_cache(config, self.model, self.hf_config, self.dtype, self.device)
         self.max_model_len = plan.max_model_len
         self.runner = ARModelRunner(
@@ -117,6 +120,12 @@ class LLMEngine:
             model_inputs=model_inputs,
             stream=stream,
         )
+        bad_id = self._out_of_vocab(prompt_token_ids)
+        if bad_id is not None:
+            request.error = (f"request {request_id}: prompt token id {bad_id} is not in the vocabulary "
+                             f"(ids 0..{self.vocab_size - 1})")
+            request.status = RequestStatus.FINISHED_ERROR
+            return self._make_output(request)
         if request.num_prompt_tokens >= self.max_model_len:
             request.error = (
                 f"request {request_id}: the prompt has {request.num_prompt_tokens} tokens, which does not "
@@ -131,6 +140,12 @@ class LLMEngine:
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
         self.scheduler.add_request(request)
         return None
+
+    def _out_of_vocab(self, token_ids: list[int]) -> int | None:
+        """The first id the model cannot embed (the whole batch's step would fail on it), or None."""
+        if self.vocab_size is None:
+            return None
+        return next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
 
     def abort_request(self, request_ids: list[str] | str) -> list[RequestOutput]:
         if isinstance(request_ids, str):
@@ -158,9 +173,9 @@ class LLMEngine:
                 # Cannot happen while the pool holds one max_model_len request (checked at start).
                 raise RuntimeError("scheduler made no progress with unfinished requests")
             return []
-        result = self.runner.execute(sched)
+        result, failures = execute_isolating_failures(self.runner, sched)
+        outputs = self._fail_requests(sched, failures) if failures else []
         self.scheduler.advance(sched)
-        outputs = []
         for item in sched.scheduled:
             request = item.request
             self._collect_hidden_states(request, result)
@@ -170,6 +185,18 @@ class LLMEngine:
             self._append_token(request, token, result)
             if request.stream or request.status.finished:
                 outputs.append(self._make_output(request))
+        return outputs
+
+    def _fail_requests(self, sched: SchedulerOutput, failures: dict[str, str]) -> list[RequestOutput]:
+        """End the requests that broke the step; the rest of `sched` goes on as scheduled."""
+        outputs = []
+        for item in [item for item in sched.scheduled if item.request.request_id in failures]:
+            request = item.request
+            logger.warning("request %s failed: %s", request.request_id, failures[request.request_id])
+            request.error = failures[request.request_id]
+            self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+            sched.scheduled.remove(item)
+            outputs.append(self._make_output(request))
         return outputs
 
     def _collect_hidden_states(self, request: Request, result: RunnerOutput) -> None:
@@ -218,9 +245,9 @@ class LLMEngine:
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason,
         )
-        if finished and request.hidden_chunks:
+        if finished and request.error is None and request.hidden_chunks:
             completion.multimodal_output = {key: torch.cat(chunks) for key, chunks in request.hidden_chunks.items()}
-        if finished and self.model_request_outputs is not None:
+        if finished and request.error is None and self.model_request_outputs is not None:
             completion.multimodal_output.update(self.model_request_outputs(request))
         return RequestOutput(
             request_id=request.request_id,
