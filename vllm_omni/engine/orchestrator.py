@@ -144,6 +144,12 @@ class Orchestrator:
 
     # --- requests -------------------------------------------------------------
     def submit(self, sub: Submission) -> None:
+        try:
+            self._submit(sub)
+        except Exception as e:  # noqa: BLE001 - whatever broke, the request ends with an error
+            self._fail_unexpected(sub.request_id, sub.sink, e, None)
+
+    def _submit(self, sub: Submission) -> None:
         if sub.request_id in self._keys:
             sub.sink.put(RequestDone(sub.request_id, error=f"request id {sub.request_id!r} is already in flight"))
             return
@@ -197,8 +203,9 @@ class Orchestrator:
         except StageDownError as e:
             self._fail(state, str(e), stage_id)
             return False
-        except (TypeError, ValueError) as e:  # a payload that cannot be encoded
-            self._fail(state, f"{self.clients[stage_id].name}: cannot send the request: {e}", stage_id)
+        except Exception as e:  # noqa: BLE001 - a payload that cannot be encoded (TypeError, OverflowError, ...)
+            self._fail(state, f"{self.clients[stage_id].name}: cannot send the request: {type(e).__name__}: {e}",
+                       stage_id)
             return False
         return True
 
@@ -207,7 +214,12 @@ class Orchestrator:
             logger.error("%s sent an unexpected %s", self.clients[stage_id].name, type(msg).__name__)
             return
         for out in msg.outputs:
-            self._on_output(stage_id, out)
+            try:
+                self._on_output(stage_id, out)
+            except Exception as e:  # noqa: BLE001 - routing one output failed: that request ends, not the loop
+                state = self._requests.get(out.request_id)
+                if state is not None:
+                    self._fail_unexpected(state.request_id, state.sink, e, stage_id)
 
     def _on_output(self, stage_id: int, out: StageOutput) -> None:
         state = self._requests.get(out.request_id)
@@ -242,8 +254,8 @@ class Orchestrator:
         try:
             # Bridges are small tensor reshuffles; they run inline on the loop.
             inp = build_stage_input(fn, fn_name, stage, len(self.stages), sources, state.prompt, state.request_id)
-        except ValueError as e:
-            self._fail(state, str(e), dst)
+        except Exception as e:  # noqa: BLE001 - a bridge that raises fails this request alone
+            self._fail(state, str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}", dst)
             return False
         return self._send(state, dst, inp["prompt_token_ids"], None, inp.get("additional_information") or {},
                           inp.get("multi_modal_data"))
@@ -262,6 +274,16 @@ class Orchestrator:
         self._drop(state)
         logger.warning("request %s failed: %s", state.request_id, error)
         state.sink.put(RequestDone(state.request_id, error=error, failed_stage=stage_id))
+
+    def _fail_unexpected(self, request_id: str, sink: RequestSink, exc: Exception, stage_id: int | None) -> None:
+        """A bug or an unforeseen payload broke the handling of one request: end it, keep serving."""
+        logger.error("request %s: %s: %s", request_id, type(exc).__name__, exc, exc_info=exc)
+        state = self._requests.get(self._keys.get(request_id, ""))
+        error = f"internal error while routing the request: {type(exc).__name__}: {exc}"
+        if state is not None and state.sink is sink:
+            self._fail(state, error, stage_id)
+        else:
+            sink.put(RequestDone(request_id, error=error, failed_stage=stage_id))
 
     def _drop(self, state: RequestState, abort_in_stages: bool = True) -> None:
         self._requests.pop(state.key, None)

@@ -23,6 +23,7 @@ from vllm_omni.engine.stage_client import StageState
 from vllm_omni.version import __version__
 from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected, install_error_handlers
 from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from vllm_omni.entrypoints.openai.request_body import parse_body
 from vllm_omni.entrypoints.openai.serving_base import ServingContext, summarize_reason
 from vllm_omni.entrypoints.openai.serving_chat import ChatService
 from vllm_omni.entrypoints.openai.serving_completions import CompletionService
@@ -121,13 +122,14 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes
     chat, completions = ChatService(ctx), CompletionService(ctx)
     created = int(time.time())
 
+    # Bodies are parsed off the event loop (request_body.py), not by FastAPI on it.
     @app.post("/v1/chat/completions")
-    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Any:
-        return await chat.create(body, raw)
+    async def create_chat_completion(raw: Request) -> Any:
+        return await chat.create(await parse_body(raw, ChatCompletionRequest), raw)
 
     @app.post("/v1/completions")
-    async def create_completion(body: CompletionRequest, raw: Request) -> Any:
-        return await completions.create(body, raw)
+    async def create_completion(raw: Request) -> Any:
+        return await completions.create(await parse_body(raw, CompletionRequest), raw)
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

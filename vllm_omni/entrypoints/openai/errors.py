@@ -77,10 +77,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     # A content part with an unknown type fails every branch of the union; only the tag
     # mismatch says what is wrong.
     tagged = [e for e in errors if e.get("type") == "union_tag_invalid"]
+    locs = [_location(e) for e in errors]
+    # A union (`content: str | list[part]`) reports every branch; the branch that got deeper
+    # into the value says what is wrong, not "should be a valid string".
+    errors = [e for e, loc in zip(errors, locs) if not any(o != loc and o[:len(loc)] == loc for o in locs)]
     parts, first = [], None
     for err in tagged or errors:
-        loc = [str(p) for p in err.get("loc", ()) if p != "body" and not str(p).startswith(("tagged-union", "list["))]
-        where = ".".join(p for p in loc if p != "str") or "body"
+        where = ".".join(_location(err)) or "body"
         first = first or where
         kind = err.get("type")
         if kind == "extra_forbidden":
@@ -95,6 +98,14 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         else:
             parts.append(f"{where}: {err.get('msg')}")
     return "; ".join(dict.fromkeys(parts)) or "invalid request", first
+
+
+def _location(err: dict[str, Any]) -> tuple[str, ...]:
+    """pydantic's loc without its bookkeeping: the body prefix, union branch names, and a
+    discriminated part's tag (loc [..., 0, "input_audio", "input_audio", "format"])."""
+    loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "str")
+           and not str(p).startswith(("tagged-union", "list[", "function-"))]
+    return tuple(p for i, p in enumerate(loc) if i == 0 or p != loc[i - 1] or p.isdigit())
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -10,11 +10,16 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from vllm_omni.sampling_params import INT64_MAX, INT64_MIN
+
 AudioFormat = Literal["wav", "mp3", "flac", "pcm16", "opus"]
+# Formats of input audio the decoders read (libsndfile, FFmpeg); OpenAI documents wav and mp3.
+InputAudioFormat = Literal["wav", "mp3", "flac", "ogg", "opus", "webm", "m4a"]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and infinities are not numbers any sampling or media option can use.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 # --------------------------------------------------------------------------- content parts
@@ -33,7 +38,7 @@ class TextPart(_Strict):
 class _MediaPart(BaseModel):
     # Extra keys are per-item processor options (min_pixels, fps, max_frames, ...), which the
     # multimodal processor validates; they are passed through unchanged.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class ImageURLPart(_MediaPart):
@@ -53,7 +58,7 @@ class VideoURLPart(_MediaPart):
 
 class _InputAudio(_Strict):
     data: str  # base64, no "data:" prefix (OpenAI)
-    format: str = "wav"
+    format: InputAudioFormat = "wav"
 
 
 class InputAudioPart(_Strict):
@@ -88,12 +93,12 @@ class SamplingFields(_Strict):
 
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
     n: int = 1
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

@@ -24,7 +24,9 @@ from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected, fr
 from vllm_omni.entrypoints.openai.media_fetch import MediaPolicy
 from vllm_omni.entrypoints.openai.metrics import ServerMetrics
 from vllm_omni.entrypoints.openai.protocol import SamplingFields
+from vllm_omni.entrypoints.openai.request_params import resolve_sampling_params
 from vllm_omni.outputs import OmniRequestOutput
+from vllm_omni.sampling_params import InvalidParameter, SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -101,23 +103,10 @@ class ServingContext:
             m.ttfa.observe(acc.first_audio_at - acc.arrived_at)
             m.observe_audio(acc.last_audio_at - acc.arrived_at, acc.audio_samples / OUTPUT_SAMPLE_RATE)
 
-    def sampling_params_list(self, body: SamplingFields) -> list[dict[str, Any] | None]:
-        """One entry per stage: the request's sampling_params_list, with the standard parameters
-        applied to the comprehension stage. Values are validated by the engine (-> 400)."""
-        n = self.shape.num_stages
-        given = body.sampling_params_list
-        if given is not None and len(given) != n:
-            raise APIError(400, f"sampling_params_list has {len(given)} entries; the pipeline has {n} stages (one "
-                                "entry per stage, null for a stage's defaults)", param="sampling_params_list")
-        out: list[dict[str, Any] | None] = list(given) if given is not None else [None] * n
-        overrides = body.stage_overrides()
-        if overrides:
-            idx = self.shape.comprehension_stage
-            if idx is None:
-                raise APIError(400, "this pipeline has no comprehension stage to apply sampling parameters to; "
-                                    "use sampling_params_list")
-            out[idx] = {**(out[idx] or {}), **overrides}
-        return out
+    def sampling_params_list(self, body: SamplingFields) -> list[SamplingParams]:
+        """One validated SamplingParams per stage (request_params.py): a bad value or one over a
+        stage's max_tokens ceiling is a 400 naming the field, before the request is admitted."""
+        return resolve_sampling_params(self.engine.pipeline, body)
 
 
 async def race_disconnect(request: Request, work: Awaitable[T]) -> T:
@@ -176,6 +165,8 @@ def engine_error(ctx: ServingContext, exc: BaseException) -> BaseException:
         return exc
     if isinstance(exc, RequestFailedError):
         return from_request_failure(exc.stage_id, str(exc), ctx.engine.stage_health())
+    if isinstance(exc, InvalidParameter):
+        return APIError(400, str(exc), param=exc.name)
     if isinstance(exc, ValueError):  # prompt, media, chat template or sampling parameter problems
         return APIError(400, str(exc))
     if isinstance(exc, Exception):

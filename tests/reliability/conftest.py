@@ -1,0 +1,83 @@
+"""One real `vllm-omni serve` for the whole reliability package, and what its tests share.
+
+The server runs the tiny Qwen2.5-Omni (the demo model's pipeline: thinker -> talker ->
+token2wav) with short outputs, small limits that the tests hit on purpose, and the
+fault-injecting thinker2talker bridge of faults.py (a no-op for ordinary requests). Modules
+that kill stages or stop the server start their own (see `launch`).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.pipeline.conftest import wait_until
+from tests.reliability.faults import THINKER2TALKER, add_fault_voices
+from tests.server.conftest import ServerProcess
+
+NAME = "tiny-omni"
+THINKER_TOKENS, TALKER_TOKENS = 8, 24
+OVERRIDES = {"0": {"default_sampling_params": {"max_tokens": THINKER_TOKENS}, "max_tokens_limit": 64},
+             "1": {"default_sampling_params": {"max_tokens": TALKER_TOKENS}, "max_num_seqs": 4,
+                   "custom_process_input_func": THINKER2TALKER}}
+MAX_REQUEST_BYTES = 2 * 1024 * 1024
+MAX_PROMPTS = 8
+MAX_CONCURRENT = 40
+
+
+@dataclass
+class Server:
+    proc: ServerProcess
+    client: openai.OpenAI
+
+    @property
+    def url(self) -> str:
+        return self.proc.url
+
+    def post(self, path: str, body: object, **kw) -> httpx.Response:
+        """A raw POST (any bytes, not only what the openai client would send)."""
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        headers = {"content-type": "application/json", **kw.pop("headers", {})}
+        return httpx.post(f"{self.url}{path}", content=content, headers=headers, timeout=kw.pop("timeout", 60.0), **kw)
+
+    def chat(self, text: str = "Hello!", **body) -> httpx.Response:
+        return self.post("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": text}],
+                                                  **body})
+
+    def running(self) -> float | None:
+        return self.proc.metric("vllm_omni:num_requests_running")
+
+    def assert_serving(self) -> None:
+        """Nothing holds an admission slot, and a plain request still gets text and speech."""
+        assert wait_until(lambda: self.running() == 0.0, 10.0), self.running()
+        r = self.chat("Are you still there?")
+        assert r.status_code == 200, r.text
+        assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+
+
+def launch(tmp: Path, model: Path, *extra: str, overrides: dict | None = None) -> ServerProcess:
+    return ServerProcess.launch(
+        [str(model), "--served-model-name", NAME, "--stage-overrides", json.dumps(overrides or OVERRIDES), *extra],
+        tmp / "server.log")
+
+
+@pytest.fixture(scope="session")
+def fault_model(tiny_model, tmp_path_factory) -> Path:
+    return add_fault_voices(tiny_model("qwen2_5_omni"), tmp_path_factory.mktemp("fault-model") / "model")
+
+
+@pytest.fixture(scope="package")
+def server(fault_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reliability-server")
+    proc = launch(tmp, fault_model, "--max-request-bytes", str(MAX_REQUEST_BYTES),
+                  "--max-concurrent-requests", str(MAX_CONCURRENT))
+    try:
+        proc.wait_ready()
+        client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="none", max_retries=0, timeout=120)
+        yield Server(proc, client)
+    finally:
+        proc.stop()
