@@ -39,8 +39,9 @@ class Server:
         return self.proc.url
 
     def post(self, path: str, body: object, **kw) -> httpx.Response:
-        """A raw POST (any bytes, not only what the openai client would send)."""
-        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        """A raw POST of a JSON value, bytes or an iterator of chunks (any bytes, not only what
+        the openai client would send)."""
+        content = json.dumps(body).encode() if isinstance(body, (dict, list)) else body
         headers = {"content-type": "application/json", **kw.pop("headers", {})}
         return httpx.post(f"{self.url}{path}", content=content, headers=headers, timeout=kw.pop("timeout", 60.0), **kw)
 
@@ -73,7 +74,7 @@ def fault_model(tiny_model, tmp_path_factory) -> Path:
 @pytest.fixture(scope="package")
 def server(fault_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reliability-server")
-    proc = launch(tmp, fault_model, "--max-request-bytes", str(MAX_REQUEST_BYTES),
+    proc = launch(tmp, fault_model, "--max-request-bytes", str(MAX_REQUEST_BYTES), "--max-prompts-per-request", str(MAX_PROMPTS),
                   "--max-concurrent-requests", str(MAX_CONCURRENT))
     try:
         proc.wait_ready()

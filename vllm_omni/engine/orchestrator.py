@@ -42,9 +42,10 @@ class RuntimeOptions:
     init_timeout_s: float = 600.0
     shm_threshold_bytes: int = 65536
     heartbeat_interval_s: float = 1.0
-    heartbeat_timeout_s: float = 10.0  # a stage silent this long is DOWN
+    heartbeat_timeout_s: float = 5.0  # a stage silent this long is DOWN (and restarted)
     shutdown_timeout_s: float = 10.0
     log_stats: bool = False
+    max_stage_restarts: int = 3  # restarts of a failed stage before it stays DOWN (engine/supervisor.py)
 
 
 @dataclass

@@ -12,8 +12,8 @@ import enum
 import itertools
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -50,6 +50,7 @@ class StageHealth:
     reason: str | None  # why it is DOWN
     pid: int | None
     seconds_since_heard: float | None
+    info: Mapping[str, Any] = field(default_factory=dict)  # what the stage reported when it came up
 
 
 class StageClient:
@@ -141,7 +142,7 @@ class StageClient:
 
     def health(self) -> StageHealth:
         heard = None if self._last_heard is None else time.monotonic() - self._last_heard
-        return StageHealth(self.stage_id, self.model_stage, self.state, self.reason, self.pid, heard)
+        return StageHealth(self.stage_id, self.model_stage, self.state, self.reason, self.pid, heard, dict(self.info))
 
     # --- events ---------------------------------------------------------------
     def mark_down(self, reason: str) -> None:

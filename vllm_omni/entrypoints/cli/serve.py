@@ -62,12 +62,18 @@ def _check(args: argparse.Namespace) -> list[str]:
     if args.stage_configs_path is not None and args.deploy_config is not None:
         problems.append("--stage-configs-path and --deploy-config are mutually exclusive (legacy stage_args YAML "
                         "or a deploy YAML, not both)")
-    for name in ("max_concurrent_requests", "max_media_bytes", "max_request_bytes"):
+    for name in ("max_concurrent_requests", "max_media_bytes", "max_request_bytes", "max_prompts_per_request"):
         if getattr(args, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("max_queued_requests", "batch_timeout", "media_fetch_timeout"):
+    for name in ("max_queued_requests", "batch_timeout", "media_fetch_timeout", "shutdown_timeout",
+                 "max_stage_restarts"):
         if getattr(args, name) < 0:
             problems.append(f"--{name.replace('_', '-')} must be >= 0")
+    if args.omni_heartbeat_timeout <= 0:
+        problems.append("--omni-heartbeat-timeout must be > 0")
+    if args.max_prompts_per_request > args.max_concurrent_requests:
+        problems.append("--max-prompts-per-request must be at most --max-concurrent-requests (a request takes one "
+                        "admission slot per prompt)")
     return problems
 
 
@@ -86,7 +92,8 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         media = MediaPolicy(local_media_root(args.allowed_local_media_path), args.media_fetch_timeout,
-                            args.max_media_bytes)
+                            args.max_media_bytes, allowed_domains=tuple(args.allowed_media_domains or ()),
+                            allow_private=args.allow_private_media_urls)
         sock = bind_socket(args.host, args.port)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -96,7 +103,8 @@ def serve(args: argparse.Namespace) -> int:
         model_path=model, served_names=names, host=args.host, port=args.port, api_key=args.api_key, media=media,
         max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
         admission_timeout_s=args.batch_timeout, max_request_bytes=args.max_request_bytes,
-        uvicorn_log_level=args.uvicorn_log_level,
+        uvicorn_log_level=args.uvicorn_log_level, max_prompts_per_request=args.max_prompts_per_request,
+        shutdown_timeout_s=args.shutdown_timeout,
     )
     try:
         engine = _start_engine(args, model)
@@ -126,5 +134,6 @@ def _start_engine(args: argparse.Namespace, model: str):
         model=model, stage_configs_path=args.stage_configs_path, deploy_config=args.deploy_config,
         stage_overrides=args.stage_overrides, stage_init_timeout=args.stage_init_timeout,
         init_timeout=args.init_timeout, shm_threshold_bytes=args.shm_threshold_bytes, log_stats=args.log_stats,
+        heartbeat_timeout=args.omni_heartbeat_timeout, max_stage_restarts=args.max_stage_restarts,
         **serve_args.engine_args(args),
     )

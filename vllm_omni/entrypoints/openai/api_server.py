@@ -34,8 +34,10 @@ class ServerSettings:
     max_concurrent_requests: int = 256
     max_queued_requests: int = 1024
     admission_timeout_s: float = 10.0  # --batch-timeout
-    max_request_bytes: int = 128 * 1024 * 1024
+    max_request_bytes: int = 64 * 1024 * 1024
     uvicorn_log_level: str = "info"
+    max_prompts_per_request: int = 32
+    shutdown_timeout_s: float = 30.0
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -58,7 +60,8 @@ def build_context(engine: Any, settings: ServerSettings) -> ServingContext:
                          settings.admission_timeout_s)
     return ServingContext(engine=engine, shape=PipelineShape.of(pipeline), served_names=list(settings.served_names),
                           gate=gate, metrics=ServerMetrics(names), media=settings.media,
-                          model_path=settings.model_path, stage_names=names)
+                          model_path=settings.model_path, stage_names=names,
+                          max_prompts_per_request=settings.max_prompts_per_request)
 
 
 def run_server(engine: Any, settings: ServerSettings, sock: socket.socket) -> None:

@@ -9,6 +9,7 @@ vLLM; health, version and metrics stay open for probes and scrapers.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from typing import Any
@@ -23,11 +24,12 @@ from vllm_omni.engine.stage_client import StageState
 from vllm_omni.version import __version__
 from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected, install_error_handlers
 from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from vllm_omni.entrypoints.openai.request_body import parse_body
+from vllm_omni.entrypoints.openai.request_body import parse_body, release_free_memory
 from vllm_omni.entrypoints.openai.serving_base import ServingContext, summarize_reason
 from vllm_omni.entrypoints.openai.serving_chat import ChatService
 from vllm_omni.entrypoints.openai.serving_completions import CompletionService
 
+TRIM_AFTER_BYTES = 1024 * 1024  # bodies this large leave enough freed heap to be worth a malloc_trim
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version", "/metrics")
 
 
@@ -105,13 +107,17 @@ class BodyLimitMiddleware:
                     raise StarletteHTTPException(413, self._too_large().message)
             return message
 
-        await self.app(scope, counting_receive, send)
+        try:
+            await self.app(scope, counting_receive, send)
+        finally:
+            if seen >= TRIM_AFTER_BYTES:  # the body's objects are gone now: return their pages
+                await asyncio.to_thread(release_free_memory)
 
     def _too_large(self) -> APIError:
         return APIError(413, f"the request body is over the {self.max_bytes} byte limit (--max-request-bytes)")
 
 
-def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes: int = 128 * 1024 * 1024) -> FastAPI:
+def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes: int = 64 * 1024 * 1024) -> FastAPI:
     app = FastAPI(title="vllm-omni", version=__version__)
     install_error_handlers(app)
 
@@ -125,11 +131,11 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes
     # Bodies are parsed off the event loop (request_body.py), not by FastAPI on it.
     @app.post("/v1/chat/completions")
     async def create_chat_completion(raw: Request) -> Any:
-        return await chat.create(await parse_body(raw, ChatCompletionRequest), raw)
+        return await chat.create(await parse_body(raw, ChatCompletionRequest, ctx.precheck_chat), raw)
 
     @app.post("/v1/completions")
     async def create_completion(raw: Request) -> Any:
-        return await completions.create(await parse_body(raw, CompletionRequest), raw)
+        return await completions.create(await parse_body(raw, CompletionRequest, ctx.precheck_completion), raw)
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

@@ -32,6 +32,8 @@ class MediaPolicy:
     allowed_local_root: Path | None = None  # None: local files are refused
     timeout_s: float = 10.0  # whole download, per URL
     max_bytes: int = 64 * 1024 * 1024
+    allowed_domains: tuple[str, ...] = ()  # non-empty: only these hosts (and their subdomains)
+    allow_private: bool = False  # let URLs reach loopback / private / link-local addresses
 
 
 async def resolve_media(messages: list[dict[str, Any]], policy: MediaPolicy) -> list[dict[str, Any]]:

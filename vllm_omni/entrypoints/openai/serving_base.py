@@ -23,6 +23,7 @@ from vllm_omni.entrypoints.openai.audio import OUTPUT_SAMPLE_RATE
 from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected, from_request_failure
 from vllm_omni.entrypoints.openai.media_fetch import MediaPolicy
 from vllm_omni.entrypoints.openai.metrics import ServerMetrics
+from vllm_omni.entrypoints.openai.prompt_limits import PromptLimit
 from vllm_omni.entrypoints.openai.protocol import SamplingFields
 from vllm_omni.entrypoints.openai.request_params import resolve_sampling_params
 from vllm_omni.outputs import OmniRequestOutput
@@ -76,6 +77,34 @@ class ServingContext:
     media: MediaPolicy
     model_path: str
     stage_names: dict[int, str] = field(default_factory=dict)
+    max_prompts_per_request: int = 32
+    _prompt_limit: PromptLimit | None = field(default=None, init=False, repr=False)
+
+    def precheck_chat(self, body: Any) -> None:
+        """On the decoded JSON, before pydantic: more messages than max_model_len cannot fit."""
+        messages = body.get("messages") if isinstance(body, dict) else None
+        if isinstance(messages, list):
+            self.check_prompt_size(0, "messages", len(messages))
+
+    def precheck_completion(self, body: Any) -> None:
+        """On the decoded JSON, before pydantic: a batch over the prompt cap is refused unread."""
+        prompt = body.get("prompt") if isinstance(body, dict) else None
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            self.check_prompt_count(len(prompt))
+
+    def check_prompt_size(self, chars: int, param: str, num_messages: int = 0) -> None:
+        """413 for a prompt too long to fit whatever it tokenizes to (prompt_limits.py)."""
+        if self._prompt_limit is None:
+            self._prompt_limit = PromptLimit.of(self.engine)  # known once the entry stage is up
+        if self._prompt_limit is not None:
+            self._prompt_limit.check(chars, param, num_messages)
+
+    def check_prompt_count(self, n: int) -> None:
+        """A request fans out into one pipeline request per prompt; more than the cap is a 400."""
+        if n > self.max_prompts_per_request:
+            raise APIError(400, f"the request has {n} prompts; this server takes at most "
+                                f"{self.max_prompts_per_request} per request (--max-prompts-per-request)",
+                           param="prompt")
 
     def check_model(self, model: str | None) -> str:
         """The served name a request addresses (None: the first one); 404 for any other."""

@@ -27,6 +27,7 @@ from vllm_omni.entrypoints.openai.admission import Ticket
 from vllm_omni.entrypoints.openai.audio import OUTPUT_SAMPLE_RATE, check_format, encode_audio
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.media_fetch import resolve_media
+from vllm_omni.entrypoints.openai.prompt_limits import chat_text_chars
 from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest
 from vllm_omni.entrypoints.openai.serving_base import (
     EventStream, ServingContext, as_api_error, engine_error, first_output, race_disconnect, set_final_status,
@@ -138,7 +139,9 @@ class ChatService:
         if "audio" in requested:
             check_format(audio_format)
         params = ctx.sampling_params_list(body)
-        messages = await race_disconnect(raw, resolve_media([m.to_engine() for m in body.messages], ctx.media))
+        messages = [m.to_engine() for m in body.messages]
+        ctx.check_prompt_size(chat_text_chars(messages), "messages", len(messages))  # before any media is fetched
+        messages = await race_disconnect(raw, resolve_media(messages, ctx.media))
         prompt: dict[str, Any] = {"messages": messages}
         if body.mm_processor_kwargs:
             prompt["mm_processor_kwargs"] = body.mm_processor_kwargs

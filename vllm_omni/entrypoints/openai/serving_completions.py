@@ -40,13 +40,15 @@ class CompletionService:
         if "text" not in ctx.shape.final_types:
             raise APIError(400, f"this model produces {ctx.shape.modalities()}, not text; use /v1/chat/completions")
         prompts = body.prompts()
+        ctx.check_prompt_count(len(prompts))
+        for p in prompts:
+            ctx.check_prompt_size(len(p.get("prompt", "")), "prompt")
         if body.stream and len(prompts) > 1:
             raise APIError(400, "streaming takes one prompt per request", param="prompt")
         params = ctx.sampling_params_list(body)
         ctx.check_stages_up(ctx.shape.needed_stages(["text"]))
-        # One admission slot per HTTP request, batch or not: a batch larger than the limit must
-        # still be servable.
-        tickets = [await race_disconnect(raw, ctx.gate.admit())]
+        # One admission slot per prompt: each is a request in the stages.
+        tickets = [await race_disconnect(raw, ctx.gate.admit(len(prompts)))]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         accs = [RequestAccumulator(arrived_at=arrived) for _ in prompts]
         try:
