@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.pipeline.conftest import wait_until
+from tests.pipeline.conftest import toy_pipeline, wait_until  # noqa: F401 - toy_pipeline: a fixture for this package
 from tests.reliability.faults import THINKER2TALKER, add_fault_voices
 from tests.server.conftest import ServerProcess
 
@@ -81,4 +81,13 @@ def server(fault_model, tmp_path_factory):
         client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="none", max_retries=0, timeout=120)
         yield Server(proc, client)
     finally:
-        proc.stop()
+        stop_checking_restarted_stages(proc)
+
+
+def stop_checking_restarted_stages(proc: ServerProcess) -> None:
+    """Stop the server; no stage process may outlive it, restarted ones included."""
+    try:
+        proc.stage_pids += [s["pid"] for s in proc.get("/health", timeout=5.0).json()["stages"]]
+    except httpx.HTTPError:
+        pass  # not answering any more: the pids it started with are still checked
+    proc.stop()

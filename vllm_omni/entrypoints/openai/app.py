@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vllm_omni.engine.stage_client import StageState
 from vllm_omni.version import __version__
-from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected, install_error_handlers
+from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected, install_error_handlers, retry_after
 from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from vllm_omni.entrypoints.openai.request_body import parse_body, release_free_memory
 from vllm_omni.entrypoints.openai.serving_base import ServingContext, summarize_reason
@@ -146,16 +146,16 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        health = ctx.engine.stage_health()
         stages = [{"stage_id": h.stage_id, "model_stage": h.model_stage, "state": h.state.value,
-                   "reason": h.reason, "pid": h.pid} for h in ctx.engine.stage_health()]
-        down = [s for s in stages if s["state"] != StageState.UP.value]
+                   "reason": h.reason, "pid": h.pid, "retry_after_s": h.retry_after_s} for h in health]
+        down = [h for h in health if h.state != StageState.UP]
         if not down:
             return JSONResponse({"status": "ok", "stages": stages})
-        what = "; ".join(f"stage {s['stage_id']} ({s['model_stage']}) is {s['state']}: "
-                         f"{summarize_reason(s['reason'])}" for s in down)
-        body = APIError(503, f"unhealthy: {what}").body()
-        body["stages"] = stages
-        return JSONResponse(body, status_code=503)
+        what = "; ".join(f"stage {h.stage_id} ({h.model_stage}) is {h.state.value}: {summarize_reason(h.reason)}"
+                         for h in down)
+        error = APIError(503, f"unhealthy: {what}", retry_after_s=retry_after(down))
+        return JSONResponse({**error.body(), "stages": stages}, status_code=503, headers=error.headers())
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -20,7 +20,7 @@ from vllm_omni.entrypoints.async_omni import RequestFailedError
 from vllm_omni.entrypoints.openai.accumulator import RequestAccumulator
 from vllm_omni.entrypoints.openai.admission import AdmissionGate
 from vllm_omni.entrypoints.openai.audio import OUTPUT_SAMPLE_RATE
-from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected, from_request_failure
+from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected, from_request_failure, retry_after
 from vllm_omni.entrypoints.openai.media_fetch import MediaPolicy
 from vllm_omni.entrypoints.openai.metrics import ServerMetrics
 from vllm_omni.entrypoints.openai.prompt_limits import PromptLimit
@@ -120,7 +120,7 @@ class ServingContext:
         if down:
             what = "; ".join(f"stage {h.stage_id} ({self.stage_names.get(h.stage_id, '?')}) is {h.state.value}: "
                              f"{summarize_reason(h.reason)}" for h in down)
-            raise APIError(503, f"a stage this request needs is not serving: {what}")
+            raise APIError(503, f"a stage this request needs is not serving: {what}", retry_after_s=retry_after(down))
 
     def record_finished(self, endpoint: str, acc: RequestAccumulator) -> None:
         """A finished request's metrics: latency and tokens, time to first text and audio, audio RTF."""
