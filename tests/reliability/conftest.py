@@ -8,6 +8,8 @@ that kill stages or stop the server start their own (see `launch`).
 from __future__ import annotations
 
 import json
+import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,13 +83,26 @@ def server(fault_model, tmp_path_factory):
         client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="none", max_retries=0, timeout=120)
         yield Server(proc, client)
     finally:
-        stop_checking_restarted_stages(proc)
+        stop_cleanly(proc)
 
 
-def stop_checking_restarted_stages(proc: ServerProcess) -> None:
-    """Stop the server; no stage process may outlive it, restarted ones included."""
-    try:
-        proc.stage_pids += [s["pid"] for s in proc.get("/health", timeout=5.0).json()["stages"]]
-    except httpx.HTTPError:
-        pass  # not answering any more: the pids it started with are still checked
+def stop_cleanly(proc: ServerProcess) -> None:
+    """Ctrl-C (SIGINT) the server and check it left nothing: it exits 0 without a traceback,
+    and no stage process (restarted ones included), shared memory or IPC folder remains."""
+    pid = proc.proc.pid
+    before = len(proc.log_path.read_bytes())
+    if proc.proc.poll() is None:
+        try:
+            proc.stage_pids += [s["pid"] for s in proc.get("/health", timeout=5.0).json()["stages"]]
+        except httpx.HTTPError:
+            pass  # not answering any more: the pids it started with are still checked
+        proc.proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.proc.wait(60)
+        finally:
+            proc.stop()
+        assert code == 0, proc.log_tail()
     proc.stop()
+    assert b"Traceback" not in proc.log_path.read_bytes()[before:], proc.log_tail()  # while shutting down
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"vomni-{pid}-")]
+    assert not [n for n in os.listdir("/tmp") if n.startswith(f"vomni-{pid}-")]

@@ -160,7 +160,10 @@ class Orchestrator:
         await self.supervisor.close()
         for state in list(self._requests.values()):
             self._fail(state, "the pipeline is shutting down", None)
-        await asyncio.gather(*(c.close(self.options.shutdown_timeout_s) for c in self.clients.values()))
+        # In pipeline order: nothing flows into a stage after its sources have stopped.
+        for sid in self.pipeline.topo_order():
+            if sid in self.clients:
+                await self.clients[sid].close(self.options.shutdown_timeout_s)
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None

@@ -177,8 +177,9 @@ def sweep_shared_memory(prefix: str) -> int:
 
 
 def make_ipc_dir() -> str:
-    # Short base dir: ipc:// paths are limited to ~107 bytes.
-    return tempfile.mkdtemp(prefix="vomni-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    # Short base dir: ipc:// paths are limited to ~107 bytes. The pid names the owner of a
+    # folder left behind by a process that was killed.
+    return tempfile.mkdtemp(prefix=f"vomni-{os.getpid()}-", dir="/tmp" if os.path.isdir("/tmp") else None)
 
 
 def stage_addresses(ipc_dir: str, stage_id: int) -> tuple[str, str]:

@@ -43,6 +43,8 @@ class AdmissionGate:
         self.queued = 0  # prompts waiting
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
         self.closed = False  # set on shutdown: nothing new is admitted
+        self._idle = asyncio.Event()  # set while nothing is running
+        self._idle.set()
 
     async def admit(self, slots: int = 1) -> Ticket:
         if self.closed:
@@ -51,6 +53,7 @@ class AdmissionGate:
             raise ValueError(f"a request takes 1 to {self.max_running} admission slots, not {slots}")
         if not self._waiters and self.running + slots <= self.max_running:  # nobody ahead: no wait
             self.running += slots
+            self._idle.clear()
             return Ticket(self, slots)
         if self.queued + slots > self.max_queued:
             raise APIError(429, f"the server is at its limit ({self.running} prompts running, {self.queued} "
@@ -95,13 +98,24 @@ class AdmissionGate:
             if not turn.done():
                 turn.set_exception(APIError(503, "the server is shutting down"))
 
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no admitted request is running (True), at most `timeout_s` (False)."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
     def _release(self, slots: int) -> None:
         self.running -= slots
         self._wake()
+        if self.running == 0:
+            self._idle.set()
 
     def _wake(self) -> None:
         """Admit waiters in arrival order while the one at the head fits."""
         while self._waiters and self.running + self._waiters[0][0] <= self.max_running:
             slots, turn = self._waiters.popleft()
             self.running += slots
+            self._idle.clear()
             turn.set_result(None)

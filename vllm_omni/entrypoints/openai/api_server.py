@@ -20,7 +20,8 @@ from vllm_omni.entrypoints.openai.serving_base import PipelineShape, ServingCont
 
 logger = logging.getLogger(__name__)
 
-GRACEFUL_SHUTDOWN_S = 5.0  # open streams get this long after SIGTERM before they are cut
+# After the pipeline closed (shutdown.py), how long uvicorn lets handlers write their answers.
+ANSWER_AFTER_CLOSE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -65,23 +66,24 @@ def build_context(engine: Any, settings: ServerSettings) -> ServingContext:
 
 
 def run_server(engine: Any, settings: ServerSettings, sock: socket.socket) -> None:
-    """Serve until a signal stops uvicorn, then close the engine (which stops every stage)."""
+    """Serve until SIGTERM / SIGINT, then shut down gracefully (shutdown.py)."""
     import uvicorn
 
-    app = build_app(build_context(engine, settings), api_key=settings.api_key,
-                    max_request_bytes=settings.max_request_bytes)
+    from vllm_omni.entrypoints.openai.shutdown import GracefulServer
+
+    ctx = build_context(engine, settings)
+    app = build_app(ctx, api_key=settings.api_key, max_request_bytes=settings.max_request_bytes)
     # log_config=None: uvicorn logs through the root logger, so --log-file and our format apply.
     config = uvicorn.Config(app, log_level=settings.uvicorn_log_level, log_config=None,
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                            timeout_graceful_shutdown=ANSWER_AFTER_CLOSE_S,
                             access_log=settings.uvicorn_log_level == "debug")
-    server = uvicorn.Server(config)
+    server = GracefulServer(config, ctx, settings.shutdown_timeout_s)
     host, port = sock.getsockname()[:2]
     logger.info("serving %s as %s on http://%s:%d", settings.model_path, settings.served_names, host, port)
     try:
         server.run(sockets=[sock])
     finally:
-        logger.info("shutting down: stopping the pipeline")
-        engine.close()
+        engine.close()  # already closed after a signal; not after a failure
 
 
 def local_media_root(path: str | None) -> Path | None:

@@ -146,6 +146,8 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if ctx.shutting_down:  # load balancers: stop sending requests here
+            return APIError(503, "the server is shutting down").response()
         health = ctx.engine.stage_health()
         stages = [{"stage_id": h.stage_id, "model_stage": h.model_stage, "state": h.state.value,
                    "reason": h.reason, "pid": h.pid, "retry_after_s": h.retry_after_s} for h in health]

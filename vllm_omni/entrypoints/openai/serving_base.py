@@ -78,6 +78,7 @@ class ServingContext:
     model_path: str
     stage_names: dict[int, str] = field(default_factory=dict)
     max_prompts_per_request: int = 32
+    shutting_down: bool = False  # set on SIGTERM / SIGINT (shutdown.py)
     _prompt_limit: PromptLimit | None = field(default=None, init=False, repr=False)
 
     def precheck_chat(self, body: Any) -> None:
@@ -192,6 +193,8 @@ def engine_error(ctx: ServingContext, exc: BaseException) -> BaseException:
     """An exception out of AsyncOmni.generate -> the APIError the client gets."""
     if isinstance(exc, (APIError, ClientDisconnected, asyncio.CancelledError)):
         return exc
+    if ctx.shutting_down and isinstance(exc, (RequestFailedError, RuntimeError)):
+        return APIError(503, f"the server is shutting down: {exc}")  # its outputs will never come
     if isinstance(exc, RequestFailedError):
         return from_request_failure(exc.stage_id, str(exc), ctx.engine.stage_health())
     if isinstance(exc, InvalidParameter):
