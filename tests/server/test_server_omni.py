@@ -326,8 +326,7 @@ def test_16_concurrent_requests_equal_their_solo_runs(env):
 def test_stream_disconnect_aborts_every_stage(env):
     before = env.server.metric("vllm_omni:requests_total", endpoint="/v1/chat/completions", status="499") or 0.0
     stream = env.client.chat.completions.create(model=NAME, messages=user("Go on and on"), stream=True,
-                                                extra_body={"sampling_params_list": [
-                                                    {"max_tokens": 3000, "ignore_eos": True}, None, None]})
+                                                max_tokens=3000, extra_body={"ignore_eos": True})
     next(iter(stream))
     next(iter(stream))
     assert env.server.metric("vllm_omni:stage_num_requests", stage="0") == 1.0

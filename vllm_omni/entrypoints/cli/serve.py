@@ -6,14 +6,20 @@ first use), so text and speech come out on any laptop with no GPU and no downloa
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+from typing import Any
 
 from vllm_omni.entrypoints.cli import serve_args
 
 logger = logging.getLogger("vllm_omni.serve")
 
 DEMO_SERVED_NAME = "vllm-omni-demo"
+# The demo runs on any CPU. The bundled default of 2048 talker codes (and token2wav over them)
+# would hold its audio path for most of a minute, so the demo's talker stops at 256 codes, which
+# is also the most a client's sampling_params_list may ask of it (docs/operations.md).
+DEMO_STAGE_OVERRIDES: dict[str, Any] = {"1": {"default_sampling_params": {"max_tokens": 256}}}
 _VLLM_USAGE = ("this `vllm` command is vLLM-Omni's and only runs `vllm serve [MODEL] --omni [flags]`; "
                "everything else is `vllm-omni --help`")
 
@@ -71,9 +77,6 @@ def _check(args: argparse.Namespace) -> list[str]:
             problems.append(f"--{name.replace('_', '-')} must be >= 0")
     if args.omni_heartbeat_timeout <= 0:
         problems.append("--omni-heartbeat-timeout must be > 0")
-    if args.max_prompts_per_request > args.max_concurrent_requests:
-        problems.append("--max-prompts-per-request must be at most --max-concurrent-requests (a request takes one "
-                        "admission slot per prompt)")
     return problems
 
 
@@ -99,6 +102,8 @@ def serve(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     model, names = _model(args)
+    if args.model is None:
+        args.stage_overrides = _with_demo_overrides(args.stage_overrides)
     settings = ServerSettings(
         model_path=model, served_names=names, host=args.host, port=args.port, api_key=args.api_key, media=media,
         max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
@@ -125,6 +130,24 @@ def _model(args: argparse.Namespace) -> tuple[str, list[str]]:
     logger.info("no MODEL given: serving the embedded tiny demo model (random weights, so its text and speech "
                 "are noise) from %s", path)
     return path, args.served_model_name or [DEMO_SERVED_NAME]
+
+
+def _with_demo_overrides(given: str | None) -> str | None:
+    """The user's --stage-overrides over the demo's own (the user's values win)."""
+    try:
+        user = json.loads(given) if given else {}
+    except json.JSONDecodeError:
+        return given  # the config loader reports it, naming the flag
+    if not isinstance(user, dict):
+        return given
+    return json.dumps(_merge(DEMO_STAGE_OVERRIDES, user))
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def _start_engine(args: argparse.Namespace, model: str):

@@ -166,7 +166,7 @@ SERVER_FLAGS: tuple[Flag, ...] = (
     _f("--max-request-bytes", "Size limit of a request body (inline base64 media included); larger is 413. "
        "The default carries about 48 MB of inline media (base64 adds a third).", type=int, default=64 * 1024 * 1024),
     _f("--max-prompts-per-request", "Prompts one /v1/completions request may hold (each is a request in the "
-       "pipeline and takes an admission slot); more is 400. At most --max-concurrent-requests.", type=int,
+       "pipeline and takes an admission slot, at most all of them); more is 400.", type=int,
        default=32),
     _f("--allowed-media-domains", "Only fetch media URLs whose host is one of these domains (or a subdomain). "
        "Listed domains may resolve to private addresses; others never may.", nargs="+", default=None),

@@ -154,8 +154,8 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes
         down = [h for h in health if h.state != StageState.UP]
         if not down:
             return JSONResponse({"status": "ok", "stages": stages})
-        what = "; ".join(f"stage {h.stage_id} ({h.model_stage}) is {h.state.value}: {summarize_reason(h.reason)}"
-                         for h in down)
+        what = "; ".join(f"stage {h.stage_id}{f' ({h.model_stage})' if h.model_stage else ''} is {h.state.value}: "
+                         f"{summarize_reason(h.reason)}" for h in down)
         error = APIError(503, f"unhealthy: {what}", retry_after_s=retry_after(down))
         return JSONResponse({**error.body(), "stages": stages}, status_code=503, headers=error.headers())
 

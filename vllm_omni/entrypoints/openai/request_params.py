@@ -8,9 +8,12 @@ fields (`temperature`, `max_tokens`, ...). SamplingParams validates every value;
 reported against the field the client actually sent (`max_tokens`, or
 `sampling_params_list[1].max_tokens`).
 
-A client may not ask a stage for more tokens than the stage's ceiling (`max_tokens_limit`
-in the stage config, else its default max_tokens): without one, any client could make the
-talker generate until max_model_len and hold the audio path for everyone.
+A client may not ask a stage for more tokens than its ceiling: in `sampling_params_list`, the
+stage config's `max_tokens_limit`, else its default max_tokens (without one, any client could
+make the talker generate until max_model_len and hold the audio path for everyone); in the
+standard `max_tokens` / `max_completion_tokens`, an explicit `max_tokens_limit` only, since
+OpenAI clients routinely ask for more than a config's default and expect max_model_len to be
+the bound, as in vLLM.
 """
 from __future__ import annotations
 
@@ -41,16 +44,15 @@ def resolve_sampling_params(pipeline: PipelineConfig, body: SamplingFields) -> l
         def param(name: str, i: int = i, from_fields: dict[str, Any] = from_fields) -> str:
             return name if name in from_fields else f"sampling_params_list[{i}].{name}"
 
-        values = {**from_list, **from_fields}
-        out.append(_stage_params(stage, values, param))
+        ceiling = stage.max_tokens_limit if "max_tokens" in from_fields else stage.max_tokens_ceiling
+        out.append(_stage_params(stage, {**from_list, **from_fields}, ceiling, param))
     return out
 
 
-def _stage_params(stage: StageConfig, values: dict[str, Any], param: Any) -> SamplingParams:
+def _stage_params(stage: StageConfig, values: dict[str, Any], ceiling: int | None, param: Any) -> SamplingParams:
     where = _stage_name(stage)
     if not values:
         return stage.new_sampling_params()
-    ceiling = stage.max_tokens_ceiling
     if "max_tokens" in values and ceiling is not None:
         asked = values["max_tokens"]
         if asked is None or (isinstance(asked, int) and asked > ceiling):

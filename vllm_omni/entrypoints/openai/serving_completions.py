@@ -47,8 +47,10 @@ class CompletionService:
             raise APIError(400, "streaming takes one prompt per request", param="prompt")
         params = ctx.sampling_params_list(body)
         ctx.check_stages_up(ctx.shape.needed_stages(["text"]))
-        # One admission slot per prompt: each is a request in the stages.
-        tickets = [await race_disconnect(raw, ctx.gate.admit(len(prompts)))]
+        # One admission slot per prompt (each is a request in the stages); a batch larger than
+        # the whole gate takes all of it, so it runs alone rather than never.
+        slots = min(len(prompts), ctx.gate.max_running)
+        tickets = [await race_disconnect(raw, ctx.gate.admit(slots))]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         accs = [RequestAccumulator(arrived_at=arrived) for _ in prompts]
         try:
