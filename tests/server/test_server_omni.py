@@ -78,7 +78,7 @@ def env(tiny_model, tmp_path_factory):
     server = ServerProcess.launch(
         [str(model), "--served-model-name", NAME, "--api-key", KEY, "--stage-overrides", json.dumps(OVERRIDES),
          "--allowed-local-media-path", str(media), "--max-media-bytes", str(MAX_MEDIA_BYTES),
-         "--media-fetch-timeout", "5"], tmp / "server.log")
+         "--media-fetch-timeout", "5", "--allow-private-media-urls"], tmp / "server.log")  # media from 127.0.0.1
     httpd = ThreadingHTTPServer(("127.0.0.1", free_port()), partial(_QuietHandler, directory=str(media)))
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
