@@ -6,20 +6,18 @@ first use), so text and speech come out on any laptop with no GPU and no downloa
 from __future__ import annotations
 
 import argparse
-import json
 import logging
+import re
 import sys
-from typing import Any
+from pathlib import Path
 
 from vllm_omni.entrypoints.cli import serve_args
+from vllm_omni.entrypoints.cli.demo_defaults import SERVE_OVERRIDES, with_demo_overrides
 
 logger = logging.getLogger("vllm_omni.serve")
 
 DEMO_SERVED_NAME = "vllm-omni-demo"
-# The demo runs on any CPU. The bundled default of 2048 talker codes (and token2wav over them)
-# would hold its audio path for most of a minute, so the demo's talker stops at 256 codes, which
-# is also the most a client's sampling_params_list may ask of it (docs/operations.md).
-DEMO_STAGE_OVERRIDES: dict[str, Any] = {"1": {"default_sampling_params": {"max_tokens": 256}}}
+_HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")  # "org/name" (or a legacy "name"), as on the Hugging Face hub
 _VLLM_USAGE = ("this `vllm` command is vLLM-Omni's and only runs `vllm serve [MODEL] --omni [flags]`; "
                "everything else is `vllm-omni --help`")
 
@@ -86,6 +84,10 @@ def serve(args: argparse.Namespace) -> int:
         for p in problems:
             print(f"error: {p}", file=sys.stderr)
         return 2
+    missing = _missing_hub_model(args)
+    if missing:
+        print(f"error: {missing}", file=sys.stderr)
+        return 1
     _configure_logging(args.log_file)
     if args.replica_id is not None:
         logger.warning("--replica-id is deprecated and ignored: replica ids are assigned automatically")
@@ -103,7 +105,7 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     model, names = _model(args)
     if args.model is None:
-        args.stage_overrides = _with_demo_overrides(args.stage_overrides)
+        args.stage_overrides = with_demo_overrides(SERVE_OVERRIDES, args.stage_overrides)
     settings = ServerSettings(
         model_path=model, served_names=names, host=args.host, port=args.port, api_key=args.api_key, media=media,
         max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
@@ -121,6 +123,26 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _missing_hub_model(args: argparse.Namespace) -> str | None:
+    """MODEL as a hub id that is not on this machine: say how to get it (nothing is downloaded)."""
+    model = args.model
+    if model is None or args.stage_configs_path or args.deploy_config or Path(model).expanduser().exists():
+        return None
+    if model.startswith((".", "/", "~")) or not _HUB_ID.fullmatch(model):
+        return f"MODEL {model!r} is not a folder on this machine"
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        if isinstance(try_to_load_from_cache(model, "config.json"), str):
+            return None  # in the Hugging Face cache: served from there
+    except HFValidationError:
+        return f"MODEL {model!r} is not a folder on this machine, nor a Hugging Face hub id"
+    return (f"MODEL {model!r} is neither a local folder nor in the Hugging Face cache ({constants.HF_HUB_CACHE}), "
+            f"and vllm-omni does not download models. Get it with `hf download {model}` (a gated model needs "
+            "`hf auth login` or HF_TOKEN first), then run this command again, or pass the folder it is in.")
+
+
 def _model(args: argparse.Namespace) -> tuple[str, list[str]]:
     if args.model is not None:
         return args.model, args.served_model_name or [args.model]
@@ -130,24 +152,6 @@ def _model(args: argparse.Namespace) -> tuple[str, list[str]]:
     logger.info("no MODEL given: serving the embedded tiny demo model (random weights, so its text and speech "
                 "are noise) from %s", path)
     return path, args.served_model_name or [DEMO_SERVED_NAME]
-
-
-def _with_demo_overrides(given: str | None) -> str | None:
-    """The user's --stage-overrides over the demo's own (the user's values win)."""
-    try:
-        user = json.loads(given) if given else {}
-    except json.JSONDecodeError:
-        return given  # the config loader reports it, naming the flag
-    if not isinstance(user, dict):
-        return given
-    return json.dumps(_merge(DEMO_STAGE_OVERRIDES, user))
-
-
-def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in top.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
 
 
 def _start_engine(args: argparse.Namespace, model: str):

@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vllm_omni.engine.stage_client import StageState
 from vllm_omni.version import __version__
+from vllm_omni.entrypoints.openai.access_log import log_access
 from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected, install_error_handlers, retry_after
 from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from vllm_omni.entrypoints.openai.request_body import parse_body, release_free_memory
@@ -34,8 +35,9 @@ _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "
 
 
 class StatusMetricsMiddleware:
-    """Counts every request by route and final status. A stream reports its outcome (an in-band
-    error, a disconnect) through request.state.final_status, since its HTTP status is sent first."""
+    """Counts every request by route and final status, and writes its access-log line. A stream
+    reports its outcome (an in-band error, a disconnect) through request.state.final_status,
+    since its HTTP status is sent first."""
 
     def __init__(self, app: ASGIApp, ctx: ServingContext) -> None:
         self.app = app
@@ -46,6 +48,7 @@ class StatusMetricsMiddleware:
             await self.app(scope, receive, send)
             return
         status = 500  # an exception that escapes every handler
+        started = time.monotonic()
 
         async def send_wrapper(message: Message) -> None:
             nonlocal status
@@ -56,9 +59,10 @@ class StatusMetricsMiddleware:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            final = scope.get("state", {}).get("final_status")
+            final = scope.get("state", {}).get("final_status") or status
             path = scope.get("path", "")
-            self.ctx.metrics.observe_status(path if path in _ROUTES else "other", final or status)
+            self.ctx.metrics.observe_status(path if path in _ROUTES else "other", final)
+            log_access(scope, final, time.monotonic() - started)
 
 
 class APIKeyMiddleware:

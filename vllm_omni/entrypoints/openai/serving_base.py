@@ -107,6 +107,10 @@ class ServingContext:
                                 f"{self.max_prompts_per_request} per request (--max-prompts-per-request)",
                            param="prompt")
 
+    def stage_list(self, stages: set[int]) -> list[str]:
+        """Stage names in stage order (for the access log)."""
+        return [self.stage_names.get(sid, str(sid)) for sid in sorted(stages)]
+
     def check_model(self, model: str | None) -> str:
         """The served name a request addresses (None: the first one); 404 for any other."""
         if model is None:

@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from vllm_omni.entrypoints.openai.access_log import note_access
 from vllm_omni.entrypoints.openai.accumulator import AudioEvent, RequestAccumulator, TextEvent
 from vllm_omni.entrypoints.openai.admission import Ticket
 from vllm_omni.entrypoints.openai.audio import OUTPUT_SAMPLE_RATE, check_format, encode_audio
@@ -150,6 +151,7 @@ class ChatService:
         ctx.check_stages_up(ctx.shape.needed_stages(wanted))
         ticket = await race_disconnect(raw, ctx.gate.admit())  # a client gone while queued takes no slot
         view = ChatView(f"chatcmpl-{uuid.uuid4().hex}", model, requested, audio_format)
+        note_access(raw, view.request_id, ctx.stage_list(ctx.shape.needed_stages(wanted)), [acc])
         try:
             gen = ctx.engine.generate(prompt, params, request_id=view.request_id, modalities=wanted,
                                       output_partial=True)

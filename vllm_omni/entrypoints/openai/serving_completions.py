@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from vllm_omni.entrypoints.openai.access_log import note_access
 from vllm_omni.entrypoints.openai.accumulator import RequestAccumulator, TextEvent
 from vllm_omni.entrypoints.openai.admission import Ticket
 from vllm_omni.entrypoints.openai.errors import APIError
@@ -53,6 +54,7 @@ class CompletionService:
         tickets = [await race_disconnect(raw, ctx.gate.admit(slots))]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         accs = [RequestAccumulator(arrived_at=arrived) for _ in prompts]
+        note_access(raw, request_id, ctx.stage_list(ctx.shape.needed_stages(["text"])), accs)
         try:
             if body.stream:
                 gen = self._generate(prompts[0], params, request_id)
