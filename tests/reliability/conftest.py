@@ -2,8 +2,9 @@
 
 The server runs the tiny Qwen2.5-Omni (the demo model's pipeline: thinker -> talker ->
 token2wav) with short outputs, small limits that the tests hit on purpose, and the
-fault-injecting thinker2talker bridge of faults.py (a no-op for ordinary requests). Modules
-that kill stages or stop the server start their own (see `launch`).
+fault-injecting thinker2talker bridge of faults.py (a no-op for ordinary requests). Tests that
+kill a stage leave it restarted and serving; the SIGTERM test starts a server of its own
+(`launch`); the shared one is stopped with SIGINT (Ctrl-C) and checked to leave nothing behind.
 """
 from __future__ import annotations
 
@@ -14,10 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
-from tests.pipeline.conftest import toy_pipeline, wait_until  # noqa: F401 - toy_pipeline: a fixture for this package
+from tests.pipeline.conftest import wait_until
 from tests.reliability.faults import THINKER2TALKER, add_fault_voices
 from tests.server.conftest import ServerProcess
 
@@ -34,7 +34,6 @@ MAX_CONCURRENT = 40
 @dataclass
 class Server:
     proc: ServerProcess
-    client: openai.OpenAI
 
     @property
     def url(self) -> str:
@@ -76,12 +75,11 @@ def fault_model(tiny_model, tmp_path_factory) -> Path:
 @pytest.fixture(scope="package")
 def server(fault_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reliability-server")
-    proc = launch(tmp, fault_model, "--max-request-bytes", str(MAX_REQUEST_BYTES), "--max-prompts-per-request", str(MAX_PROMPTS),
+    proc = launch(tmp, fault_model, "--max-request-bytes", str(MAX_REQUEST_BYTES),
+                  "--max-prompts-per-request", str(MAX_PROMPTS),
                   "--max-concurrent-requests", str(MAX_CONCURRENT))
     try:
-        proc.wait_ready()
-        client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="none", max_retries=0, timeout=120)
-        yield Server(proc, client)
+        yield Server(proc.wait_ready())
     finally:
         stop_cleanly(proc)
 

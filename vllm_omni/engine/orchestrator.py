@@ -189,7 +189,8 @@ class Orchestrator:
             sub.sink.put(RequestDone(sub.request_id, error=f"request id {sub.request_id!r} is already in flight"))
             return
         # Only the stages this request runs must be up (a text-only request survives a dead talker).
-        down = [self._health(sid) for sid, c in self.clients.items() if sid in sub.plan.stages and c.state != StageState.UP]
+        down = [self._health(sid) for sid, c in self.clients.items()
+                if sid in sub.plan.stages and c.state != StageState.UP]
         if down:
             reason = "; ".join(f"{self.clients[h.stage_id].name} is {h.state.value}: {h.reason or 'not ready'}"
                                for h in down)

@@ -5,8 +5,9 @@
     try: ...  finally: ticket.release()
 
 The unit is a prompt, not an HTTP request: a completions request with 8 prompts runs 8
-requests in the stages and takes 8 slots (a batch larger than the gate takes all of it). Waiters are admitted first come, first served, so a
-large request is not starved by a stream of small ones (and cannot jump ahead of them).
+requests in the stages and takes 8 slots (a batch larger than the gate takes all of it).
+Waiters are admitted first come, first served, so a large request is not starved by a stream
+of small ones (and cannot jump ahead of them).
 Overload is answered at once with 429 instead of growing an unbounded backlog in the stages;
 requests already admitted are unaffected, so the server keeps serving.
 """

@@ -16,6 +16,7 @@ from vllm_omni.entrypoints.openai.admission import AdmissionGate
 from vllm_omni.entrypoints.openai.app import build_app
 from vllm_omni.entrypoints.openai.media_fetch import MediaPolicy
 from vllm_omni.entrypoints.openai.metrics import ServerMetrics
+from vllm_omni.entrypoints.openai.prompt_limits import PromptLimit
 from vllm_omni.entrypoints.openai.serving_base import PipelineShape, ServingContext
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,8 @@ def build_context(engine: Any, settings: ServerSettings) -> ServingContext:
     return ServingContext(engine=engine, shape=PipelineShape.of(pipeline), served_names=list(settings.served_names),
                           gate=gate, metrics=ServerMetrics(names), media=settings.media,
                           model_path=settings.model_path, stage_names=names,
-                          max_prompts_per_request=settings.max_prompts_per_request)
+                          max_prompts_per_request=settings.max_prompts_per_request,
+                          prompt_limit=PromptLimit.of(engine))  # the stages are up: they reported it
 
 
 def run_server(engine: Any, settings: ServerSettings, sock: socket.socket) -> None:

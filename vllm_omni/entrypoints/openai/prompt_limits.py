@@ -1,6 +1,6 @@
 """Refuse a prompt that cannot fit before spending time on it.
 
-    limit = PromptLimit.of(engine)           # once the stages are up
+    limit = PromptLimit.of(engine)           # once the stages are up (api_server.build_context)
     limit.check(chat_text_chars(messages), "messages", len(messages))   # APIError(413) if surely too long
 
 Tokenizing 20 MB of text takes tens of seconds and gigabytes only to learn that the prompt

@@ -79,7 +79,7 @@ class ServingContext:
     stage_names: dict[int, str] = field(default_factory=dict)
     max_prompts_per_request: int = 32
     shutting_down: bool = False  # set on SIGTERM / SIGINT (shutdown.py)
-    _prompt_limit: PromptLimit | None = field(default=None, init=False, repr=False)
+    prompt_limit: PromptLimit | None = None  # None: no cheap bound known (no tokenizer)
 
     def precheck_chat(self, body: Any) -> None:
         """On the decoded JSON, before pydantic: more messages than max_model_len cannot fit."""
@@ -95,10 +95,8 @@ class ServingContext:
 
     def check_prompt_size(self, chars: int, param: str, num_messages: int = 0) -> None:
         """413 for a prompt too long to fit whatever it tokenizes to (prompt_limits.py)."""
-        if self._prompt_limit is None:
-            self._prompt_limit = PromptLimit.of(self.engine)  # known once the entry stage is up
-        if self._prompt_limit is not None:
-            self._prompt_limit.check(chars, param, num_messages)
+        if self.prompt_limit is not None:
+            self.prompt_limit.check(chars, param, num_messages)
 
     def check_prompt_count(self, n: int) -> None:
         """A request fans out into one pipeline request per prompt; more than the cap is a 400."""
@@ -197,7 +195,7 @@ def engine_error(ctx: ServingContext, exc: BaseException) -> BaseException:
     """An exception out of AsyncOmni.generate -> the APIError the client gets."""
     if isinstance(exc, (APIError, ClientDisconnected, asyncio.CancelledError)):
         return exc
-    if ctx.shutting_down and isinstance(exc, (RequestFailedError, RuntimeError)):
+    if ctx.shutting_down and isinstance(exc, RuntimeError):  # RequestFailedError or "the pipeline is closed"
         return APIError(503, f"the server is shutting down: {exc}")  # its outputs will never come
     if isinstance(exc, RequestFailedError):
         return from_request_failure(exc.stage_id, str(exc), ctx.engine.stage_health())
