@@ -41,7 +41,10 @@ class GracefulServer(uvicorn.Server):
         await self._drain()
         await super().shutdown(sockets)
         # Cleaned up already: nothing is left for a re-raised SIGTERM / SIGINT to interrupt.
-        self._captured_signals.clear()
+        # (uvicorn >= 0.29 keeps the signals it caught here; older ones re-raise nothing.)
+        captured = getattr(self, "_captured_signals", None)
+        if isinstance(captured, list):
+            captured.clear()
 
     async def _drain(self) -> None:
         ctx = self.ctx
