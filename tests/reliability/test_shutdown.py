@@ -74,9 +74,10 @@ def test_sigterm_under_load_answers_everyone_and_leaves_nothing(server):
     pid = server.proc.pid
     stage_pids = [s["pid"] for s in server.get("/health").json()["stages"]]
     server.proc.send_signal(signal.SIGTERM)
+    # uvicorn acts on the signal at its next tick: from then on /health and new requests get 503.
+    assert wait_until(lambda: server.get("/health").status_code == 503, 10.0)
     late = httpx.post(f"{server.url}/v1/chat/completions", json={"model": NAME, "messages": talk}, timeout=30)
     assert late.status_code == 503 and late.json()["error"]["message"] == "the server is shutting down"
-    assert server.get("/health").status_code == 503
     for t in threads:
         t.join(60)
     assert server.proc.wait(60) == 0
