@@ -75,14 +75,14 @@ class StageSupervisor:
                     return
                 delay = min(self.max_backoff_s, self.backoff_s * 2 ** (record.failures - 1))
                 record.next_attempt_at = time.monotonic() + delay
-                logger.warning("stage %d is down (%s); restart %d of %d in %.1fs", stage_id, _first_line(reason),
+                logger.warning("stage %d is down (%s); restart %d of %d in %.1fs", stage_id, _last_line(reason),
                                record.failures, self.max_restarts, delay)
                 await asyncio.sleep(delay)
                 try:
                     await self._restart(stage_id)
                 except Exception as e:  # noqa: BLE001 - a failed restart is one more failure, retried
                     reason = str(e)
-                    logger.error("stage %d: restart %d failed: %s", stage_id, record.failures, _first_line(reason))
+                    logger.error("stage %d: restart %d failed: %s", stage_id, record.failures, _last_line(reason))
                     continue
                 record.next_attempt_at = None
                 logger.info("stage %d is back up after restart %d", stage_id, record.failures)
@@ -113,6 +113,6 @@ class StageSupervisor:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _first_line(text: str) -> str:
+def _last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1].strip() if lines else "unknown reason"
