@@ -112,7 +112,7 @@ def run_ours(model: Any, prompts: list[str], size: int, steps: int, cache: Any) 
         engine.add_request(StageRequest(request_id=str(i), prompt_token_ids=[], prompt=prompt, sampling_params=params,
                                         additional_information={"negative_prompt": NEGATIVE}))
     done = 0
-    while engine.has_unfinished():
+    while engine.has_work():
         for out in engine.step():
             if out.error is not None:
                 raise RuntimeError(out.error)

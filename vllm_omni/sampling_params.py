@@ -6,6 +6,9 @@ field and the allowed range, so nothing below this edge re-checks.
 from __future__ import annotations
 
 import copy
+import math
+import operator
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -13,6 +16,23 @@ import msgspec
 
 # Below this temperature sampling is greedy (vLLM uses the same threshold).
 GREEDY_TEMPERATURE = 1e-5
+# Integers travel between processes as msgpack int64 and seed torch generators (int64):
+# anything wider could pass here and fail later, far from the request that sent it.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class InvalidParameter(ValueError):
+    """A bad request value; `name` is the field it came from (an API error's `param`)."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+def has_lone_surrogate(text: str) -> bool:
+    """True for text that is not valid Unicode (no tokenizer or encoder takes it)."""
+    return _LONE_SURROGATE.search(text) is not None
 
 
 @dataclass
@@ -43,16 +63,23 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.stop or [], (list, tuple)):
+            raise InvalidParameter("stop", f"SamplingParams.stop={_short(self.stop)} is invalid: must be a string or a "
+                                           "list of strings")
         self.stop = list(self.stop or [])
-        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
 
     def _validate(self) -> None:
-        def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: must be {allowed}")
+        def bad(name: str, allowed: str) -> InvalidParameter:
+            return InvalidParameter(name, f"SamplingParams.{name}={_short(getattr(self, name))} is invalid: must be "
+                                          f"{allowed}")
 
+        self._validate_types(bad)
         if self.n != 1:
             raise bad("n", "1 (parallel sampling is not supported)")
         if not self.temperature >= 0.0:
@@ -77,17 +104,33 @@ class SamplingParams:
             raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and self.logprobs < 0:
             raise bad("logprobs", ">= 0 or None")
-        if self.allowed_token_ids is not None and (
-            not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
-        ):
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise bad("allowed_token_ids", "a non-empty list of non-negative token ids or None")
         if any(not s for s in self.stop):
             raise bad("stop", "a list of non-empty strings")
         if self.stop and not self.detokenize:
             # Stop strings are matched on the detokenized text (vLLM has the same rule).
             raise ValueError("SamplingParams.stop: stop strings are only supported when detokenize is True")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "an integer or None")
+
+    def _validate_types(self, bad: Any) -> None:
+        """Types and representable ranges, before the semantic checks compare values."""
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value):
+                raise bad(name, "a finite number")
+        for name in ("n", "top_k", "min_tokens"):
+            if not _is_int64(getattr(self, name)):
+                raise bad(name, f"an integer in [{INT64_MIN}, {INT64_MAX}]")
+        for name in ("seed", "max_tokens", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and not _is_int64(value):
+                raise bad(name, f"an integer in [{INT64_MIN}, {INT64_MAX}] or None")
+        if not all(isinstance(s, str) and not has_lone_surrogate(s) for s in self.stop):
+            raise bad("stop", "a list of valid Unicode strings")
+        for name in ("ignore_eos", "include_stop_str_in_output", "detokenize", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "true or false")
 
     @property
     def greedy(self) -> bool:
@@ -98,7 +141,7 @@ class SamplingParams:
         known = {f.name for f in fields(cls) if not f.name.startswith("_")}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(known)}")
+            raise InvalidParameter(str(unknown[0]), f"{where}: unknown field(s) {unknown}; allowed: {sorted(known)}")
         return cls(**values)
 
     def clone(self, **changes: Any) -> "SamplingParams":
@@ -114,6 +157,35 @@ class SamplingParams:
         if changes:
             new.__post_init__()
         return new
+
+
+def _token_ids(name: str, values: Any) -> list[int]:
+    """A list of token ids (integral numbers, numpy's included) as plain ints."""
+    try:
+        if isinstance(values, (str, bytes)) or any(isinstance(t, bool) for t in values):
+            raise TypeError(name)
+        ids = [operator.index(t) for t in values]
+    except TypeError:
+        raise InvalidParameter(name, f"SamplingParams.{name}={_short(values)} is invalid: must be a list of token "
+                                     "ids") from None
+    if not all(0 <= t <= INT64_MAX for t in ids):
+        raise InvalidParameter(name, f"SamplingParams.{name}={_short(values)} is invalid: token ids must be in "
+                                     f"[0, {INT64_MAX}]")
+    return ids
+
+
+def _is_int64(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and INT64_MIN <= value <= INT64_MAX
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _short(value: Any) -> str:
+    """A value for an error message: a huge one (a 10 MB stop string) is cut."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 class DiffusionSamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag="diffusion"):
@@ -182,7 +254,3 @@ MAX_OUTPUTS_PER_PROMPT = 16
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -22,7 +22,9 @@ LONG = [SamplingParams(temperature=0.0, max_tokens=1900, ignore_eos=True), None,
 
 
 def test_killed_stage_fails_its_requests_and_the_rest_stays_up(toy_pipeline):
-    omni = AsyncOmni(model=str(toy_pipeline.thinker), stage_configs_path=str(toy_pipeline.long_yaml))
+    # Without restarts (tests/reliability covers them): the stage stays down.
+    omni = AsyncOmni(model=str(toy_pipeline.thinker), stage_configs_path=str(toy_pipeline.long_yaml),
+                     max_stage_restarts=0)
     pids = [h.pid for h in omni.stage_health()]
     try:
         async def run():
@@ -59,7 +61,8 @@ def test_silent_stage_is_down_after_the_heartbeat_deadline(toy_pipeline):
     from vllm_omni.engine.runtime import OmniRuntime
 
     pipeline = single_stage_pipeline(str(toy_pipeline.thinker))
-    runtime = OmniRuntime(pipeline, str(toy_pipeline.thinker), RuntimeOptions(heartbeat_timeout_s=1.5))
+    runtime = OmniRuntime(pipeline, str(toy_pipeline.thinker), RuntimeOptions(heartbeat_timeout_s=1.5,
+                                                                              max_stage_restarts=0))
     pid = runtime.health()[0].pid
     try:
         os.kill(pid, signal.SIGSTOP)  # alive but silent, like a hung stage

@@ -6,7 +6,7 @@ import torch
 
 from vllm_omni.config.stage_config import StageConfig, StageEngineArgs, StageRuntimeConfig
 from vllm_omni.core.sched.omni_generation_scheduler import OmniGenerationScheduler
-from vllm_omni.stage_io import StageRequest
+from vllm_omni.stage_io import StageInputChunk, StageRequest
 from vllm_omni.worker.generation_stage_engine import GenerationStageEngine
 from vllm_omni.engine.stage_input import StageView, build_stage_input, default_input_processor
 from vllm_omni.inputs import OmniTokensPrompt
@@ -107,6 +107,58 @@ def test_generation_engine_batches_and_isolates_a_failing_request():
     assert outs["bad"].error is not None and "boom" in outs["bad"].error and outs["bad"].finished
     assert torch.equal(outs["a"].multimodal_output["x"], torch.tensor([1, 2])) and outs["c"].error is None
     assert not engine.has_work()
+
+
+class ChunkDecoder:
+    """Decodes whatever has arrived, one unit per chunk (ready while any is pending)."""
+
+    def __init__(self):
+        self.pending, self.consumed, self.final = 0, 0, False
+
+    def push(self, units, final):
+        self.pending += units.shape[0]
+        self.final = final
+
+    def ready(self):
+        return self.pending > 0
+
+    @property
+    def finished(self):
+        return self.final and self.pending == 0
+
+
+class OneUnitChunks:
+    """A StreamingGenerationModel (the protocol also asks for load and generate_batch)."""
+
+    max_units_per_chunk = 1
+
+    @classmethod
+    def load(cls, model_path, **kw):
+        return cls()
+
+    def generate_batch(self, inputs):
+        raise AssertionError("only streams in this test")
+
+    def open_stream(self, req):
+        return ChunkDecoder()
+
+    def decode_streams(self, decoders):
+        for d in decoders:
+            d.pending, d.consumed = d.pending - 1, d.consumed + 1
+        return [{"x": torch.zeros(1)} for _ in decoders]
+
+
+def test_streams_share_the_batch_round_robin():
+    """A long stream with a chunk always ready does not hold a one-slot stage: a short stream
+    that arrives later is decoded on the next step, not after the long one ends."""
+    engine = GenerationStageEngine(OneUnitChunks(), OmniGenerationScheduler(1), stage_id=2)
+    engine.add_request(StageRequest(request_id="long", prompt_token_ids=[], sampling_params=SamplingParams(), input_complete=False))
+    engine.add_input(StageInputChunk(request_id="long", additional_information={"units": torch.zeros(100)}, final=True))
+    assert [o.request_id for o in engine.step()] == ["long"]
+    engine.add_request(StageRequest(request_id="short", prompt_token_ids=[], sampling_params=SamplingParams(), input_complete=False))
+    engine.add_input(StageInputChunk(request_id="short", additional_information={"units": torch.zeros(1)}, final=True))
+    outs = engine.step() + engine.step()
+    assert [(o.request_id, o.finished) for o in outs] == [("short", True), ("long", False)]
 
 
 def test_ar_stage_engine_sends_deltas_or_the_final_output_only(tiny_model):

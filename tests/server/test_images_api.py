@@ -129,12 +129,14 @@ def test_bad_requests_are_400(server, change, param, match):
 def test_an_abandoned_request_is_aborted_between_steps(server):
     """A client that gives up mid-generation frees its batch slot: the stage stops denoising it."""
     steps_before = server.metric("vllm_omni:stage_diffusion_steps_done", stage="0")
+    # Patience well under the time of 1000 tiny steps (3 s on an idle 2-core machine).
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/images/generations", timeout=httpx.Timeout(30.0, read=4.0),
-                   json={"model": NAME, "prompt": "a very long job", "size": "32x32", "num_inference_steps": 1000})
+        httpx.post(f"{server.url}/v1/images/generations", timeout=httpx.Timeout(30.0, read=1.0),
+                   json={"model": NAME, "prompt": "a very long job", "size": "32x32",
+                         "num_inference_steps": 1000})
     assert wait_until(lambda: server.metric("vllm_omni:stage_num_requests", stage="0") == 0, 30.0)
     stopped_at = server.metric("vllm_omni:stage_diffusion_steps_done", stage="0")
-    assert steps_before < stopped_at < steps_before + 1000
+    assert steps_before <= stopped_at < steps_before + 1000  # aborted before the end (a loaded machine may not have begun)
     time.sleep(1.0)
     assert server.metric("vllm_omni:stage_diffusion_steps_done", stage="0") == stopped_at  # nothing runs any more
     r = server.post("/v1/images/generations", {"model": NAME, "prompt": "next", "size": "32x32"})

@@ -78,7 +78,7 @@ def env(tiny_model, tmp_path_factory):
     server = ServerProcess.launch(
         [str(model), "--served-model-name", NAME, "--api-key", KEY, "--stage-overrides", json.dumps(OVERRIDES),
          "--allowed-local-media-path", str(media), "--max-media-bytes", str(MAX_MEDIA_BYTES),
-         "--media-fetch-timeout", "5"], tmp / "server.log")
+         "--media-fetch-timeout", "5", "--allow-private-media-urls"], tmp / "server.log")  # media from 127.0.0.1
     httpd = ThreadingHTTPServer(("127.0.0.1", free_port()), partial(_QuietHandler, directory=str(media)))
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
@@ -337,8 +337,7 @@ def test_16_concurrent_requests_equal_their_solo_runs(env):
 def test_stream_disconnect_aborts_every_stage(env):
     before = env.server.metric("vllm_omni:requests_total", endpoint="/v1/chat/completions", status="499") or 0.0
     stream = env.client.chat.completions.create(model=NAME, messages=user("Go on and on"), stream=True,
-                                                extra_body={"sampling_params_list": [
-                                                    {"max_tokens": 3000, "ignore_eos": True}, None, None]})
+                                                max_tokens=3000, extra_body={"ignore_eos": True})
     next(iter(stream))
     next(iter(stream))
     assert env.server.metric("vllm_omni:stage_num_requests", stage="0") == 1.0

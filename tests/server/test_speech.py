@@ -182,7 +182,8 @@ def test_voice_cloning(tiny_model, tmp_path_factory, http_dir):
     sf.write(buf, 0.4 * np.sin(2 * np.pi * 150 * t) * (1 + 0.3 * np.sin(2 * np.pi * 3 * t)), 16000, format="WAV")
     wav = buf.getvalue()
     (folder / "ref.wav").write_bytes(wav)
-    server = start(tiny_model("qwen3_tts", task_type="Base"), tmp_path_factory)
+    # The reference is fetched from a loopback server, which the media policy refuses by default.
+    server = start(tiny_model("qwen3_tts", task_type="Base"), tmp_path_factory, "--allow-private-media-urls")
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
         model = server.get("/v1/models").json()["data"][0]["id"]

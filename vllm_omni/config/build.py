@@ -131,6 +131,7 @@ def build_stage(stage_id: int, m: _Merged, *, feeds_another_stage: bool) -> Stag
         final_output_type=get("final_output_type"),
         requires_multimodal_data=get("requires_multimodal_data"),
         input_connectors=_refs(m, "input_connectors."), output_connectors=_refs(m, "output_connectors."),
+        max_tokens_limit=get("max_tokens_limit"),
     )
 
 

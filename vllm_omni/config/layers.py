@@ -113,7 +113,7 @@ def read_stage_fields(entry: dict[str, Any], *, source: str, stage_id: int | Non
 
 
 def _allowed_keys(style: Style) -> set[str]:
-    common = {"default_sampling_params", "stage_type", *_CONNECTOR_KEY}
+    common = {"default_sampling_params", "stage_type", "max_tokens_limit", *_CONNECTOR_KEY}
     if style == "legacy":
         return common | set(schema.TOP_STAGE_KEYS) | set(_SECTIONS)
     deploy_flat = {k for k, p in _FLAT.items() if p not in schema.TOPOLOGY_FIELDS}

@@ -226,6 +226,9 @@ STAGE_FIELDS: dict[str, FieldSpec] = {
     "final_output": FieldSpec(check_bool, None),  # derived, see above
     "final_output_type": FieldSpec(check_enum(FinalOutputType), FinalOutputType.TEXT),
     "requires_multimodal_data": FieldSpec(check_bool, False),
+    # The most tokens a client may ask of this stage (None: its default max_tokens). Not in
+    # spec 000: a server limit, so any layer (deploy YAML, --stage-overrides) may set it.
+    "max_tokens_limit": FieldSpec(check_int(1, optional=True), None),
     "runtime.process": FieldSpec(check_bool, True),
     "runtime.devices": FieldSpec(check_devices, "0"),
     "runtime.max_batch_size": FieldSpec(check_int(1), 1),

@@ -125,6 +125,15 @@ class StageConfig:
     # (upstream stage id, connector key) / (downstream stage id, connector key)
     input_connectors: tuple[tuple[int, str], ...] = ()
     output_connectors: tuple[tuple[int, str], ...] = ()
+    max_tokens_limit: int | None = None  # a server's ceiling on max_tokens; None: the default's
+
+    @property
+    def max_tokens_ceiling(self) -> int | None:
+        """The most tokens a client may ask of this stage: `max_tokens_limit`, else the default
+        max_tokens (None: no ceiling but max_model_len)."""
+        if self.max_tokens_limit is not None:
+            return self.max_tokens_limit
+        return self.default_sampling_params.max_tokens
 
     @property
     def model_stage(self) -> str | None:

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig
 
 from vllm_omni.core.block_manager import BlockManager
 from vllm_omni.core.request import Request, RequestStatus
-from vllm_omni.core.scheduler import Scheduler, SchedulerConfig
+from vllm_omni.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from vllm_omni.core.detokenizer import IncrementalDetokenizer
 from vllm_omni.core.engine_config import EngineConfig
 from vllm_omni.core.kv_cache_sizing import plan_kv_cache
@@ -27,6 +27,7 @@ from vllm_omni.outputs import CompletionOutput, RequestOutput
 from vllm_omni.sampling_params import SamplingParams
 from vllm_omni.core.model_runner import ARModelRunner, RunnerOutput
 from vllm_omni.core.tp_executor import TPExecutor
+from vllm_omni.core.isolated_step import execute_isolating_failures
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class LLMEngine:
         )
         # A stage model whose vocabulary is not the tokenizer's (a talker's codec) names its own EOS.
         self.eos_token_ids = self.model.eos_token_ids or self.eos_token_ids
+        self.vocab_size: int = self.model.vocab_size
         plan = tp.plan if tp is not None else plan_kv_cache(config, self.model, self.dtype, self.device)
         self.max_model_len = plan.max_model_len
         self.runner = tp if tp is not None else ARModelRunner(
@@ -130,6 +132,12 @@ class LLMEngine:
             stream=stream,
             input_complete=input_complete,
         )
+        bad_id = self._out_of_vocab(prompt_token_ids)
+        if bad_id is not None:
+            request.error = (f"request {request_id}: prompt token id {bad_id} is not in the vocabulary "
+                             f"(ids 0..{self.vocab_size - 1})")
+            request.status = RequestStatus.FINISHED_ERROR
+            return self._make_output(request)
         if not input_complete:
             request.input_limit = self.model.available_positions(request)
         if request.num_prompt_tokens >= self.max_model_len:
@@ -174,6 +182,10 @@ class LLMEngine:
                 request.paused = paused
                 self.scheduler.wake(request)
 
+    def _out_of_vocab(self, token_ids: list[int]) -> int | None:
+        """The first id the model cannot embed (the whole batch's step would fail on it), or None."""
+        return next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+
     def abort_request(self, request_ids: list[str] | str) -> list[RequestOutput]:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
@@ -206,9 +218,9 @@ class LLMEngine:
                 # Cannot happen while the pool holds one max_model_len request (checked at start).
                 raise RuntimeError("scheduler made no progress with computable requests")
             return []
-        result = self.runner.execute(sched)
+        result, failures = execute_isolating_failures(self.runner, sched)
+        outputs = self._fail_requests(sched, failures) if failures else []
         self.scheduler.advance(sched)
-        outputs = []
         for item in sched.scheduled:
             request = item.request
             self._collect_hidden_states(request, item.num_new_tokens, result)
@@ -218,6 +230,18 @@ class LLMEngine:
             self._append_token(request, token, result)
             if request.stream or request.status.finished:
                 outputs.append(self._make_output(request))
+        return outputs
+
+    def _fail_requests(self, sched: SchedulerOutput, failures: dict[str, str]) -> list[RequestOutput]:
+        """End the requests that broke the step; the rest of `sched` goes on as scheduled."""
+        outputs = []
+        for item in [item for item in sched.scheduled if item.request.request_id in failures]:
+            request = item.request
+            logger.warning("request %s failed: %s", request.request_id, failures[request.request_id])
+            request.error = failures[request.request_id]
+            self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+            sched.scheduled.remove(item)
+            outputs.append(self._make_output(request))
         return outputs
 
     def _collect_hidden_states(self, request: Request, num_new_tokens: int, result: RunnerOutput) -> None:
@@ -275,13 +299,14 @@ class LLMEngine:
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason,
         )
-        if request.hidden_chunks:
+        if request.error is None and request.hidden_chunks:
             # What was captured since the previous output (all of it for a final-only request).
             # Typed keys inside the engine; spec 003's string keys ("0", "24", "last") outside.
             completion.multimodal_output = {hidden_state_name(key): torch.cat(chunks)
                                             for key, chunks in request.hidden_chunks.items()}
             request.hidden_chunks = {}
-        completion.multimodal_output.update(self.model.request_outputs(request, finished))
+        if request.error is None:
+            completion.multimodal_output.update(self.model.request_outputs(request, finished))
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,

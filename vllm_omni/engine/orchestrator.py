@@ -11,6 +11,7 @@ request is done when every stage has finished it; a failure anywhere fails it ev
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -33,6 +34,7 @@ from vllm_omni.engine.stage_client import StageClient, StageDownError, StageHeal
 from vllm_omni.engine.stage_input import build_stage_input, resolve_input_processor
 from vllm_omni.engine.stage_launcher import ProcessLauncher, StageLauncher, ThreadLauncher, torch_threads_for
 from vllm_omni.engine.stage_worker import WorkerSpec
+from vllm_omni.engine.supervisor import StageSupervisor
 from vllm_omni.engine.transport import OrchestratorChannel, make_ipc_dir, stage_addresses, sweep_shared_memory
 from vllm_omni.sampling_params import SamplingParams
 
@@ -45,11 +47,12 @@ class RuntimeOptions:
     init_timeout_s: float = 600.0
     shm_threshold_bytes: int = 65536
     heartbeat_interval_s: float = 1.0
-    heartbeat_timeout_s: float = 10.0  # a stage silent this long is DOWN
+    heartbeat_timeout_s: float = 5.0  # a stage silent this long is DOWN (and restarted)
     shutdown_timeout_s: float = 10.0
     log_stats: bool = False
     # Flow control of streaming edges: units sent but not consumed before the producer pauses.
     stream_max_pending_units: int = 512
+    max_stage_restarts: int = 3  # restarts of a failed stage before it stays DOWN (engine/supervisor.py)
 
 
 @dataclass
@@ -82,6 +85,10 @@ class Orchestrator:
         self._ipc_dir: str | None = None
         self._ctx: zmq.Context | None = None
         self.stage_counters: dict[int, Counter[str]] = {sid: Counter() for sid in self.stages}
+        self.supervisor = StageSupervisor(self.restart_stage, options.max_stage_restarts)
+        self._launches: Counter[int] = Counter()  # per stage: a restart gets fresh socket addresses
+        self._down_reasons: dict[int, str] = {}  # why a stage last went down
+        self._closing = False
 
     # --- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
@@ -114,15 +121,23 @@ class Orchestrator:
             await self.close()
             raise
         logger.info("pipeline of %d stages is up in %.1fs", len(self.clients), time.monotonic() - t0)
+        for sid in self.clients:
+            self.supervisor.started(sid, time.monotonic() - t0)
 
-    def _launch(self, stage: StageConfig) -> None:
+    def _launch(self, stage: StageConfig) -> StageClient:
         assert self._ipc_dir is not None and self._ctx is not None
-        in_addr, out_addr = stage_addresses(self._ipc_dir, stage.stage_id)
+        self._launches[stage.stage_id] += 1
+        # A restarted stage gets addresses of its own: the old sockets' files may still be
+        # unlinked by their (asynchronous) close.
+        ipc_dir = os.path.join(self._ipc_dir, f"launch{self._launches[stage.stage_id]}")
+        os.makedirs(ipc_dir, exist_ok=True)
+        in_addr, out_addr = stage_addresses(ipc_dir, stage.stage_id)
         opts = self.options
         spec = WorkerSpec(
             stage=stage, model=self.model, in_addr=in_addr, out_addr=out_addr,
             shm_threshold_bytes=opts.shm_threshold_bytes, shm_prefix=self._shm_prefix,
-            heartbeat_interval_s=opts.heartbeat_interval_s, stage_init_timeout_s=opts.stage_init_timeout_s,
+            heartbeat_interval_s=min(opts.heartbeat_interval_s, opts.heartbeat_timeout_s / 4),
+            stage_init_timeout_s=opts.stage_init_timeout_s,
             parent_pid=os.getpid(), in_process=not stage.runtime.process,
             torch_threads=torch_threads_for(stage, self.pipeline), log_level=logging.getLogger().getEffectiveLevel(),
         )
@@ -132,11 +147,31 @@ class Orchestrator:
                              on_down=self._on_stage_down, heartbeat_timeout_s=opts.heartbeat_timeout_s)
         self.clients[stage.stage_id] = client
         client.start()
+        return client
+
+    async def restart_stage(self, stage_id: int) -> None:
+        """Replace a stage that went down with a fresh process (called by the supervisor);
+        raises when the new one does not come up within stage_init_timeout."""
+        await self.clients[stage_id].close(self.options.shutdown_timeout_s)  # its process is already killed
+        t0 = time.monotonic()
+        client = self._launch(self.stages[stage_id])
+        limit = self.options.stage_init_timeout_s
+        try:
+            await client.wait_ready(t0 + limit, f"stage_init_timeout={limit}s")
+        except TimeoutError as e:
+            client.mark_down(str(e))  # kills what is left of it
+            raise
+        self.supervisor.started(stage_id, time.monotonic() - t0)
 
     async def close(self) -> None:
+        self._closing = True
+        await self.supervisor.close()
         for state in list(self._requests.values()):
             self._fail(state, "the pipeline is shutting down", None)
-        await asyncio.gather(*(c.close(self.options.shutdown_timeout_s) for c in self.clients.values()))
+        # In pipeline order: nothing flows into a stage after its sources have stopped.
+        for sid in self.pipeline.topo_order():
+            if sid in self.clients:
+                await self.clients[sid].close(self.options.shutdown_timeout_s)
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -152,13 +187,21 @@ class Orchestrator:
 
     # --- requests -------------------------------------------------------------
     def submit(self, sub: Submission) -> None:
+        try:
+            self._submit(sub)
+        except Exception as e:  # noqa: BLE001 - whatever broke, the request ends with an error
+            self._fail_unexpected(sub.request_id, sub.sink, e, None)
+
+    def _submit(self, sub: Submission) -> None:
         if sub.request_id in self._keys:
             sub.sink.put(RequestDone(sub.request_id, error=f"request id {sub.request_id!r} is already in flight"))
             return
         # Only the stages this request runs must be up (a text-only request survives a dead talker).
-        down = [c for sid, c in self.clients.items() if sid in sub.plan.stages and c.state != StageState.UP]
+        down = [self._health(sid) for sid, c in self.clients.items()
+                if sid in sub.plan.stages and c.state != StageState.UP]
         if down:
-            reason = "; ".join(f"{c.name} is {c.state.value}: {c.reason}" for c in down)
+            reason = "; ".join(f"{self.clients[h.stage_id].name} is {h.state.value}: {h.reason or 'not ready'}"
+                               for h in down)
             sub.sink.put(RequestDone(sub.request_id, error=reason, failed_stage=down[0].stage_id))
             return
         key = f"{sub.request_id}#{next(self._counter)}"
@@ -184,7 +227,17 @@ class Orchestrator:
         state.sink.put(RequestDone(request_id, aborted=True))
 
     def health(self) -> list[StageHealth]:
-        return [c.health() for c in self.clients.values()]
+        return [self._health(sid) for sid in self.clients]
+
+    def _health(self, stage_id: int) -> StageHealth:
+        health = self.clients[stage_id].health()
+        if self.supervisor.restarting(stage_id):  # down (or starting again): when to retry
+            return dataclasses.replace(health, state=StageState.RESTARTING, reason=self._down_reasons.get(stage_id),
+                                       retry_after_s=self.supervisor.retry_after(stage_id))
+        gave_up = self.supervisor.gave_up(stage_id)
+        if health.state == StageState.DOWN and gave_up is not None:
+            return dataclasses.replace(health, reason=gave_up)
+        return health
 
     async def stage_stats(self, stage_id: int, timeout_s: float) -> StageStats:
         if stage_id not in self.clients:
@@ -210,8 +263,9 @@ class Orchestrator:
         except StageDownError as e:
             self._fail(state, str(e), stage_id)
             return False
-        except (TypeError, ValueError) as e:  # a payload that cannot be encoded
-            self._fail(state, f"{self.clients[stage_id].name}: cannot send the request: {e}", stage_id)
+        except Exception as e:  # noqa: BLE001 - a payload that cannot be encoded (TypeError, OverflowError, ...)
+            self._fail(state, f"{self.clients[stage_id].name}: cannot send the request: {type(e).__name__}: {e}",
+                       stage_id)
             return False
         return True
 
@@ -224,7 +278,12 @@ class Orchestrator:
             logger.error("%s sent an unexpected %s", self.clients[stage_id].name, type(msg).__name__)
             return
         for out in msg.outputs:
-            self._on_output(stage_id, out)
+            try:
+                self._on_output(stage_id, out)
+            except Exception as e:  # noqa: BLE001 - routing one output failed: that request ends, not the loop
+                state = self._requests.get(out.request_id)
+                if state is not None:
+                    self._fail_unexpected(state.request_id, state.sink, e, stage_id)
 
     def _on_output(self, stage_id: int, out: StageOutput) -> None:
         state = self._requests.get(out.request_id)
@@ -265,8 +324,8 @@ class Orchestrator:
         try:
             # Bridges are small tensor reshuffles; they run inline on the loop.
             inp = build_stage_input(fn, fn_name, stage, len(self.stages), sources, state.prompt, state.request_id)
-        except ValueError as e:
-            self._fail(state, str(e), dst)
+        except Exception as e:  # noqa: BLE001 - a bridge that raises fails this request alone
+            self._fail(state, str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}", dst)
             return False
         return self._send(state, dst, inp["prompt_token_ids"], None, inp.get("additional_information") or {},
                           inp.get("multi_modal_data"))
@@ -376,6 +435,16 @@ class Orchestrator:
         error, failed_stage = state.failure or (None, None)
         state.sink.put(RequestDone(state.request_id, error=error, failed_stage=failed_stage))
 
+    def _fail_unexpected(self, request_id: str, sink: RequestSink, exc: Exception, stage_id: int | None) -> None:
+        """A bug or an unforeseen payload broke the handling of one request: end it, keep serving."""
+        logger.error("request %s: %s: %s", request_id, type(exc).__name__, exc, exc_info=exc)
+        state = self._requests.get(self._keys.get(request_id, ""))
+        error = f"internal error while routing the request: {type(exc).__name__}: {exc}"
+        if state is not None and state.sink is sink:
+            self._fail(state, error, stage_id)
+        else:
+            sink.put(RequestDone(request_id, error=error, failed_stage=stage_id))
+
     def _drop(self, state: RequestState, abort_in_stages: bool = True) -> None:
         self._requests.pop(state.key, None)
         if self._keys.get(state.request_id) == state.key:
@@ -395,9 +464,14 @@ class Orchestrator:
 
     def _on_stage_down(self, stage_id: int, reason: str) -> None:
         name = self.clients[stage_id].name
+        self._down_reasons[stage_id] = reason
         for state in list(self._requests.values()):
+            # Requests that need the stage and have not finished with it; a text-only request
+            # running beside a dead talker goes on.
             if stage_id in state.stages and stage_id not in state.finished_stages:
                 self._fail(state, f"{name} is down: {reason}", stage_id)
+        if not self._closing:
+            self.supervisor.on_down(stage_id, reason)
 
     def fail_all(self, error: str) -> None:
         """Used when the loop stops for good: no request may wait forever."""

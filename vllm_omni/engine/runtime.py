@@ -24,7 +24,7 @@ from vllm_omni.engine.stage_client import StageHealth
 from vllm_omni.engine.stage_init_utils import prepare_engine_environment
 from vllm_omni.engine.messages import StageStats
 from vllm_omni.inputs import needs_input_processing, parse_prompt
-from vllm_omni.sampling_params import DiffusionSamplingParams, SamplingParams
+from vllm_omni.sampling_params import DiffusionSamplingParams, InvalidParameter, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,24 @@ class OmniRuntime:
         else:
             with self._processing:
                 processed = self._input_processor.process(parsed)
-        return Submission(request_id, processed, list(processed["prompt_token_ids"]), params, sink, plan)
+        ids = list(processed["prompt_token_ids"])
+        self._check_prompt_ids(ids)
+        return Submission(request_id, processed, ids, params, sink, plan)
+
+    def _check_prompt_ids(self, ids: list[int]) -> None:
+        """Token ids the entry stage cannot embed are the caller's error (400), found before queuing.
+        Only a token-consuming entry stage (an AR engine, which reports its vocab_size) checks them:
+        a diffusion stage takes the prompt's text."""
+        entry = self.pipeline.entry_stages[0]
+        vocab = self.orchestrator.clients[entry.stage_id].info.get("vocab_size")
+        if vocab is None:
+            return
+        if not ids:
+            raise InvalidParameter("prompt", "the prompt is empty")
+        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidParameter("prompt", f"prompt token id {bad!r} is not in the vocabulary of stage "
+                                             f"{entry.stage_id} (token ids are 0..{vocab - 1})")
 
     def submit(self, sub: Submission) -> None:
         self._call_soon(self.orchestrator.submit, sub)

@@ -3,7 +3,8 @@
 Each client owns one task that awaits its stage's socket and hands every message on
 the moment it arrives. Liveness has two sources: the process sentinel (a local process
 that exits is DOWN at once) and heartbeats (a stage silent for `heartbeat_timeout_s`
-is DOWN and is killed, so a hung stage does not keep its GPU).
+is DOWN and is killed, so a hung stage does not keep its GPU). A client serves one launch
+of its stage: the supervisor restarts a DOWN stage with a new client.
 """
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import enum
 import itertools
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -31,6 +32,7 @@ class StageState(str, enum.Enum):
     STARTING = "starting"
     UP = "up"
     DOWN = "down"
+    RESTARTING = "restarting"  # down, and the supervisor is bringing it back (engine/supervisor.py)
     STOPPED = "stopped"  # closed on purpose
 
 
@@ -50,6 +52,8 @@ class StageHealth:
     reason: str | None  # why it is DOWN
     pid: int | None
     seconds_since_heard: float | None
+    info: Mapping[str, Any] = field(default_factory=dict)  # what the stage reported when it came up
+    retry_after_s: float | None = None  # RESTARTING: when it should serve again
 
 
 class StageClient:
@@ -141,7 +145,7 @@ class StageClient:
 
     def health(self) -> StageHealth:
         heard = None if self._last_heard is None else time.monotonic() - self._last_heard
-        return StageHealth(self.stage_id, self.model_stage, self.state, self.reason, self.pid, heard)
+        return StageHealth(self.stage_id, self.model_stage, self.state, self.reason, self.pid, heard, dict(self.info))
 
     # --- events ---------------------------------------------------------------
     def mark_down(self, reason: str) -> None:

@@ -168,7 +168,12 @@ def _serve(engine: StageEngine, chan: WorkerChannel, spec: WorkerSpec) -> int:
 
 def _handle(msg: object, engine: StageEngine, chan: WorkerChannel, stage_id: int) -> None:
     if isinstance(msg, StageRequest):
-        engine.add_request(msg)
+        try:
+            engine.add_request(msg)
+        except Exception as e:  # noqa: BLE001 - engines report bad requests as outputs; a bug here fails one
+            logger.exception("stage %d: adding request %s failed", stage_id, msg.request_id)
+            _send_outputs(chan, stage_id, [error_output(msg.request_id, f"stage {stage_id}: cannot add the request: "
+                                                                        f"{type(e).__name__}: {e}")])
     elif isinstance(msg, StageInputChunk):
         engine.add_input(msg)
     elif isinstance(msg, AbortRequests):

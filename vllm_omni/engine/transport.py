@@ -55,16 +55,24 @@ class MessageCodec:
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
         self._decoder = msgspec.msgpack.Decoder(decode_type, ext_hook=self._ext_hook, dec_hook=self._dec_hook)
         self._out_frames: list[Any] = []
+        self._new_segments: list[str] = []  # shared memory made for the message being encoded
         self._in_frames: list[zmq.Frame] = []
 
     # --- encoding -------------------------------------------------------------
     def encode(self, msg: Any) -> list[Any]:
         self._out_frames = []
+        self._new_segments = []
         try:
             header = self._encoder.encode(msg)
             return [header, *self._out_frames]
+        except BaseException:
+            # A message that fails halfway must not leave the segments of its earlier tensors.
+            for name in self._new_segments:
+                _unlink_shm(name)
+            raise
         finally:
             self._out_frames = []
+            self._new_segments = []
 
     def _enc_hook(self, obj: Any) -> Any:
         if not isinstance(obj, torch.Tensor):
@@ -93,6 +101,7 @@ class MessageCodec:
             shm.close()
         # The receiver owns (and unlinks) the segment; our tracker must not unlink it at exit.
         resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        self._new_segments.append(name)
         return name
 
     # --- decoding -------------------------------------------------------------
@@ -142,6 +151,13 @@ def _from_shm(name: str) -> torch.Tensor:
     return raw
 
 
+def _unlink_shm(name: str) -> None:
+    try:
+        os.unlink(os.path.join(_SHM_DIR, name))
+    except FileNotFoundError:
+        return
+
+
 def sweep_shared_memory(prefix: str) -> int:
     """Unlink segments left behind with `prefix` (a receiver that died before reading them)."""
     if not prefix or not os.path.isdir(_SHM_DIR):
@@ -161,8 +177,9 @@ def sweep_shared_memory(prefix: str) -> int:
 
 
 def make_ipc_dir() -> str:
-    # Short base dir: ipc:// paths are limited to ~107 bytes.
-    return tempfile.mkdtemp(prefix="vomni-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    # Short base dir: ipc:// paths are limited to ~107 bytes. The pid names the owner of a
+    # folder left behind by a process that was killed.
+    return tempfile.mkdtemp(prefix=f"vomni-{os.getpid()}-", dir="/tmp" if os.path.isdir("/tmp") else None)
 
 
 def stage_addresses(ipc_dir: str, stage_id: int) -> tuple[str, str]:

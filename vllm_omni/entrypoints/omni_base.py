@@ -35,6 +35,9 @@ def load_pipeline(model: str, stage_configs_path: str | None, deploy_config: str
 class OmniBase:
     """Starts the pipeline (stages load their models, so this blocks).
 
+    `heartbeat_timeout`: seconds of silence after which a stage is declared hung, killed and
+    restarted; `max_stage_restarts`: restarts of a failed stage before it stays down (0: never).
+
     `output_modalities` (e.g. ["text"]): what this instance will ever return. With a bundled
     config it picks the smallest variant (text only: the thinker alone, no talker loaded), and
     it is the default of generate's `modalities`. `async_chunk` (None: the config's) makes
@@ -52,6 +55,8 @@ class OmniBase:
         log_stats: bool = False,
         output_modalities: Sequence[str] | None = None,
         async_chunk: bool | None = None,
+        heartbeat_timeout: float = 5.0,
+        max_stage_restarts: int = 3,
         **engine_args: Any,
     ) -> None:
         model = os.fspath(model)
@@ -60,7 +65,9 @@ class OmniBase:
         pipeline = load_pipeline(model, stage_configs_path, deploy_config, stage_overrides, engine_args,
                                  output_modalities, async_chunk)
         options = RuntimeOptions(stage_init_timeout_s=float(stage_init_timeout), init_timeout_s=float(init_timeout),
-                                 shm_threshold_bytes=int(shm_threshold_bytes), log_stats=log_stats)
+                                 shm_threshold_bytes=int(shm_threshold_bytes), log_stats=log_stats,
+                                 heartbeat_timeout_s=float(heartbeat_timeout),
+                                 max_stage_restarts=int(max_stage_restarts))
         self._runtime = OmniRuntime(pipeline, model, options, output_modalities)
 
     @property

@@ -74,8 +74,15 @@ class Qwen3TTSInputProcessor:
         # qwen-tts drops the instructions of the 0.6B CustomVoice model (trained without them).
         self.takes_instructions = config.get("tts_model_size") != "0b6" or self.task_type is not TaskType.CUSTOM_VOICE
         talker = config.get("talker_config") or {}
-        self.speakers = sorted(talker.get("spk_id") or {})
+        self.speakers = self.speaker_names(Path(model_dir)) or []
         self.languages = ["auto", *sorted(k for k in talker.get("codec_language_id") or {} if "dialect" not in k)]
+
+    @staticmethod
+    def speaker_names(model_dir: Path) -> list[str] | None:
+        """The checkpoint's named voices (talker_config.spk_id; None: it has none, as Base and
+        VoiceDesign checkpoints, which clone or design their voice)."""
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        return sorted((config.get("talker_config") or {}).get("spk_id") or {}) or None
 
     def process(self, prompt: Mapping[str, Any]) -> OmniTokensPrompt:
         if "messages" in prompt or prompt.get("multi_modal_data") is not None:

@@ -150,4 +150,5 @@ class ARStageEngine:
             "dtype": str(self.engine.dtype),
             "max_model_len": self.engine.max_model_len,
             "kv_total_blocks": self.engine.block_manager.num_blocks,
+            "vocab_size": self.engine.vocab_size,  # callers check prompt token ids against it
         }

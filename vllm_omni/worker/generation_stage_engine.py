@@ -5,8 +5,9 @@ alone. A whole request is `FINAL_ONLY` by nature: its one output is its whole re
 
 A request whose input streams in (`input_complete=False`, a streaming edge from a talker)
 gets a `StreamingDecoder` from the model; its units arrive with `add_input`, and each step
-decodes, in one batched call, a chunk of every request whose decoder is ready, sending each
-chunk on at once with how many units it has consumed (flow control upstream).
+decodes, in one batched call, a chunk of up to max_batch_size requests whose decoders are
+ready (round robin among them), sending each chunk on at once with how many units it has
+consumed (flow control upstream).
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ class GenerationStageEngine:
         self._ready: list[StageOutput] = []
         self._streams: dict[str, StreamingDecoder] = {}  # requests whose input streams in
         self._no_units: dict[str, torch.Tensor] = {}  # per stream: zero units of its kind, for a bare final
+        self._last_turn: dict[str, int] = {}  # per stream: the step that last decoded it (0: none yet)
+        self._turns = 0
 
     def add_request(self, req: StageRequest) -> None:
         try:
@@ -59,6 +62,7 @@ class GenerationStageEngine:
             decoder.push(units, final=False)
             self._no_units[req.request_id] = units[:0]
         self._streams[req.request_id] = decoder
+        self._last_turn[req.request_id] = 0
 
     def add_input(self, chunk: StageInputChunk) -> None:
         decoder = self._streams.get(chunk.request_id)
@@ -88,6 +92,7 @@ class GenerationStageEngine:
     def _close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         self._no_units.pop(request_id, None)
+        self._last_turn.pop(request_id, None)
 
     def pause(self, request_ids: Sequence[str], paused: bool) -> None:
         """Nothing to pause: this stage feeds no streaming edge."""
@@ -99,8 +104,13 @@ class GenerationStageEngine:
 
     def step(self) -> list[StageOutput]:
         outputs, self._ready = self._ready, []
-        ready = [rid for rid, d in self._streams.items() if d.ready()][: self.scheduler.max_batch_size]
+        # Round robin: the streams decoded longest ago (or never) first, so a long stream that
+        # always has a chunk ready cannot hold the batch's slots while the others wait.
+        ready = sorted((rid for rid, d in self._streams.items() if d.ready()), key=self._last_turn.__getitem__)
+        ready = ready[: self.scheduler.max_batch_size]
         if ready:
+            self._turns += 1
+            self._last_turn.update(dict.fromkeys(ready, self._turns))
             outputs.extend(self._decode_streams(ready))
         batch = self.scheduler.schedule()
         if batch:

@@ -11,6 +11,7 @@ from vllm_omni.engine.stage_init.readers import positive_int, read_field, split_
 logger = logging.getLogger(__name__)
 
 DEVICE_ENV_VAR = "CUDA_VISIBLE_DEVICES"
+_NVIDIA_DRIVER_DIR = "/proc/driver/nvidia"  # present where an NVIDIA driver is loaded (no CUDA init needed)
 
 
 def get_stage_tp_size(stage_cfg: Any) -> int:
@@ -177,4 +178,6 @@ def setup_stage_devices(stage_id: int, runtime_cfg: Any) -> None:
     physical = _physical_devices(stage_id, read_field(runtime_cfg, "devices"))
     if physical is not None:
         os.environ[DEVICE_ENV_VAR] = physical
-        logger.info("Stage %s: %s=%s", stage_id, DEVICE_ENV_VAR, physical)
+        # Only worth a line where there are GPUs: on a CPU-only machine it reads like a fault.
+        level = logging.INFO if os.path.isdir(_NVIDIA_DRIVER_DIR) else logging.DEBUG
+        logger.log(level, "Stage %s: %s=%s", stage_id, DEVICE_ENV_VAR, physical)

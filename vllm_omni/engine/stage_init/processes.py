@@ -15,11 +15,14 @@ def prepare_engine_environment() -> None:
 
     CUDA cannot be used in a forked child, so stages must be spawned. Sets it
     only when no start method was chosen yet (idempotent); an explicit other
-    choice is left alone with a warning. (Upstream also loads plugins here; we
-    have no plugin system: user code comes in through dotted paths.)
+    choice is left alone. Stage launchers spawn through an explicit "spawn"
+    context either way, so another global method (libraries fix it as a side
+    effect of asking for it) changes nothing for stages: no warning. (Upstream
+    also loads plugins here; we have no plugin system: user code comes in
+    through dotted paths.)
     """
     current = mp.get_start_method(allow_none=True)
     if current is None:
         mp.set_start_method("spawn")
     elif current != "spawn":
-        logger.warning("multiprocessing start method is %r; stage processes need 'spawn' to use CUDA", current)
+        logger.debug("multiprocessing start method is %r; stage processes are spawned regardless", current)

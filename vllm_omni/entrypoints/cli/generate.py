@@ -94,16 +94,18 @@ def run(args: argparse.Namespace) -> int:
     from vllm_omni.entrypoints.omni import Omni
     from vllm_omni.sampling_params import SamplingParams
     from vllm_omni.config import ConfigFormat, WorkerType
+    from vllm_omni.entrypoints.cli.demo_defaults import GENERATE_OVERRIDES, with_demo_overrides
     from vllm_omni.testing import demo_model_path
 
     from vllm_omni.engine.stage_init_utils import prepare_engine_environment
 
     prepare_engine_environment()  # before anything (building the demo) picks a start method
     model = args.model or str(demo_model_path())
+    overrides = args.stage_overrides if args.model else with_demo_overrides(GENERATE_OVERRIDES, args.stage_overrides)
     modalities = args.modalities.split(",") if args.modalities else None
     engine_args = {"dtype": args.dtype} if args.dtype else {}
     with Omni(model, stage_configs_path=args.stage_configs_path, deploy_config=args.deploy_config,
-              stage_overrides=args.stage_overrides, output_modalities=modalities, **engine_args) as omni:
+              stage_overrides=overrides, output_modalities=modalities, **engine_args) as omni:
         if omni.pipeline.entry_stages[0].worker_type == WorkerType.DIFFUSION:
             from vllm_omni.entrypoints.cli.generate_images import generate_images
 

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
+from pathlib import Path
 
 from vllm_omni.entrypoints.cli import serve_args
+from vllm_omni.entrypoints.cli.demo_defaults import SERVE_OVERRIDES, with_demo_overrides
 
 logger = logging.getLogger("vllm_omni.serve")
 
 DEMO_SERVED_NAME = "vllm-omni-demo"
+_HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")  # "org/name" (or a legacy "name"), as on the Hugging Face hub
 _VLLM_USAGE = ("this `vllm` command is vLLM-Omni's and only runs `vllm serve [MODEL] --omni [flags]`; "
                "everything else is `vllm-omni --help`")
 
@@ -62,14 +66,17 @@ def _check(args: argparse.Namespace) -> list[str]:
     if args.stage_configs_path is not None and args.deploy_config is not None:
         problems.append("--stage-configs-path and --deploy-config are mutually exclusive (legacy stage_args YAML "
                         "or a deploy YAML, not both)")
-    for name in ("max_concurrent_requests", "max_media_bytes", "max_request_bytes"):
+    for name in ("max_concurrent_requests", "max_media_bytes", "max_request_bytes", "max_prompts_per_request"):
         if getattr(args, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("max_queued_requests", "batch_timeout", "media_fetch_timeout"):
+    for name in ("max_queued_requests", "batch_timeout", "media_fetch_timeout", "shutdown_timeout",
+                 "max_stage_restarts"):
         if getattr(args, name) < 0:
             problems.append(f"--{name.replace('_', '-')} must be >= 0")
     if args.tts_max_instructions_length is not None and args.tts_max_instructions_length < 1:
         problems.append("--tts-max-instructions-length must be >= 1")
+    if args.omni_heartbeat_timeout <= 0:
+        problems.append("--omni-heartbeat-timeout must be > 0")
     return problems
 
 
@@ -79,6 +86,10 @@ def serve(args: argparse.Namespace) -> int:
         for p in problems:
             print(f"error: {p}", file=sys.stderr)
         return 2
+    missing = _missing_hub_model(args)
+    if missing:
+        print(f"error: {missing}", file=sys.stderr)
+        return 1
     _configure_logging(args.log_file)
     if args.replica_id is not None:
         logger.warning("--replica-id is deprecated and ignored: replica ids are assigned automatically")
@@ -94,7 +105,8 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         media = MediaPolicy(local_media_root(args.allowed_local_media_path), args.media_fetch_timeout,
-                            args.max_media_bytes)
+                            args.max_media_bytes, allowed_domains=tuple(args.allowed_media_domains or ()),
+                            allow_private=args.allow_private_media_urls)
         chat = ChatOptions(chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
                            limit_mm_per_prompt=args.limit_mm_per_prompt or {},
                            audio_stream_shape=args.audio_stream_shape)
@@ -108,12 +120,15 @@ def serve(args: argparse.Namespace) -> int:
         print(f"error: {task_problem}", file=sys.stderr)
         sock.close()
         return 2
+    if args.model is None:
+        args.stage_overrides = with_demo_overrides(SERVE_OVERRIDES, args.stage_overrides)
     settings = ServerSettings(
         model_path=model, served_names=names, host=args.host, port=args.port, api_key=args.api_key, media=media,
         max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
         admission_timeout_s=args.batch_timeout, max_request_bytes=args.max_request_bytes,
         uvicorn_log_level=args.uvicorn_log_level, realtime=serve_args.realtime_limits.from_args(args),
-        chat=chat, log_requests=args.enable_log_requests,
+        chat=chat, log_requests=args.enable_log_requests, max_prompts_per_request=args.max_prompts_per_request,
+        shutdown_timeout_s=args.shutdown_timeout,
         **({"tts_max_instructions_length": args.tts_max_instructions_length}
            if args.tts_max_instructions_length is not None else {}),
     )
@@ -125,6 +140,26 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     run_server(engine, settings, sock)
     return 0
+
+
+def _missing_hub_model(args: argparse.Namespace) -> str | None:
+    """MODEL as a hub id that is not on this machine: say how to get it (nothing is downloaded)."""
+    model = args.model
+    if model is None or args.stage_configs_path or args.deploy_config or Path(model).expanduser().exists():
+        return None
+    if model.startswith((".", "/", "~")) or not _HUB_ID.fullmatch(model):
+        return f"MODEL {model!r} is not a folder on this machine"
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        if isinstance(try_to_load_from_cache(model, "config.json"), str):
+            return None  # in the Hugging Face cache: served from there
+    except HFValidationError:
+        return f"MODEL {model!r} is not a folder on this machine, nor a Hugging Face hub id"
+    return (f"MODEL {model!r} is neither a local folder nor in the Hugging Face cache ({constants.HF_HUB_CACHE}), "
+            f"and vllm-omni does not download models. Get it with `hf download {model}` (a gated model needs "
+            "`hf auth login` or HF_TOKEN first), then run this command again, or pass the folder it is in.")
 
 
 def _check_task_type(task_type: str | None, model: str) -> str | None:
@@ -139,6 +174,8 @@ def _check_task_type(task_type: str | None, model: str) -> str | None:
     if info.task_type != task_type:
         return f"--task-type {task_type} does not match the checkpoint, a {info.task_type} model"
     return None
+
+
 
 
 def _model(args: argparse.Namespace) -> tuple[str, list[str]]:
@@ -159,5 +196,6 @@ def _start_engine(args: argparse.Namespace, model: str):
         model=model, stage_configs_path=args.stage_configs_path, deploy_config=args.deploy_config,
         stage_overrides=serve_args.stage_overrides(args), stage_init_timeout=args.stage_init_timeout,
         init_timeout=args.init_timeout, shm_threshold_bytes=args.shm_threshold_bytes, log_stats=args.log_stats,
-        async_chunk=args.async_chunk, **serve_args.engine_args(args),
+        async_chunk=args.async_chunk, heartbeat_timeout=args.omni_heartbeat_timeout,
+        max_stage_restarts=args.max_stage_restarts, **serve_args.engine_args(args),
     )

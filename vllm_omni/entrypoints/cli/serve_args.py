@@ -94,8 +94,9 @@ OMNI_FLAGS: tuple[Flag, ...] = (
        _REPLICAS, type=int, default=1),
     _f("--omni-lb-policy", "Per-stage load-balancing policy across UP replicas (head runtime only).", _REPLICAS,
        choices=("random", "round-robin", "least-queue-length"), default="random"),
-    _f("--omni-heartbeat-timeout", "Seconds before an unreporting replica is marked ERROR.",
-       "the stage heartbeat deadline is not configurable yet", type=float, default=30.0),
+    _f("--omni-heartbeat-timeout", "Seconds without a heartbeat before a stage is declared hung, killed and "
+       "restarted. (Spec 001 documents 30.0; stages here send a heartbeat every second from a thread of their own, "
+       "so a few seconds detect a frozen stage without mistaking a long step for one.)", type=float, default=5.0),
     _f("--num-gpus", "Number of GPUs to use for diffusion model inference.", _DIFFUSION, type=int, default=None),
     _f("--model-class-name", "Override the diffusion pipeline class name (a native pipeline such as "
        "QwenImagePipeline, or with --diffusion-load-format diffusers any diffusers pipeline class).", default=None),
@@ -172,8 +173,21 @@ SERVER_FLAGS: tuple[Flag, ...] = (
     _f("--media-fetch-timeout", "Deadline for downloading one http(s) media URL, in seconds.", type=float,
        default=10.0),
     _f("--max-media-bytes", "Size limit of one downloaded media file.", type=int, default=64 * 1024 * 1024),
-    _f("--max-request-bytes", "Size limit of a request body (inline base64 media included); larger is 413.",
-       type=int, default=128 * 1024 * 1024),
+    _f("--max-request-bytes", "Size limit of a request body (inline base64 media included); larger is 413. "
+       "The default carries about 48 MB of inline media (base64 adds a third).", type=int, default=64 * 1024 * 1024),
+    _f("--max-prompts-per-request", "Prompts one /v1/completions request may hold (each is a request in the "
+       "pipeline and takes an admission slot, at most all of them); more is 400.", type=int,
+       default=32),
+    _f("--allowed-media-domains", "Only fetch media URLs whose host is one of these domains (or a subdomain). "
+       "Listed domains may resolve to private addresses; others never may.", nargs="+", default=None),
+    _f("--allow-private-media-urls", "Let media URLs reach loopback, private, link-local and other internal "
+       "addresses (refused by default: a client could make the server fetch from its own network).",
+       action="store_true", default=False),
+    _f("--shutdown-timeout", "On SIGTERM / SIGINT, how long requests in flight may take to finish before they are "
+       "ended with an error, in seconds.", type=float, default=30.0),
+    _f("--max-stage-restarts", "How many times a stage that dies or hangs is restarted (with backoff) before it "
+       "stays down; the count starts over once a restarted stage has served for a minute. 0: never restart.",
+       type=int, default=3),
     _f("--max-concurrent-requests", "Requests in the pipeline at once; more wait in the admission queue.",
        type=int, default=256),
     _f("--max-queued-requests", "Requests that may wait for admission; one more is answered 429 at once.",

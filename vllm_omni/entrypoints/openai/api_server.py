@@ -17,13 +17,15 @@ from vllm_omni.entrypoints.openai.app import build_app
 from vllm_omni.entrypoints.openai.chat_options import ChatOptions
 from vllm_omni.entrypoints.openai.media_fetch import MediaPolicy
 from vllm_omni.entrypoints.openai.metrics import ServerMetrics
+from vllm_omni.entrypoints.openai.prompt_limits import PromptLimit
 from vllm_omni.entrypoints.openai.realtime.limits import RealtimeLimits
 from vllm_omni.entrypoints.openai.serving_base import PipelineShape, ServingContext
 from vllm_omni.entrypoints.openai.serving_speech import DEFAULT_MAX_INSTRUCTIONS
 
 logger = logging.getLogger(__name__)
 
-GRACEFUL_SHUTDOWN_S = 5.0  # open streams get this long after SIGTERM before they are cut
+# After the pipeline closed (shutdown.py), how long uvicorn lets handlers write their answers.
+ANSWER_AFTER_CLOSE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -37,12 +39,14 @@ class ServerSettings:
     max_concurrent_requests: int = 256
     max_queued_requests: int = 1024
     admission_timeout_s: float = 10.0  # --batch-timeout
-    max_request_bytes: int = 128 * 1024 * 1024
+    max_request_bytes: int = 64 * 1024 * 1024
     uvicorn_log_level: str = "info"
     realtime: RealtimeLimits = field(default_factory=RealtimeLimits)
     tts_max_instructions_length: int = DEFAULT_MAX_INSTRUCTIONS  # --tts-max-instructions-length
     chat: ChatOptions = field(default_factory=ChatOptions)  # --chat-template, --limit-mm-per-prompt, ...
     log_requests: bool = False  # --enable-log-requests (the access log reads it)
+    max_prompts_per_request: int = 32
+    shutdown_timeout_s: float = 30.0
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -65,28 +69,31 @@ def build_context(engine: Any, settings: ServerSettings) -> ServingContext:
                          settings.admission_timeout_s)
     return ServingContext(engine=engine, shape=PipelineShape.of(pipeline), served_names=list(settings.served_names),
                           gate=gate, metrics=ServerMetrics(names), media=settings.media,
-                          model_path=settings.model_path, stage_names=names, chat=settings.chat)
+                          model_path=settings.model_path, stage_names=names, chat=settings.chat,
+                          max_prompts_per_request=settings.max_prompts_per_request,
+                          prompt_limit=PromptLimit.of(engine))  # the stages are up: they reported it
 
 
 def run_server(engine: Any, settings: ServerSettings, sock: socket.socket) -> None:
-    """Serve until a signal stops uvicorn, then close the engine (which stops every stage)."""
+    """Serve until SIGTERM / SIGINT, then shut down gracefully (shutdown.py)."""
     import uvicorn
 
-    app = build_app(build_context(engine, settings), api_key=settings.api_key,
-                    max_request_bytes=settings.max_request_bytes, realtime=settings.realtime,
-                    tts_max_instructions_length=settings.tts_max_instructions_length)
+    from vllm_omni.entrypoints.openai.shutdown import GracefulServer
+
+    ctx = build_context(engine, settings)
+    app = build_app(ctx, api_key=settings.api_key, max_request_bytes=settings.max_request_bytes,
+                    realtime=settings.realtime, tts_max_instructions_length=settings.tts_max_instructions_length)
     # log_config=None: uvicorn logs through the root logger, so --log-file and our format apply.
     config = uvicorn.Config(app, log_level=settings.uvicorn_log_level, log_config=None,
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                            timeout_graceful_shutdown=ANSWER_AFTER_CLOSE_S,
                             access_log=settings.uvicorn_log_level == "debug")
-    server = uvicorn.Server(config)
+    server = GracefulServer(config, ctx, settings.shutdown_timeout_s)
     host, port = sock.getsockname()[:2]
     logger.info("serving %s as %s on http://%s:%d", settings.model_path, settings.served_names, host, port)
     try:
         server.run(sockets=[sock])
     finally:
-        logger.info("shutting down: stopping the pipeline")
-        engine.close()
+        engine.close()  # already closed after a signal; not after a failure
 
 
 def local_media_root(path: str | None) -> Path | None:

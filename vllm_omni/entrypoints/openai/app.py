@@ -13,6 +13,7 @@ vLLM; health, version and metrics stay open for probes and scrapers.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from pathlib import Path
@@ -27,8 +28,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vllm_omni.engine.stage_client import StageState
 from vllm_omni.version import __version__
-from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected, install_error_handlers
+from vllm_omni.entrypoints.openai.access_log import log_access
+from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected, install_error_handlers, retry_after
 from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from vllm_omni.entrypoints.openai.request_body import parse_body, release_free_memory
 from vllm_omni.entrypoints.openai.serving_base import ServingContext, summarize_reason
 from vllm_omni.entrypoints.openai.serving_chat import ChatService
 from vllm_omni.entrypoints.openai.serving_completions import CompletionService
@@ -38,6 +41,7 @@ from vllm_omni.entrypoints.openai.serving_images import ImageRequest, ImageServi
 from vllm_omni.entrypoints.openai.serving_speech import DEFAULT_MAX_INSTRUCTIONS, SpeechRequest, SpeechService
 from vllm_omni.entrypoints.openai.serving_transcription import TranscriptionService
 
+TRIM_AFTER_BYTES = 1024 * 1024  # bodies this large leave enough freed heap to be worth a malloc_trim
 STATIC_DIR = Path(__file__).resolve().parent / "static"  # the voice-chat page (package data)
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version", "/metrics",
            "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/audio/speech", "/v1/audio/voices",
@@ -45,8 +49,9 @@ _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "
 
 
 class StatusMetricsMiddleware:
-    """Counts every request by route and final status. A stream reports its outcome (an in-band
-    error, a disconnect) through request.state.final_status, since its HTTP status is sent first."""
+    """Counts every request by route and final status, and writes its access-log line. A stream
+    reports its outcome (an in-band error, a disconnect) through request.state.final_status,
+    since its HTTP status is sent first."""
 
     def __init__(self, app: ASGIApp, ctx: ServingContext) -> None:
         self.app = app
@@ -57,6 +62,7 @@ class StatusMetricsMiddleware:
             await self.app(scope, receive, send)
             return
         status = 500  # an exception that escapes every handler
+        started = time.monotonic()
 
         async def send_wrapper(message: Message) -> None:
             nonlocal status
@@ -67,9 +73,10 @@ class StatusMetricsMiddleware:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            final = scope.get("state", {}).get("final_status")
+            final = scope.get("state", {}).get("final_status") or status
             path = scope.get("path", "")
-            self.ctx.metrics.observe_status(path if path in _ROUTES else "other", final or status)
+            self.ctx.metrics.observe_status(path if path in _ROUTES else "other", final)
+            log_access(scope, final, time.monotonic() - started)
 
 
 class APIKeyMiddleware:
@@ -118,13 +125,17 @@ class BodyLimitMiddleware:
                     raise StarletteHTTPException(413, self._too_large().message)
             return message
 
-        await self.app(scope, counting_receive, send)
+        try:
+            await self.app(scope, counting_receive, send)
+        finally:
+            if seen >= TRIM_AFTER_BYTES:  # the body's objects are gone now: return their pages
+                await asyncio.to_thread(release_free_memory)
 
     def _too_large(self) -> APIError:
         return APIError(413, f"the request body is over the {self.max_bytes} byte limit (--max-request-bytes)")
 
 
-def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes: int = 128 * 1024 * 1024,
+def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes: int = 64 * 1024 * 1024,
               realtime: RealtimeLimits | None = None,
               tts_max_instructions_length: int = DEFAULT_MAX_INSTRUCTIONS) -> FastAPI:
     app = FastAPI(title="vllm-omni", version=__version__)
@@ -137,13 +148,14 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes
     chat, completions = ChatService(ctx), CompletionService(ctx)
     created = int(time.time())
 
+    # Bodies are parsed off the event loop (request_body.py), not by FastAPI on it.
     @app.post("/v1/chat/completions")
-    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Any:
-        return await chat.create(body, raw)
+    async def create_chat_completion(raw: Request) -> Any:
+        return await chat.create(await parse_body(raw, ChatCompletionRequest, ctx.precheck_chat), raw)
 
     @app.post("/v1/completions")
-    async def create_completion(body: CompletionRequest, raw: Request) -> Any:
-        return await completions.create(body, raw)
+    async def create_completion(raw: Request) -> Any:
+        return await completions.create(await parse_body(raw, CompletionRequest, ctx.precheck_completion), raw)
 
     speech = SpeechService(ctx, tts_max_instructions_length)
 
@@ -193,16 +205,18 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if ctx.shutting_down:  # load balancers: stop sending requests here
+            return APIError(503, "the server is shutting down").response()
+        health = ctx.engine.stage_health()
         stages = [{"stage_id": h.stage_id, "model_stage": h.model_stage, "state": h.state.value,
-                   "reason": h.reason, "pid": h.pid} for h in ctx.engine.stage_health()]
-        down = [s for s in stages if s["state"] != StageState.UP.value]
+                   "reason": h.reason, "pid": h.pid, "retry_after_s": h.retry_after_s} for h in health]
+        down = [h for h in health if h.state != StageState.UP]
         if not down:
             return JSONResponse({"status": "ok", "stages": stages})
-        what = "; ".join(f"stage {s['stage_id']} ({s['model_stage']}) is {s['state']}: "
-                         f"{summarize_reason(s['reason'])}" for s in down)
-        body = APIError(503, f"unhealthy: {what}").body()
-        body["stages"] = stages
-        return JSONResponse(body, status_code=503)
+        what = "; ".join(f"stage {h.stage_id}{f' ({h.model_stage})' if h.model_stage else ''} is {h.state.value}: "
+                         f"{summarize_reason(h.reason)}" for h in down)
+        error = APIError(503, f"unhealthy: {what}", retry_after_s=retry_after(down))
+        return JSONResponse({**error.body(), "stages": stages}, status_code=503, headers=error.headers())
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -11,6 +11,7 @@ to its exception class, so the status matters more than the `type` string (vLLM'
 from __future__ import annotations
 
 import logging
+import math
 import re
 from http import HTTPStatus
 from typing import Any
@@ -41,18 +42,25 @@ _PROMPT_TOO_LONG = re.compile(r"the prompt has \d+ tokens, which does not leave 
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.retry_after_s = retry_after_s  # sent as Retry-After (a stage is restarting)
 
     def body(self) -> dict[str, Any]:
         kind = _TYPES.get(self.status) or HTTPStatus(self.status).phrase.replace(" ", "") + "Error"
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
 
+    def headers(self) -> dict[str, str] | None:
+        if self.retry_after_s is None:
+            return None
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers())
 
 
 class ClientDisconnected(Exception):
@@ -65,10 +73,16 @@ def from_request_failure(stage_id: int | None, message: str, health: list[StageH
     failed = by_id.get(stage_id) if stage_id is not None else None
     down = [h for h in health if h.state != StageState.UP]
     if (failed is not None and failed.state != StageState.UP) or (failed is None and down):
-        return APIError(503, message)
+        return APIError(503, message, retry_after_s=retry_after([failed] if failed is not None else down))
     if _PROMPT_TOO_LONG.search(message):
         return APIError(413, message)
     return APIError(500, message)
+
+
+def retry_after(down: list[StageHealth]) -> float | None:
+    """When every stage in `down` should serve again (None: one of them is not coming back)."""
+    waits = [h.retry_after_s for h in down]
+    return None if not waits or None in waits else max(waits)  # type: ignore[type-var]
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -77,10 +91,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     # A content part with an unknown type fails every branch of the union; only the tag
     # mismatch says what is wrong.
     tagged = [e for e in errors if e.get("type") == "union_tag_invalid"]
+    locs = [_location(e) for e in errors]
+    # A union (`content: str | list[part]`) reports every branch; the branch that got deeper
+    # into the value says what is wrong, not "should be a valid string".
+    errors = [e for e, loc in zip(errors, locs) if not any(o != loc and o[:len(loc)] == loc for o in locs)]
     parts, first = [], None
     for err in tagged or errors:
-        loc = [str(p) for p in err.get("loc", ()) if p != "body" and not str(p).startswith(("tagged-union", "list["))]
-        where = ".".join(p for p in loc if p != "str") or "body"
+        where = ".".join(_location(err)) or "body"
         first = first or where
         kind = err.get("type")
         if kind == "extra_forbidden":
@@ -95,6 +112,14 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         else:
             parts.append(f"{where}: {err.get('msg')}")
     return "; ".join(dict.fromkeys(parts)) or "invalid request", first
+
+
+def _location(err: dict[str, Any]) -> tuple[str, ...]:
+    """pydantic's loc without its bookkeeping: the body prefix, union branch names, and a
+    discriminated part's tag (loc [..., 0, "input_audio", "input_audio", "format"])."""
+    loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "str")
+           and not str(p).startswith(("tagged-union", "list[", "function-"))]
+    return tuple(p for i, p in enumerate(loc) if i == 0 or p != loc[i - 1] or p.isdigit())
 
 
 def install_error_handlers(app: FastAPI) -> None:

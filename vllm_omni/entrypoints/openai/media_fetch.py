@@ -6,7 +6,9 @@ a request (and the event loop) on a slow download. So every `image_url` / `audio
 `video_url` is resolved here first:
 
 - data URLs stay as they are (the processor decodes them; bad base64 -> 400);
-- http(s) URLs are downloaded asynchronously with a size limit and a deadline -> bytes;
+- http(s) URLs are downloaded asynchronously with a size limit and a deadline -> bytes, only
+  from public addresses unless the server allows more (url_guard.py), redirects checked hop
+  by hop;
 - file:// URLs and plain paths are allowed only under `--allowed-local-media-path` -> a Path;
 - anything else is a 400.
 
@@ -23,8 +25,10 @@ from typing import Any
 import httpx
 
 from vllm_omni.entrypoints.openai.errors import APIError
+from vllm_omni.entrypoints.openai.url_guard import guard_url
 
 _URL_KEYS = {"image_url": "image_url", "audio_url": "audio_url", "video_url": "video_url"}
+MAX_REDIRECTS = 5
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,8 @@ class MediaPolicy:
     allowed_local_root: Path | None = None  # None: local files are refused
     timeout_s: float = 10.0  # whole download, per URL
     max_bytes: int = 64 * 1024 * 1024
+    allowed_domains: tuple[str, ...] = ()  # non-empty: only these hosts (and their subdomains)
+    allow_private: bool = False  # let URLs reach loopback / private / link-local addresses
 
 
 async def resolve_media(messages: list[dict[str, Any]], policy: MediaPolicy) -> list[dict[str, Any]]:
@@ -96,27 +102,43 @@ def _local_file(path: Path, url: str, policy: MediaPolicy) -> Path:
 async def _download(url: str, policy: MediaPolicy) -> bytes:
     try:
         # The deadline bounds the whole download: a server dripping bytes cannot hold the request.
-        return await asyncio.wait_for(_read_limited(url, policy.max_bytes, policy.timeout_s), policy.timeout_s)
+        return await asyncio.wait_for(_read_limited(url, policy), policy.timeout_s)
     except asyncio.TimeoutError:
         raise APIError(400, f"fetching {_short(url)} took longer than {policy.timeout_s} s") from None
     except httpx.HTTPError as e:
-        raise APIError(400, f"fetching {_short(url)} failed: {e}") from None
+        # The exception's text can name internal addresses; its kind is enough for the client.
+        raise APIError(400, f"fetching {_short(url)} failed ({type(e).__name__})") from None
 
 
-async def _read_limited(url: str, max_bytes: int, timeout_s: float) -> bytes:
+async def _read_limited(url: str, policy: MediaPolicy) -> bytes:
+    try:
+        current = httpx.URL(url)
+    except httpx.InvalidURL as e:
+        raise APIError(400, f"invalid media URL {_short(url)}: {e}") from None
+    async with httpx.AsyncClient(timeout=policy.timeout_s, follow_redirects=False) as client:
+        for _ in range(MAX_REDIRECTS + 1):
+            target = await guard_url(current, policy.allowed_domains, policy.allow_private, _short(url))
+            async with client.stream("GET", target.connect_url, headers=target.headers,
+                                     extensions=target.extensions) as resp:
+                if resp.is_redirect:
+                    current = current.join(resp.headers.get("location", ""))
+                    continue
+                if resp.status_code != 200:
+                    raise APIError(400, f"fetching {_short(url)} failed: HTTP {resp.status_code}")
+                return await _body(resp, url, policy.max_bytes)
+    raise APIError(400, f"fetching {_short(url)} failed: more than {MAX_REDIRECTS} redirects")
+
+
+async def _body(resp: httpx.Response, url: str, max_bytes: int) -> bytes:
+    declared = resp.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise APIError(400, f"{_short(url)} is {declared} bytes, over the {max_bytes} byte media limit")
     chunks, size = [], 0
-    async with httpx.AsyncClient(timeout=timeout_s, follow_redirects=True) as client:
-        async with client.stream("GET", url) as resp:
-            if resp.status_code != 200:
-                raise APIError(400, f"fetching {_short(url)} failed: HTTP {resp.status_code}")
-            declared = resp.headers.get("content-length", "")
-            if declared.isdigit() and int(declared) > max_bytes:
-                raise APIError(400, f"{_short(url)} is {declared} bytes, over the {max_bytes} byte media limit")
-            async for chunk in resp.aiter_bytes():
-                size += len(chunk)
-                if size > max_bytes:  # the header can be absent or lie
-                    raise APIError(400, f"{_short(url)} is over the {max_bytes} byte media limit")
-                chunks.append(chunk)
+    async for chunk in resp.aiter_bytes():
+        size += len(chunk)
+        if size > max_bytes:  # the header can be absent or lie
+            raise APIError(400, f"{_short(url)} is over the {max_bytes} byte media limit")
+        chunks.append(chunk)
     return b"".join(chunks)
 
 

@@ -10,11 +10,16 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from vllm_omni.sampling_params import INT64_MAX, INT64_MIN
+
 AudioFormat = Literal["wav", "mp3", "flac", "pcm16", "opus"]
+# Formats of input audio the decoders read (libsndfile, FFmpeg); OpenAI documents wav and mp3.
+InputAudioFormat = Literal["wav", "mp3", "flac", "ogg", "opus", "webm", "m4a"]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and infinities are not numbers any sampling or media option can use.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 # --------------------------------------------------------------------------- content parts
@@ -39,7 +44,7 @@ class TextPart(_Strict):
 class _MediaPart(BaseModel):
     # Extra keys are per-item processor options (min_pixels, fps, max_frames, ...), which the
     # multimodal processor validates; they are passed through unchanged.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class ImageURLPart(_MediaPart):
@@ -64,7 +69,7 @@ class VideoURLPart(_MediaPart):
 
 class _InputAudio(_Strict):
     data: str  # base64, no "data:" prefix (OpenAI)
-    format: str = "wav"
+    format: InputAudioFormat = "wav"
 
 
 class InputAudioPart(_Strict):
@@ -99,12 +104,12 @@ class SamplingFields(_Strict):
 
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
     n: int = 1
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -147,6 +152,15 @@ class SamplingFields(_Strict):
             raise ValueError(f"priority {priority} is not supported: priority scheduling is not enabled "
                              "(requests are served first come, first served; priority must be 0)")
         return priority
+
+    @model_validator(mode="after")
+    def _min_tokens_within_max(self) -> SamplingFields:
+        # Checked here, not by SamplingParams: a pipeline's stage config may keep its own min_tokens
+        # (sampling_precedence.py), and a contradictory request is wrong either way.
+        most = self.stage_overrides().get("max_tokens")
+        if self.min_tokens is not None and most is not None and self.min_tokens > most:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({most})")
+        return self
 
     def stage_overrides(self) -> dict[str, Any]:
         """The standard parameters that were given, as SamplingParams fields."""

@@ -21,12 +21,14 @@ from vllm_omni.entrypoints.openai.accumulator import RequestAccumulator
 from vllm_omni.entrypoints.openai.admission import AdmissionGate
 from vllm_omni.entrypoints.openai.audio import OUTPUT_SAMPLE_RATE
 from vllm_omni.entrypoints.openai.chat_options import ChatOptions
-from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected, from_request_failure
+from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected, from_request_failure, retry_after
 from vllm_omni.entrypoints.openai.media_fetch import MediaPolicy
 from vllm_omni.entrypoints.openai.metrics import ServerMetrics
+from vllm_omni.entrypoints.openai.prompt_limits import PromptLimit
 from vllm_omni.entrypoints.openai.protocol import SamplingFields
-from vllm_omni.entrypoints.openai.sampling_precedence import comprehension_overrides
+from vllm_omni.entrypoints.openai.request_params import resolve_sampling_params
 from vllm_omni.outputs import OmniRequestOutput
+from vllm_omni.sampling_params import InvalidParameter, SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -79,6 +81,37 @@ class ServingContext:
     model_path: str
     stage_names: dict[int, str] = field(default_factory=dict)
     chat: ChatOptions = field(default_factory=ChatOptions)
+    max_prompts_per_request: int = 32
+    shutting_down: bool = False  # set on SIGTERM / SIGINT (shutdown.py)
+    prompt_limit: PromptLimit | None = None  # None: no cheap bound known (no tokenizer)
+
+    def precheck_chat(self, body: Any) -> None:
+        """On the decoded JSON, before pydantic: more messages than max_model_len cannot fit."""
+        messages = body.get("messages") if isinstance(body, dict) else None
+        if isinstance(messages, list):
+            self.check_prompt_size(0, "messages", len(messages))
+
+    def precheck_completion(self, body: Any) -> None:
+        """On the decoded JSON, before pydantic: a batch over the prompt cap is refused unread."""
+        prompt = body.get("prompt") if isinstance(body, dict) else None
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            self.check_prompt_count(len(prompt))
+
+    def check_prompt_size(self, chars: int, param: str, num_messages: int = 0) -> None:
+        """413 for a prompt too long to fit whatever it tokenizes to (prompt_limits.py)."""
+        if self.prompt_limit is not None:
+            self.prompt_limit.check(chars, param, num_messages)
+
+    def check_prompt_count(self, n: int) -> None:
+        """A request fans out into one pipeline request per prompt; more than the cap is a 400."""
+        if n > self.max_prompts_per_request:
+            raise APIError(400, f"the request has {n} prompts; this server takes at most "
+                                f"{self.max_prompts_per_request} per request (--max-prompts-per-request)",
+                           param="prompt")
+
+    def stage_list(self, stages: set[int]) -> list[str]:
+        """Stage names in stage order (for the access log)."""
+        return [self.stage_names.get(sid, str(sid)) for sid in sorted(stages)]
 
     def check_model(self, model: str | None) -> str:
         """The served name a request addresses (None: the first one); 404 for any other."""
@@ -94,7 +127,7 @@ class ServingContext:
         if down:
             what = "; ".join(f"stage {h.stage_id} ({self.stage_names.get(h.stage_id, '?')}) is {h.state.value}: "
                              f"{summarize_reason(h.reason)}" for h in down)
-            raise APIError(503, f"a stage this request needs is not serving: {what}")
+            raise APIError(503, f"a stage this request needs is not serving: {what}", retry_after_s=retry_after(down))
 
     def record_finished(self, endpoint: str, acc: RequestAccumulator) -> None:
         """A finished request's metrics: latency and tokens, time to first text and audio, audio RTF."""
@@ -108,24 +141,11 @@ class ServingContext:
                 m.audio_gap.observe(gap)
             m.observe_audio(acc.last_audio_at - acc.arrived_at, acc.audio_samples / OUTPUT_SAMPLE_RATE)
 
-    def sampling_params_list(self, body: SamplingFields) -> list[dict[str, Any] | None]:
-        """One entry per stage: the request's sampling_params_list, with the standard parameters
-        applied to the comprehension stage as sampling_precedence says. Values are validated by the
-        engine (-> 400)."""
-        n = self.shape.num_stages
-        given = body.sampling_params_list
-        if given is not None and len(given) != n:
-            raise APIError(400, f"sampling_params_list has {len(given)} entries; the pipeline has {n} stages (one "
-                                "entry per stage, null for a stage's defaults)", param="sampling_params_list")
-        out: list[dict[str, Any] | None] = list(given) if given is not None else [None] * n
-        overrides = comprehension_overrides(body.stage_overrides(), stage_config_wins=self.shape.stage_config_wins)
-        if overrides:
-            idx = self.shape.comprehension_stage
-            if idx is None:
-                raise APIError(400, "this pipeline has no comprehension stage to apply sampling parameters to; "
-                                    "use sampling_params_list")
-            out[idx] = {**(out[idx] or {}), **overrides}
-        return out
+    def sampling_params_list(self, body: SamplingFields) -> list[SamplingParams]:
+        """One validated SamplingParams per stage (request_params.py): the request's values applied
+        as sampling_precedence says, a bad value or one over a stage's max_tokens ceiling a 400
+        naming the field, before the request is admitted."""
+        return resolve_sampling_params(self.engine.pipeline, body, stage_config_wins=self.shape.stage_config_wins)
 
 
 async def race_disconnect(request: Request, work: Awaitable[T]) -> T:
@@ -182,8 +202,12 @@ def engine_error(ctx: ServingContext, exc: BaseException) -> BaseException:
     """An exception out of AsyncOmni.generate -> the APIError the client gets."""
     if isinstance(exc, (APIError, ClientDisconnected, asyncio.CancelledError)):
         return exc
+    if ctx.shutting_down and isinstance(exc, RuntimeError):  # RequestFailedError or "the pipeline is closed"
+        return APIError(503, f"the server is shutting down: {exc}")  # its outputs will never come
     if isinstance(exc, RequestFailedError):
         return from_request_failure(exc.stage_id, str(exc), ctx.engine.stage_health())
+    if isinstance(exc, InvalidParameter):
+        return APIError(400, str(exc), param=exc.name)
     if isinstance(exc, ValueError):  # prompt, media, chat template or sampling parameter problems
         return APIError(400, str(exc))
     if isinstance(exc, Exception):

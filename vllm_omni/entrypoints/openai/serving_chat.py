@@ -30,6 +30,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from vllm_omni.entrypoints.async_omni import RequestFailedError
+from vllm_omni.entrypoints.openai.access_log import note_access
 from vllm_omni.entrypoints.openai.accumulator import AudioEvent, RequestAccumulator, TextEvent
 from vllm_omni.entrypoints.openai.admission import Ticket
 from vllm_omni.entrypoints.openai.audio import OUTPUT_SAMPLE_RATE, check_format, encode_audio
@@ -37,6 +38,7 @@ from vllm_omni.entrypoints.openai.chat_options import ChatOptions
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.logprobs import chat_logprobs
 from vllm_omni.entrypoints.openai.media_fetch import resolve_media
+from vllm_omni.entrypoints.openai.prompt_limits import chat_text_chars
 from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest
 from vllm_omni.entrypoints.openai.serving_base import (
     EventStream, ServingContext, as_api_error, engine_error, first_output, race_disconnect, set_final_status,
@@ -167,6 +169,7 @@ class ChatService:
         params = ctx.sampling_params_list(body)
         messages = [m.to_engine() for m in body.messages]
         ctx.chat.check_media_count(messages)
+        ctx.check_prompt_size(chat_text_chars(messages), "messages", len(messages))  # before any media is fetched
         messages = await race_disconnect(raw, resolve_media(messages, ctx.media))
         prompt: dict[str, Any] = {"messages": messages}
         if body.mm_processor_kwargs:
@@ -184,6 +187,7 @@ class ChatService:
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         view = ChatView(f"chatcmpl-{base_id}", model, requested, audio_format, ctx.chat, top_logprobs,
                         ctx.engine.get_tokenizer() if body.logprobs else None)
+        note_access(raw, view.request_id, ctx.stage_list(ctx.shape.needed_stages(wanted)), [acc])
         try:
             # Only a streaming client needs the stages' intermediate outputs.
             gen = ctx.engine.generate(prompt, params, request_id=view.request_id, modalities=wanted,

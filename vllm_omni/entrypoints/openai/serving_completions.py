@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from vllm_omni.entrypoints.openai.access_log import note_access
 from vllm_omni.entrypoints.openai.accumulator import RequestAccumulator, TextEvent
 from vllm_omni.entrypoints.openai.admission import Ticket
 from vllm_omni.entrypoints.openai.errors import APIError
@@ -41,15 +42,20 @@ class CompletionService:
         if "text" not in ctx.shape.final_types:
             raise APIError(400, f"this model produces {ctx.shape.modalities()}, not text; use /v1/chat/completions")
         prompts = body.prompts()
+        ctx.check_prompt_count(len(prompts))
+        for p in prompts:
+            ctx.check_prompt_size(len(p.get("prompt", "")), "prompt")
         if body.stream and len(prompts) > 1:
             raise APIError(400, "streaming takes one prompt per request", param="prompt")
         params = ctx.sampling_params_list(body)
         ctx.check_stages_up(ctx.shape.needed_stages(["text"]))
-        # One admission slot per HTTP request, batch or not: a batch larger than the limit must
-        # still be servable.
-        tickets = [await race_disconnect(raw, ctx.gate.admit())]
+        # One admission slot per prompt (each is a request in the stages); a batch larger than
+        # the whole gate takes all of it, so it runs alone rather than never.
+        slots = min(len(prompts), ctx.gate.max_running)
+        tickets = [await race_disconnect(raw, ctx.gate.admit(slots))]
         request_id = f"cmpl-{raw.headers.get('x-request-id') or body.request_id or uuid.uuid4().hex}"  # vLLM's rule
         accs = [RequestAccumulator(arrived_at=arrived) for _ in prompts]
+        note_access(raw, request_id, ctx.stage_list(ctx.shape.needed_stages(["text"])), accs)
         try:
             if body.stream:
                 gen = self._generate(prompts[0], params, request_id, stream=True)

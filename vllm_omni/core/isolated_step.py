@@ -1,0 +1,53 @@
+"""Run a scheduled step so that a request that breaks it fails alone.
+
+    result, failures = execute_isolating_failures(runner, sched)   # failures: request id -> error
+
+A batched forward pass that raises (a bad per-request input reaching the model, a kernel
+that rejects one request's shape) would otherwise fail every request in the batch. Here the
+step is re-run one request at a time: a request that still fails on its own is reported in
+`failures`; the others get exactly the result they would have got alone.
+
+Re-running is safe because a step's effects are idempotent until the engine advances the
+requests: the KV cache rows it writes are the same rows written again, and per-request
+sampling generators are restored to their state before the failed attempt.
+"""
+from __future__ import annotations
+
+import logging
+
+from vllm_omni.core.model_runner import ARModelRunner, RunnerOutput
+from vllm_omni.core.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def execute_isolating_failures(runner: ARModelRunner, sched: SchedulerOutput) -> tuple[RunnerOutput, dict[str, str]]:
+    generators = {item.request.request_id: item.request.generator for item in sched.scheduled
+                  if item.request.generator is not None}
+    saved = {rid: g.get_state() for rid, g in generators.items()}
+    try:
+        return runner.execute(sched), {}
+    except Exception as e:  # noqa: BLE001 - find the culprit below instead of failing the batch
+        if len(sched.scheduled) == 1:
+            return RunnerOutput(), {sched.scheduled[0].request.request_id: _describe(e)}
+        logger.warning("a step of %d requests failed (%s: %s); running them one by one",
+                       len(sched.scheduled), type(e).__name__, e)
+    merged, failures = RunnerOutput(), {}
+    for item in sched.scheduled:
+        rid = item.request.request_id
+        if rid in saved:
+            generators[rid].set_state(saved[rid])
+        try:
+            part = runner.execute(SchedulerOutput(scheduled=[item]))
+        except Exception as e:  # noqa: BLE001 - this request breaks the step on its own
+            failures[rid] = _describe(e)
+            continue
+        merged.sampled.update(part.sampled)
+        merged.logprobs.update(part.logprobs)
+        merged.hidden_states.update(part.hidden_states)
+    return merged, failures
+
+
+def _describe(exc: Exception) -> str:
+    return f"the engine step failed for this request: {type(exc).__name__}: {exc}"
+
