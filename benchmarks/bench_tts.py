@@ -197,8 +197,8 @@ def main() -> None:
     args = parse_args()
     from vllm_omni.entrypoints.async_omni import AsyncOmni
 
-    if not (args.eager or args.no_predictor_graphs):  # read by the talker (stage processes inherit it)
-        os.environ["VLLM_OMNI_TTS_PREDICTOR_CUDA_GRAPHS"] = "1"
+    if args.eager or args.no_predictor_graphs:  # read by the talker (stage processes inherit it)
+        os.environ["VLLM_OMNI_PREDICTOR_CUDA_GRAPHS"] = "0"
     concurrency = [int(c) for c in args.concurrency.split(",") if c]
     max_c = max([*concurrency, args.num_requests if args.rate else 1])
     with tempfile.TemporaryDirectory() as tmp:

@@ -38,6 +38,7 @@ from vllm_omni.model_executor.models.qwen3_omni.bridges import (  # noqa: E402
 )
 from vllm_omni.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from vllm_omni.sampling_params import SamplingParams  # noqa: E402
+from tests.models.predictor_frames import check_frame_matches_eager_predictor  # noqa: E402
 
 ARCH = "Qwen3OmniMoeForConditionalGeneration"
 ACCEPT_LAYER = 1  # the tiny talker's accept_hidden_layer
@@ -339,3 +340,8 @@ def test_registry_resolves_talker_and_code2wav():
     assert resolve_model_class(ARCH, "talker").__name__ == "Qwen3OmniMoeTalkerForConditionalGeneration"
     assert resolve_model_class(ARCH, "code2wav").__name__ == "Qwen3OmniMoeCode2Wav"
     assert [stage_model_class(s) for s in STAGES] == [resolve_model_class(ARCH, s) for s in STAGES]
+
+
+def test_predictor_frame_function_matches_the_eager_predictor(ckpt):
+    """The function the code predictor's CUDA graphs capture, run eagerly (predictor_frames.py)."""
+    check_frame_matches_eager_predictor(talker_engine(ckpt).model, [3, 11, 20])

@@ -262,7 +262,7 @@ def test_registry_and_strict_loading(ckpt):
         Qwen3OmniMoeThinkerForConditionalGeneration
     assert resolve_model_class("Qwen3OmniMoeThinkerForConditionalGeneration") is \
         Qwen3OmniMoeThinkerForConditionalGeneration
-    assert Qwen3OmniMoeThinkerForConditionalGeneration.supports_cuda_graphs is False
+    assert Qwen3OmniMoeThinkerForConditionalGeneration.supports_cuda_graphs  # where MoE layers capture
     config = AutoConfig.from_pretrained(ckpt)
     model = load_model(ckpt, config, "float32", "cpu", model_stage="thinker")
     assert model.exported_hidden_states(config) == (0, ACCEPT_LAYER)
@@ -296,3 +296,19 @@ def test_thinker_only_checkpoint(hf, ckpt, tmp_path, fresh):
     full = load_model(ckpt, AutoConfig.from_pretrained(ckpt), "float32", "cpu", model_stage="thinker")
     theirs = dict(full.named_parameters())
     assert all(torch.equal(p, theirs[n]) for n, p in alone.named_parameters())
+
+
+def test_a_graph_replayed_step_leaves_no_deepstack_spans():
+    """A decode step replayed from a CUDA graph embeds its requests but never runs forward: the
+    next step starts clean (begin_step), so a prefill's DeepStack rows land on its own tokens."""
+    from vllm_omni.model_executor.models.qwen3_omni.deepstack import StepDeepstack
+
+    model = Qwen3OmniMoeThinkerForConditionalGeneration.__new__(Qwen3OmniMoeThinkerForConditionalGeneration)
+    object.__setattr__(model, "step_deepstack", StepDeepstack())  # only what begin_step touches
+    model.step_deepstack.add(1)  # the replayed decode step's span
+    model.begin_step()
+    embeds = torch.randn(2, 1, 4)
+    model.step_deepstack.add(2)  # a text request, then one with a visual token at row 0
+    model.step_deepstack.add(3, torch.tensor([0]), embeds[:, :1])
+    taken = model.step_deepstack.take(5)
+    assert taken.rows.tolist() == [2] and torch.equal(taken.embeds, embeds[:, :1])

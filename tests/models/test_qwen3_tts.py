@@ -31,6 +31,7 @@ from vllm_omni.multimodal.qwen3_tts_input import Qwen3TTSInputProcessor
 from vllm_omni.model_executor.models.qwen3_tts.tts_request import CODES_KEY, REF_CODES_KEY
 from vllm_omni.sampling_params import SamplingParams
 from vllm_omni.stage_io import StageRequest
+from tests.models.predictor_frames import check_frame_matches_eager_predictor
 
 REFERENCE = Path(__file__).resolve().parents[1] / "reference" / "qwen_tts"
 sys.path.insert(0, str(REFERENCE))
@@ -186,30 +187,5 @@ def test_tiny_checkpoint_cli_builds_each_task_type(tmp_path):
 
 
 def test_predictor_frame_function_matches_the_eager_predictor(checkpoints):
-    """The function the code predictor's CUDA graphs capture (static buffers, sampling inside),
-    run eagerly here: greedy codes equal the eager predictor's, padded rows change nothing, and
-    seeded sampling is reproducible and stays in the top-k."""
-    from vllm_omni.model_executor.models.qwen3_tts.predictor_graphs import PredictorFrame
-
-    talker = talker_engine(checkpoints["CustomVoice"]).model
-    predictor, width = talker.code_predictor, talker.hidden_size
-    vocab = talker.config.code_predictor.vocab_size
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(3, width, generator=g)
-    first = talker.model.embed_tokens(torch.tensor([5, 17, 40]))
-    with torch.inference_mode():
-        eager_codes, eager_embeds = predictor(hidden, first, lambda logits, group: logits.argmax(dim=-1))
-        frame = PredictorFrame(predictor, 4, width, vocab, 0.9, 50, torch.device("cpu"), torch.float32)
-        frame.load(hidden, first, [True] * 3, [None] * 3)
-        codes, embeds = frame(4)  # one padded row
-        assert codes[:3].tolist() == eager_codes.tolist()
-        torch.testing.assert_close(embeds[:3], eager_embeds)
-
-        def sampled(seed: int) -> list:
-            frame.load(hidden, first, [False, True, False], [torch.Generator().manual_seed(seed), None,
-                                                             torch.Generator().manual_seed(seed)])
-            return frame(3)[0].tolist()
-
-        a, b, c = sampled(1), sampled(1), sampled(2)
-    assert a == b and a != c and a[1] == eager_codes[1].tolist()  # the greedy row stays greedy
-    assert all(0 <= code < vocab for row in a for code in row)
+    """The function the code predictor's CUDA graphs capture, run eagerly (predictor_frames.py)."""
+    check_frame_matches_eager_predictor(talker_engine(checkpoints["CustomVoice"]).model, [5, 17, 40])

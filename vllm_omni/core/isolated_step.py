@@ -9,7 +9,8 @@ step is re-run one request at a time: a request that still fails on its own is r
 
 Re-running is safe because a step's effects are idempotent until the engine advances the
 requests: the KV cache rows it writes are the same rows written again, and per-request
-sampling generators are restored to their state before the failed attempt.
+sampling generators are restored to their state before the failed attempt. A runner that
+is itself broken (its health check raises) is not a request's fault: that error propagates.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def execute_isolating_failures(runner: ARModelRunner, sched: SchedulerOutput) ->
     try:
         return runner.execute(sched), {}
     except Exception as e:  # noqa: BLE001 - find the culprit below instead of failing the batch
+        runner.check_health()  # a runner that can run no more steps (a lost tensor-parallel rank) fails the engine
         if len(sched.scheduled) == 1:
             return RunnerOutput(), {sched.scheduled[0].request.request_id: _describe(e)}
         logger.warning("a step of %d requests failed (%s: %s); running them one by one",

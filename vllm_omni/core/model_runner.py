@@ -135,6 +135,7 @@ class ARModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         items = sched.scheduled
+        self.model.begin_step()
         want_hidden = any(item.request.return_hidden_states for item in items)
         decode_only = all(item.num_new_tokens == 1 for item in items)
         if self.graphs is not None and decode_only and self.graphs.fits(len(items)):

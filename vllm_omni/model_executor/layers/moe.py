@@ -106,8 +106,9 @@ def moe_forward_grouped(
     """All experts in two grouped GEMMs (torch._grouped_mm, Hopper, bf16).
 
     Token rows are sorted by expert and the group offsets stay on the device: no host
-    sync, so a step with MoE layers can be captured in a CUDA graph. Expert outputs are
-    summed in one index_add, so float sums round differently from the reference loop.
+    sync, so a step with MoE layers can be captured in a CUDA graph. Each token's k expert
+    outputs are put back in slot order and summed there (no atomics: the same inputs give the
+    same bits, in a graph or not), which rounds differently from the reference loop.
     """
     num_experts = w13.shape[0]
     flat_ids, order, token_idx = _sort_by_expert(topk_ids)
@@ -117,8 +118,9 @@ def moe_forward_grouped(
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     hidden = torch._grouped_mm(x[token_idx], w13.transpose(1, 2), offs=offsets)  # [T*k, 2I]
     hidden = torch._grouped_mm(silu_and_mul(hidden), w2.transpose(1, 2), offs=offsets)  # [T*k, H]
-    hidden = hidden * topk_weights.flatten()[order, None]
-    return torch.zeros_like(x).index_add_(0, token_idx, hidden.to(x.dtype))
+    per_slot = torch.empty_like(hidden)
+    per_slot[order] = hidden * topk_weights.flatten()[order, None]  # back to (token, slot) order
+    return per_slot.view(*topk_ids.shape, -1).sum(dim=1).to(x.dtype)
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:

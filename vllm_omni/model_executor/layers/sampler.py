@@ -215,7 +215,7 @@ class Sampler:
         if use_top_k and not use_top_p:
             logits = _apply_top_k_only(logits, top_k)
         elif use_top_p:
-            logits = _apply_top_k_top_p(
+            logits = apply_top_k_top_p(
                 logits,
                 _to_device(top_k, torch.long, device) if use_top_k else None,
                 _to_device([p.top_p for p in params], torch.float32, device),
@@ -286,7 +286,7 @@ def _apply_top_k_only(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
     return logits.masked_fill(logits < threshold, _NEG_INF)
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor:
     """Mask everything outside each row's top-k, then outside its top-p nucleus, with one sort.
 
     k: [B] long (V = disabled), p: [B] float (1.0 = disabled). Same algorithm as vLLM: sort

@@ -9,6 +9,7 @@ the hooks; it never probes a model for a method.
 Per request, the engine calls, in order:
   inputs = model.parse_request_inputs(additional_information)   # once, at add_request
   prompt = model.prompt_token_ids(prompt_token_ids, inputs)      # once, at add_request
+  model.begin_step()                                # each step, before the calls below
   model.request_positions(request, start, end)      # each step, if uses_mrope
   model.embed_request_span(request, start, end, ids)  # each step, if embeds_requests
   model.on_tokens_sampled(requests, hidden, ids)    # each step that sampled, after sampling
@@ -130,6 +131,10 @@ class StageModel(nn.Module):
     def request_positions(self, request: Request, start: int, end: int) -> torch.Tensor:
         """[3, end - start] M-RoPE positions of tokens start..end-1 (only when uses_mrope)."""
         raise NotImplementedError(f"{type(self).__name__} declares uses_mrope but has no request_positions")
+
+    def begin_step(self) -> None:
+        """A step starts: per-step scratch of the previous one may go (a decode step replayed
+        from a CUDA graph embeds its requests but never calls forward)."""
 
     def embed_request_span(self, request: Request, start: int, end: int, token_ids: torch.Tensor) -> torch.Tensor:
         """[end - start, H] input rows of tokens start..end-1 (only when embeds_requests)."""

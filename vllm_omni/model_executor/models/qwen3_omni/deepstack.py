@@ -62,6 +62,9 @@ class StepDeepstack:
     def __init__(self) -> None:
         self._spans: list[tuple[int, torch.Tensor | None, torch.Tensor | None]] = []
 
+    def clear(self) -> None:
+        self._spans = []
+
     def add(self, num_tokens: int, rows: torch.Tensor | None = None, embeds: torch.Tensor | None = None) -> None:
         """One request's span of `num_tokens`; `rows` (span-local) and `embeds` [L, n, H] when it has visual tokens."""
         self._spans.append((num_tokens, rows, embeds))

@@ -25,7 +25,7 @@ from vllm_omni.model_executor.models.decoder import DecoderModel, config_head_di
 from vllm_omni.model_executor.models.qwen3 import make_qwen3_layer
 
 # logits [B, vocab] (float32) -> codes [B]: the talker's sampling of its requests.
-SampleFn = Callable[[torch.Tensor], torch.Tensor]
+SampleFn = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 class FrameCacheAttention(nn.Module):
@@ -113,7 +113,7 @@ class Qwen3OmniMoeCodePredictor(nn.Module):
                 hidden, _ = self.model(None, positions, x)
                 last = hidden.view(batch, -1, hidden_size)[:, -1]
                 # Matmul in the model dtype like HF's lm_head; transformers samples in float32.
-                code = sample(F.linear(last, self.lm_head[group].weight).float())
+                code = sample(F.linear(last, self.lm_head[group].weight).float(), group)
                 x = self.model.codec_embedding[group](code)
                 codes.append(code)
                 embeds.append(x)

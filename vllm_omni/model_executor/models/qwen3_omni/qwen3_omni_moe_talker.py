@@ -39,6 +39,7 @@ from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_talker_prompt import 
 from vllm_omni.growing_tensor import GrowingTensor
 from vllm_omni.model_executor.models.bridge_utils import streamed_rows
 from vllm_omni.model_executor.models.stage_model import StageModel
+from vllm_omni.model_executor.models.predictor_graphs import GraphedPredictor
 from vllm_omni.model_executor.models.utils import load_weights_strict, map_stacked_name
 from vllm_omni.model_executor.models.qwen3_omni.bridges import CODES_KEY, TalkerInputs
 from vllm_omni.sampling_params import SamplingParams
@@ -104,8 +105,8 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
     embeds_requests = True
     accepts_streamed_input = True  # the thinker's reply rows, as it generates them
     exports_hidden_states = False  # code2wav reads its codes
-    supports_cuda_graphs = False  # the code predictor runs between steps on per-request state
-
+    # The decode step (embeddings in, logits out) is graph-safe; the code predictor runs after it
+    # (as its own graphs on CUDA: predictor_graphs.py).
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
@@ -143,6 +144,8 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
         suppressed[tc.codec_eos_token_id] = False
         self.register_buffer("suppressed", suppressed, persistent=False)
         self.sampler = Sampler()
+        self.graphed_predictor = GraphedPredictor(self.code_predictor, text.hidden_size,
+                                                  tc.code_predictor_config.vocab_size, PREDICTOR_SAMPLING)
 
     # --- weights ----------------------------------------------------------------
     def _special_rows_loader(self, param: torch.Tensor, table: torch.Tensor, shard_id: Any = None) -> None:
@@ -190,7 +193,10 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
         """
         tokens = torch.tensor(token_ids, device=hidden.device)
         first = self.model.embed_tokens(tokens)
-        codes, embeds = self.code_predictor(hidden, first, self._predictor_sample_fn(requests))
+        if self.graphed_predictor.applies(hidden):
+            codes, embeds = self.graphed_predictor.run(requests, hidden, first)
+        else:
+            codes, embeds = self.code_predictor(hidden, first, self._predictor_sample_fn(requests))
         codec_rows = torch.cat([first[:, None], embeds], dim=1).sum(1)  # transformers' codec_hiddens.sum(1)
         frames = torch.cat([tokens[:, None], codes], dim=1).cpu()
         for i, req in enumerate(requests):
@@ -216,12 +222,12 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
 
     def _predictor_sample_fn(self, requests: list):
         if all(r.sampling_params.greedy for r in requests):
-            return lambda logits: logits.argmax(dim=-1)
+            return lambda logits, group: logits.argmax(dim=-1)
         n = len(requests)
         batch = SamplingBatch(params=[_GREEDY if r.sampling_params.greedy else PREDICTOR_SAMPLING for r in requests],
                               prompt_token_ids=[[]] * n, output_token_ids=[[]] * n,
                               generators=[r.generator for r in requests])
-        return lambda logits: torch.tensor(self.sampler(logits, batch).token_ids, device=logits.device)
+        return lambda logits, group: torch.tensor(self.sampler(logits, batch).token_ids, device=logits.device)
 
     # --- per-request inputs (model runner / engine hooks) ------------------------
     def parse_request_inputs(self, info: Mapping[str, Any]) -> TalkerInputs:

@@ -79,8 +79,8 @@ class _PromptMedia:
 
 
 class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerForCausalLM):
-    # The reference MoE loop reads per-expert counts on the host: no CUDA-graph capture.
-    supports_cuda_graphs = False
+    # Decode steps replay CUDA graphs where the MoE layers can be captured (grouped GEMMs: the
+    # runner checks); DeepStack rows only ever join prefill steps, which run eagerly.
 
     def __init__(self, config: PretrainedConfig):
         # The stage is built from the whole Omni config; a bare thinker config works too.
@@ -107,6 +107,9 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerForCausalLM):
         return (0,) if accept is None else tuple(dict.fromkeys((0, int(accept))))
 
     # --- forward ----------------------------------------------------------------
+    def begin_step(self) -> None:
+        self.step_deepstack.clear()
+
     def forward(self, input_ids, positions, *, inputs_embeds=None, capture_layers=()):
         deepstack = self.step_deepstack.take(positions.shape[-1])
         return self.model(input_ids, positions, inputs_embeds, capture_layers, deepstack)

@@ -16,7 +16,6 @@ Codes of the vocabulary's last 1024 ids except codec EOS are suppressed (qwen-tt
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +32,7 @@ from vllm_omni.model_executor.models.qwen3 import make_qwen3_layer
 from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_moe_talker import ResizeMLP
 from vllm_omni.model_executor.models.qwen3_tts.code_predictor import Qwen3TTSCodePredictor
 from vllm_omni.model_executor.models.qwen3_tts.configuration import TaskType, TTSConfig
-from vllm_omni.model_executor.models.qwen3_tts.predictor_graphs import PredictorFrame, PredictorGraphs
+from vllm_omni.model_executor.models.predictor_graphs import GraphedPredictor
 from vllm_omni.model_executor.models.qwen3_tts.prompt import TalkerPrompt, build_prompt, prompt_length
 from vllm_omni.model_executor.models.qwen3_tts.speaker_encoder import SpeakerEncoder
 from vllm_omni.model_executor.models.qwen3_tts.speech_encoder import ENCODER_PREFIX, SpeechEncoder
@@ -48,8 +47,6 @@ _NUM_SPECIAL_CODES = 1024  # the talker vocabulary's trailing control codes
 PREDICTOR_SAMPLING = SamplingParams(temperature=0.9, top_k=50, top_p=1.0, max_tokens=None)
 SPEECH_TOKENIZER_DIR = "speech_tokenizer"
 # Opt-in until measured on the GPU (docs/tts.md): the code predictor's frames as CUDA graphs.
-PREDICTOR_GRAPHS_ENV = "VLLM_OMNI_TTS_PREDICTOR_CUDA_GRAPHS"
-PREDICTOR_GRAPH_MAX_BATCH = 64
 
 
 @dataclass
@@ -110,7 +107,8 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
         suppressed[tc.codec_eos_token_id] = False
         self.register_buffer("suppressed", suppressed, persistent=False)
         self.sampler = Sampler()
-        self.predictor_graphs: PredictorGraphs | None = None  # built on the first CUDA frame, if enabled
+        self.graphed_predictor = GraphedPredictor(self.code_predictor, self.hidden_size,
+                                                  self.config.code_predictor.vocab_size, PREDICTOR_SAMPLING)
 
     # --- weights ----------------------------------------------------------------
     def map_weight_name(self, name: str) -> tuple[str, object] | None:
@@ -188,16 +186,8 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
         return out
 
     def _predict(self, requests: list, hidden: torch.Tensor, first: torch.Tensor):
-        if hidden.is_cuda and os.environ.get(PREDICTOR_GRAPHS_ENV) == "1" \
-                and len(requests) <= PREDICTOR_GRAPH_MAX_BATCH:
-            if self.predictor_graphs is None:
-                frame = PredictorFrame(self.code_predictor, PREDICTOR_GRAPH_MAX_BATCH, self.hidden_size,
-                                       self.config.code_predictor.vocab_size, PREDICTOR_SAMPLING.temperature,
-                                       PREDICTOR_SAMPLING.top_k, hidden.device, hidden.dtype)
-                self.predictor_graphs = PredictorGraphs(frame, PREDICTOR_GRAPH_MAX_BATCH)
-                self.predictor_graphs.capture()
-            return self.predictor_graphs.run(hidden, first, [r.sampling_params.greedy for r in requests],
-                                             [r.generator for r in requests])
+        if self.graphed_predictor.applies(hidden):
+            return self.graphed_predictor.run(requests, hidden, first)
         return self.code_predictor(hidden, first, self._predictor_sample_fn(requests))
 
     def _predictor_sample_fn(self, requests: list):

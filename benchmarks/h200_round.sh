@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU round of issue 14 on one H200, in parts that each fit one device call (<= 10 min):
+#   benchmarks/h200_round.sh tests     # GPU tests: fast paths against eager / torch paths
+#   benchmarks/h200_round.sh qwen2_5   # Qwen2.5-Omni-7B end to end, streaming and not, vs transformers
+#   benchmarks/h200_round.sh qwen3     # Qwen3-Omni-30B-A3B end to end, c = 1..64, vs transformers
+#   benchmarks/h200_round.sh stages    # code2wav / token2wav, Qwen3-TTS, Qwen-Image on their own
+# Logs and JSON go to $OUT (or ./h200_out). Each step has its own time limit, so one slow step
+# still leaves the others' results.
+set -u
+export PYTHONUNBUFFERED=1  # a step cut by its time limit still leaves its log
+OUT=${OUT:-h200_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "=== $name: exit $? after $((SECONDS - t0))s"
+  grep -E "^\|| log_stats|stage [0-9].*ms|Error|error:" "$OUT/$name.log" | tail -40
+}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+case "${1:-}" in
+  tests)
+    step gpu_tests 420 $PY -m pytest -q tests/gpu -p no:cacheprovider ;;
+  qwen2_5)
+    step e2e_qwen2_5 560 $PY benchmarks/bench_omni_e2e.py --dummy-config benchmarks/configs/qwen2_5_omni_7b.json \
+      --concurrency 1,8,32 --num-requests 8 --prompt-words 100 --text-tokens 128 --codec-tokens 500 \
+      --hf-requests 1 --async-chunk both --json "$OUT/e2e_qwen2_5.json" ;;
+  qwen3)
+    step e2e_qwen3 560 $PY benchmarks/bench_omni_e2e.py --dummy-config benchmarks/configs/qwen3_omni_30b_a3b.json \
+      --concurrency 1,8,32,64 --num-requests 8 --prompt-words 74 --text-tokens 64 --codec-tokens 100 \
+      --hf-requests 1 --async-chunk on --json "$OUT/e2e_qwen3.json" ;;
+  stages)
+    step code2wav_qwen3 150 $PY benchmarks/bench_code2wav.py --families qwen3 --precision float32,bfloat16 \
+      --json "$OUT/code2wav_qwen3.json"
+    step token2wav_qwen2_5 150 $PY benchmarks/bench_code2wav.py --families qwen2_5 --precision float32,bfloat16 \
+      --batches 1,8 --json "$OUT/token2wav_qwen2_5.json"
+    step tts 120 $PY benchmarks/bench_tts.py --real-arch --concurrency 1,16,64 --num-requests 64 --frames 120 \
+      --json "$OUT/tts.json"
+    step diffusion 150 $PY benchmarks/bench_diffusion.py --size 512 --steps 20 --batch-sizes 1,4 \
+      --json "$OUT/diffusion.json" ;;
+  *) echo "usage: $0 tests|qwen2_5|qwen3|stages"; exit 2 ;;
+esac

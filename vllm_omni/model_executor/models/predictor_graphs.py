@@ -1,0 +1,128 @@
+"""A code predictor's whole frame (groups 1..G-1) as one CUDA graph per batch bucket.
+
+Qwen3-Omni's and Qwen3-TTS's talkers run a small code predictor after each sampled group-0
+code: G-1 tiny decoder passes plus sampling, ~1000 kernel launches per frame for the released
+models (15 groups x 5 layers), which dominate a decode step at small batch. Here the frame is
+a fixed-shape function of static buffers, sampling included:
+
+    code = argmax(logits)                                               greedy rows
+    code = argmax(softmax(top_k_top_p(logits / T)) / q)                  sampled rows, q ~ Exp(1)
+
+(our Sampler's exponential race, at the predictor's fixed sampling settings). The noise is
+drawn before each replay, from a request's own generator when it has a seed, so seeded
+requests are reproducible; the draws differ from the eager path's, the distribution does not.
+
+`GraphedPredictor.run` replays on CUDA; `PredictorFrame.__call__` is the same function run
+eagerly (what the CPU tests compare with the eager predictor). On by default on CUDA;
+VLLM_OMNI_PREDICTOR_CUDA_GRAPHS=0 runs the predictor eagerly (stage processes inherit it).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+from vllm_omni.model_executor.layers.sampler import apply_top_k_top_p
+from vllm_omni.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PREDICTOR_GRAPHS_ENV = "VLLM_OMNI_PREDICTOR_CUDA_GRAPHS"
+MAX_GRAPH_BATCH = 64  # larger batches run eagerly (launch overhead is amortised there)
+_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+
+class PredictorFrame:
+    """Static buffers and the frame function over them (batch rows first, padded to a bucket).
+
+    `predictor(hidden, first, sample)` is the model's code predictor: it calls
+    `sample(logits [B, V] float32, group)` once per residual group."""
+
+    def __init__(self, predictor: nn.Module, max_batch: int, width: int, vocab: int, sampling: SamplingParams,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.predictor = predictor
+        self.groups = predictor.num_code_groups - 1
+        self.temperature = sampling.temperature
+        top_k = sampling.top_k if 0 < sampling.top_k < vocab else vocab
+        self.top_k = torch.full((max_batch,), top_k, dtype=torch.long, device=device)
+        self.top_p = torch.full((max_batch,), sampling.top_p, dtype=torch.float32, device=device)
+        self.hidden = torch.zeros(max_batch, width, dtype=dtype, device=device)
+        self.first = torch.zeros(max_batch, width, dtype=dtype, device=device)
+        self.noise = torch.ones(max_batch, self.groups, vocab, dtype=torch.float32, device=device)
+        self.greedy = torch.ones(max_batch, dtype=torch.bool, device=device)
+
+    def __call__(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        greedy, noise, top_k, top_p = self.greedy[:b], self.noise[:b], self.top_k[:b], self.top_p[:b]
+
+        def sample(logits: torch.Tensor, group: int) -> torch.Tensor:
+            probs = apply_top_k_top_p(logits / self.temperature, top_k, top_p).softmax(dim=-1)
+            return torch.where(greedy, logits.argmax(dim=-1), (probs / noise[:, group]).argmax(dim=-1))
+
+        return self.predictor(self.hidden[:b], self.first[:b], sample)
+
+    def load(self, hidden: torch.Tensor, first: torch.Tensor, greedy: list[bool],
+             generators: list[torch.Generator | None]) -> None:
+        """Fill rows [0, B) for one frame; padded rows keep whatever they held (their output is dropped)."""
+        b = hidden.shape[0]
+        self.hidden[:b].copy_(hidden)
+        self.first[:b].copy_(first)
+        self.greedy[:b].copy_(torch.tensor(greedy), non_blocking=True)
+        if not all(greedy):
+            self.noise[:b].exponential_()
+            for i, g in enumerate(generators):
+                if g is not None and not greedy[i]:
+                    self.noise[i].exponential_(generator=g)
+
+
+class PredictorGraphs:
+    """One graph per batch bucket up to `max_batch`, captured at once."""
+
+    def __init__(self, frame: PredictorFrame, max_batch: int) -> None:
+        self.frame = frame
+        self.sizes = [s for s in _BUCKETS if s < max_batch] + [max_batch]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = None
+        for b in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
+            self.frame(b)  # warm-up (Triton compiles outside the capture)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[b] = self.frame(b)
+            pool = pool or graph.pool()
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+        logger.info("captured code predictor CUDA graphs for batch sizes %s", self.sizes)
+
+    def run(self, hidden: torch.Tensor, first: torch.Tensor, greedy: list[bool],
+            generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        b = hidden.shape[0]
+        size = next(s for s in self.sizes if s >= b)
+        self.frame.load(hidden, first, greedy, generators)
+        self.graphs[size].replay()
+        codes, embeds = self.outputs[size]
+        return codes[:b].clone(), embeds[:b].clone()
+
+
+class GraphedPredictor:
+    """A talker's code predictor with its frame graphs, captured on the first CUDA frame."""
+
+    def __init__(self, predictor: nn.Module, width: int, vocab: int, sampling: SamplingParams) -> None:
+        self.predictor, self.width, self.vocab, self.sampling = predictor, width, vocab, sampling
+        self.graphs: PredictorGraphs | None = None
+
+    def applies(self, hidden: torch.Tensor) -> bool:
+        return hidden.is_cuda and hidden.shape[0] <= MAX_GRAPH_BATCH and os.environ.get(PREDICTOR_GRAPHS_ENV) != "0"
+
+    def run(self, requests: list, hidden: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.graphs is None:
+            frame = PredictorFrame(self.predictor, MAX_GRAPH_BATCH, self.width, self.vocab, self.sampling,
+                                   hidden.device, hidden.dtype)
+            self.graphs = PredictorGraphs(frame, MAX_GRAPH_BATCH)
+            self.graphs.capture()
+        return self.graphs.run(hidden, first, [r.sampling_params.greedy for r in requests],
+                               [r.generator for r in requests])
