@@ -154,9 +154,14 @@ def replica_configs(stage: StageConfig) -> list[StageConfig]:
     """Each replica's stage config: its share of the stage's devices (spec 002 pool or template
     mode) and VLLM_OMNI_REPLICA_ID in its environment (a hook or a log may tell replicas apart)."""
     runtime = stage.runtime
-    devices = split_devices_for_replicas(runtime.devices, runtime.num_replicas,
-                                         stage.engine_args.tensor_parallel_size * stage.engine_args.cfg_parallel_size,
-                                         stage.stage_id)
+    per_replica = stage.engine_args.tensor_parallel_size * stage.engine_args.cfg_parallel_size
+    try:
+        devices = split_devices_for_replicas(runtime.devices, runtime.num_replicas, per_replica, stage.stage_id)
+    except ValueError as e:
+        example = ",".join(str(d) for d in range(runtime.num_replicas * per_replica))
+        raise ValueError(f"{e}. With num_replicas={runtime.num_replicas}, list every replica's devices (pool mode, "
+                         f"e.g. devices: \"{example}\") or one replica's within [0, {per_replica}) (template mode; "
+                         "spec 002)") from None
     return [dataclasses.replace(stage, runtime=dataclasses.replace(
         runtime, devices=replica_devices, env=(*runtime.env, (REPLICA_ID_ENV, str(replica)))))
         for replica, replica_devices in enumerate(devices)]
