@@ -86,8 +86,8 @@ class Orchestrator:
                          if s.engine_input_source}
         # Every replica's own stage config (its devices, its replica id), checked before anything starts.
         self._replica_stages = {s.stage_id: replica_configs(s) for s in pipeline.stages}
-        make_policy(options.lb_policy)  # an unknown policy fails here
-        self.pools: dict[int, StagePool] = {}
+        self.pools = {s.stage_id: StagePool(s.stage_id, s.model_stage, s.runtime.num_replicas,
+                                            make_policy(options.lb_policy)) for s in pipeline.stages}
         self._streaming: dict[int, StreamingEdge] = {}  # by downstream stage, once the stages are up
         self._requests: dict[str, RequestState] = {}  # internal key -> state
         self._keys: dict[str, str] = {}  # user request id -> internal key
@@ -110,10 +110,7 @@ class Orchestrator:
         t0 = time.monotonic()
         try:
             for stage in self.pipeline.stages:
-                pool = StagePool(stage.stage_id, stage.model_stage, stage.runtime.num_replicas,
-                                 make_policy(self.options.lb_policy))
-                self.pools[stage.stage_id] = pool
-                for replica in range(pool.num_replicas):
+                for replica in range(stage.runtime.num_replicas):
                     self._launch(stage, replica)
             opts = self.options
             stage_deadline, overall = t0 + opts.stage_init_timeout_s, t0 + opts.init_timeout_s
@@ -199,8 +196,7 @@ class Orchestrator:
             self._fail(state, "the pipeline is shutting down", None)
         # In pipeline order: nothing flows into a stage after its sources have stopped.
         for sid in self.pipeline.topo_order():
-            if sid in self.pools:
-                await asyncio.gather(*(c.close(self.options.shutdown_timeout_s) for c in self.pools[sid].clients()))
+            await asyncio.gather(*(c.close(self.options.shutdown_timeout_s) for c in self.pools[sid].clients()))
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -212,7 +208,7 @@ class Orchestrator:
             logger.warning("removed %d shared memory segment(s) that were never received", leaked)
         if self.options.log_stats:
             for sid, counters in self.stage_counters.items():
-                logger.info("%s: %s", self.pools[sid].name if sid in self.pools else sid, dict(counters))
+                logger.info("%s: %s", self.pools[sid].name, dict(counters))
 
     # --- requests -------------------------------------------------------------
     def submit(self, sub: Submission) -> None:
