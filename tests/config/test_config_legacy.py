@@ -188,11 +188,16 @@ def test_runtime_extras_edges_connectors(write_yaml):
     assert p.to_dict()["stages"][1]["engine_args"]["worker_type"] == "ar"
 
 
-def test_what_no_stage_can_run_is_refused_when_parsed(write_yaml):
-    """Valid spec fields this build cannot run fail at parse time, never after the stages spawn."""
-    with pytest.raises(ConfigError, match=re.escape("stage 0: runtime.num_replicas=2: stage replicas are not "
-                                                    "supported yet")):
-        load_pipeline_config(write_yaml(RUNTIME_EXTRAS.replace("num_replicas: 1", "num_replicas: 2")))
+def test_replicas_parse_and_each_replica_needs_devices_of_its_own(write_yaml):
+    """Spec 002 template mode: `devices: "0"` with 2 replicas puts replica 1 on device 1, which
+    must exist; the check fails at parse time, never after the stages spawn."""
+    from vllm_omni.config.support import check_devices_exist
+
+    stage = load_pipeline_config(write_yaml(RUNTIME_EXTRAS.replace("num_replicas: 1", "num_replicas: 2"))).stages[0]
+    assert stage.runtime.num_replicas == 2
+    check_devices_exist(stage, 2, lambda path: "stages.yaml")
+    with pytest.raises(ConfigError, match=re.escape("stage 0: runtime.devices='0': device 1 does not exist")):
+        check_devices_exist(stage, 1, lambda path: "stages.yaml")
 
 
 def test_streaming_windows_and_tensor_parallel_parse(write_yaml):

@@ -90,9 +90,13 @@ def test_implemented_flags_and_engine_flags():
     implemented = {n for f in all_flags() if f.refused is None for n in f.names}
     assert set(MUST_IMPLEMENT) <= implemented
     # Engine flags are exactly the stage fields the config layer accepts from the CLI.
-    assert {f.dest for f in serve_args.ENGINE_FLAGS} | set(serve_args.DIFFUSION_STAGE_FLAGS) == set(STAGE_CLI_FIELDS)
+    # (--omni-dp-size-local sets num_replicas.)
+    assert {f.dest for f in serve_args.ENGINE_FLAGS} | set(serve_args.DIFFUSION_STAGE_FLAGS) | {"num_replicas"} \
+        == set(STAGE_CLI_FIELDS)
     args = serve_parser().parse_args(["--max-num-seqs", "8", "--no-enable-prefix-caching", "--enforce-eager"])
     assert serve_args.engine_args(args) == {"max_num_seqs": 8, "enable_prefix_caching": False, "enforce_eager": True}
+    args = serve_parser().parse_args(["--omni-dp-size-local", "2", "--omni-lb-policy", "least-queue-length"])
+    assert serve_args.refused_flags(args) == [] and serve_args.engine_args(args) == {"num_replicas": 2}
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -146,4 +150,5 @@ def test_flags_reach_async_omni(monkeypatch):
     assert seen == {"model": "m", "stage_configs_path": "s.yaml", "deploy_config": None,
                     "stage_overrides": '{"0": {"max_num_seqs": 2}}', "stage_init_timeout": 30.0,
                     "init_timeout": 60.0, "shm_threshold_bytes": 1024, "log_stats": True, "async_chunk": False,
-                    "heartbeat_timeout": 5.0, "max_stage_restarts": 3, "max_num_seqs": 8, "dtype": "float32"}
+                    "heartbeat_timeout": 5.0, "max_stage_restarts": 3, "lb_policy": "random", "max_num_seqs": 8,
+                    "dtype": "float32"}

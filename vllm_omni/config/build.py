@@ -71,7 +71,6 @@ def build_pipeline(layers: Sequence[Layer], *, fmt: ConfigFormat, source: str,
     consumed = {src for m in merged.values() for src in m.get("engine_input_source", ())}
     stages = tuple(build_stage(sid, merged[sid], feeds_another_stage=sid in consumed) for sid in stage_ids)
     for stage in stages:
-        support.check_stage_supported(stage, merged[stage.stage_id].source)
         if num_devices is not None:
             support.check_devices_exist(stage, num_devices, merged[stage.stage_id].source)
 

@@ -7,11 +7,17 @@ input from the bridge (spec 003 `_forward_to_next_stage`); over a streaming edge
 (streaming.py) the downstream stage starts early and gets the rest chunk by chunk. A
 request is done when every stage has finished it; a failure anywhere fails it everywhere
 (abort in every stage).
+
+A stage may run several replicas (`runtime.num_replicas`): its `StagePool` (replica_pool.py)
+routes each request's first message there by `--omni-lb-policy` and its later messages to the
+same replica. A replica that dies moves the requests it had not answered yet to another
+replica (once); the rest fail, and the supervisor restarts the replica (docs/deployment.md).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -26,6 +32,8 @@ import zmq
 
 from vllm_omni.config.stage_config import PipelineConfig, StageConfig
 from vllm_omni.engine.messages import AbortRequests, PauseRequests, StageOutputBatch, StageStats
+from vllm_omni.engine.load_balancer import DEFAULT_LB_POLICY, make_policy
+from vllm_omni.engine.replica_pool import ReplicaRef, StagePool, replica_configs
 from vllm_omni.engine.streaming import EdgeFlow, StreamingEdge, resolve_streaming_edges
 from vllm_omni.stage_io import OutputKind, StageInputChunk, StageOutput, StageRequest
 from vllm_omni.engine.request_plan import RequestPlan
@@ -53,6 +61,7 @@ class RuntimeOptions:
     # Flow control of streaming edges: units sent but not consumed before the producer pauses.
     stream_max_pending_units: int = 512
     max_stage_restarts: int = 3  # restarts of a failed stage before it stays DOWN (engine/supervisor.py)
+    lb_policy: str = DEFAULT_LB_POLICY  # which replica of a stage takes a new request (load_balancer.py)
 
 
 @dataclass
@@ -75,7 +84,10 @@ class Orchestrator:
                             for sid in self.stages}
         self._bridges = {s.stage_id: resolve_input_processor(s, model) for s in pipeline.stages
                          if s.engine_input_source}
-        self.clients: dict[int, StageClient] = {}
+        # Every replica's own stage config (its devices, its replica id), checked before anything starts.
+        self._replica_stages = {s.stage_id: replica_configs(s) for s in pipeline.stages}
+        self.pools = {s.stage_id: StagePool(s.stage_id, s.model_stage, s.runtime.num_replicas,
+                                            make_policy(options.lb_policy)) for s in pipeline.stages}
         self._streaming: dict[int, StreamingEdge] = {}  # by downstream stage, once the stages are up
         self._requests: dict[str, RequestState] = {}  # internal key -> state
         self._keys: dict[str, str] = {}  # user request id -> internal key
@@ -85,9 +97,9 @@ class Orchestrator:
         self._ipc_dir: str | None = None
         self._ctx: zmq.Context | None = None
         self.stage_counters: dict[int, Counter[str]] = {sid: Counter() for sid in self.stages}
-        self.supervisor = StageSupervisor(self.restart_stage, options.max_stage_restarts)
-        self._launches: Counter[int] = Counter()  # per stage: a restart gets fresh socket addresses
-        self._down_reasons: dict[int, str] = {}  # why a stage last went down
+        self.supervisor = StageSupervisor(self.restart_replica, options.max_stage_restarts)
+        self._launches: Counter[ReplicaRef] = Counter()  # per replica: a restart gets fresh socket addresses
+        self._down_reasons: dict[ReplicaRef, str] = {}  # why a replica last went down
         self._closing = False
 
     # --- lifecycle ------------------------------------------------------------
@@ -98,13 +110,14 @@ class Orchestrator:
         t0 = time.monotonic()
         try:
             for stage in self.pipeline.stages:
-                self._launch(stage)
+                for replica in range(stage.runtime.num_replicas):
+                    self._launch(stage, replica)
             opts = self.options
             stage_deadline, overall = t0 + opts.stage_init_timeout_s, t0 + opts.init_timeout_s
             what = (f"stage_init_timeout={opts.stage_init_timeout_s}s" if stage_deadline <= overall
                     else f"init_timeout={opts.init_timeout_s}s")
             waits = [asyncio.ensure_future(c.wait_ready(min(stage_deadline, overall), what))
-                     for c in self.clients.values()]
+                     for c in self.all_clients()]
             # The first stage that fails (or times out) fails the start: waiting for the others
             # to finish loading their models would only delay the error.
             done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
@@ -115,21 +128,29 @@ class Orchestrator:
                 kind = TimeoutError if any(isinstance(e, TimeoutError) for e in errors) else RuntimeError
                 raise kind("pipeline failed to start: " + "; ".join(str(e) for e in errors))
             self._streaming = resolve_streaming_edges(self.pipeline, self.model,
-                                                      {sid: c.info for sid, c in self.clients.items()},
+                                                      {sid: p.info for sid, p in self.pools.items()},
                                                       self.options.stream_max_pending_units)
         except BaseException:
             await self.close()
             raise
-        logger.info("pipeline of %d stages is up in %.1fs", len(self.clients), time.monotonic() - t0)
-        for sid in self.clients:
-            self.supervisor.started(sid, time.monotonic() - t0)
+        logger.info("pipeline of %d stages is up in %.1fs", len(self.pools), time.monotonic() - t0)
+        for pool in self.pools.values():
+            for replica in range(pool.num_replicas):
+                self.supervisor.started(pool.ref(replica), time.monotonic() - t0)
 
-    def _launch(self, stage: StageConfig) -> StageClient:
+    def all_clients(self) -> list[StageClient]:
+        """Every replica of every stage."""
+        return [c for pool in self.pools.values() for c in pool.clients()]
+
+    def _launch(self, stage: StageConfig, replica: int) -> StageClient:
         assert self._ipc_dir is not None and self._ctx is not None
-        self._launches[stage.stage_id] += 1
-        # A restarted stage gets addresses of its own: the old sockets' files may still be
+        pool = self.pools[stage.stage_id]
+        ref = pool.ref(replica)
+        stage = self._replica_stages[stage.stage_id][replica]
+        self._launches[ref] += 1
+        # A restarted replica gets addresses of its own: the old sockets' files may still be
         # unlinked by their (asynchronous) close.
-        ipc_dir = os.path.join(self._ipc_dir, f"launch{self._launches[stage.stage_id]}")
+        ipc_dir = os.path.join(self._ipc_dir, f"replica{replica}-launch{self._launches[ref]}")
         os.makedirs(ipc_dir, exist_ok=True)
         in_addr, out_addr = stage_addresses(ipc_dir, stage.stage_id)
         opts = self.options
@@ -143,25 +164,30 @@ class Orchestrator:
         )
         launcher: StageLauncher = ProcessLauncher(spec) if stage.runtime.process else ThreadLauncher(spec)
         channel = OrchestratorChannel(self._ctx, in_addr, out_addr, opts.shm_threshold_bytes, self._shm_prefix)
-        client = StageClient(stage.stage_id, stage.model_stage, launcher, channel, on_message=self._on_message,
-                             on_down=self._on_stage_down, heartbeat_timeout_s=opts.heartbeat_timeout_s)
-        self.clients[stage.stage_id] = client
+        client = StageClient(stage.stage_id, stage.model_stage, launcher, channel,
+                             on_message=functools.partial(self._on_message, replica=replica),
+                             on_down=functools.partial(self._on_stage_down, replica=replica),
+                             heartbeat_timeout_s=opts.heartbeat_timeout_s, name=ref.name)
+        pool.replicas[replica] = client
         client.start()
         return client
 
-    async def restart_stage(self, stage_id: int) -> None:
-        """Replace a stage that went down with a fresh process (called by the supervisor);
+    async def restart_replica(self, ref: ReplicaRef) -> None:
+        """Replace a replica that went down with a fresh process (called by the supervisor);
         raises when the new one does not come up within stage_init_timeout."""
-        await self.clients[stage_id].close(self.options.shutdown_timeout_s)  # its process is already killed
+        pool = self.pools[ref.stage_id]
+        old = pool.replicas[ref.replica]
+        assert old is not None
+        await old.close(self.options.shutdown_timeout_s)  # its process is already killed
         t0 = time.monotonic()
-        client = self._launch(self.stages[stage_id])
+        client = self._launch(self.stages[ref.stage_id], ref.replica)
         limit = self.options.stage_init_timeout_s
         try:
             await client.wait_ready(t0 + limit, f"stage_init_timeout={limit}s")
         except TimeoutError as e:
             client.mark_down(str(e))  # kills what is left of it
             raise
-        self.supervisor.started(stage_id, time.monotonic() - t0)
+        self.supervisor.started(ref, time.monotonic() - t0)
 
     async def close(self) -> None:
         self._closing = True
@@ -170,8 +196,7 @@ class Orchestrator:
             self._fail(state, "the pipeline is shutting down", None)
         # In pipeline order: nothing flows into a stage after its sources have stopped.
         for sid in self.pipeline.topo_order():
-            if sid in self.clients:
-                await self.clients[sid].close(self.options.shutdown_timeout_s)
+            await asyncio.gather(*(c.close(self.options.shutdown_timeout_s) for c in self.pools[sid].clients()))
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -183,7 +208,7 @@ class Orchestrator:
             logger.warning("removed %d shared memory segment(s) that were never received", leaked)
         if self.options.log_stats:
             for sid, counters in self.stage_counters.items():
-                logger.info("%s: %s", self.clients[sid].name if sid in self.clients else sid, dict(counters))
+                logger.info("%s: %s", self.pools[sid].name, dict(counters))
 
     # --- requests -------------------------------------------------------------
     def submit(self, sub: Submission) -> None:
@@ -197,10 +222,9 @@ class Orchestrator:
             sub.sink.put(RequestDone(sub.request_id, error=f"request id {sub.request_id!r} is already in flight"))
             return
         # Only the stages this request runs must be up (a text-only request survives a dead talker).
-        down = [self._health(sid) for sid, c in self.clients.items()
-                if sid in sub.plan.stages and c.state != StageState.UP]
+        down = [self._health(sid) for sid, p in self.pools.items() if sid in sub.plan.stages and not p.is_up]
         if down:
-            reason = "; ".join(f"{self.clients[h.stage_id].name} is {h.state.value}: {h.reason or 'not ready'}"
+            reason = "; ".join(f"{self.pools[h.stage_id].name} is {h.state.value}: {h.reason or 'not ready'}"
                                for h in down)
             sub.sink.put(RequestDone(sub.request_id, error=reason, failed_stage=down[0].stage_id))
             return
@@ -227,22 +251,27 @@ class Orchestrator:
         state.sink.put(RequestDone(request_id, aborted=True))
 
     def health(self) -> list[StageHealth]:
-        return [self._health(sid) for sid in self.clients]
+        return [self._health(sid) for sid in self.pools]
 
     def _health(self, stage_id: int) -> StageHealth:
-        health = self.clients[stage_id].health()
-        if self.supervisor.restarting(stage_id):  # down (or starting again): when to retry
-            return dataclasses.replace(health, state=StageState.RESTARTING, reason=self._down_reasons.get(stage_id),
-                                       retry_after_s=self.supervisor.retry_after(stage_id))
-        gave_up = self.supervisor.gave_up(stage_id)
+        pool = self.pools[stage_id]
+        return pool.health([self._replica_health(pool.ref(r), c) for r, c in enumerate(pool.replicas)
+                            if c is not None])
+
+    def _replica_health(self, ref: ReplicaRef, client: StageClient) -> StageHealth:
+        health = client.health()
+        if self.supervisor.restarting(ref):  # down (or starting again): when to retry
+            return dataclasses.replace(health, state=StageState.RESTARTING, reason=self._down_reasons.get(ref),
+                                       retry_after_s=self.supervisor.retry_after(ref))
+        gave_up = self.supervisor.gave_up(ref)
         if health.state == StageState.DOWN and gave_up is not None:
             return dataclasses.replace(health, reason=gave_up)
         return health
 
     async def stage_stats(self, stage_id: int, timeout_s: float) -> StageStats:
-        if stage_id not in self.clients:
-            raise KeyError(f"no stage {stage_id}; stages: {sorted(self.clients)}")
-        return await self.clients[stage_id].stats(timeout_s)
+        if stage_id not in self.pools:
+            raise KeyError(f"no stage {stage_id}; stages: {sorted(self.pools)}")
+        return await self.pools[stage_id].stats(timeout_s)
 
     # --- routing --------------------------------------------------------------
     def _send(self, state: RequestState, stage_id: int, ids: list[int], text: str | None,
@@ -255,17 +284,30 @@ class Orchestrator:
                            prompt=text, additional_information=info, multi_modal_data=mm,
                            output_kind=OutputKind.DELTA if partial else OutputKind.FINAL_ONLY,
                            input_complete=input_complete)
+        try:
+            self.pools[stage_id].route(state.key)
+        except StageDownError as e:
+            self._fail(state, str(e), stage_id)
+            return False
+        state.replay[stage_id] = []
         return self._send_message(state, stage_id, req)
 
     def _send_message(self, state: RequestState, stage_id: int, msg: Any) -> bool:
+        """Send to the replica that holds the request (pool.route chose it)."""
+        if stage_id in state.replay and isinstance(msg, (StageRequest, StageInputChunk)):
+            state.replay[stage_id].append(msg)
+        return self._deliver(state, stage_id, msg)
+
+    def _deliver(self, state: RequestState, stage_id: int, msg: Any) -> bool:
+        client = self.pools[stage_id].client_of(state.key)
+        assert client is not None, f"request {state.key} was not routed to stage {stage_id}"
         try:
-            self.clients[stage_id].send(msg)
+            client.send(msg)
         except StageDownError as e:
             self._fail(state, str(e), stage_id)
             return False
         except Exception as e:  # noqa: BLE001 - a payload that cannot be encoded (TypeError, OverflowError, ...)
-            self._fail(state, f"{self.clients[stage_id].name}: cannot send the request: {type(e).__name__}: {e}",
-                       stage_id)
+            self._fail(state, f"{client.name}: cannot send the request: {type(e).__name__}: {e}", stage_id)
             return False
         return True
 
@@ -273,27 +315,33 @@ class Orchestrator:
         """The stage is an end of a streaming edge this request runs."""
         return any(e.dst in state.stages and stage_id in (e.src, e.dst) for e in self._streaming.values())
 
-    def _on_message(self, stage_id: int, msg: Any) -> None:
+    def _on_message(self, stage_id: int, msg: Any, *, replica: int) -> None:
         if not isinstance(msg, StageOutputBatch):
-            logger.error("%s sent an unexpected %s", self.clients[stage_id].name, type(msg).__name__)
+            logger.error("%s sent an unexpected %s", self.pools[stage_id].ref(replica), type(msg).__name__)
             return
         for out in msg.outputs:
             try:
-                self._on_output(stage_id, out)
+                self._on_output(stage_id, replica, out)
             except Exception as e:  # noqa: BLE001 - routing one output failed: that request ends, not the loop
                 state = self._requests.get(out.request_id)
                 if state is not None:
                     self._fail_unexpected(state.request_id, state.sink, e, stage_id)
 
-    def _on_output(self, stage_id: int, out: StageOutput) -> None:
+    def _on_output(self, stage_id: int, replica: int, out: StageOutput) -> None:
         state = self._requests.get(out.request_id)
         if state is None or stage_id not in state.outputs or stage_id not in state.stages \
                 or stage_id in state.finished_stages:
             return  # aborted or failed meanwhile; the stage was told to drop it
+        pool = self.pools[stage_id]
+        if pool.replica_of(state.key) != replica:
+            return  # from a replica that died holding it: the request moved on (_on_stage_down)
         if out.error is not None:
             self._fail(state, out.error, stage_id)
             return
+        state.replay.pop(stage_id, None)  # it answered: from now on the request stays on this replica
         state.apply(stage_id, out)
+        if out.finished:
+            pool.release(state.key)
         stage = self.stages[stage_id]
         if stage_id in state.output_stages and (out.finished or state.sink.wants_partial):
             state.sink.put(state.final_output(stage_id, stage.final_output_type.value, partial=not out.finished))
@@ -431,7 +479,7 @@ class Orchestrator:
     def _finish(self, state: RequestState) -> None:
         self._drop(state, abort_in_stages=False)
         if self.options.log_stats:
-            logger.info(state.timing_summary({sid: c.name for sid, c in self.clients.items()}))
+            logger.info(state.timing_summary({sid: p.name for sid, p in self.pools.items()}))
         error, failed_stage = state.failure or (None, None)
         state.sink.put(RequestDone(state.request_id, error=error, failed_stage=failed_stage))
 
@@ -451,27 +499,55 @@ class Orchestrator:
             del self._keys[state.request_id]
         if abort_in_stages:
             self._abort_in(state, frozenset(state.outputs))
+        for pool in self.pools.values():
+            pool.release(state.key)
 
     def _abort_in(self, state: RequestState, stage_ids: frozenset[int]) -> None:
         """Abort the request in those of `stage_ids` that got it and have not finished it."""
         for sid in stage_ids & state.outputs.keys():
-            client = self.clients[sid]
-            if sid not in state.finished_stages and client.state == StageState.UP:
+            client = self.pools[sid].client_of(state.key)
+            if sid not in state.finished_stages and client is not None and client.state == StageState.UP:
                 try:
                     client.send(AbortRequests([state.key]))  # frees its KV blocks there
                 except StageDownError as e:
                     logger.info("abort of %s not delivered: %s", state.request_id, e)  # a down stage holds nothing
+            self.pools[sid].release(state.key)
 
-    def _on_stage_down(self, stage_id: int, reason: str) -> None:
-        name = self.clients[stage_id].name
-        self._down_reasons[stage_id] = reason
-        for state in list(self._requests.values()):
-            # Requests that need the stage and have not finished with it; a text-only request
-            # running beside a dead talker goes on.
-            if stage_id in state.stages and stage_id not in state.finished_stages:
-                self._fail(state, f"{name} is down: {reason}", stage_id)
+    def _on_stage_down(self, stage_id: int, reason: str, *, replica: int) -> None:
+        pool = self.pools[stage_id]
+        ref = pool.ref(replica)
+        self._down_reasons[ref] = reason
+        for key in pool.keys_on(replica):
+            state = self._requests[key]
+            if not self._move_to_another_replica(state, stage_id):
+                self._fail(state, f"{ref.name} is down: {reason}", stage_id)
+        if not pool.is_up:
+            for state in list(self._requests.values()):
+                # Requests that need the stage and have not finished with it; a text-only request
+                # running beside a dead talker goes on.
+                if stage_id in state.stages and stage_id not in state.finished_stages:
+                    self._fail(state, f"{ref.name} is down: {reason}", stage_id)
         if not self._closing:
-            self.supervisor.on_down(stage_id, reason)
+            self.supervisor.on_down(ref, reason)
+
+    def _move_to_another_replica(self, state: RequestState, stage_id: int) -> bool:
+        """Replay what the stage got for a request that lost its replica before that replica
+        answered anything (so nothing of it reached the caller or a downstream stage), on an
+        UP replica, once per stage. False: it cannot move (it must fail)."""
+        sent = state.replay.get(stage_id)
+        pool = self.pools[stage_id]
+        if sent is None or stage_id in state.retried or not pool.is_up:
+            return False
+        state.retried.add(stage_id)
+        lost = pool.client_of(state.key)
+        assert lost is not None
+        client = pool.route(state.key)
+        logger.warning("request %s moves from %s to %s", state.request_id, lost.name, client.name)
+        self.stage_counters[stage_id]["moved_to_another_replica"] += 1
+        for msg in sent:
+            if not self._deliver(state, stage_id, msg):
+                break  # it failed (and was told so)
+        return True
 
     def fail_all(self, error: str) -> None:
         """Used when the loop stops for good: no request may wait forever."""

@@ -73,6 +73,10 @@ class RequestState:
     tensors: dict[int, dict[str, GrowingTensor]] = field(default_factory=dict)
     flows: dict[int, EdgeFlow] = field(default_factory=dict)  # streaming edges, by downstream stage
     failure: tuple[str, int | None] | None = None  # (error, stage) of a stage that failed it, the rest going on
+    # What each stage was sent for this request until it answered (a request, then streamed input
+    # chunks): replayed to another replica if the one holding the request dies first (at most once).
+    replay: dict[int, list[Any]] = field(default_factory=dict)
+    retried: set[int] = field(default_factory=set)  # stages where the request moved to another replica
 
     @property
     def done(self) -> bool:

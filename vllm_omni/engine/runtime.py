@@ -126,7 +126,7 @@ class OmniRuntime:
         Only a token-consuming entry stage (an AR engine, which reports its vocab_size) checks them:
         a diffusion stage takes the prompt's text."""
         entry = self.pipeline.entry_stages[0]
-        vocab = self.orchestrator.clients[entry.stage_id].info.get("vocab_size")
+        vocab = self.orchestrator.pools[entry.stage_id].info.get("vocab_size")
         if vocab is None:
             return
         if not ids:
@@ -237,7 +237,7 @@ class OmniRuntime:
                 logger.exception("shutting the pipeline down failed; killing its stages")
         self._stop_loop()
         # If the loop died or timed out, make sure no stage process outlives us.
-        for client in self.orchestrator.clients.values():
+        for client in self.orchestrator.all_clients():
             client.launcher.stop_blocking(self.options.shutdown_timeout_s)
 
 

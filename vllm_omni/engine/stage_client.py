@@ -54,6 +54,18 @@ class StageHealth:
     seconds_since_heard: float | None
     info: Mapping[str, Any] = field(default_factory=dict)  # what the stage reported when it came up
     retry_after_s: float | None = None  # RESTARTING: when it should serve again
+    replicas: tuple[ReplicaHealth, ...] = ()  # the stage's replicas (replica_pool.StagePool), one or more
+
+
+@dataclass(frozen=True)
+class ReplicaHealth:
+    replica: int
+    pid: int | None
+    state: StageState
+    queue: int  # requests routed to it and not finished there
+    routed: int  # requests routed to it since the pipeline started
+    reason: str | None
+    retry_after_s: float | None = None
 
 
 class StageClient:
@@ -67,10 +79,12 @@ class StageClient:
         on_message: Callable[[int, Any], None],
         on_down: Callable[[int, str], None],
         heartbeat_timeout_s: float,
+        name: str | None = None,
     ) -> None:
         self.stage_id = stage_id
         self.model_stage = model_stage
-        self.name = f"stage {stage_id}" + (f" ({model_stage})" if model_stage else "")  # for messages
+        # For messages; a replica of a stage with several names itself (replica_pool.ReplicaRef).
+        self.name = name or f"stage {stage_id}" + (f" ({model_stage})" if model_stage else "")
         self.launcher = launcher
         self.channel = channel
         self._on_message = on_message

@@ -177,5 +177,5 @@ def torch_threads_for(stage: StageConfig, pipeline: PipelineConfig) -> int | Non
     # One core stays with the orchestrator's process (prompt and media processing, routing): a
     # stage whose OpenMP threads compete with it for every core spin-waits, measured 30-50x
     # slower per step on a 2-core machine (one stage with 2 threads vs 1).
-    num_processes = sum(1 for s in pipeline.stages if s.runtime.process)
+    num_processes = sum(s.runtime.num_replicas for s in pipeline.stages if s.runtime.process)
     return max(1, ((os.cpu_count() or 1) - 1) // max(1, num_processes))

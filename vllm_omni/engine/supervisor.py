@@ -11,6 +11,10 @@ failure. After `max_restarts` consecutive failures the stage stays down and `/he
 why. A stage that has served for `stable_after_s` since its last restart starts with a clean
 count, so an occasional crash over days never exhausts the budget.
 
+The supervisor keys what it restarts by any hashable that prints as its name: the orchestrator
+passes one `replica_pool.ReplicaRef` per replica, so each replica of a stage is restarted (and
+counted) on its own.
+
 Requests are not held while a stage restarts: those in flight at the crash have already
 failed (the orchestrator fails them at once), and new ones that need the stage fail fast with
 the expected wait (`retry_after`), which the server sends as 503 + Retry-After.
@@ -20,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -36,24 +40,24 @@ class _StageRecord:
 
 
 class StageSupervisor:
-    def __init__(self, restart: Callable[[int], Awaitable[None]], max_restarts: int, backoff_s: float = 1.0,
+    def __init__(self, restart: Callable[[Hashable], Awaitable[None]], max_restarts: int, backoff_s: float = 1.0,
                  max_backoff_s: float = 30.0, stable_after_s: float = 60.0) -> None:
         self._restart = restart  # relaunches the stage; raises when it does not come up
         self.max_restarts = max_restarts
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.stable_after_s = stable_after_s
-        self._records: dict[int, _StageRecord] = {}
-        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._records: dict[Hashable, _StageRecord] = {}
+        self._tasks: dict[Hashable, asyncio.Task[None]] = {}
         self._closed = False
 
-    def started(self, stage_id: int, startup_s: float) -> None:
+    def started(self, stage_id: Hashable, startup_s: float) -> None:
         """The stage came up (at pipeline start or after a restart), taking `startup_s`."""
         record = self._records.setdefault(stage_id, _StageRecord())
         record.up_since = time.monotonic()
         record.startup_s = startup_s
 
-    def on_down(self, stage_id: int, reason: str) -> None:
+    def on_down(self, stage_id: Hashable, reason: str) -> None:
         if self._closed or stage_id in self._tasks:  # a running restart handles its own failure
             return
         record = self._records.setdefault(stage_id, _StageRecord())
@@ -61,9 +65,9 @@ class StageSupervisor:
             record.failures = 0  # it had been serving long enough: this is a new incident
         record.up_since = None
         self._tasks[stage_id] = asyncio.get_running_loop().create_task(
-            self._supervise(stage_id, record, reason), name=f"stage {stage_id} supervisor")
+            self._supervise(stage_id, record, reason), name=f"{stage_id} supervisor")
 
-    async def _supervise(self, stage_id: int, record: _StageRecord, reason: str) -> None:
+    async def _supervise(self, stage_id: Hashable, record: _StageRecord, reason: str) -> None:
         try:
             while True:
                 record.failures += 1
@@ -71,33 +75,33 @@ class StageSupervisor:
                     record.gave_up = (f"not restarted: failed {record.failures} times in a row "
                                       f"(--max-stage-restarts {self.max_restarts}); last: {reason}")
                     record.next_attempt_at = None
-                    logger.error("stage %d stays down: %s", stage_id, record.gave_up)
+                    logger.error("%s stays down: %s", stage_id, record.gave_up)
                     return
                 delay = min(self.max_backoff_s, self.backoff_s * 2 ** (record.failures - 1))
                 record.next_attempt_at = time.monotonic() + delay
-                logger.warning("stage %d is down (%s); restart %d of %d in %.1fs", stage_id, _last_line(reason),
+                logger.warning("%s is down (%s); restart %d of %d in %.1fs", stage_id, _last_line(reason),
                                record.failures, self.max_restarts, delay)
                 await asyncio.sleep(delay)
                 try:
                     await self._restart(stage_id)
                 except Exception as e:  # noqa: BLE001 - a failed restart is one more failure, retried
                     reason = str(e)
-                    logger.error("stage %d: restart %d failed: %s", stage_id, record.failures, _last_line(reason))
+                    logger.error("%s: restart %d failed: %s", stage_id, record.failures, _last_line(reason))
                     continue
                 record.next_attempt_at = None
-                logger.info("stage %d is back up after restart %d", stage_id, record.failures)
+                logger.info("%s is back up after restart %d", stage_id, record.failures)
                 return
         finally:
             self._tasks.pop(stage_id, None)
 
-    def restarting(self, stage_id: int) -> bool:
+    def restarting(self, stage_id: Hashable) -> bool:
         return stage_id in self._tasks
 
-    def gave_up(self, stage_id: int) -> str | None:
+    def gave_up(self, stage_id: Hashable) -> str | None:
         record = self._records.get(stage_id)
         return record.gave_up if record is not None else None
 
-    def retry_after(self, stage_id: int) -> float | None:
+    def retry_after(self, stage_id: Hashable) -> float | None:
         """Seconds until a restarting stage should serve again (the backoff left plus its last
         start-up time); None when no restart is coming."""
         record = self._records.get(stage_id)

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from vllm_omni.config.stage_config import PipelineConfig
+from vllm_omni.engine.load_balancer import DEFAULT_LB_POLICY
 from vllm_omni.engine.orchestrator import RuntimeOptions
 from vllm_omni.engine.request_plan import available_modalities
 from vllm_omni.engine.runtime import OmniRuntime
@@ -37,6 +38,8 @@ class OmniBase:
 
     `heartbeat_timeout`: seconds of silence after which a stage is declared hung, killed and
     restarted; `max_stage_restarts`: restarts of a failed stage before it stays down (0: never).
+    `lb_policy` (random, round-robin, least-queue-length): which replica of a stage with several
+    (`num_replicas=N` for every stage, or runtime.num_replicas per stage) takes a new request.
 
     `output_modalities` (e.g. ["text"]): what this instance will ever return. With a bundled
     config it picks the smallest variant (text only: the thinker alone, no talker loaded), and
@@ -57,6 +60,7 @@ class OmniBase:
         async_chunk: bool | None = None,
         heartbeat_timeout: float = 5.0,
         max_stage_restarts: int = 3,
+        lb_policy: str = DEFAULT_LB_POLICY,
         **engine_args: Any,
     ) -> None:
         model = os.fspath(model)
@@ -67,7 +71,7 @@ class OmniBase:
         options = RuntimeOptions(stage_init_timeout_s=float(stage_init_timeout), init_timeout_s=float(init_timeout),
                                  shm_threshold_bytes=int(shm_threshold_bytes), log_stats=log_stats,
                                  heartbeat_timeout_s=float(heartbeat_timeout),
-                                 max_stage_restarts=int(max_stage_restarts))
+                                 max_stage_restarts=int(max_stage_restarts), lb_policy=lb_policy)
         self._runtime = OmniRuntime(pipeline, model, options, output_modalities)
 
     @property

@@ -77,6 +77,8 @@ def _check(args: argparse.Namespace) -> list[str]:
         problems.append("--tts-max-instructions-length must be >= 1")
     if args.omni_heartbeat_timeout <= 0:
         problems.append("--omni-heartbeat-timeout must be > 0")
+    if args.omni_dp_size_local < 1:
+        problems.append("--omni-dp-size-local must be >= 1")
     return problems
 
 
@@ -197,5 +199,5 @@ def _start_engine(args: argparse.Namespace, model: str):
         stage_overrides=serve_args.stage_overrides(args), stage_init_timeout=args.stage_init_timeout,
         init_timeout=args.init_timeout, shm_threshold_bytes=args.shm_threshold_bytes, log_stats=args.log_stats,
         async_chunk=args.async_chunk, heartbeat_timeout=args.omni_heartbeat_timeout,
-        max_stage_restarts=args.max_stage_restarts, **serve_args.engine_args(args),
+        max_stage_restarts=args.max_stage_restarts, lb_policy=args.omni_lb_policy, **serve_args.engine_args(args),
     )

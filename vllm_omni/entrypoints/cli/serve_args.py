@@ -18,7 +18,6 @@ from vllm_omni.entrypoints.openai.realtime import limits as realtime_limits
 
 _DIFFUSION = "the diffusion engine does not implement it yet"
 _STAGE_CLI = "the stage-based CLI (one stage per process, headless workers, a remote master) is not implemented yet"
-_REPLICAS = "stage replicas are not supported yet (one replica per stage)"
 
 
 @dataclass(frozen=True)
@@ -90,9 +89,11 @@ OMNI_FLAGS: tuple[Flag, ...] = (
     _f("--omni-master-port -omp", "Port of the Omni orchestrator (master).", _STAGE_CLI, type=int, default=None),
     _f("--omni-replica-address -ora", "Local bind address that a headless stage advertises to the Omni master.",
        _STAGE_CLI, default=None),
-    _f("--omni-dp-size-local", "Number of stage replicas this runtime launches locally for its own --stage-id.",
-       _REPLICAS, type=int, default=1),
-    _f("--omni-lb-policy", "Per-stage load-balancing policy across UP replicas (head runtime only).", _REPLICAS,
+    _f("--omni-dp-size-local", "Number of stage replicas this runtime launches locally. Without --stage-id it "
+       "applies to every stage, like the other engine flags (per stage: runtime.num_replicas in the config or "
+       "--stage-overrides '{\"1\": {\"num_replicas\": 2}}', which wins); see docs/deployment.md.", type=int,
+       default=1),
+    _f("--omni-lb-policy", "Per-stage load-balancing policy: which UP replica of a stage takes a new request.",
        choices=("random", "round-robin", "least-queue-length"), default="random"),
     _f("--omni-heartbeat-timeout", "Seconds without a heartbeat before a stage is declared hung, killed and "
        "restarted. (Spec 001 documents 30.0; stages here send a heartbeat every second from a thread of their own, "
@@ -258,6 +259,8 @@ def refused_flags(args: argparse.Namespace) -> list[str]:
 def engine_args(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags the user gave (forwarded to every stage), diffusion flags included."""
     given = {f.dest: getattr(args, f.dest) for f in ENGINE_FLAGS if getattr(args, f.dest) is not None}
+    if args.omni_dp_size_local != 1:
+        given["num_replicas"] = args.omni_dp_size_local
     for flag in OMNI_FLAGS:
         if flag.dest in DIFFUSION_STAGE_FLAGS and getattr(args, flag.dest) != flag.default:
             given[flag.dest] = getattr(args, flag.dest)

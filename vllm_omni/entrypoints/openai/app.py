@@ -209,7 +209,9 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes
             return APIError(503, "the server is shutting down").response()
         health = ctx.engine.stage_health()
         stages = [{"stage_id": h.stage_id, "model_stage": h.model_stage, "state": h.state.value,
-                   "reason": h.reason, "pid": h.pid, "retry_after_s": h.retry_after_s} for h in health]
+                   "reason": h.reason, "pid": h.pid, "retry_after_s": h.retry_after_s,
+                   "replicas": [{"replica": r.replica, "pid": r.pid, "state": r.state.value, "queue": r.queue,
+                                 "routed": r.routed, "reason": r.reason} for r in h.replicas]} for h in health]
         down = [h for h in health if h.state != StageState.UP]
         if not down:
             return JSONResponse({"status": "ok", "stages": stages})

@@ -74,6 +74,8 @@ def from_request_failure(stage_id: int | None, message: str, health: list[StageH
     down = [h for h in health if h.state != StageState.UP]
     if (failed is not None and failed.state != StageState.UP) or (failed is None and down):
         return APIError(503, message, retry_after_s=retry_after([failed] if failed is not None else down))
+    if failed is not None and any(r.state != StageState.UP for r in failed.replicas):
+        return APIError(503, message)  # a replica of the stage died with it; the others serve: retry now
     if _PROMPT_TOO_LONG.search(message):
         return APIError(413, message)
     return APIError(500, message)

@@ -50,6 +50,8 @@ class ServerMetrics:
         self.queued = Gauge("vllm_omni:num_requests_waiting", "Requests waiting for admission", registry=r)
         labels = ["stage", "model_stage"]
         self.stage_up = Gauge("vllm_omni:stage_up", "1 while the stage is UP", labels, registry=r)
+        self.stage_replicas = Gauge("vllm_omni:stage_replicas", "Replicas of the stage in each state",
+                                    ["stage", "state"], registry=r)
         self.stage_unfinished = Gauge("vllm_omni:stage_num_requests", "Requests the stage holds (queued + "
                                       "running)", labels, registry=r)
         self.stage_queue = Gauge("vllm_omni:stage_queue_depth", "Requests waiting in the stage's scheduler",
@@ -92,6 +94,8 @@ class ServerMetrics:
         for sid, h in health.items():
             labels = (str(sid), self.stage_names.get(sid, ""))
             self.stage_up.labels(*labels).set(1.0 if h.state == StageState.UP else 0.0)
+            for state in StageState:
+                self.stage_replicas.labels(str(sid), state.value).set(sum(r.state == state for r in h.replicas))
             s = stats.get(sid)
             if s is None or isinstance(s, BaseException):
                 if isinstance(s, BaseException):

@@ -1,0 +1,26 @@
+"""benchmarks/bench_replicas.py runs on the CPU with the tiny Qwen2.5-Omni; its numbers are not
+checked here (docs/benchmarks.md records them), only that each configuration runs and routes."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_replicas.py"
+
+
+def test_bench_replicas_smoke(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_replicas", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    result = bench.main(["--num-requests", "4", "--concurrency", "2", "--codec-tokens", "8",
+                         "--policies", "least-queue-length", "--json", str(out)])
+    assert json.loads(out.read_text()) == result
+    throughput = result["throughput"]
+    assert throughput["one_replica"]["routed_per_replica"] == [4]
+    assert throughput["two_replicas"]["routed_per_replica"] == [2, 2]  # round robin
+    assert throughput["ratio"] > 0
+    (slowed,) = result["slow_replica"]
+    assert slowed["policy"] == "least-queue-length" and sum(slowed["routed_per_replica"]) == 4
+    assert 0 < slowed["p50_s"] <= slowed["p90_s"]
