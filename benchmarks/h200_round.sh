@@ -32,13 +32,15 @@ case "${1:-}" in
       --concurrency 1,8,32,64 --num-requests 8 --prompt-words 74 --text-tokens 64 --codec-tokens 100 \
       --hf-requests 1 --async-chunk on --json "$OUT/e2e_qwen3.json" ;;
   stages)
-    step code2wav_qwen3 150 $PY benchmarks/bench_code2wav.py --families qwen3 --precision float32,bfloat16 \
+    step code2wav_qwen3 120 $PY benchmarks/bench_code2wav.py --families qwen3 --precision float32,bfloat16 \
       --json "$OUT/code2wav_qwen3.json"
-    step token2wav_qwen2_5 150 $PY benchmarks/bench_code2wav.py --families qwen2_5 --precision float32,bfloat16 \
+    step token2wav_qwen2_5 120 $PY benchmarks/bench_code2wav.py --families qwen2_5 --precision float32,bfloat16 \
       --batches 1,8 --json "$OUT/token2wav_qwen2_5.json"
-    step tts 120 $PY benchmarks/bench_tts.py --real-arch --concurrency 1,16,64 --num-requests 64 --frames 120 \
+    step token2wav_compiled 100 $PY benchmarks/bench_code2wav.py --families qwen2_5 --precision bfloat16 \
+      --batches 1,8 --compile-mode reduce-overhead --skip-hf --json "$OUT/token2wav_compiled.json"
+    step tts 100 $PY benchmarks/bench_tts.py --real-arch --concurrency 1,16,64 --num-requests 64 --frames 120 \
       --json "$OUT/tts.json"
-    step diffusion 150 $PY benchmarks/bench_diffusion.py --size 512 --steps 20 --batch-sizes 1,4 \
+    step diffusion 120 $PY benchmarks/bench_diffusion.py --size 512 --steps 20 --batch-sizes 1,4 \
       --json "$OUT/diffusion.json" ;;
   *) echo "usage: $0 tests|qwen2_5|qwen3|stages"; exit 2 ;;
 esac
