@@ -31,6 +31,7 @@ from vllm_omni.model_executor.models.qwen2_5_omni.bridges import Code2WavInputs
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_dit import (
     DiTRow, draw_noise, forward_cfg, new_generator, sample_mel, speaker_features,
 )
+from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_graphs import DiTGraphs, dit_graphs_enabled
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_stream import (
     StreamGeometry, Token2WavStream, Token2WavStreamConfig,
 )
@@ -92,9 +93,9 @@ class Qwen2_5OmniToken2Wav:
         blocks = max(geo.config.initial_chunk_blocks, geo.config.chunk_blocks) + geo.config.future_blocks
         self.max_units_per_chunk = -(-blocks * geo.block_frames // geo.repeats) + 1
         self._speaker_features: dict[str, torch.Tensor] = {}
-        # Benchmark option (GPU): torch.compile the DiT evaluation ("reduce-overhead" captures
-        # CUDA graphs of it), static shapes: each new (rows, frames) compiles once; eager unless asked.
-        self._dit_forward = forward_cfg
+        # On CUDA the DiT evaluation replays CUDA graphs, one per shape (token2wav_graphs.py).
+        # Benchmark option: torch.compile it instead (static shapes: each new one compiles once).
+        self._dit_forward = DiTGraphs() if dit_graphs_enabled(device) else forward_cfg
         if compile_mode is not None:
             self._dit_forward = torch.compile(forward_cfg, mode=compile_mode, dynamic=False)
 
