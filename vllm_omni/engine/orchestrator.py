@@ -31,6 +31,7 @@ from vllm_omni.stage_io import OutputKind, StageInputChunk, StageOutput, StageRe
 from vllm_omni.engine.request_plan import RequestPlan
 from vllm_omni.engine.request_state import RequestDone, RequestSink, RequestState
 from vllm_omni.engine.stage_client import StageClient, StageDownError, StageHealth, StageState
+from vllm_omni.engine.ray_launcher import RayCluster, worker_backend_problem
 from vllm_omni.engine.stage_input import build_stage_input, resolve_input_processor
 from vllm_omni.engine.stage_launcher import ProcessLauncher, StageLauncher, ThreadLauncher, torch_threads_for
 from vllm_omni.engine.stage_worker import WorkerSpec
@@ -53,6 +54,13 @@ class RuntimeOptions:
     # Flow control of streaming edges: units sent but not consumed before the producer pauses.
     stream_max_pending_units: int = 512
     max_stage_restarts: int = 3  # restarts of a failed stage before it stays DOWN (engine/supervisor.py)
+    worker_backend: str = "multi_process"  # or "ray": stages as Ray actors (engine/ray_launcher.py)
+    ray_address: str | None = None  # None: RAY_ADDRESS, else a local Ray instance of our own
+
+    def __post_init__(self) -> None:
+        problem = worker_backend_problem(self.worker_backend, self.ray_address)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 @dataclass
@@ -89,6 +97,7 @@ class Orchestrator:
         self._launches: Counter[int] = Counter()  # per stage: a restart gets fresh socket addresses
         self._down_reasons: dict[int, str] = {}  # why a stage last went down
         self._closing = False
+        self._ray: RayCluster | None = None  # worker_backend "ray": the cluster the stage actors run on
 
     # --- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
@@ -97,6 +106,8 @@ class Orchestrator:
         self._ctx = zmq.Context()
         t0 = time.monotonic()
         try:
+            if self.options.worker_backend == "ray":  # on this thread: Ray's processes share its lifetime
+                self._ray = RayCluster.connect(self.options.ray_address, self.pipeline)
             for stage in self.pipeline.stages:
                 self._launch(stage)
             opts = self.options
@@ -141,7 +152,13 @@ class Orchestrator:
             parent_pid=os.getpid(), in_process=not stage.runtime.process,
             torch_threads=torch_threads_for(stage, self.pipeline), log_level=logging.getLogger().getEffectiveLevel(),
         )
-        launcher: StageLauncher = ProcessLauncher(spec) if stage.runtime.process else ThreadLauncher(spec)
+        launcher: StageLauncher
+        if not stage.runtime.process:
+            launcher = ThreadLauncher(spec)
+        elif self._ray is not None:
+            launcher = self._ray.launcher(spec)
+        else:
+            launcher = ProcessLauncher(spec)
         channel = OrchestratorChannel(self._ctx, in_addr, out_addr, opts.shm_threshold_bytes, self._shm_prefix)
         client = StageClient(stage.stage_id, stage.model_stage, launcher, channel, on_message=self._on_message,
                              on_down=self._on_stage_down, heartbeat_timeout_s=opts.heartbeat_timeout_s)
@@ -172,6 +189,9 @@ class Orchestrator:
         for sid in self.pipeline.topo_order():
             if sid in self.clients:
                 await self.clients[sid].close(self.options.shutdown_timeout_s)
+        if self._ray is not None:  # every actor is gone; a Ray we started stops here
+            self._ray.close()
+            self._ray = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None

@@ -1,0 +1,220 @@
+"""Stages as Ray actors (`--worker-backend ray`): the Ray launcher and the cluster it uses.
+
+    cluster = RayCluster.connect(address, pipeline)   # Orchestrator.start, on the loop thread
+    launcher = cluster.launcher(spec)                 # a StageLauncher, one per stage launch
+    cluster.close()                                   # after every stage has stopped
+
+Each stage runs `run_stage_worker` inside an actor that asks Ray for its resources (one CPU,
+the stage's GPUs); requests and outputs keep travelling over our own transport (ZMQ ipc and
+shared memory), so actors must share this host (docs/deployment.md, "Ray"). Ray only places,
+starts and kills the processes. An actor's death, or its worker returning, is reported like a
+process exit, and the supervisor restarts the stage as it would a process.
+
+Ownership: if we started Ray (or connected this process to a cluster), close() shuts our
+connection down, which for a local instance we started stops it entirely; if the caller had
+already initialized Ray, only our actors are killed. Importing this module does not import ray.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import math
+import os
+import uuid
+from collections import Counter
+from typing import Any
+
+from vllm_omni.config.stage_config import PipelineConfig, StageConfig
+from vllm_omni.engine.stage_init_utils import stage_runtime_env
+from vllm_omni.engine.stage_launcher import OnExit
+from vllm_omni.engine.stage_worker import WorkerSpec, run_stage_worker
+
+logger = logging.getLogger(__name__)
+
+WORKER_BACKENDS = ("multi_process", "ray")
+RAY_EXTRA = 'pip install "vllm-omni[ray]"'
+
+
+def worker_backend_problem(backend: str, ray_address: str | None) -> str | None:
+    """Why this backend choice cannot work (None: it can); checked before anything starts."""
+    if backend not in WORKER_BACKENDS:
+        return f"the worker backend (--worker-backend) must be one of {', '.join(WORKER_BACKENDS)}, got {backend!r}"
+    if backend != "ray":
+        return None if ray_address is None else "a Ray address (--ray-address) needs --worker-backend ray"
+    try:
+        import ray  # noqa: F401 - only whether it imports
+    except ImportError as e:
+        return f"--worker-backend ray needs Ray, an optional extra: {RAY_EXTRA} ({e})"
+    return None
+
+
+def actor_resources(stage: StageConfig, pipeline: PipelineConfig, gpus: bool) -> dict[str, float]:
+    """What a stage's actor asks Ray for: one CPU, and its share of the GPUs it runs on.
+
+    A stage on several devices (tensor parallel) takes them whole; stages that share one
+    device (the bundled Omni configs put talker and code2wav together) split it evenly, so
+    Ray can place them on one GPU as the config intends. Ray picks which GPUs; `devices`
+    only counts them here."""
+    if not gpus:
+        return {"num_cpus": 1, "num_gpus": 0}
+    devices = stage.runtime.device_ids
+    count = max(len(devices), stage.engine_args.tensor_parallel_size)
+    if count > 1:
+        return {"num_cpus": 1, "num_gpus": float(count)}
+    sharing = sum(1 for s in pipeline.stages if s.runtime.process and devices[0] in s.runtime.device_ids)
+    return {"num_cpus": 1, "num_gpus": math.floor(10_000 / sharing) / 10_000}  # Ray's resource precision
+
+
+class RayCluster:
+    """This process's use of a Ray cluster for one pipeline."""
+
+    def __init__(self, ray: Any, owned: bool, pipeline: PipelineConfig, gpus: bool) -> None:
+        self._ray = ray
+        self.owned = owned  # we called ray.init, so close() calls ray.shutdown
+        self._pipeline = pipeline
+        self._gpus = gpus
+        self._actor_cls = ray.remote(_StageActor)
+        # Actor names (`ray list actors`, ray.get_actor) say whose they are: one tag per pipeline.
+        self.actor_prefix = f"vllm-omni-{os.getpid()}-{uuid.uuid4().hex[:6]}-"
+        self._launches: Counter[int] = Counter()
+
+    @classmethod
+    def connect(cls, address: str | None, pipeline: PipelineConfig) -> RayCluster:
+        """Use the Ray this process already initialized, else connect to `address`, else
+        (no address and no RAY_ADDRESS) start a local instance sized for the pipeline."""
+        import ray
+        import torch
+
+        owned = not ray.is_initialized()
+        if owned:
+            ray.init(**_init_kwargs(address, sum(1 for s in pipeline.stages if s.runtime.process)))
+        cluster = cls(ray, owned, pipeline, gpus=torch.cuda.is_available())
+        cluster._warn_if_short()
+        return cluster
+
+    def _warn_if_short(self) -> None:
+        need: dict[str, float] = {"CPU": 0.0, "GPU": 0.0}
+        for stage in self._pipeline.stages:
+            if stage.runtime.process:
+                res = actor_resources(stage, self._pipeline, self._gpus)
+                need["CPU"] += res["num_cpus"]
+                need["GPU"] += res["num_gpus"]
+        have = self._ray.cluster_resources()
+        short = {k: v for k, v in need.items() if v > have.get(k, 0.0) + 1e-6}
+        if short:  # an autoscaler may still add nodes: wait (bounded by stage_init_timeout), say why
+            logger.warning("the Ray cluster has %s; the stage actors need %s: some will wait for resources",
+                           {k: have.get(k, 0.0) for k in short}, short)
+
+    def launcher(self, spec: WorkerSpec) -> RayLauncher:
+        self._launches[spec.stage_id] += 1
+        name = f"{self.actor_prefix}stage{spec.stage_id}-{self._launches[spec.stage_id]}"
+        options = actor_resources(spec.stage, self._pipeline, self._gpus)
+        return RayLauncher(self._ray, self._actor_cls, spec, name, options)
+
+    def close(self) -> None:
+        if self.owned and self._ray.is_initialized():
+            self._ray.shutdown()
+
+
+def _init_kwargs(address: str | None, num_actors: int) -> dict[str, Any]:
+    if address is None and os.environ.get("RAY_ADDRESS"):
+        return {}  # Ray's convention: the cluster RAY_ADDRESS names (e.g. inside a Ray job)
+    if address is None or address == "local":
+        # Our own instance on this host. Logical CPUs are what actors are scheduled by; stages
+        # on one host share its cores already (torch threads are divided between them), so a
+        # pipeline of more stages than cores must still fit. No dashboard: it takes seconds.
+        return {"address": "local", "num_cpus": max(os.cpu_count() or 1, num_actors), "include_dashboard": False}
+    return {"address": address}
+
+
+class RayLauncher:
+    """A StageLauncher (engine/stage_launcher.py) whose stage is a Ray actor."""
+
+    def __init__(self, ray: Any, actor_cls: Any, spec: WorkerSpec, name: str, options: dict[str, float]) -> None:
+        self.spec = spec
+        self.name = name
+        self.options = options
+        self.pid: int | None = None  # known once the stage reports StageReady (from its own process)
+        self._ray = ray
+        self._actor_cls = actor_cls
+        self._actor: Any = None
+        self._ref: Any = None
+        self._exited = asyncio.Event()
+
+    def start(self, on_exit: OnExit) -> None:
+        loop = asyncio.get_running_loop()
+        # Not restarted by Ray: our supervisor decides (backoff, bounded attempts, /health).
+        self._actor = self._actor_cls.options(name=self.name, max_restarts=0, max_task_retries=0,
+                                              **self.options).remote()
+        self._ref = self._actor.run.remote(self.spec)
+
+        def done(fut: concurrent.futures.Future) -> None:  # on a Ray thread
+            try:
+                loop.call_soon_threadsafe(self._finished, fut, on_exit)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                logger.debug("stage %d actor ended after the event loop closed", self.spec.stage_id)
+
+        self._ref.future().add_done_callback(done)
+
+    def _finished(self, fut: concurrent.futures.Future, on_exit: OnExit) -> None:
+        try:
+            how = f"exited with code {fut.result()}"
+        except self._ray.exceptions.RayError as e:
+            how = f"died: {e}"
+        self.kill()  # an actor whose worker returned still holds its process and resources
+        self._exited.set()
+        on_exit(f"Ray actor {self.name} {how}")
+
+    async def stop(self, timeout_s: float, graceful: bool) -> None:
+        if self._actor is None:
+            return
+        if graceful and await self._wait(timeout_s):
+            return  # the worker returned after Shutdown; the actor was killed on the way
+        if graceful:
+            logger.warning("stage %d (Ray actor %s) did not exit within %ss; killing it",
+                           self.spec.stage_id, self.name, timeout_s)
+        self.kill()
+        if not await self._wait(timeout_s):
+            logger.error("Ray did not report stage %d's actor %s dead within %ss",
+                         self.spec.stage_id, self.name, timeout_s)
+
+    async def _wait(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self._exited.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def kill(self) -> None:
+        if self._actor is not None and self._ray.is_initialized():
+            self._ray.kill(self._actor, no_restart=True)
+
+    def stop_blocking(self, timeout_s: float) -> None:
+        if self._actor is None or self._exited.is_set():
+            return
+        self.kill()
+        self._ray.wait([self._ref], timeout=timeout_s)
+
+
+class _StageActor:
+    """The actor's class (ray.remote wraps it when a cluster is connected)."""
+
+    def run(self, spec: WorkerSpec) -> int:
+        return _actor_main(spec)
+
+
+def _actor_main(spec: WorkerSpec) -> int:
+    """A stage worker inside a Ray worker process. Ray started the process and ends it (ray.kill,
+    or when its owner, the orchestrator's process, dies): no process group or death signal here."""
+    # The worker exits when its parent is gone: here that parent is the raylet, not the orchestrator.
+    spec = dataclasses.replace(spec, parent_pid=os.getppid())
+    logging.basicConfig(level=spec.log_level, format=f"[stage {spec.stage_id}] %(levelname)s %(name)s: %(message)s")
+    # runtime.devices is not applied: Ray set CUDA_VISIBLE_DEVICES to the GPUs it gave the actor.
+    with stage_runtime_env(spec.stage_id, {"env": spec.stage.runtime.env_dict()}):
+        if spec.torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(spec.torch_threads)
+        return run_stage_worker(spec, device="auto")
