@@ -218,3 +218,33 @@ def test_without_ray_the_backend_is_a_clear_error_and_nothing_imports_ray(monkey
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert 'error: --worker-backend ray needs Ray, an optional extra: pip install "vllm-omni[ray]"' in proc.stderr
+
+
+def test_unreachable_ray_address_fails_the_start_fast(omni_dir, tmp_path):
+    from tests.server.conftest import free_port
+
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    server = ServerProcess.launch([str(omni_dir), "--worker-backend", "ray", "--ray-address", address],
+                                  tmp_path / "server.log")
+    try:
+        assert server.proc.wait(60) == 1  # ray.init alone would retry for minutes
+    finally:
+        server.stop()
+    assert f"the pipeline failed to start: cannot reach the Ray cluster at {address}" in server.log_tail()
+
+
+def test_actor_resources_follow_devices_and_tensor_parallel(omni_dir):
+    from vllm_omni.engine.ray_launcher import actor_resources
+    from vllm_omni.entrypoints.omni_base import load_pipeline
+
+    def gpus(overrides=None, on_gpu=True) -> list[float]:
+        pipeline = load_pipeline(str(omni_dir), None, None, overrides, {})
+        res = [actor_resources(s, pipeline, on_gpu) for s in pipeline.stages]
+        assert all(r["num_cpus"] == 1 for r in res)
+        return [r["num_gpus"] for r in res]
+
+    assert gpus() == [0.5, 1.0, 0.5]  # the bundled config: thinker and code2wav share GPU 0
+    assert gpus(on_gpu=False) == [0, 0, 0]
+    tp = {"0": {"devices": "0,1", "tensor_parallel_size": 2}, "1": {"devices": "2"}, "2": {"devices": "2"}}
+    assert gpus(tp) == [2.0, 0.5, 0.5]
+    assert gpus({"0": {"devices": "1"}, "1": {"devices": "1"}, "2": {"devices": "1"}}) == [0.3333] * 3

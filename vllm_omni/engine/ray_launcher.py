@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import math
 import os
+import socket
 import uuid
 from collections import Counter
 from typing import Any
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 WORKER_BACKENDS = ("multi_process", "ray")
 RAY_EXTRA = 'pip install "vllm-omni[ray]"'
+_CONNECT_CHECK_S = 10.0  # how long a cluster's address may take to accept a connection
 
 
 def worker_backend_problem(backend: str, ray_address: str | None) -> str | None:
@@ -89,7 +91,9 @@ class RayCluster:
 
         owned = not ray.is_initialized()
         if owned:
-            ray.init(**_init_kwargs(address, sum(1 for s in pipeline.stages if s.runtime.process)))
+            kwargs = _init_kwargs(address, sum(1 for s in pipeline.stages if s.runtime.process))
+            _check_reachable(kwargs.get("address", os.environ.get("RAY_ADDRESS")))
+            ray.init(**kwargs)
         cluster = cls(ray, owned, pipeline, gpus=torch.cuda.is_available())
         cluster._warn_if_short()
         return cluster
@@ -127,6 +131,18 @@ def _init_kwargs(address: str | None, num_actors: int) -> dict[str, Any]:
         # pipeline of more stages than cores must still fit. No dashboard: it takes seconds.
         return {"address": "local", "num_cpus": max(os.cpu_count() or 1, num_actors), "include_dashboard": False}
     return {"address": address}
+
+
+def _check_reachable(address: str | None) -> None:
+    """Fail fast when a cluster's HOST:PORT does not answer: ray.init retries it for minutes.
+    ("auto" finds the clusters running on this host, "local" starts one: nothing to check.)"""
+    if not address or address in ("auto", "local"):
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=_CONNECT_CHECK_S).close()
+    except (OSError, ValueError) as e:
+        raise ConnectionError(f"cannot reach the Ray cluster at {address}: {e}") from None
 
 
 class RayLauncher:
