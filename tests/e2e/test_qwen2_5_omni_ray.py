@@ -3,7 +3,8 @@
 - `Omni(worker_backend="ray")` with no Ray running starts a local one: each stage is a Ray
   actor holding one CPU; text tokens, talker codes and waveforms equal the multiprocess
   backend's; an actor killed with `ray.kill` is restarted by the supervisor and serves the
-  same outputs; close() shuts that Ray down (no Ray process left, this process no driver).
+  same outputs; a second pipeline that does not fit fails at once and leaves that Ray to the
+  first; the last close() shuts it down (no Ray process left, this process no driver).
 - On a Ray that is not ours (initialized by the caller; `vllm-omni serve --ray-address` to
   it) close() and SIGTERM kill only our actors and leave the cluster running; the server's
   speech over HTTP equals the multiprocess backend's.
@@ -108,9 +109,16 @@ def test_killed_actor_is_restarted_and_serves_the_same(ray_omni, reference):
     assert_same(run(ray_omni), reference)
 
 
-def test_close_shuts_down_the_ray_it_started(ray_omni):
+def test_a_full_local_ray_fails_fast_and_the_last_close_shuts_it_down(ray_omni, omni_dir, reference):
     import ray
 
+    # Our local Ray has a CPU per stage of the first pipeline: a second pipeline of this process
+    # cannot be placed, and says so at once instead of waiting out stage_init_timeout; its
+    # failed start leaves the Ray of the first running.
+    with pytest.raises(RuntimeError, match="the local Ray instance this process started has too few free"):
+        Omni(model=str(omni_dir), output_modalities=["text"], worker_backend="ray")
+    assert ray.is_initialized()
+    assert_same(run(ray_omni), reference)
     ray_processes = {p for p in descendants(os.getpid()) if b"ray" in _cmd(p)}  # gcs, raylet, actors, ...
     assert any(b"raylet" in _cmd(p) for p in ray_processes)
     ray_omni.close()

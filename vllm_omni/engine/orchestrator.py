@@ -106,7 +106,7 @@ class Orchestrator:
         self._ctx = zmq.Context()
         t0 = time.monotonic()
         try:
-            if self.options.worker_backend == "ray":  # on this thread: Ray's processes share its lifetime
+            if self.options.worker_backend == "ray":
                 self._ray = RayCluster.connect(self.options.ray_address, self.pipeline)
             for stage in self.pipeline.stages:
                 self._launch(stage)

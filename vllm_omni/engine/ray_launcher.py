@@ -10,9 +10,10 @@ shared memory), so actors must share this host (docs/deployment.md, "Ray"). Ray 
 starts and kills the processes. An actor's death, or its worker returning, is reported like a
 process exit, and the supervisor restarts the stage as it would a process.
 
-Ownership: if we started Ray (or connected this process to a cluster), close() shuts our
-connection down, which for a local instance we started stops it entirely; if the caller had
-already initialized Ray, only our actors are killed. Importing this module does not import ray.
+Ownership: if we started Ray (or connected this process to a cluster), the last pipeline of
+this process to close shuts our connection down, which for a local instance we started stops
+it entirely; if the caller had already initialized Ray, only our actors are killed. Importing
+this module does not import ray.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ import logging
 import math
 import os
 import socket
+import threading
+import time
 import uuid
 from collections import Counter
 from typing import Any
@@ -37,6 +40,8 @@ logger = logging.getLogger(__name__)
 WORKER_BACKENDS = ("multi_process", "ray")
 RAY_EXTRA = 'pip install "vllm-omni[ray]"'
 _CONNECT_CHECK_S = 10.0  # how long a cluster's address may take to accept a connection
+_INIT_TIMEOUT_S = 120.0  # ray.init / ray.shutdown (a local start takes seconds)
+_RESOURCES_SETTLE_S = 5.0  # how long freed resources may take to show as available
 
 
 def worker_backend_problem(backend: str, ray_address: str | None) -> str | None:
@@ -74,7 +79,7 @@ class RayCluster:
 
     def __init__(self, ray: Any, owned: bool, pipeline: PipelineConfig, gpus: bool) -> None:
         self._ray = ray
-        self.owned = owned  # we called ray.init, so close() calls ray.shutdown
+        self.owned = owned  # a user of the _RaySession (our ray.init), not of the caller's Ray
         self._pipeline = pipeline
         self._gpus = gpus
         self._actor_cls = ray.remote(_StageActor)
@@ -89,27 +94,56 @@ class RayCluster:
         import ray
         import torch
 
-        owned = not ray.is_initialized()
-        if owned:
-            kwargs = _init_kwargs(address, sum(1 for s in pipeline.stages if s.runtime.process))
-            _check_reachable(kwargs.get("address", os.environ.get("RAY_ADDRESS")))
-            ray.init(**kwargs)
+        global _session
+        with _session_lock:
+            owned = _session is not None or not ray.is_initialized()
+            if _session is None and owned:
+                kwargs = _init_kwargs(address, sum(1 for s in pipeline.stages if s.runtime.process))
+                _check_reachable(kwargs.get("address", os.environ.get("RAY_ADDRESS")))
+                _session = _RaySession(kwargs)
+            elif _session is not None and address != _session.address:
+                logger.warning("ray_address %r ignored: this process already uses the Ray it joined for another "
+                               "pipeline (%r)", address, _session.address)
+            if owned:
+                _session.users += 1
+            local = owned and _session.local
         cluster = cls(ray, owned, pipeline, gpus=torch.cuda.is_available())
-        cluster._warn_if_short()
+        try:
+            cluster._check_resources(local)
+        except BaseException:
+            cluster.close()
+            raise
         return cluster
 
-    def _warn_if_short(self) -> None:
+    def _check_resources(self, local: bool) -> None:
+        """Say when the stages cannot all be placed. A local instance we started cannot grow:
+        fail now rather than at stage_init_timeout. A cluster may (an autoscaler): warn."""
         need: dict[str, float] = {"CPU": 0.0, "GPU": 0.0}
         for stage in self._pipeline.stages:
             if stage.runtime.process:
                 res = actor_resources(stage, self._pipeline, self._gpus)
                 need["CPU"] += res["num_cpus"]
                 need["GPU"] += res["num_gpus"]
-        have = self._ray.cluster_resources()
-        short = {k: v for k, v in need.items() if v > have.get(k, 0.0) + 1e-6}
-        if short:  # an autoscaler may still add nodes: wait (bounded by stage_init_timeout), say why
-            logger.warning("the Ray cluster has %s; the stage actors need %s: some will wait for resources",
-                           {k: have.get(k, 0.0) for k in short}, short)
+
+        def short() -> dict[str, float]:
+            have = self._ray.available_resources() if local else self._ray.cluster_resources()
+            return {k: v for k, v in need.items() if v > have.get(k, 0.0) + 1e-6}
+
+        if not short():
+            return
+        if not local:
+            logger.warning("the Ray cluster has fewer resources than the stage actors need (%s): some will wait "
+                           "for them", short())
+            return
+        deadline = time.monotonic() + _RESOURCES_SETTLE_S  # actors killed a moment ago free theirs soon
+        while short() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if short():
+            raise RuntimeError(
+                f"the local Ray instance this process started has too few free resources for the stage actors "
+                f"(they need {need}, free: {self._ray.available_resources()}), e.g. because another pipeline of "
+                "this process holds them; start Ray yourself with enough (`ray start --head --num-cpus N`) and "
+                "pass --ray-address auto")
 
     def launcher(self, spec: WorkerSpec) -> RayLauncher:
         self._launches[spec.stage_id] += 1
@@ -118,8 +152,57 @@ class RayCluster:
         return RayLauncher(self._ray, self._actor_cls, spec, name, options)
 
     def close(self) -> None:
-        if self.owned and self._ray.is_initialized():
-            self._ray.shutdown()
+        global _session
+        with _session_lock:
+            if not self.owned or _session is None:
+                return
+            _session.users -= 1
+            if _session.users == 0:  # the last pipeline of this process using it
+                _session.shut_down()
+                _session = None
+
+
+class _RaySession:
+    """The Ray this process called ray.init for, shared by its pipelines until the last closes.
+
+    ray.init runs on a thread of its own that lives until ray.shutdown: Ray ties the processes
+    it starts (a local instance) to the life of the thread that started them, and an
+    orchestrator's thread ends with its pipeline, while another pipeline may still use Ray."""
+
+    def __init__(self, init_kwargs: dict[str, Any]) -> None:
+        self.address = init_kwargs.get("address")
+        self.local = self.address == "local"  # an instance of our own, not a cluster we joined
+        self.users = 0
+        self._stop = threading.Event()
+        self._result: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(init_kwargs,), name="vllm-omni-ray", daemon=True)
+        self._thread.start()
+        try:
+            self._result.result(_INIT_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"Ray did not start (or connect) within {_INIT_TIMEOUT_S}s") from None
+
+    def _run(self, init_kwargs: dict[str, Any]) -> None:
+        import ray
+
+        try:
+            ray.init(**init_kwargs)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+            self._result.set_exception(e)
+            return
+        self._result.set_result(None)
+        self._stop.wait()
+        ray.shutdown()
+
+    def shut_down(self) -> None:
+        self._stop.set()
+        self._thread.join(_INIT_TIMEOUT_S)
+        if self._thread.is_alive():
+            logger.error("ray.shutdown did not return within %ss", _INIT_TIMEOUT_S)
+
+
+_session: _RaySession | None = None
+_session_lock = threading.Lock()
 
 
 def _init_kwargs(address: str | None, num_actors: int) -> dict[str, Any]:
