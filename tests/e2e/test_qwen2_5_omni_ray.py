@@ -59,7 +59,7 @@ def our_actors(ray) -> list[str]:
 
 def is_ray_actor(pid: int) -> bool:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return f.read().startswith(b"ray::_StageActor")
+        return f.read().startswith(b"ray::StageActor")
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +219,7 @@ def test_without_ray_the_backend_is_a_clear_error_and_nothing_imports_ray(monkey
     with pytest.raises(ValueError, match=r"--ray-address\) needs --worker-backend ray"):
         RuntimeOptions(ray_address="auto")
     code = ("import sys; sys.modules['ray'] = None\n"
-            "import vllm_omni, vllm_omni.engine.runtime, vllm_omni.engine.ray_launcher\n"
+            "import vllm_omni, vllm_omni.engine.runtime, vllm_omni.engine.ray_cluster, vllm_omni.engine.ray_launcher\n"
             "from vllm_omni import Omni, AsyncOmni\n"
             "from vllm_omni.entrypoints.cli.main import main\n"
             f"sys.exit(main(['serve', {str(omni_dir)!r}, '--worker-backend', 'ray']))")
@@ -242,7 +242,7 @@ def test_unreachable_ray_address_fails_the_start_fast(omni_dir, tmp_path):
 
 
 def test_actor_resources_follow_devices_and_tensor_parallel(omni_dir):
-    from vllm_omni.engine.ray_launcher import actor_resources
+    from vllm_omni.engine.ray_cluster import actor_resources
     from vllm_omni.entrypoints.omni_base import load_pipeline
 
     def gpus(overrides=None, on_gpu=True) -> list[float]:

@@ -31,7 +31,7 @@ from vllm_omni.stage_io import OutputKind, StageInputChunk, StageOutput, StageRe
 from vllm_omni.engine.request_plan import RequestPlan
 from vllm_omni.engine.request_state import RequestDone, RequestSink, RequestState
 from vllm_omni.engine.stage_client import StageClient, StageDownError, StageHealth, StageState
-from vllm_omni.engine.ray_launcher import RayCluster, worker_backend_problem
+from vllm_omni.engine.ray_cluster import RayCluster, worker_backend_problem
 from vllm_omni.engine.stage_input import build_stage_input, resolve_input_processor
 from vllm_omni.engine.stage_launcher import ProcessLauncher, StageLauncher, ThreadLauncher, torch_threads_for
 from vllm_omni.engine.stage_worker import WorkerSpec
@@ -54,7 +54,7 @@ class RuntimeOptions:
     # Flow control of streaming edges: units sent but not consumed before the producer pauses.
     stream_max_pending_units: int = 512
     max_stage_restarts: int = 3  # restarts of a failed stage before it stays DOWN (engine/supervisor.py)
-    worker_backend: str = "multi_process"  # or "ray": stages as Ray actors (engine/ray_launcher.py)
+    worker_backend: str = "multi_process"  # or "ray": stages as Ray actors (engine/ray_cluster.py)
     ray_address: str | None = None  # None: RAY_ADDRESS, else a local Ray instance of our own
 
     def __post_init__(self) -> None:

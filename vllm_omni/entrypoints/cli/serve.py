@@ -78,7 +78,7 @@ def _check(args: argparse.Namespace) -> list[str]:
     if args.omni_heartbeat_timeout <= 0:
         problems.append("--omni-heartbeat-timeout must be > 0")
     if args.worker_backend != "multi_process" or args.ray_address is not None:
-        from vllm_omni.engine.ray_launcher import worker_backend_problem
+        from vllm_omni.engine.ray_cluster import worker_backend_problem
 
         backend = worker_backend_problem(args.worker_backend, args.ray_address)
         problems += [backend] if backend is not None else []
