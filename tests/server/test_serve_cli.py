@@ -38,7 +38,8 @@ SPEC_DEFAULTS = {
 }
 MUST_IMPLEMENT = ["--port", "--host", "--stage-configs-path", "--deploy-config", "--stage-overrides",
                   "--stage-init-timeout", "--init-timeout", "--shm-threshold-bytes", "--log-stats", "--log-file",
-                  "--batch-timeout", "--served-model-name", "--api-key", "--max-num-seqs"]
+                  "--batch-timeout", "--served-model-name", "--api-key", "--max-num-seqs", "--worker-backend",
+                  "--ray-address"]
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -101,7 +102,7 @@ def test_implemented_flags_and_engine_flags():
 
 @pytest.mark.parametrize("argv, message", [
     (["--stage-id", "1"], "--stage-id=1 is not supported"),
-    (["--worker-backend", "ray"], "--worker-backend='ray' is not supported: the Ray backend"),
+    (["--ray-address", "auto"], "a Ray address (--ray-address) needs --worker-backend ray"),
     (["--stage-configs-path", "a.yaml", "--deploy-config", "b.yaml"], "mutually exclusive"),
     (["--max-concurrent-requests", "0"], "--max-concurrent-requests must be >= 1"),
 ])
@@ -145,10 +146,11 @@ def test_flags_reach_async_omni(monkeypatch):
     args = serve_parser().parse_args([
         "m", "--stage-configs-path", "s.yaml", "--stage-overrides", '{"0": {"max_num_seqs": 2}}',
         "--stage-init-timeout", "30", "--init-timeout", "60", "--shm-threshold-bytes", "1024", "--log-stats",
-        "--max-num-seqs", "8", "--dtype", "float32", "--no-async-chunk"])
+        "--max-num-seqs", "8", "--dtype", "float32", "--no-async-chunk", "--worker-backend", "ray",
+        "--ray-address", "auto"])
     serve._start_engine(args, "m")
     assert seen == {"model": "m", "stage_configs_path": "s.yaml", "deploy_config": None,
                     "stage_overrides": '{"0": {"max_num_seqs": 2}}', "stage_init_timeout": 30.0,
                     "init_timeout": 60.0, "shm_threshold_bytes": 1024, "log_stats": True, "async_chunk": False,
-                    "heartbeat_timeout": 5.0, "max_stage_restarts": 3, "lb_policy": "random", "max_num_seqs": 8,
-                    "dtype": "float32"}
+                    "heartbeat_timeout": 5.0, "max_stage_restarts": 3, "lb_policy": "random",
+                    "worker_backend": "ray", "ray_address": "auto", "max_num_seqs": 8, "dtype": "float32"}

@@ -39,6 +39,7 @@ from vllm_omni.stage_io import OutputKind, StageInputChunk, StageOutput, StageRe
 from vllm_omni.engine.request_plan import RequestPlan
 from vllm_omni.engine.request_state import RequestDone, RequestSink, RequestState
 from vllm_omni.engine.stage_client import StageClient, StageDownError, StageHealth, StageState
+from vllm_omni.engine.ray_cluster import RayCluster, worker_backend_problem
 from vllm_omni.engine.stage_input import build_stage_input, resolve_input_processor
 from vllm_omni.engine.stage_launcher import ProcessLauncher, StageLauncher, ThreadLauncher, torch_threads_for
 from vllm_omni.engine.stage_worker import WorkerSpec
@@ -62,6 +63,13 @@ class RuntimeOptions:
     stream_max_pending_units: int = 512
     max_stage_restarts: int = 3  # restarts of a failed stage before it stays DOWN (engine/supervisor.py)
     lb_policy: str = DEFAULT_LB_POLICY  # which replica of a stage takes a new request (load_balancer.py)
+    worker_backend: str = "multi_process"  # or "ray": stages as Ray actors (engine/ray_cluster.py)
+    ray_address: str | None = None  # None: RAY_ADDRESS, else a local Ray instance of our own
+
+    def __post_init__(self) -> None:
+        problem = worker_backend_problem(self.worker_backend, self.ray_address)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 @dataclass
@@ -101,6 +109,7 @@ class Orchestrator:
         self._launches: Counter[ReplicaRef] = Counter()  # per replica: a restart gets fresh socket addresses
         self._down_reasons: dict[ReplicaRef, str] = {}  # why a replica last went down
         self._closing = False
+        self._ray: RayCluster | None = None  # worker_backend "ray": the cluster the stage actors run on
 
     # --- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
@@ -109,6 +118,8 @@ class Orchestrator:
         self._ctx = zmq.Context()
         t0 = time.monotonic()
         try:
+            if self.options.worker_backend == "ray":
+                self._ray = RayCluster.connect(self.options.ray_address, self.pipeline)
             for stage in self.pipeline.stages:
                 for replica in range(stage.runtime.num_replicas):
                     self._launch(stage, replica)
@@ -162,7 +173,13 @@ class Orchestrator:
             parent_pid=os.getpid(), in_process=not stage.runtime.process,
             torch_threads=torch_threads_for(stage, self.pipeline), log_level=logging.getLogger().getEffectiveLevel(),
         )
-        launcher: StageLauncher = ProcessLauncher(spec) if stage.runtime.process else ThreadLauncher(spec)
+        launcher: StageLauncher
+        if not stage.runtime.process:
+            launcher = ThreadLauncher(spec)
+        elif self._ray is not None:
+            launcher = self._ray.launcher(spec)
+        else:
+            launcher = ProcessLauncher(spec)
         channel = OrchestratorChannel(self._ctx, in_addr, out_addr, opts.shm_threshold_bytes, self._shm_prefix)
         client = StageClient(stage.stage_id, stage.model_stage, launcher, channel,
                              on_message=functools.partial(self._on_message, replica=replica),
@@ -197,6 +214,9 @@ class Orchestrator:
         # In pipeline order: nothing flows into a stage after its sources have stopped.
         for sid in self.pipeline.topo_order():
             await asyncio.gather(*(c.close(self.options.shutdown_timeout_s) for c in self.pools[sid].clients()))
+        if self._ray is not None:  # every actor is gone; a Ray we started stops here
+            self._ray.close()
+            self._ray = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None

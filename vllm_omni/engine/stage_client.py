@@ -199,6 +199,7 @@ class StageClient:
             return
         if isinstance(msg, StageReady):
             self.info = dict(msg.info)
+            self.pid = msg.pid  # the worker's own process: a Ray actor's is known only now
             if self.state == StageState.STARTING:
                 self.state = StageState.UP
                 assert self._ready is not None

@@ -44,7 +44,11 @@ class OmniBase:
     `output_modalities` (e.g. ["text"]): what this instance will ever return. With a bundled
     config it picks the smallest variant (text only: the thinker alone, no talker loaded), and
     it is the default of generate's `modalities`. `async_chunk` (None: the config's) makes
-    the stages stream to each other (True) or hand over finished outputs only (False)."""
+    the stages stream to each other (True) or hand over finished outputs only (False).
+
+    `worker_backend="ray"` runs each stage as a Ray actor (needs the `ray` extra) on the Ray
+    this process initialized, else the cluster at `ray_address`, else a local instance of its
+    own (docs/deployment.md, "Ray")."""
 
     def __init__(
         self,
@@ -61,6 +65,8 @@ class OmniBase:
         heartbeat_timeout: float = 5.0,
         max_stage_restarts: int = 3,
         lb_policy: str = DEFAULT_LB_POLICY,
+        worker_backend: str = "multi_process",
+        ray_address: str | None = None,
         **engine_args: Any,
     ) -> None:
         model = os.fspath(model)
@@ -71,7 +77,8 @@ class OmniBase:
         options = RuntimeOptions(stage_init_timeout_s=float(stage_init_timeout), init_timeout_s=float(init_timeout),
                                  shm_threshold_bytes=int(shm_threshold_bytes), log_stats=log_stats,
                                  heartbeat_timeout_s=float(heartbeat_timeout),
-                                 max_stage_restarts=int(max_stage_restarts), lb_policy=lb_policy)
+                                 max_stage_restarts=int(max_stage_restarts), lb_policy=lb_policy,
+                                 worker_backend=worker_backend, ray_address=ray_address)
         self._runtime = OmniRuntime(pipeline, model, options, output_modalities)
 
     @property

@@ -79,6 +79,11 @@ def _check(args: argparse.Namespace) -> list[str]:
         problems.append("--omni-heartbeat-timeout must be > 0")
     if args.omni_dp_size_local < 1:
         problems.append("--omni-dp-size-local must be >= 1")
+    if args.worker_backend != "multi_process" or args.ray_address is not None:
+        from vllm_omni.engine.ray_cluster import worker_backend_problem
+
+        backend = worker_backend_problem(args.worker_backend, args.ray_address)
+        problems += [backend] if backend is not None else []
     return problems
 
 
@@ -199,5 +204,6 @@ def _start_engine(args: argparse.Namespace, model: str):
         stage_overrides=serve_args.stage_overrides(args), stage_init_timeout=args.stage_init_timeout,
         init_timeout=args.init_timeout, shm_threshold_bytes=args.shm_threshold_bytes, log_stats=args.log_stats,
         async_chunk=args.async_chunk, heartbeat_timeout=args.omni_heartbeat_timeout,
-        max_stage_restarts=args.max_stage_restarts, lb_policy=args.omni_lb_policy, **serve_args.engine_args(args),
+        max_stage_restarts=args.max_stage_restarts, lb_policy=args.omni_lb_policy, worker_backend=args.worker_backend,
+        ray_address=args.ray_address, **serve_args.engine_args(args),
     )

@@ -80,10 +80,12 @@ OMNI_FLAGS: tuple[Flag, ...] = (
     _f("--log-file", "Also write the server's log to this file.", default=None),
     _f("--batch-timeout", "The timeout for the batch: the longest a request waits in the server's admission "
        "queue (see --max-concurrent-requests) before it is answered 429, in seconds.", type=float, default=10),
-    _f("--worker-backend", "The backend to use for stage workers.", "the Ray backend is not implemented yet",
+    _f("--worker-backend", "The backend to use for stage workers: multi_process (a spawned process per stage) "
+       "or ray (a Ray actor per stage, on this host; needs the ray extra).",
        choices=("multi_process", "ray"), default="multi_process"),
-    _f("--ray-address", "The address of the Ray cluster to connect to.", "the Ray backend is not implemented yet",
-       default=None),
+    _f("--ray-address", "The address of the Ray cluster to connect to (with --worker-backend ray), e.g. auto "
+       "(the cluster `ray start` began on this host) or HOST:PORT. Unset: the cluster RAY_ADDRESS names, else a "
+       "local Ray instance the server starts and stops.", default=None),
     _f("--omni-master-address -oma", "Hostname or IP address of the Omni orchestrator (master).", _STAGE_CLI,
        default=None),
     _f("--omni-master-port -omp", "Port of the Omni orchestrator (master).", _STAGE_CLI, type=int, default=None),
