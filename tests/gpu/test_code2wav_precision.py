@@ -123,9 +123,18 @@ def test_dit_graphs_equal_the_eager_dit(real_dirs, precision, monkeypatch):
     reqs = requests("qwen2_5", [1.0, 1.6])
     for _ in range(2):  # the second call replays what the first captured
         got = fast.generate_batch(reqs)
+    # float32: the same samples. bfloat16: the captured and the eager evaluations round apart in
+    # the last bits (measured 1.4e-4 max abs on the H200: the graph casts weights inside each
+    # replay, and cuBLAS may choose other kernels under capture), far below bf16's own error.
+    def check(got: torch.Tensor, want: torch.Tensor) -> None:
+        if precision == "float32":
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        else:
+            assert snr_db(want, got) >= 60.0
+
     for a, b in zip(got, eager.generate_batch(reqs)):
-        torch.testing.assert_close(a["audio"], b["audio"], atol=1e-5, rtol=1e-5)
+        check(a["audio"], b["audio"])
     codes = torch.tensor(reqs[1].prompt_token_ids)
     streamed = [audio_of(run_stream(m, open_empty(m, seed=1), codes, [40, 20, len(codes) - 60])) for m in (fast, eager)]
     assert len(fast._dit_forward.captured) > 2  # whole rows, then the stream's window shapes
-    torch.testing.assert_close(torch.cat(streamed[0]), torch.cat(streamed[1]), atol=1e-5, rtol=1e-5)
+    check(torch.cat(streamed[0]), torch.cat(streamed[1]))
