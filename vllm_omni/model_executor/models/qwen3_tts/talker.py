@@ -46,7 +46,6 @@ _NUM_SPECIAL_CODES = 1024  # the talker vocabulary's trailing control codes
 # qwen-tts' code predictor sampling (subtalker_*) when the talker samples; greedy when it is greedy.
 PREDICTOR_SAMPLING = SamplingParams(temperature=0.9, top_k=50, top_p=1.0, max_tokens=None)
 SPEECH_TOKENIZER_DIR = "speech_tokenizer"
-# Opt-in until measured on the GPU (docs/tts.md): the code predictor's frames as CUDA graphs.
 
 
 @dataclass
