@@ -4,6 +4,7 @@
 #   benchmarks/h200_round.sh qwen2_5   # Qwen2.5-Omni-7B end to end, streaming and not, vs transformers
 #   benchmarks/h200_round.sh qwen2_5_stream  # its streaming path alone, with the code2wav GPU tests
 #   benchmarks/h200_round.sh qwen3     # Qwen3-Omni-30B-A3B end to end, c = 1..64, vs transformers
+#   benchmarks/h200_round.sh tts       # Qwen3-TTS 1.7B: c = 1, 16, 64 and Poisson arrivals
 #   benchmarks/h200_round.sh stages    # code2wav / token2wav, Qwen3-TTS, Qwen-Image on their own
 # Logs and JSON go to $OUT (or ./h200_out). Each step has its own time limit, so one slow step
 # still leaves the others' results.
@@ -33,6 +34,9 @@ case "${1:-}" in
     step e2e_qwen2_5_stream 420 $PY benchmarks/bench_omni_e2e.py --dummy-config benchmarks/configs/qwen2_5_omni_7b.json \
       --concurrency 1,8,32 --num-requests 8 --prompt-words 100 --text-tokens 128 --codec-tokens 500 \
       --skip-hf --async-chunk on --json "$OUT/e2e_qwen2_5_stream.json" ;;
+  tts)  # Qwen3-TTS alone (its start-up does not fit the stages part's limit)
+    step tts 480 $PY benchmarks/bench_tts.py --real-arch --concurrency 1,16,64 --num-requests 64 --frames 120 \
+      --rate 20 --json "$OUT/tts.json" ;;
   qwen3)
     step e2e_qwen3 560 $PY benchmarks/bench_omni_e2e.py --dummy-config benchmarks/configs/qwen3_omni_30b_a3b.json \
       --concurrency 1,8,32,64 --num-requests 8 --prompt-words 74 --text-tokens 64 --codec-tokens 100 \
@@ -48,5 +52,5 @@ case "${1:-}" in
       --json "$OUT/tts.json"
     step diffusion 120 $PY benchmarks/bench_diffusion.py --size 512 --steps 20 --batch-sizes 1,4 \
       --json "$OUT/diffusion.json" ;;
-  *) echo "usage: $0 tests|qwen2_5|qwen2_5_stream|qwen3|stages"; exit 2 ;;
+  *) echo "usage: $0 tests|qwen2_5|qwen2_5_stream|tts|qwen3|stages"; exit 2 ;;
 esac
