@@ -35,7 +35,7 @@ case "${1:-}" in
       --concurrency 1,8,32 --num-requests 8 --prompt-words 100 --text-tokens 128 --codec-tokens 500 \
       --skip-hf --async-chunk on --json "$OUT/e2e_qwen2_5_stream.json" ;;
   tts)  # Qwen3-TTS alone (its start-up does not fit the stages part's limit)
-    step tts 480 $PY benchmarks/bench_tts.py --real-arch --concurrency 1,16,64 --num-requests 64 --frames 120 \
+    step tts 480 $PY benchmarks/bench_tts.py --real-arch --concurrency 1,16,64 --num-requests 32 --frames 120 \
       --rate 20 --json "$OUT/tts.json" ;;
   qwen3)
     step e2e_qwen3 560 $PY benchmarks/bench_omni_e2e.py --dummy-config benchmarks/configs/qwen3_omni_30b_a3b.json \
