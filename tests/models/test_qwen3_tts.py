@@ -26,11 +26,12 @@ import torch
 from vllm_omni.core.engine_config import EngineConfig
 from vllm_omni.core.llm_engine import LLMEngine
 from vllm_omni.model_executor.models.qwen3_tts.bridges import talker2code2wav
-from vllm_omni.model_executor.models.qwen3_tts.code2wav import Qwen3TTSCode2Wav, stream_chunks
+from vllm_omni.model_executor.models.qwen3_tts.code2wav import Qwen3TTSCode2Wav
 from vllm_omni.multimodal.qwen3_tts_input import Qwen3TTSInputProcessor
 from vllm_omni.model_executor.models.qwen3_tts.tts_request import CODES_KEY, REF_CODES_KEY
 from vllm_omni.sampling_params import SamplingParams
 from vllm_omni.stage_io import StageRequest
+from tests.models.codec_streams import audio_of, open_empty, run_stream
 from tests.models.predictor_frames import check_frame_matches_eager_predictor
 
 REFERENCE = Path(__file__).resolve().parents[1] / "reference" / "qwen_tts"
@@ -157,24 +158,23 @@ def test_seeded_sampling_is_reproducible(checkpoints):
     assert codes["a"] != greedy_codes.tolist()
 
 
-def test_chunked_decode_joins_to_the_whole_decode(checkpoints):
-    """The streaming path's chunks (small first chunk, left context) join into the audio of one
-    whole decode: the decoder is causal, and 25 frames of context cover its receptive field
-    closely (not exactly: the transformer's sliding window spans 8 frames per layer)."""
-    decoder = Qwen3TTSCode2Wav.load(str(checkpoints["CustomVoice"])).decoder
+def test_streamed_decode_joins_to_the_whole_decode(checkpoints):
+    """The streaming path's chunks (4 frames first, doubling up to 25, with 25 frames of left context)
+    join into the audio of one whole decode: the decoder is causal, and 25 frames of context
+    cover its receptive field closely (not exactly: the transformer's sliding window spans 8
+    frames per layer). A cloned voice's reference frames are decoded but not played."""
+    model = Qwen3TTSCode2Wav.load(str(checkpoints["CustomVoice"]))
+    decoder, spf = model.decoder, model.decoder.samples_per_frame
     generator = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, decoder.codebook_size, (1, decoder.num_quantizers, 24), generator=generator)
+    codes = torch.randint(0, decoder.codebook_size, (60, decoder.num_quantizers), generator=generator)
     with torch.inference_mode():
-        whole = decoder(codes)[:, 0]
-        pieces = [decoder.decode_chunk(codes, start, end, left_context=25)
-                  for start, end in stream_chunks(codes.shape[-1], first=2, size=9)]
-    joined = torch.cat(pieces, dim=-1)
-    assert [e - s for s, e in stream_chunks(24, 2, 9)] == [2, 9, 9, 4]
-    assert joined.shape == whole.shape
-    torch.testing.assert_close(joined, whole, rtol=0, atol=1e-4)
-    # Without context the chunk boundaries show: the context is what makes them match.
-    blind = torch.cat([decoder.decode_chunk(codes, s, e, left_context=0) for s, e in stream_chunks(24, 2, 9)], -1)
-    assert (blind - whole).abs().max() > 1e-2
+        whole = decoder(codes.T[None])[0, 0]
+    chunks = audio_of(run_stream(model, open_empty(model), codes, [3, 10, 47]))
+    assert [c.numel() // spf for c in chunks] == [4, 8, 16, 25, 7]  # the ramp of code2wav_stream.py
+    torch.testing.assert_close(torch.cat(chunks), whole, rtol=0, atol=1e-4)
+    cloned = audio_of(run_stream(model, open_empty(model, context_frames=10), codes, [3, 10, 47]))
+    torch.testing.assert_close(torch.cat(cloned), whole[10 * spf:], rtol=0, atol=1e-4)
+    assert cloned[0].numel() == 0  # the first chunk was reference frames only
 
 
 def test_tiny_checkpoint_cli_builds_each_task_type(tmp_path):

@@ -55,3 +55,24 @@ def test_cli_generate_writes_the_wav(custom_voice, tmp_path, capsys):
     assert wave.shape == reference.shape
     # The file holds 16-bit PCM: within one quantization step of qwen-tts' float waveform.
     assert np.abs(wave - reference).max() <= 1.5 / 32768
+
+
+def test_streaming_edge_starts_code2wav_early_and_changes_nothing(custom_voice):
+    """The bundled deploy config streams the talker's frames to code2wav (async_chunk): code2wav
+    starts every request before the talker ends it, and the audio and its codes are those of
+    handing over finished requests (up to the chunked decode's 25-frame context)."""
+    cases = CASES["CustomVoice"]
+    prompts = [case_prompt("CustomVoice", c) for c in cases]
+    overrides = {"0": {"max_num_seqs": 4}, "1": {"max_num_seqs": 4}}
+    results = {}
+    for streaming in (False, True):
+        with Omni(model=str(custom_voice), stage_overrides=overrides, async_chunk=streaming) as omni:
+            outs = omni.generate(prompts, GREEDY, use_tqdm=False)
+            early = omni._runtime.orchestrator.stage_counters[1].get("early_starts", 0)
+        assert early == (len(cases) if streaming else 0)
+        results[streaming] = {o.request_id: o.request_output for o in outs}
+    for rid, whole in results[False].items():
+        streamed = results[True][rid]
+        assert streamed.prompt_token_ids == whole.prompt_token_ids, rid
+        np.testing.assert_allclose(streamed.outputs[0].multimodal_output["audio"].numpy(),
+                                   whole.outputs[0].multimodal_output["audio"].numpy(), rtol=0, atol=1e-4, err_msg=rid)

@@ -26,6 +26,7 @@ FAMILY = ModelFamily(
         "code2wav": f"{_HERE}.code2wav:Qwen3TTSCode2Wav",
     },
     bridges={"code2wav": "vllm_omni.model_executor.stage_input_processors.qwen3_tts.talker2code2wav"},
+    stream_bridges={"code2wav": f"{_HERE}.bridges.TALKER_TO_CODE2WAV_STREAM"},
     input_processor="vllm_omni.multimodal.qwen3_tts_input:Qwen3TTSInputProcessor",
     pipelines={PipelineVariant.DEFAULT: "qwen3_tts"},
     tiny_checkpoints={"qwen3_tts": "vllm_omni.testing.tiny_qwen3_tts:build_tiny_qwen3_tts"},

@@ -10,9 +10,13 @@ qwen-tts cuts them.
 Requests of any lengths share one batch: the decoder is causal, so frames past a request's end
 (padding) cannot change its samples; each waveform is cut at its own length.
 
-`stream_chunks` / `SpeechDecoder.decode_chunk` decode a growing code sequence piece by piece
-(small first chunk for a fast first audio, then larger ones, each with left context): what a
-streaming talker -> code2wav edge calls per chunk.
+Streaming (a talker -> code2wav edge with async_chunk): `open_stream` / `decode_streams` decode
+a request's frames as the talker makes them, in the chunks of Qwen3-Omni's code2wav
+(qwen3_omni/code2wav_stream.py: 4 frames first, doubling up to 25, each with 25 frames of left
+context). The decoder is causal and keeps no look-ahead samples (its transposed convolutions
+drop them), so a chunk's samples are final when decoded. A cloned voice's reference frames
+come first in the stream and their samples are not played (`context_frames` x samples per
+frame; the whole-request path cuts the same share in qwen-tts' float arithmetic).
 """
 from __future__ import annotations
 
@@ -22,32 +26,36 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from vllm_omni.model_executor.models.qwen3_tts.speech_decoder import SpeechDecoder
 from vllm_omni.model_executor.dtypes import canonical_dtype, torch_dtype
-from vllm_omni.stage_io import StageRequest
+from vllm_omni.model_executor.models.codec_streaming import chunk_output, own_streams
+from vllm_omni.model_executor.models.qwen3_omni.code2wav_stream import Code2WavStream, Code2WavStreamConfig
+from vllm_omni.model_executor.models.qwen3_tts.speech_decoder import SpeechDecoder
+from vllm_omni.stage_io import StageRequest, StreamingDecoder
 
 CONTEXT_FRAMES_KEY = "context_frames"
 DECODER_PREFIX = "decoder."
 CHUNK_FRAMES, LEFT_CONTEXT_FRAMES = 300, 25  # qwen-tts' chunked_decode defaults
 
 
-def stream_chunks(num_frames: int, first: int, size: int) -> list[tuple[int, int]]:
-    """[start, end) frame ranges: one of `first` frames, then `size` each."""
-    bounds, start = [], 0
-    while start < num_frames:
-        end = min(start + (first if start == 0 else size), num_frames)
-        bounds.append((start, end))
-        start = end
-    return bounds
+class TTSStream(Code2WavStream):
+    """A request's stream; its first `skip_samples` samples (a cloned voice's reference) are not played."""
+
+    def __init__(self, request_id: str, decoder: SpeechDecoder, config: Code2WavStreamConfig, skip_samples: int):
+        super().__init__(request_id, decoder.num_quantizers, decoder.codebook_size, config)
+        self.skip_samples = skip_samples
 
 
 class Qwen3TTSCode2Wav:
-    """GenerationModel: `generate_batch` -> [{"audio": float32 [N], "sample_rate": int32 []}]."""
+    """StreamingGenerationModel: `generate_batch` / `decode_streams` -> [{"audio": float32 [N],
+    "sample_rate": int32 []}] (a stream's chunks carry the rate in the first one only)."""
 
-    def __init__(self, decoder: SpeechDecoder, device: torch.device, sample_rate: int) -> None:
+    def __init__(self, decoder: SpeechDecoder, device: torch.device, sample_rate: int,
+                 stream_config: Code2WavStreamConfig | None = None) -> None:
         self.decoder = decoder
         self.device = device
         self.sample_rate = sample_rate
+        self.stream_config = stream_config or Code2WavStreamConfig()
+        self.max_units_per_chunk = max(self.stream_config.initial_chunk_frames, self.stream_config.chunk_frames)
 
     @classmethod
     def load(cls, model_path: str, *, model_stage: str | None = None, device: torch.device | str = "cpu",
@@ -90,6 +98,34 @@ class Qwen3TTSCode2Wav:
                 wavs[i] = wav[cut:].clone()
         rate = torch.tensor(self.sample_rate, dtype=torch.int32)
         return [{"audio": wav, "sample_rate": rate} for wav in wavs]
+
+    # ------------------------------------------------------------------ streaming
+    def open_stream(self, req: StageRequest) -> TTSStream:
+        context = int(req.additional_information.get(CONTEXT_FRAMES_KEY, 0))
+        stream = TTSStream(req.request_id, self.decoder, self.stream_config, context * self.decoder.samples_per_frame)
+        first = self._codes(req)
+        if first.shape[1]:
+            stream.push(first.T, final=False)
+        return stream
+
+    @torch.inference_mode()
+    def decode_streams(self, decoders: list[StreamingDecoder]) -> list[dict[str, torch.Tensor]]:
+        streams = own_streams(decoders, TTSStream)
+        windows = [s.next_window() for s in streams]
+        # Right padding cannot reach a row's samples (the decoder is causal): one call for all.
+        longest = max(w.codes.shape[1] for w in windows)
+        batch = torch.zeros(len(windows), self.decoder.num_quantizers, longest, dtype=torch.long)
+        for row, window in enumerate(windows):
+            batch[row, :, : window.codes.shape[1]] = window.codes
+        wavs = self.decoder(batch.to(self.device))[:, 0].float().cpu()
+        spf, outputs = self.decoder.samples_per_frame, []
+        for stream, window, wav in zip(streams, windows, wavs):
+            stream.commit(window)
+            new = wav[window.context * spf: window.codes.shape[1] * spf]
+            skip = min(stream.skip_samples, new.shape[0])
+            stream.skip_samples -= skip
+            outputs.append(chunk_output(stream, new[skip:].clone(), self.sample_rate))
+        return outputs
 
     def _codes(self, req: StageRequest) -> torch.Tensor:
         """[groups, frames] from the codebook-major flat prompt."""
