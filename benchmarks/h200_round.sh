@@ -5,6 +5,7 @@
 #   benchmarks/h200_round.sh qwen2_5_stream  # its streaming path alone, with the code2wav GPU tests
 #   benchmarks/h200_round.sh qwen3     # Qwen3-Omni-30B-A3B end to end, c = 1..64, vs transformers
 #   benchmarks/h200_round.sh tts       # Qwen3-TTS 1.7B: c = 1, 16, 64 and Poisson arrivals
+#   benchmarks/h200_round.sh profile   # the Qwen2.5-Omni talker's step under the torch profiler
 #   benchmarks/h200_round.sh stages    # code2wav / token2wav, Qwen3-TTS, Qwen-Image on their own
 # Logs and JSON go to $OUT (or ./h200_out). Each step has its own time limit, so one slow step
 # still leaves the others' results.
@@ -37,6 +38,13 @@ case "${1:-}" in
   tts)  # Qwen3-TTS alone (its start-up does not fit the stages part's limit)
     step tts 480 $PY benchmarks/bench_tts.py --real-arch --concurrency 1,16,64 --num-requests 32 --frames 120 \
       --rate 20 --json "$OUT/tts.json" ;;
+  profile)  # where the Qwen2.5-Omni talker's step goes (engine/step_profiler.py), 1 and 8 in flight
+    for c in 1 8; do  # skip the warm-up request's 500 talker steps, then 200 steps of the measured ones
+      step profile_c$c 200 env VLLM_OMNI_PROFILE_DIR="$OUT/profile_c$c" VLLM_OMNI_PROFILE_STAGES=1 \
+        VLLM_OMNI_PROFILE_SKIP=600 VLLM_OMNI_PROFILE_STEPS=200 $PY benchmarks/bench_omni_e2e.py \
+        --dummy-config benchmarks/configs/qwen2_5_omni_7b.json --concurrency $c --num-requests $c \
+        --prompt-words 100 --text-tokens 128 --codec-tokens 500 --skip-hf --async-chunk off
+    done ;;
   qwen3)
     step e2e_qwen3 560 $PY benchmarks/bench_omni_e2e.py --dummy-config benchmarks/configs/qwen3_omni_30b_a3b.json \
       --concurrency 1,8,32,64 --num-requests 8 --prompt-words 74 --text-tokens 64 --codec-tokens 100 \
@@ -52,5 +60,5 @@ case "${1:-}" in
       --json "$OUT/tts.json"
     step diffusion 120 $PY benchmarks/bench_diffusion.py --size 512 --steps 20 --batch-sizes 1,4 \
       --json "$OUT/diffusion.json" ;;
-  *) echo "usage: $0 tests|qwen2_5|qwen2_5_stream|tts|qwen3|stages"; exit 2 ;;
+  *) echo "usage: $0 tests|qwen2_5|qwen2_5_stream|tts|profile|qwen3|stages"; exit 2 ;;
 esac

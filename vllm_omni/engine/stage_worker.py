@@ -20,6 +20,7 @@ import zmq
 
 from vllm_omni.config.stage_config import StageConfig, WorkerType
 from vllm_omni.engine import stage_init_utils as siu
+from vllm_omni.engine.step_profiler import StepProfiler
 from vllm_omni.engine.messages import (
     AbortRequests, Heartbeat, PauseRequests, Shutdown, StageFatal, StageInitFailed, StageOutputBatch, StageReady,
     StageStats, StatsRequest,
@@ -143,6 +144,7 @@ def _worker_class(stage: StageConfig) -> type:
 
 
 def _serve(engine: StageEngine, chan: WorkerChannel, spec: WorkerSpec) -> int:
+    profiler = StepProfiler(spec.stage_id)  # benchmarks only: off unless its variables are set
     while True:
         # Requests waiting for streamed input or paused are no work: block on the socket.
         busy = engine.has_work()
@@ -157,13 +159,14 @@ def _serve(engine: StageEngine, chan: WorkerChannel, spec: WorkerSpec) -> int:
                 logger.error("stage %d: parent process is gone; exiting", spec.stage_id)
                 return 1
             continue
-        try:
-            outputs = engine.step()
-        except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving new ones
-            logger.exception("stage %d: engine step failed", spec.stage_id)
-            outputs = engine.fail_all(f"stage {spec.stage_id}: engine step failed: {type(e).__name__}: {e}")
-        if outputs:
-            _send_outputs(chan, spec.stage_id, outputs)
+        with profiler.step():
+            try:
+                outputs = engine.step()
+            except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving new ones
+                logger.exception("stage %d: engine step failed", spec.stage_id)
+                outputs = engine.fail_all(f"stage {spec.stage_id}: engine step failed: {type(e).__name__}: {e}")
+            if outputs:
+                _send_outputs(chan, spec.stage_id, outputs)
 
 
 def _handle(msg: object, engine: StageEngine, chan: WorkerChannel, stage_id: int) -> None:

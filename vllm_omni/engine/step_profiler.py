@@ -1,0 +1,89 @@
+"""Where a stage process's time goes: its loop under the torch profiler (off unless asked).
+
+    VLLM_OMNI_PROFILE_DIR=DIR VLLM_OMNI_PROFILE_STAGES=1[,2] [VLLM_OMNI_PROFILE_SKIP=50] \
+        [VLLM_OMNI_PROFILE_STEPS=200] python benchmarks/bench_omni_e2e.py ...
+
+Each named stage profiles its loop from its SKIP-th engine step for STEPS steps (stage
+processes inherit the variables), then writes DIR/stage<N>-profile.txt: wall time per step,
+split into the engine step with its output send (model, scheduling, per-request Python, IPC
+encode) and the rest of the loop (receiving and handling messages), and the top ops by self
+CPU time and by self GPU time. A benchmark tool: the profiler slows what it watches.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DIR_ENV = "VLLM_OMNI_PROFILE_DIR"
+STAGES_ENV = "VLLM_OMNI_PROFILE_STAGES"
+SKIP_ENV = "VLLM_OMNI_PROFILE_SKIP"
+STEPS_ENV = "VLLM_OMNI_PROFILE_STEPS"
+ROWS = 30
+
+
+class StepProfiler:
+    def __init__(self, stage_id: int) -> None:
+        self.stage_id = stage_id
+        self.out_dir = os.environ.get(DIR_ENV)
+        stages = {s.strip() for s in os.environ.get(STAGES_ENV, "").split(",")}
+        self.enabled = bool(self.out_dir) and str(stage_id) in stages
+        self.skip = int(os.environ.get(SKIP_ENV, "50"))
+        self.steps = int(os.environ.get(STEPS_ENV, "200"))
+        self.count = 0
+        self._prof = None
+        self._started = 0.0
+        self._in_step = 0.0
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Around one engine step and the send of its outputs."""
+        if not self.enabled:
+            yield
+            return
+        if self.count == self.skip:
+            self._start()
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.count += 1
+            if self._prof is not None:
+                self._in_step += time.perf_counter() - began
+                if self.count == self.skip + self.steps:
+                    self._finish()
+
+    def _start(self) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self._prof = profile(activities=activities)
+        self._prof.__enter__()
+        self._started = time.perf_counter()
+
+    def _finish(self) -> None:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - self._started
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        averages = prof.key_averages()
+        n = self.steps
+        lines = [f"stage {self.stage_id}: steps {self.skip}..{self.skip + n - 1}",
+                 f"wall per step: {1e3 * wall / n:.3f} ms, of which engine step + output send "
+                 f"{1e3 * self._in_step / n:.3f} ms, rest of the loop {1e3 * (wall - self._in_step) / n:.3f} ms",
+                 "", "top ops by self CPU time:", averages.table(sort_by="self_cpu_time_total", row_limit=ROWS)]
+        if torch.cuda.is_available():
+            lines += ["", "top ops by self GPU time:", averages.table(sort_by="self_device_time_total", row_limit=ROWS)]
+        path = Path(self.out_dir) / f"stage{self.stage_id}-profile.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines) + "\n")
+        logger.info("stage %d: profile of %d steps written to %s", self.stage_id, n, path)
