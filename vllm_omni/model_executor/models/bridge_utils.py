@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from vllm_omni.outputs import RequestOutput
+from vllm_omni.stage_io import STREAM_UNITS_KEY, StageOutput
 
 SPEAKER_KEY = "speaker"  # in the user's prompt additional_information: the voice to speak with
 # The thinker's multimodal inputs (its request's model_inputs, as the prompt carries them) that
@@ -45,6 +46,42 @@ def codes_without_stop_token(out: RequestOutput) -> list[int]:
     if comp.finish_reason == "stop" and not isinstance(comp.stop_reason, str) and codes:
         codes.pop()
     return codes
+
+
+def finished_frames(out: RequestOutput, key: str) -> torch.Tensor:
+    """A finished talker's codec frames [n, groups] under `key`, checked against its sampled
+    tokens (group 0 of frame i is the i-th one). A stop token that ended the request has no frame
+    (an EOS) or one code2wav must not speak (another stop id): the frames before it are kept."""
+    outputs = out.outputs[0].multimodal_output
+    frames = outputs.get(key)
+    if not isinstance(frames, torch.Tensor) or frames.dim() != 2:
+        raise ValueError(f"request {out.request_id}: talker output lacks {key!r} [frames, groups] "
+                         f"(have {sorted(outputs)})")
+    sampled = codes_without_stop_token(out)
+    frames = frames[: len(sampled)]
+    if frames[:, 0].tolist() != sampled:
+        raise ValueError(f"request {out.request_id}: {key} ({frames.shape[0]} frames) do not match the "
+                         f"talker's {len(sampled)} sampled tokens")
+    if frames.shape[0] == 0:
+        raise ValueError(f"request {out.request_id}: the talker produced no codec codes")
+    return frames
+
+
+def frames_so_far(talker: RequestOutput, key: str) -> torch.Tensor | None:
+    """A streaming talker's codec frames [n, groups] under `key` so far (it never hands out a stop
+    frame); None while there are none; ValueError if it finished without any."""
+    frames = talker.outputs[0].multimodal_output.get(key)
+    if frames is None or frames.shape[0] == 0:
+        if talker.finished:
+            raise ValueError(f"request {talker.request_id}: the talker produced no codec codes")
+        return None
+    return frames
+
+
+def frames_chunk(delta: StageOutput, key: str) -> dict[str, torch.Tensor]:
+    """The codec frames of one talker delta as a code2wav stream's units ({} when it made none)."""
+    frames = delta.multimodal_output.get(key)
+    return {STREAM_UNITS_KEY: frames} if frames is not None and frames.shape[0] else {}
 
 
 def source_outputs(stage_list: list[Any], engine_input_source: list[int]) -> list[RequestOutput]:

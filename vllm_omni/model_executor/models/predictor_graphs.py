@@ -12,8 +12,9 @@ a fixed-shape function of static buffers, sampling included:
 drawn before each replay, from a request's own generator when it has a seed, so seeded
 requests are reproducible; the draws differ from the eager path's, the distribution does not.
 
-`GraphedPredictor.run` replays on CUDA; `PredictorFrame.__call__` is the same function run
-eagerly (what the CPU tests compare with the eager predictor). On by default on CUDA;
+`GraphedPredictor.predict` is what a talker calls: the graphs on CUDA, else the predictor run
+eagerly with our Sampler. `PredictorFrame.__call__` is the captured function run eagerly (what
+the CPU tests compare with the eager predictor). On by default on CUDA;
 VLLM_OMNI_PREDICTOR_CUDA_GRAPHS=0 runs the predictor eagerly (stage processes inherit it).
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ import os
 import torch
 from torch import nn
 
-from vllm_omni.model_executor.layers.sampler import apply_top_k_top_p
+from vllm_omni.model_executor.layers.sampler import Sampler, SamplingBatch, apply_top_k_top_p
 from vllm_omni.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -108,17 +109,25 @@ class PredictorGraphs:
         return codes[:b].clone(), embeds[:b].clone()
 
 
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
+
+
 class GraphedPredictor:
-    """A talker's code predictor with its frame graphs, captured on the first CUDA frame."""
+    """A talker's code predictor at its fixed sampling settings (greedy rows stay greedy): its
+    frame graphs, captured on the first CUDA frame, or the predictor run eagerly."""
 
     def __init__(self, predictor: nn.Module, width: int, vocab: int, sampling: SamplingParams) -> None:
         self.predictor, self.width, self.vocab, self.sampling = predictor, width, vocab, sampling
         self.graphs: PredictorGraphs | None = None
+        self.sampler = Sampler()
 
-    def applies(self, hidden: torch.Tensor) -> bool:
-        return hidden.is_cuda and hidden.shape[0] <= MAX_GRAPH_BATCH and os.environ.get(PREDICTOR_GRAPHS_ENV) != "0"
+    def predict(self, requests: list, hidden: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes [B, G-1], their embeddings) of the frames whose group-0 codes embed to `first`."""
+        if hidden.is_cuda and hidden.shape[0] <= MAX_GRAPH_BATCH and os.environ.get(PREDICTOR_GRAPHS_ENV) != "0":
+            return self._replay(requests, hidden, first)
+        return self.predictor(hidden, first, self._sample_fn(requests))
 
-    def run(self, requests: list, hidden: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _replay(self, requests: list, hidden: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.graphs is None:
             frame = PredictorFrame(self.predictor, MAX_GRAPH_BATCH, self.width, self.vocab, self.sampling,
                                    hidden.device, hidden.dtype)
@@ -126,3 +135,12 @@ class GraphedPredictor:
             self.graphs.capture()
         return self.graphs.run(hidden, first, [r.sampling_params.greedy for r in requests],
                                [r.generator for r in requests])
+
+    def _sample_fn(self, requests: list):
+        if all(r.sampling_params.greedy for r in requests):
+            return lambda logits, group: logits.argmax(dim=-1)
+        n = len(requests)
+        batch = SamplingBatch(params=[_GREEDY if r.sampling_params.greedy else self.sampling for r in requests],
+                              prompt_token_ids=[[]] * n, output_token_ids=[[]] * n,
+                              generators=[r.generator for r in requests])
+        return lambda logits, group: torch.tensor(self.sampler(logits, batch).token_ids, device=logits.device)

@@ -19,6 +19,7 @@ flattened codebook-major (all frames of group 0, then group 1, ...), as spec 003
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,9 @@ import torch
 from vllm_omni.inputs import OmniTokensPrompt
 from vllm_omni.model_executor.models.qwen2_5_omni import bridges as _qwen2_5
 from vllm_omni.model_executor.models.bridge_utils import (
-    codes_without_stop_token,
+    finished_frames,
+    frames_chunk,
+    frames_so_far,
     multimodal_layout,
     requested_speaker,
     source_outputs,
@@ -130,20 +133,8 @@ def _hidden_layer(request_id: str, states: Mapping[str, torch.Tensor]) -> int:
 
 
 def _code2wav_prompt(out: RequestOutput) -> OmniTokensPrompt:
-    codes = out.outputs[0].multimodal_output.get(CODES_KEY)
-    if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
-        raise ValueError(f"request {out.request_id}: talker output lacks {CODES_KEY!r} [frames, groups] "
-                         f"(have {sorted(out.outputs[0].multimodal_output)})")
-    # Group 0 of frame i is the i-th sampled token. A stop token that ended the request has no
-    # frame (an EOS) or one code2wav must not speak (another stop id): keep the frames before it.
-    sampled = codes_without_stop_token(out)
-    codes = codes[: len(sampled)]
-    if codes[:, 0].tolist() != sampled:
-        raise ValueError(f"request {out.request_id}: {CODES_KEY} ({codes.shape[0]} frames) do not match the "
-                         f"talker's {len(sampled)} sampled tokens")
-    if codes.shape[0] == 0:
-        raise ValueError(f"request {out.request_id}: the talker produced no codec codes")
-    return OmniTokensPrompt(prompt_token_ids=codes.to(torch.long).T.reshape(-1).tolist(), additional_information={})
+    frames = finished_frames(out, CODES_KEY)
+    return OmniTokensPrompt(prompt_token_ids=frames.to(torch.long).T.reshape(-1).tolist(), additional_information={})
 
 
 # --- streaming edges (async_chunk): the same inputs, built as the upstream stage generates ------
@@ -166,21 +157,12 @@ def _talker_chunk(delta: StageOutput) -> dict[str, torch.Tensor]:
 
 
 def _start_code2wav(talker: RequestOutput, prompt: Any) -> OmniTokensPrompt | None:
-    frames = talker.outputs[0].multimodal_output.get(CODES_KEY)
-    if frames is None or frames.shape[0] == 0:
-        if talker.finished:
-            raise ValueError(f"request {talker.request_id}: the talker produced no codec codes")
-        return None
-    return OmniTokensPrompt(prompt_token_ids=[], additional_information={STREAM_UNITS_KEY: frames})
-
-
-def _code2wav_chunk(delta: StageOutput) -> dict[str, torch.Tensor]:
-    """The codec frames [n, num_code_groups] of one delta (the talker never hands out an EOS frame)."""
-    frames = delta.multimodal_output.get(CODES_KEY)
-    return {STREAM_UNITS_KEY: frames} if frames is not None and frames.shape[0] else {}
+    frames = frames_so_far(talker, CODES_KEY)
+    return None if frames is None else OmniTokensPrompt(prompt_token_ids=[],
+                                                        additional_information={STREAM_UNITS_KEY: frames})
 
 
 THINKER_TO_TALKER_STREAM = StreamBridge(start=_start_talker, chunk=_talker_chunk)
 # talker2code2wav's layout: every code group of every frame, codebook-major.
-TALKER_TO_CODE2WAV_STREAM = StreamBridge(start=_start_code2wav, chunk=_code2wav_chunk,
+TALKER_TO_CODE2WAV_STREAM = StreamBridge(start=_start_code2wav, chunk=functools.partial(frames_chunk, key=CODES_KEY),
                                          prompt_token_ids=lambda frames: frames.T.reshape(-1).tolist())

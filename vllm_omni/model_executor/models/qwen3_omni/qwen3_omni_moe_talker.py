@@ -29,7 +29,6 @@ from transformers import PretrainedConfig
 
 from vllm_omni.model_executor.layers.linear import Linear, check_shape, set_loader
 from vllm_omni.model_executor.layers.moe import SparseMoeBlock, map_expert_weight_name
-from vllm_omni.model_executor.layers.sampler import Sampler, SamplingBatch
 from vllm_omni.model_executor.models.decoder import DecoderLayer, DecoderModel, GatedMLP, config_head_dim
 from vllm_omni.model_executor.models.qwen3 import make_qwen3_attention
 from vllm_omni.model_executor.models.qwen3_omni.deepstack import InterleavedMRotaryEmbedding
@@ -50,7 +49,6 @@ _THINKER_EMBED_WEIGHTS = ("thinker.model.embed_tokens.weight", "thinker.model.la
 DEFAULT_SPEAKER = "Ethan"  # transformers' generate default
 # transformers' code predictor sampling when the talker samples (greedy when it is greedy).
 PREDICTOR_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.8, max_tokens=None)
-_GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 _NUM_SPECIAL_CODES = 1024  # the talker vocabulary's trailing control codes
 
 
@@ -143,7 +141,6 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
         suppressed[max(text.vocab_size - _NUM_SPECIAL_CODES, 0):] = True
         suppressed[tc.codec_eos_token_id] = False
         self.register_buffer("suppressed", suppressed, persistent=False)
-        self.sampler = Sampler()
         self.graphed_predictor = GraphedPredictor(self.code_predictor, text.hidden_size,
                                                   tc.code_predictor_config.vocab_size, PREDICTOR_SAMPLING)
 
@@ -193,10 +190,7 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
         """
         tokens = torch.tensor(token_ids, device=hidden.device)
         first = self.model.embed_tokens(tokens)
-        if self.graphed_predictor.applies(hidden):
-            codes, embeds = self.graphed_predictor.run(requests, hidden, first)
-        else:
-            codes, embeds = self.code_predictor(hidden, first, self._predictor_sample_fn(requests))
+        codes, embeds = self.graphed_predictor.predict(requests, hidden, first)
         codec_rows = torch.cat([first[:, None], embeds], dim=1).sum(1)  # transformers' codec_hiddens.sum(1)
         frames = torch.cat([tokens[:, None], codes], dim=1).cpu()
         for i, req in enumerate(requests):
@@ -219,15 +213,6 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
         if new:
             return {CODES_KEY: torch.stack(new)}
         return {CODES_KEY: torch.zeros(0, self.config.num_code_groups, dtype=torch.long)} if finished else {}
-
-    def _predictor_sample_fn(self, requests: list):
-        if all(r.sampling_params.greedy for r in requests):
-            return lambda logits, group: logits.argmax(dim=-1)
-        n = len(requests)
-        batch = SamplingBatch(params=[_GREEDY if r.sampling_params.greedy else PREDICTOR_SAMPLING for r in requests],
-                              prompt_token_ids=[[]] * n, output_token_ids=[[]] * n,
-                              generators=[r.generator for r in requests])
-        return lambda logits, group: torch.tensor(self.sampler(logits, batch).token_ids, device=logits.device)
 
     # --- per-request inputs (model runner / engine hooks) ------------------------
     def parse_request_inputs(self, info: Mapping[str, Any]) -> TalkerInputs:

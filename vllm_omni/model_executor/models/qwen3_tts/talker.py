@@ -26,7 +26,6 @@ import torch.nn.functional as F
 
 from vllm_omni.model_executor.layers.linear import Linear, VocabEmbedding
 from vllm_omni.model_executor.layers.rotary import get_rope
-from vllm_omni.model_executor.layers.sampler import Sampler, SamplingBatch
 from vllm_omni.model_executor.models.decoder import DecoderModel, config_head_dim
 from vllm_omni.model_executor.models.qwen3 import make_qwen3_layer
 from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_moe_talker import ResizeMLP
@@ -105,7 +104,6 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
         suppressed[max(tc.vocab_size - _NUM_SPECIAL_CODES, 0):] = True
         suppressed[tc.codec_eos_token_id] = False
         self.register_buffer("suppressed", suppressed, persistent=False)
-        self.sampler = Sampler()
         self.graphed_predictor = GraphedPredictor(self.code_predictor, self.hidden_size,
                                                   self.config.code_predictor.vocab_size, PREDICTOR_SAMPLING)
 
@@ -152,7 +150,7 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
         hidden: [B, H] final states that produced the sampled group-0 codes `token_ids`."""
         tokens = torch.tensor(token_ids, device=hidden.device)
         first = self.model.embed_tokens(tokens)
-        codes, embeds = self._predict(requests, hidden, first)
+        codes, embeds = self.graphed_predictor.predict(requests, hidden, first)
         codec_rows = torch.cat([first[:, None], embeds], dim=1).sum(1)  # qwen-tts' codec_hiddens.sum(1)
         frames = torch.cat([tokens[:, None], codes], dim=1).cpu()
         for i, req in enumerate(requests):
@@ -183,21 +181,6 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
         if first and out and st.ref_codes is not None:
             out[REF_CODES_KEY] = st.ref_codes
         return out
-
-    def _predict(self, requests: list, hidden: torch.Tensor, first: torch.Tensor):
-        if self.graphed_predictor.applies(hidden):
-            return self.graphed_predictor.run(requests, hidden, first)
-        return self.code_predictor(hidden, first, self._predictor_sample_fn(requests))
-
-    def _predictor_sample_fn(self, requests: list):
-        if all(r.sampling_params.greedy for r in requests):
-            return lambda logits, group: logits.argmax(dim=-1)
-        greedy = SamplingParams(temperature=0.0, max_tokens=None)
-        n = len(requests)
-        batch = SamplingBatch(params=[greedy if r.sampling_params.greedy else PREDICTOR_SAMPLING for r in requests],
-                              prompt_token_ids=[[]] * n, output_token_ids=[[]] * n,
-                              generators=[r.generator for r in requests])
-        return lambda logits, group: torch.tensor(self.sampler(logits, batch).token_ids, device=logits.device)
 
     # --- per-request inputs (model runner / engine hooks) ------------------------
     def parse_request_inputs(self, info: Mapping[str, Any]) -> TTSRequest:
