@@ -20,6 +20,7 @@ from typing import TypeVar
 import torch
 
 from vllm_omni.model_executor.dtypes import canonical_dtype
+from vllm_omni.stage_io import StageRequest
 
 S = TypeVar("S")
 
@@ -131,6 +132,18 @@ def own_streams(decoders: Sequence[object], stream_type: type[S]) -> list[S]:
             raise TypeError(f"decode_streams got a {type(decoder).__name__}, not a {stream_type.__name__} "
                             "opened by this model")
     return list(decoders)
+
+
+def prompt_frames(req: StageRequest, num_quantizers: int, codebook_size: int) -> torch.Tensor:
+    """[num_quantizers, frames] from a code2wav request's codebook-major flat prompt (the
+    talker2code2wav bridges' layout), checked."""
+    flat = torch.tensor(req.prompt_token_ids, dtype=torch.long)
+    if flat.numel() % num_quantizers:
+        raise ValueError(f"request {req.request_id}: {flat.numel()} codes are not a whole number of frames of "
+                         f"{num_quantizers} codebooks")
+    if flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < codebook_size):
+        raise ValueError(f"request {req.request_id}: codec codes must lie in [0, {codebook_size})")
+    return flat.view(num_quantizers, -1)
 
 
 def chunk_output(stream, audio: torch.Tensor, sample_rate: int) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from vllm_omni.model_executor.models.codec_streaming import (
-    Precision, chunk_output, own_streams, plan_padded_calls, precision_scope, resolve_precision,
+    Precision, chunk_output, own_streams, plan_padded_calls, precision_scope, prompt_frames, resolve_precision,
 )
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav import _prefixed_tensors
 from vllm_omni.model_executor.models.qwen3_omni.code2wav_stream import (
@@ -102,14 +102,7 @@ class Qwen3OmniMoeCode2Wav:
         return [{"audio": torch.cat(p) if p else torch.zeros(0), "sample_rate": rate} for p in pieces]
 
     def _codes(self, req: StageRequest) -> torch.Tensor:
-        """[num_quantizers, frames] from the codebook-major flat prompt."""
-        flat = torch.tensor(req.prompt_token_ids, dtype=torch.long)
-        if flat.numel() % self.num_quantizers:
-            raise ValueError(f"request {req.request_id}: {flat.numel()} codes are not a whole number of frames of "
-                             f"{self.num_quantizers} codebooks")
-        if flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < self.codebook_size):
-            raise ValueError(f"request {req.request_id}: codec codes must lie in [0, {self.codebook_size})")
-        return flat.view(self.num_quantizers, -1)
+        return prompt_frames(req, self.num_quantizers, self.codebook_size)
 
     # ------------------------------------------------------------------ streaming
     def open_stream(self, req: StageRequest) -> Code2WavStream:

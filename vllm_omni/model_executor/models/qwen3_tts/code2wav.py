@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from vllm_omni.model_executor.dtypes import canonical_dtype, torch_dtype
-from vllm_omni.model_executor.models.codec_streaming import chunk_output, own_streams
+from vllm_omni.model_executor.models.codec_streaming import chunk_output, own_streams, prompt_frames
 from vllm_omni.model_executor.models.qwen3_omni.code2wav_stream import Code2WavStream, Code2WavStreamConfig
 from vllm_omni.model_executor.models.qwen3_tts.speech_decoder import SpeechDecoder
 from vllm_omni.stage_io import StageRequest, StreamingDecoder
@@ -128,12 +128,4 @@ class Qwen3TTSCode2Wav:
         return outputs
 
     def _codes(self, req: StageRequest) -> torch.Tensor:
-        """[groups, frames] from the codebook-major flat prompt."""
-        groups = self.decoder.num_quantizers
-        flat = torch.tensor(req.prompt_token_ids, dtype=torch.long)
-        if flat.numel() % groups:
-            raise ValueError(f"request {req.request_id}: {flat.numel()} codes are not a whole number of frames of "
-                             f"{groups} code groups")
-        if flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < self.decoder.codebook_size):
-            raise ValueError(f"request {req.request_id}: codec codes must lie in [0, {self.decoder.codebook_size})")
-        return flat.view(groups, -1)
+        return prompt_frames(req, self.decoder.num_quantizers, self.decoder.codebook_size)
