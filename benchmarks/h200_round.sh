@@ -6,6 +6,7 @@
 #   benchmarks/h200_round.sh qwen3     # Qwen3-Omni-30B-A3B end to end, c = 1..64, vs transformers
 #   benchmarks/h200_round.sh tts       # Qwen3-TTS 1.7B: c = 1, 16, 64 and Poisson arrivals
 #   benchmarks/h200_round.sh profile   # the Qwen2.5-Omni talker's step under the torch profiler
+#   benchmarks/h200_round.sh talker    # the Qwen2.5-Omni talker alone: ms/step at batch 1, 8, 32
 #   benchmarks/h200_round.sh stages    # code2wav / token2wav, Qwen3-TTS, Qwen-Image on their own
 # Logs and JSON go to $OUT (or ./h200_out). Each step has its own time limit, so one slow step
 # still leaves the others' results.
@@ -45,6 +46,11 @@ case "${1:-}" in
         --dummy-config benchmarks/configs/qwen2_5_omni_7b.json --concurrency $c --num-requests $c \
         --prompt-words 100 --text-tokens 128 --codec-tokens 500 --skip-hf --async-chunk off
     done ;;
+  talker)  # the talker stage alone (bench_talker_step.py), with a torch profiler table per batch
+    step talker_step 300 $PY benchmarks/bench_talker_step.py --dummy-config benchmarks/configs/qwen2_5_omni_7b.json \
+      --batches 1,8,32 --json "$OUT/talker_step.json"
+    step talker_profile 200 $PY benchmarks/bench_talker_step.py --dummy-config benchmarks/configs/qwen2_5_omni_7b.json \
+      --batches 1,8 --steps 50 --profile "$OUT/talker_profile" --json "$OUT/talker_profile.json" ;;
   qwen3)
     step e2e_qwen3 560 $PY benchmarks/bench_omni_e2e.py --dummy-config benchmarks/configs/qwen3_omni_30b_a3b.json \
       --concurrency 1,8,32,64 --num-requests 8 --prompt-words 74 --text-tokens 64 --codec-tokens 100 \
@@ -60,5 +66,5 @@ case "${1:-}" in
       --json "$OUT/tts.json"
     step diffusion 120 $PY benchmarks/bench_diffusion.py --size 512 --steps 20 --batch-sizes 1,4 \
       --json "$OUT/diffusion.json" ;;
-  *) echo "usage: $0 tests|qwen2_5|qwen2_5_stream|tts|profile|qwen3|stages"; exit 2 ;;
+  *) echo "usage: $0 tests|qwen2_5|qwen2_5_stream|tts|profile|talker|qwen3|stages"; exit 2 ;;
 esac

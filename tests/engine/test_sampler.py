@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from vllm_omni.model_executor.layers.sampler import Sampler, SamplingBatch
+from vllm_omni.model_executor.layers.sampler import Sampler, SamplingBatch, _penalty_inputs
 from vllm_omni.sampling_params import SamplingParams
 
 V = 50
@@ -60,7 +60,7 @@ def test_repetition_penalty_matches_transformers(device):
     outputs = [[3, 4, 49], [], [10, 11, 11, 12]]
     penalties = [1.3, 1.7, 0.8]
     params = [SamplingParams(temperature=0.0, repetition_penalty=p) for p in penalties]
-    got = Sampler._apply_penalties(logits, make_batch(params, prompts, outputs))
+    got, _ = Sampler()._apply_penalties(logits, make_batch(params, prompts, outputs))
     for i in range(3):
         ids = torch.tensor([prompts[i] + outputs[i]], device=device)
         want = RepetitionPenaltyLogitsProcessor(penalties[i])(ids, logits[i : i + 1].clone())
@@ -78,7 +78,7 @@ def test_presence_and_frequency_penalties_by_hand(device):
         SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.25),
         SamplingParams(temperature=0.0, presence_penalty=-1.0),
     ]
-    got = Sampler._apply_penalties(logits, make_batch(params, prompts, outputs))
+    got, _ = Sampler()._apply_penalties(logits, make_batch(params, prompts, outputs))
     want = logits.clone()
     want[0, 1] -= 0.5 * 3 + 0.25
     want[0, 2] -= 0.5 * 1 + 0.25
@@ -89,7 +89,7 @@ def test_presence_and_frequency_penalties_by_hand(device):
 def test_penalties_only_for_rows_that_ask():
     logits = rand_logits(2)
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, repetition_penalty=2.0)]
-    got = Sampler._apply_penalties(logits, make_batch(params, [[1, 2], [1, 2]], [[3], [3]]))
+    got, _ = Sampler()._apply_penalties(logits, make_batch(params, [[1, 2], [1, 2]], [[3], [3]]))
     assert torch.equal(got[0], logits[0])
     assert not torch.equal(got[1], logits[1])
 
@@ -292,3 +292,51 @@ def test_allowed_token_ids_restrict_greedy_and_random_rows():
 def test_allowed_token_ids_validation():
     with pytest.raises(ValueError, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=[])
+
+
+class _Owner:
+    """Stands for an engine request: the penalty state keys its device rows by identity."""
+
+
+@on_devices
+def test_penalty_state_across_steps_equals_rebuilding_from_the_lists(device):
+    """Rows kept on the device across steps (owners given) give the same penalized logits as
+    the lists rebuilt every step, while requests come and go (rows are lent to new requests),
+    a request's outputs change behind its back (recompute: the row is rebuilt), and the batch
+    outgrows the rows (they grow)."""
+    gen = torch.Generator().manual_seed(0)
+    kept = Sampler()
+    requests: dict[int, tuple[_Owner, list[int], list[int], SamplingParams]] = {}
+    next_id = 0
+    for step in range(40):
+        if step in (0, 12, 25):  # arrivals: 3, then 9 more (outgrows the 8 rows), then 2
+            for _ in range({0: 3, 12: 9, 25: 2}[step]):
+                prompt = torch.randint(0, V + 5, (int(torch.randint(1, 9, (1,), generator=gen)),),
+                                       generator=gen).tolist()  # ids >= V are dropped
+                params = SamplingParams(temperature=0.0, repetition_penalty=[1.0, 1.3, 0.7][next_id % 3],
+                                        frequency_penalty=0.2 * (next_id % 2), presence_penalty=0.1)
+                requests[next_id] = (_Owner(), prompt, [], params)
+                next_id += 1
+        if step in (8, 20, 30):  # departures
+            for rid in list(requests)[: 2]:
+                del requests[rid]
+        if step == 15:  # a recompute replaced one request's outputs
+            owner, prompt, out, params = requests[next(iter(requests))]
+            out[:] = out[: len(out) // 2]
+        ids = sorted(requests, key=lambda _: float(torch.rand(1, generator=gen)))  # any order
+        batch = make_batch([requests[i][3] for i in ids], [requests[i][1] for i in ids],
+                           [requests[i][2] for i in ids])
+        logits = rand_logits(len(ids), seed=step, device=device)
+        want, _ = Sampler()._apply_penalties(logits, batch)
+        batch.owners = [requests[i][0] for i in ids]
+        state = kept.penalty_state
+        rows, counts, prompt_seen = state.gather(batch.owners, batch.prompt_token_ids, batch.output_token_ids,
+                                                 V, logits.device)
+        want_counts, want_seen = _penalty_inputs(batch, V, logits.device)
+        assert torch.equal(counts, want_counts) and torch.equal(prompt_seen, want_seen)
+        got = kept(logits, batch)  # gathers the same rows again: only sampling counts a token
+        assert got.token_ids == want.argmax(-1).tolist()
+        for i, token in zip(ids, got.token_ids):
+            requests[i][2].append(token)  # as the engine appends the sampled token
+    assert state.counts.shape[0] == 16  # grew once, from 8, when 10 requests were live
+    assert state.builds == next_id + 1  # each request once, plus the one whose outputs were replaced

@@ -108,20 +108,20 @@ class DecodeGraphs:
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
 
-    def replay(
+    def stage_inputs(
         self,
         input_ids: list[int],
-        positions: list[int] | torch.Tensor,  # host list, or [3, b] device tensor (M-RoPE)
-        inputs_embeds: torch.Tensor | None,
+        positions: list[int] | list[tuple[int, int, int]],  # M-RoPE: (t, h, w) per row
         slot_mapping: list[int],
         block_rows: list[list[int]],
         seq_lens: list[int],
-    ):
-        """Run the graph for the real batch b (padded to its bucket); returns
-        (hidden, logits, captured)[:b]. Padding is written on the host: padded rows read and
-        write only the scratch block."""
+    ) -> torch.Tensor:
+        """Copy a real batch b's per-token inputs into the static buffers (padded to its bucket:
+        padded rows read and write only the scratch block), in two host-to-device copies queued
+        without waiting. Returns the batch's input ids on the device (for models that embed their
+        own rows before `replay`)."""
         b = len(input_ids)
-        size = next(s for s in self.sizes if s >= b)
+        size = self._bucket(b)
         staging = self.staging_np
         staging[:, b:size] = 0
         staging[1, b:size] = self.scratch_block * self.block_size
@@ -129,18 +129,26 @@ class DecodeGraphs:
         staging[0, :b] = input_ids
         staging[1, :b] = slot_mapping
         staging[2, :b] = seq_lens
-        if not isinstance(positions, torch.Tensor):
-            staging[3:, :b] = positions
+        if self.mrope:
+            staging[3:6, :b] = list(zip(*positions))
+        else:
+            staging[3, :b] = positions
         blocks = self.block_staging_np
         blocks[b:size] = self.scratch_block
         for i, row in enumerate(block_rows):
             blocks[i, : len(row)] = row
         self.token_rows[:, :size].copy_(self.staging[:, :size], non_blocking=True)
         self.block_tables[:size].copy_(self.block_staging[:size], non_blocking=True)
-        if isinstance(positions, torch.Tensor):
-            self.positions[..., :b].copy_(positions)
+        return self.input_ids[:b]
+
+    def replay(self, b: int, inputs_embeds: torch.Tensor | None):
+        """Run the graph of the batch staged last (b real rows); returns (hidden, logits, captured)[:b]."""
+        size = self._bucket(b)
         if self.inputs_embeds is not None:
             self.inputs_embeds[:b].copy_(inputs_embeds)
         self.graphs[size].replay()
         hidden, logits, captured = self.outputs[size]
         return hidden[:b], logits[:b], {k: v[:b] for k, v in captured.items()}
+
+    def _bucket(self, b: int) -> int:
+        return next(s for s in self.sizes if s >= b)

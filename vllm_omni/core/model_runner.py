@@ -138,8 +138,11 @@ class ARModelRunner:
         self.model.begin_step()
         want_hidden = any(item.request.return_hidden_states for item in items)
         decode_only = all(item.num_new_tokens == 1 for item in items)
+        replayed = None
         if self.graphs is not None and decode_only and self.graphs.fits(len(items)):
-            hidden, all_logits, captured = self._replay_decode_graph(items)
+            replayed = self._replay_decode_graph(items)
+        if replayed is not None:
+            hidden, all_logits, captured = replayed
             query_start = list(range(len(items) + 1))
         else:
             inputs = self._prepare(items)
@@ -171,20 +174,23 @@ class ARModelRunner:
         return out
 
     def _replay_decode_graph(self, items: list[ScheduledRequest]):
-        """A pure-decode step through the captured graph: inputs go in as host lists."""
+        """A pure-decode step through the captured graph, or None when it cannot take the batch
+        (fractional M-RoPE positions: the graph's position buffer holds integers)."""
         bs = self.block_size
         reqs = [item.request for item in items]
-        input_ids = [r.token_ids[r.num_computed_tokens] for r in reqs]
-        positions: list[int] | torch.Tensor = [r.num_computed_tokens for r in reqs]
-        slots = [r.block_ids[p // bs] * bs + p % bs for r, p in zip(reqs, positions)]
-        seq_lens = [p + 1 for p in positions]
+        steps = [r.num_computed_tokens for r in reqs]
+        positions: list = steps
+        if self.model.uses_mrope:
+            positions = [self.model.decode_positions(r, p) for r, p in zip(reqs, steps)]
+            if any(isinstance(v, float) for row in positions for v in row):
+                return None
+        ids = self.graphs.stage_inputs([r.token_ids[p] for r, p in zip(reqs, steps)], positions,
+                                       [r.block_ids[p // bs] * bs + p % bs for r, p in zip(reqs, steps)],
+                                       [r.block_ids for r in reqs], [p + 1 for p in steps])
         embeds = None
-        if self.model.uses_mrope or self.model.embeds_requests:
-            ids = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
-            if self.model.uses_mrope:
-                positions = self._positions(items, positions)
-            embeds = self._input_embeds(items, ids, list(range(len(items) + 1)))
-        return self.graphs.replay(input_ids, positions, embeds, slots, [r.block_ids for r in reqs], seq_lens)
+        if self.model.embeds_requests:
+            embeds = self.model.embed_request_spans([(r, p, p + 1) for r, p in zip(reqs, steps)], ids)
+        return self.graphs.replay(len(reqs), embeds)
 
     def _prepare(self, items: list[ScheduledRequest]) -> StepInputs:
         input_ids: list[int] = []
@@ -238,6 +244,7 @@ class ARModelRunner:
             prompt_token_ids=[r.prompt_token_ids for r in reqs],
             output_token_ids=[r.output_token_ids for r in reqs],
             generators=[r.generator for r in reqs],
+            owners=reqs,
         )
         result = self.sampler(logits, batch)
         for r, token, lp in zip(reqs, result.token_ids, result.logprobs):
@@ -250,6 +257,9 @@ class ARModelRunner:
         positions depend on the request's inputs and are computed by the model."""
         if not self.model.uses_mrope:
             return torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
+        if all(item.num_new_tokens == 1 for item in items):  # a decode step: the models' cheap hook
+            rows = [self.model.decode_positions(item.request, p) for item, p in zip(items, positions)]
+            return torch.tensor(rows).T.to(self.device)
         spans = [
             self.model.request_positions(item.request, item.request.num_computed_tokens,
                                          item.request.num_computed_tokens + item.num_new_tokens)
@@ -264,12 +274,9 @@ class ARModelRunner:
         otherwise prompt positions are replaced where a request brings `prompt_embeds`.
         """
         if self.model.embeds_requests:
-            spans = []
-            for i, item in enumerate(items):
-                start = item.request.num_computed_tokens
-                spans.append(self.model.embed_request_span(item.request, start, start + item.num_new_tokens,
-                                                           ids[query_start[i] : query_start[i + 1]]))
-            return torch.cat(spans)
+            spans = [(item.request, item.request.num_computed_tokens,
+                      item.request.num_computed_tokens + item.num_new_tokens) for item in items]
+            return self.model.embed_request_spans(spans, ids)
         if not any(item.request.prompt_embeds is not None for item in items):
             return None
         embeds = self.model.get_input_embeddings(ids)

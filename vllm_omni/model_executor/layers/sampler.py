@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_omni.model_executor.layers.penalty_state import PenaltyState
 from vllm_omni.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -36,6 +37,9 @@ class SamplingBatch:
     # A persistent generator owned by the request when params.seed is set (seeded once by the
     # engine, on the logits' device), else None (the row uses the global RNG).
     generators: list[torch.Generator | None]
+    # The objects whose outputs the rows continue (the engine's requests): penalty state is kept
+    # on the device for them across steps (penalty_state.py). None: rebuilt from the lists.
+    owners: list[object] | None = None
 
 
 @dataclass
@@ -73,7 +77,22 @@ def _flat_ids(rows_ids: list[list[int]], vocab_size: int, device: torch.device) 
     return rows.to(device), ids.to(device)
 
 
+def _penalty_inputs(batch: SamplingBatch, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output token counts [B, V] int32, prompt token mask [B, V] bool) from the host lists."""
+    num_rows = len(batch.params)
+    rows, ids = _flat_ids(batch.output_token_ids, vocab_size, device)
+    counts = torch.zeros(num_rows, vocab_size, dtype=torch.int32, device=device)
+    counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
+    rows, ids = _flat_ids(batch.prompt_token_ids, vocab_size, device)
+    prompt_seen = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device)
+    prompt_seen[rows, ids] = True
+    return counts, prompt_seen
+
+
 class Sampler:
+    def __init__(self) -> None:
+        self.penalty_state = PenaltyState()
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         params = batch.params
         num_rows, vocab_size = logits.shape
@@ -91,7 +110,7 @@ class Sampler:
         # 2) + 3) Processors that change the argmax: allowed tokens, min_tokens, then penalties.
         logits = self._apply_allowed_tokens(logits, batch)
         logits = self._apply_min_tokens(logits, batch)
-        logits = self._apply_penalties(logits, batch)
+        logits, penalty_rows = self._apply_penalties(logits, batch)
 
         # 4) Greedy and random rows.
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -106,6 +125,9 @@ class Sampler:
                 logits[idx], [params[i] for i in random_rows], [batch.generators[i] for i in random_rows]
             )
             sampled = sampled.index_copy(0, idx, sub)
+
+        if penalty_rows is not None:
+            self.penalty_state.record(penalty_rows, sampled)
 
         # 5) One device -> host transfer for everything the host needs.
         if raw_logprobs is None:
@@ -149,44 +171,35 @@ class Sampler:
         logits[_to_device(rows, torch.long, device), _to_device(ids, torch.long, device)] = _NEG_INF
         return logits
 
-    @staticmethod
-    def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Penalized logits, and the penalty state's rows when it was used (to record the sampled tokens)."""
         params = batch.params
         need_rep = any(p.repetition_penalty != 1.0 for p in params)
         need_freq_pres = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
         if not (need_rep or need_freq_pres):
-            return logits
+            return logits, None
         num_rows, vocab_size = logits.shape
         device = logits.device
-
-        # Output-token counts [B, V]; rows that need no penalty contribute no ids at all.
-        out_ids = [
-            out if (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) else []
-            for p, out in zip(params, batch.output_token_ids)
-        ]
-        rows, ids = _flat_ids(out_ids, vocab_size, device)
-        counts = torch.zeros(num_rows, vocab_size, dtype=torch.int32, device=device)
-        counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
+        state_rows = None
+        if batch.owners is not None:
+            state_rows, counts, prompt_seen = self.penalty_state.gather(
+                batch.owners, batch.prompt_token_ids, batch.output_token_ids, vocab_size, device)
+        else:
+            counts, prompt_seen = _penalty_inputs(batch, vocab_size, device)
         output_mask = counts > 0
-
+        # Rows without a penalty have factor 1 / weight 0: they come out unchanged.
+        factors = _to_device([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+                              [p.presence_penalty for p in params]], torch.float32, device)
         if need_rep:
             # Repetition penalty over prompt ∪ output, exactly as transformers'
             # RepetitionPenaltyLogitsProcessor: positive logits are divided, others multiplied.
-            prompt_ids = [
-                prompt if p.repetition_penalty != 1.0 else [] for p, prompt in zip(params, batch.prompt_token_ids)
-            ]
-            rows, ids = _flat_ids(prompt_ids, vocab_size, device)
-            seen = output_mask.clone()
-            seen[rows, ids] = True
-            rep = _to_device([p.repetition_penalty for p in params], torch.float32, device).unsqueeze(1)
+            rep = factors[0].unsqueeze(1)
             penalized = torch.where(logits > 0, logits / rep, logits * rep)
-            logits = torch.where(seen, penalized, logits)
-
+            logits = torch.where(output_mask | prompt_seen, penalized, logits)
         if need_freq_pres:
-            freq = _to_device([p.frequency_penalty for p in params], torch.float32, device).unsqueeze(1)
-            pres = _to_device([p.presence_penalty for p in params], torch.float32, device).unsqueeze(1)
+            freq, pres = factors[1].unsqueeze(1), factors[2].unsqueeze(1)
             logits = logits - freq * counts.float() - pres * output_mask.float()
-        return logits
+        return logits, state_rows
 
     # ------------------------------------------------------------------ random sampling
 
@@ -197,29 +210,26 @@ class Sampler:
         """temperature -> min_p -> top_k -> top_p -> exponential race, for rows that are all random."""
         num_rows, vocab_size = logits.shape
         device = logits.device
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        # Every row's parameters in one transfer (k < 2^24 is exact in float32).
+        temps, min_p, top_p, k = _to_device([[p.temperature for p in params], [p.min_p for p in params],
+                                             [p.top_p for p in params], top_k], torch.float32, device).unsqueeze(2)
 
-        temps = [p.temperature for p in params]
-        if any(t != 1.0 for t in temps):
-            logits = logits / _to_device(temps, torch.float32, device).unsqueeze(1)
+        if any(p.temperature != 1.0 for p in params):
+            logits = logits / temps
 
         if any(p.min_p > 0.0 for p in params):
             # Drop tokens whose probability is below min_p times the most likely token's.
             probs = logits.softmax(dim=-1)
-            min_p = _to_device([p.min_p for p in params], torch.float32, device).unsqueeze(1)
             threshold = probs.amax(dim=-1, keepdim=True) * min_p
             logits = logits.masked_fill(probs < threshold, _NEG_INF)
 
         use_top_k = any(0 < p.top_k < vocab_size for p in params)
         use_top_p = any(p.top_p < 1.0 for p in params)
-        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         if use_top_k and not use_top_p:
-            logits = _apply_top_k_only(logits, top_k)
+            logits = _apply_top_k_only(logits, top_k, k)
         elif use_top_p:
-            logits = apply_top_k_top_p(
-                logits,
-                _to_device(top_k, torch.long, device) if use_top_k else None,
-                _to_device([p.top_p for p in params], torch.float32, device),
-            )
+            logits = apply_top_k_top_p(logits, k[:, 0].long() if use_top_k else None, top_p[:, 0])
 
         probs = logits.softmax(dim=-1)
         # Exponential race: argmax(p / q), q ~ Exp(1), samples exactly from p (Gumbel-max in
@@ -270,19 +280,18 @@ class Sampler:
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
 
-def _apply_top_k_only(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+def _apply_top_k_only(logits: torch.Tensor, top_k: list[int], k: torch.Tensor) -> torch.Tensor:
     """Top-k without top-p: a partial topk (k is small) is much cheaper than a full sort.
+    `top_k` on the host and `k` [B, 1] (float32) on the device are the same values.
 
     Same rule as the sort path: keep values >= the row's k-th largest (ties kept).
     """
     vocab_size = logits.shape[1]
     max_k = max(k for k in top_k if k < vocab_size)  # disabled rows must not widen the topk
     top_values = logits.topk(max_k, dim=-1).values
-    k_index = _to_device([k - 1 for k in top_k], torch.long, logits.device).unsqueeze(1)
-    threshold = top_values.gather(1, k_index.clamp(max=max_k - 1))
+    threshold = top_values.gather(1, (k.long() - 1).clamp(max=max_k - 1))
     # Rows without top-k (k == V) keep everything.
-    disabled = _to_device([k >= vocab_size for k in top_k], torch.bool, logits.device).unsqueeze(1)
-    threshold = threshold.masked_fill(disabled, _NEG_INF)
+    threshold = threshold.masked_fill(k >= vocab_size, _NEG_INF)
     return logits.masked_fill(logits < threshold, _NEG_INF)
 
 

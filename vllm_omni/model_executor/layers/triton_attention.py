@@ -4,7 +4,9 @@ Triton paged-decode kernel that reads the block table directly for pure decode s
 Decode is split over the context ("flash decoding"): each program handles one
 (sequence, KV head, context partition) and all query heads of that KV head's group,
 then a second kernel merges the partitions. Every launch has a grid fixed by the batch
-size and max_model_len, so pure-decode steps can be captured in CUDA graphs.
+size and max_model_len, so pure-decode steps can be captured in CUDA graphs. Each sequence
+spreads its own context over the partitions (whole tiles each, sized from its length at run
+time): a 600-token context under a grid made for 32k still keeps ten programs busy, not one.
 """
 from __future__ import annotations
 
@@ -19,16 +21,21 @@ from torch.nn.attention import varlen
 from vllm_omni.model_executor.forward_context import AttentionMetadata
 from vllm_omni.model_executor.layers.attention import TorchAttentionBackend
 
-# Decode splits the context into at most this many partitions, one program each, so a
-# single sequence still spreads over many SMs; each program walks its partition in
+# Decode splits a sequence's context into at most this many partitions, one program each, so
+# a single sequence still spreads over many SMs; each program walks its partition in
 # TILE-token steps (fewer, larger steps: every step waits on a global load).
 MAX_PARTITIONS = 32
-MIN_PARTITION = 64
 TILE_TOKENS = 64
 
 
-def partition_size(max_seq_len: int) -> int:
-    return max(MIN_PARTITION, triton.next_power_of_2(triton.cdiv(max_seq_len, MAX_PARTITIONS)))
+def num_partitions_for(max_seq_len: int) -> int:
+    return min(MAX_PARTITIONS, triton.cdiv(max_seq_len, TILE_TOKENS))
+
+
+@triton.jit
+def _partition_tokens(seq_len, num_partitions, TILE: tl.constexpr):
+    """Tokens per partition of one sequence: whole tiles, as few partitions as cover it."""
+    return tl.cdiv(tl.cdiv(seq_len, num_partitions), TILE) * TILE
 _VARLEN_HAS_IS_CAUSAL = "is_causal" in inspect.signature(varlen.varlen_attn).parameters
 
 
@@ -43,14 +50,15 @@ def _paged_decode_partial(
     stride_po_tok, stride_po_head, stride_po_part,
     num_partitions,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    PARTITION: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
+    TILE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = part * PARTITION
-    end = tl.minimum(start + PARTITION, seq_len)
+    partition = _partition_tokens(seq_len, num_partitions, TILE)
+    start = part * partition
+    end = tl.minimum(start + partition, seq_len)
 
     g = tl.arange(0, GROUP_PAD)
     head_mask = g < GROUP
@@ -91,12 +99,12 @@ def _paged_decode_merge(
     part_out_ptr, part_max_ptr, part_sum_ptr, seq_lens_ptr, out_ptr,
     stride_po_tok, stride_po_head, stride_po_part, stride_o_tok, stride_o_head,
     num_heads, num_partitions,
-    PARTITION: tl.constexpr, PARTS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    TILE: tl.constexpr, PARTS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    used = tl.cdiv(seq_len, PARTITION)
+    used = tl.cdiv(seq_len, _partition_tokens(seq_len, num_partitions, TILE))
     parts = tl.arange(0, PARTS_PAD)
     valid = parts < used
     stat_off = (seq * num_heads + head) * num_partitions + parts
@@ -124,12 +132,10 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    partition = partition_size(max_seq_len)
-    num_partitions = triton.cdiv(max_seq_len, partition)
+    num_partitions = num_partitions_for(max_seq_len)
     part_out = torch.empty(num_seqs, num_heads, num_partitions, head_dim, dtype=torch.float32, device=q.device)
     part_max = torch.empty(num_seqs, num_heads, num_partitions, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
-    tile = min(TILE_TOKENS, partition)
     _paged_decode_partial[(num_seqs, num_kv_heads, num_partitions)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_max, part_sum, scale,
         q.stride(0), q.stride(1),
@@ -138,7 +144,7 @@ def paged_decode_attention(
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         num_partitions,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        PARTITION=partition, TILE=tile, num_warps=4,
+        TILE=TILE_TOKENS, num_warps=4,
         # float32 caches are for exactness checks: keep full precision instead of TF32.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
@@ -147,7 +153,7 @@ def paged_decode_attention(
         part_out, part_max, part_sum, seq_lens, out,
         part_out.stride(0), part_out.stride(1), part_out.stride(2), out.stride(0), out.stride(1),
         num_heads, num_partitions,
-        PARTITION=partition, PARTS_PAD=max(2, triton.next_power_of_2(num_partitions)), HEAD_DIM=head_dim,
+        TILE=TILE_TOKENS, PARTS_PAD=max(2, triton.next_power_of_2(num_partitions)), HEAD_DIM=head_dim,
     )
     return out
 

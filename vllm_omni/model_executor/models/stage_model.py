@@ -11,7 +11,8 @@ Per request, the engine calls, in order:
   prompt = model.prompt_token_ids(prompt_token_ids, inputs)      # once, at add_request
   model.begin_step()                                # each step, before the calls below
   model.request_positions(request, start, end)      # each step, if uses_mrope
-  model.embed_request_span(request, start, end, ids)  # each step, if embeds_requests
+  model.decode_positions(request, position)         #   (instead, in a step of single tokens)
+  model.embed_request_spans([(request, start, end), ...], ids)  # each step, if embeds_requests
   model.on_tokens_sampled(requests, hidden, ids)    # each step that sampled, after sampling
   model.request_outputs(request, finished)          # with each output the request makes
 A request fed by a streaming edge (its input arrives while it runs) also gets
@@ -132,6 +133,12 @@ class StageModel(nn.Module):
         """[3, end - start] M-RoPE positions of tokens start..end-1 (only when uses_mrope)."""
         raise NotImplementedError(f"{type(self).__name__} declares uses_mrope but has no request_positions")
 
+    def decode_positions(self, request: Request, position: int) -> tuple[int, int, int]:
+        """The (t, h, w) M-RoPE positions of token `position` alone (a decode step, when
+        uses_mrope). Override with something cheaper than request_positions: it runs for every
+        request of every decode step. Float positions (fractional M-RoPE) keep the step eager."""
+        return tuple(self.request_positions(request, position, position + 1)[:, 0].tolist())
+
     def begin_step(self) -> None:
         """A step starts: per-step scratch of the previous one may go (a decode step replayed
         from a CUDA graph embeds its requests but never calls forward)."""
@@ -139,6 +146,16 @@ class StageModel(nn.Module):
     def embed_request_span(self, request: Request, start: int, end: int, token_ids: torch.Tensor) -> torch.Tensor:
         """[end - start, H] input rows of tokens start..end-1 (only when embeds_requests)."""
         raise NotImplementedError(f"{type(self).__name__} declares embeds_requests but has no embed_request_span")
+
+    def embed_request_spans(self, spans: list[tuple[Request, int, int]], token_ids: torch.Tensor) -> torch.Tensor:
+        """[T, H] input rows of a step's spans (request, start, end), in order; `token_ids` [T] are
+        their tokens (when embeds_requests). By default one `embed_request_span` each; a model
+        overrides it to build a decode step's rows in a few batched kernels."""
+        rows, offset = [], 0
+        for request, start, end in spans:
+            rows.append(self.embed_request_span(request, start, end, token_ids[offset : offset + end - start]))
+            offset += end - start
+        return torch.cat(rows)
 
     def on_tokens_sampled(self, requests: list[Request], hidden: torch.Tensor, token_ids: list[int]) -> None:
         """After sampling, before the engine appends the tokens: hidden [B, H] produced the B

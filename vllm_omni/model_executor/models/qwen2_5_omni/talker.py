@@ -172,12 +172,32 @@ class Qwen2_5OmniTalkerForConditionalGeneration(StageModel):
         rows = torch.where((idx >= st.num_prompt)[:, None], rows + self.model.embed_tokens(codec_ids), rows)
         return self.thinker_to_talker_proj(rows)
 
+    def embed_request_spans(self, spans, token_ids: torch.Tensor) -> torch.Tensor:
+        """A decode step's rows in four kernels for the whole batch: each row is the thinker row
+        of its position (the last repeats once complete) + its code's embedding, projected."""
+        states = [self._state(request) for request, _, _ in spans]
+        if not all(end == start + 1 and start >= st.num_prompt + 2 for (_, start, end), st in zip(spans, states)):
+            return super().embed_request_spans(spans, token_ids)
+        conditioning = torch.stack([st.conditioning.view[min(start, len(st.conditioning) - 1)]
+                                    for (_, start, _), st in zip(spans, states)])
+        return self.thinker_to_talker_proj(conditioning + self.model.embed_tokens(token_ids))
+
+    def decode_positions(self, request, position: int) -> tuple[int, int, int]:
+        st = self._state(request)
+        if position < st.num_prompt:
+            return super().decode_positions(request, position)
+        self._check_position(request, position + st.delta)
+        return (position + st.delta,) * 3
+
+    def _check_position(self, request, position: int) -> None:
+        if position >= self.model.rotary_emb.max_position:
+            raise ValueError(f"request {request.request_id}: talker position {position} beyond the "
+                             f"rotary table ({self.model.rotary_emb.max_position})")
+
     def request_positions(self, request, start: int, end: int) -> torch.Tensor:
         """[3, end - start]: the thinker prompt's M-RoPE positions, then text positions."""
         st = self._state(request)
-        if end - 1 + st.delta >= self.model.rotary_emb.max_position:
-            raise ValueError(f"request {request.request_id}: talker position {end - 1 + st.delta} beyond the "
-                             f"rotary table ({self.model.rotary_emb.max_position})")
+        self._check_position(request, end - 1 + st.delta)
         positions = (torch.arange(start, end) + st.delta).view(1, -1).expand(3, -1).clone()
         if start < st.num_prompt:
             positions[:, : st.num_prompt - start] = st.prompt_positions[:, start : min(end, st.num_prompt)]

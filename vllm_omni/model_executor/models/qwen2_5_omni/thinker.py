@@ -33,6 +33,7 @@ from vllm_omni.model_executor.models.qwen2_5_omni.towers import (
 )
 
 _POSITIONS_KEY = "thinker_mrope"  # (prompt positions [3, P] CPU long, HF rope delta)
+_LAST_POSITIONS_KEY = "thinker_mrope_last"  # (t, h, w) of the last prompt token, ints
 _MM_KEY = "thinker_mm"  # (rows [P] CPU long: row in embeds or -1, embeds [N, H] on device)
 
 
@@ -62,6 +63,20 @@ class Qwen2_5OmniThinkerForConditionalGeneration(OmniThinkerForCausalLM):
                 raise ValueError(f"request {request.request_id}: M-RoPE position {int(cached[0].max())} >= {limit}")
             request.model_state[_POSITIONS_KEY] = cached
         return cached
+
+    def decode_positions(self, request, position: int) -> tuple[int, int, int]:
+        num_prompt = request.num_prompt_tokens
+        if request.model_inputs is None:
+            return (position,) * 3
+        if position < num_prompt:
+            return super().decode_positions(request, position)
+        last = request.model_state.get(_LAST_POSITIONS_KEY)
+        if last is None:
+            last = request.model_state[_LAST_POSITIONS_KEY] = tuple(self._prompt_positions(request)[0][:, -1].tolist())
+        values = tuple(v + position - num_prompt + 1 for v in last)  # as request_positions continues them
+        if max(values) >= self.model.rotary_emb.max_position:
+            raise ValueError(f"request {request.request_id}: M-RoPE position beyond the rotary table")
+        return values
 
     def request_positions(self, request, start: int, end: int) -> torch.Tensor:
         """[3, end - start] positions of tokens start..end-1 of `request` (prompt and output)."""

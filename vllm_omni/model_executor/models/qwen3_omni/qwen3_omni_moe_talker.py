@@ -261,16 +261,40 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
         st.text_stream.append(eos[None])
         st.complete = True
 
+    def embed_request_spans(self, spans, token_ids: torch.Tensor) -> torch.Tensor:
+        """A decode step's rows in three kernels for the whole batch (the rows of
+        embed_request_span: each output token's codec row + its text row)."""
+        states = [self._state(request) for request, _, _ in spans]
+        if not all(end == start + 1 and start >= st.prompt.num_tokens for (_, start, end), st in zip(spans, states)):
+            return super().embed_request_spans(spans, token_ids)
+        codec, text = [], []
+        for (_, start, _), st in zip(spans, states):
+            k = start - st.prompt.num_tokens
+            codec.append(st.codec_rows[k])
+            text.append(st.text_stream.view[k] if k < len(st.text_stream) else st.text_pad)
+        return torch.stack(codec) + torch.stack(text)
+
+    def decode_positions(self, request, position: int) -> tuple[int, int, int]:
+        state = self._state(request)
+        num_prompt = state.prompt.num_tokens
+        if position < num_prompt:
+            return super().decode_positions(request, position)
+        values = state.generated_positions.at(position - num_prompt)
+        self._check_position(request, max(values))
+        return values
+
+    def _check_position(self, request, position: float) -> None:
+        if position >= self.model.rotary_emb.max_position:
+            raise ValueError(f"request {request.request_id}: talker position {position} beyond the rotary table "
+                             f"({self.model.rotary_emb.max_position})")
+
     def request_positions(self, request, start: int, end: int) -> torch.Tensor:
         """[3, end - start]: the prompt's M-RoPE positions; generated tokens continue each row
         from the last prompt position (+1 per step), as transformers' generate does."""
         state = self._state(request)
         positions = state.prompt.positions
         num_prompt = positions.shape[1]
-        last = float(positions[:, -1].max()) + end - num_prompt
-        if last >= self.model.rotary_emb.max_position:
-            raise ValueError(f"request {request.request_id}: talker position {last} beyond the rotary table "
-                             f"({self.model.rotary_emb.max_position})")
+        self._check_position(request, float(positions[:, -1].max()) + end - num_prompt)
         spans = [positions[:, start : min(end, num_prompt)]] if start < num_prompt else []
         if end > num_prompt:
             spans.append(state.generated_positions.span(max(start, num_prompt) - num_prompt, end - num_prompt))

@@ -132,6 +132,26 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerForCausalLM):
         if float(positions.max()) >= limit:
             raise ValueError(f"request {request.request_id}: M-RoPE position {float(positions.max())} >= {limit}")
 
+    def _generated_positions(self, request) -> GeneratedPositions:
+        # Generated tokens continue each row from the last prompt position, as transformers'
+        # generate does (+1 per step); the last position need not be the largest.
+        continued = request.model_state.get(_GENERATED_KEY)
+        if continued is None:
+            continued = request.model_state[_GENERATED_KEY] = GeneratedPositions(self._prompt_positions(request)[:, -1:])
+        return continued
+
+    def decode_positions(self, request, position: int) -> tuple[int, int, int]:
+        num_prompt = request.num_prompt_tokens
+        if request.model_inputs is None:
+            return (position,) * 3
+        if position < num_prompt:
+            return super().decode_positions(request, position)
+        values = self._generated_positions(request).at(position - num_prompt)
+        if max(values) >= self.model.rotary_emb.max_position:
+            raise ValueError(f"request {request.request_id}: M-RoPE position {max(values)} >= "
+                             f"{self.model.rotary_emb.max_position}")
+        return values
+
     def request_positions(self, request, start: int, end: int) -> torch.Tensor:
         """[3, end - start] positions of tokens start..end-1 of `request` (prompt and output)."""
         num_prompt = request.num_prompt_tokens
@@ -140,12 +160,7 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerForCausalLM):
         positions = self._prompt_positions(request)
         spans = [positions[:, start : min(end, num_prompt)]] if start < num_prompt else []
         if end > num_prompt:
-            # Generated tokens continue each row from the last prompt position, as transformers'
-            # generate does (+1 per step); the last position need not be the largest.
-            continued = request.model_state.get(_GENERATED_KEY)
-            if continued is None:
-                continued = request.model_state[_GENERATED_KEY] = GeneratedPositions(positions[:, -1:])
-            generated = continued.span(max(start, num_prompt) - num_prompt, end - num_prompt)
+            generated = self._generated_positions(request).span(max(start, num_prompt) - num_prompt, end - num_prompt)
             self._check_position_limit(request, generated)
             spans.append(generated)
         return torch.cat(spans, dim=1)

@@ -232,6 +232,14 @@ class GeneratedPositions:
     def __init__(self, last_column: torch.Tensor) -> None:
         self.last = last_column  # [3, 1] long or float32, CPU
         self._columns: list[torch.Tensor] = []
+        self._last_values: tuple[int, ...] | None = None if last_column.is_floating_point() \
+            else tuple(last_column[:, 0].tolist())
+
+    def at(self, index: int) -> tuple[int, ...] | tuple[float, ...]:
+        """The (t, h, w) positions of generated token `index` as Python numbers (a decode step)."""
+        if self._last_values is not None:
+            return tuple(v + index + 1 for v in self._last_values)
+        return tuple(self.span(index, index + 1)[:, 0].tolist())
 
     def span(self, first: int, end: int) -> torch.Tensor:
         """[3, end - first] positions of generated tokens first..end-1 (0: the first one)."""

@@ -202,6 +202,13 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
         rows.extend(st.frame_embeds[k - num_prompt][None] for k in range(max(start, num_prompt), end))
         return torch.cat(rows)
 
+    def embed_request_spans(self, spans, token_ids: torch.Tensor) -> torch.Tensor:
+        """A decode step's rows (each the previous frame's input row) in one kernel for the batch."""
+        states = [self._state(request) for request, _, _ in spans]
+        if not all(end == start + 1 and start >= st.prompt.rows.shape[0] for (_, start, end), st in zip(spans, states)):
+            return super().embed_request_spans(spans, token_ids)
+        return torch.stack([st.frame_embeds[start - st.prompt.rows.shape[0]] for (_, start, _), st in zip(spans, states)])
+
     def _request(self, info: Mapping[str, Any]) -> TTSRequest:
         request = TTSRequest.from_info(info)
         tc = self.config
