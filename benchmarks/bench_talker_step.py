@@ -1,11 +1,14 @@
-"""The Qwen2.5-Omni talker stage on its own: decode ms/step at batch 1, 8, 32 against its roofline.
+"""A talker stage on its own: decode ms/step (= ms per codec frame) at batch 1, 8, 32 against
+its roofline, for Qwen2.5-Omni and Qwen3-Omni (whose step includes the code predictor's frame).
 
     python benchmarks/bench_talker_step.py --dummy-config benchmarks/configs/qwen2_5_omni_7b.json \
         --batches 1,8,32 --json talker_step.json      # GPU: random weights of the real architecture
-    python benchmarks/bench_talker_step.py             # CPU smoke run on the tiny model
+    python benchmarks/bench_talker_step.py --dummy-config benchmarks/configs/qwen3_omni_30b_a3b.json
+    python benchmarks/bench_talker_step.py [--family qwen3_omni]   # CPU smoke run on a tiny model
 
-Each request is a finished thinker reply (P prompt rows + R reply rows, random values) with the
-bundled deploy config's sampling (temperature 0.9, top-k 40, top-p 0.8, repetition penalty 1.05).
+Each request is a finished thinker reply (a ChatML prompt of P tokens, R reply rows of random
+hidden states) handed over by the family's own thinker2talker bridge, with the bundled deploy
+config's talker sampling.
 After every request is past its prefill, `--steps` decode steps are timed one by one (each step
 returns host-side codes, so it is synchronous). Also reported: the decode CUDA graph replayed
 alone (device time, no host work) and the floor (weights + KV read once per step at the HBM
@@ -24,23 +27,31 @@ import torch
 
 from vllm_omni.core.engine_config import EngineConfig
 from vllm_omni.core.llm_engine import LLMEngine
-from vllm_omni.model_executor.models.qwen2_5_omni.bridges import TalkerInputs
+from vllm_omni.engine.stage_input import StageView
+from vllm_omni.outputs import CompletionOutput, RequestOutput
 from vllm_omni.sampling_params import SamplingParams
 
 HBM_BYTES_PER_S = 4.27e12  # device-to-device copy bandwidth measured on the H200 (notes/gpu.md)
+# The bundled deploy configs' talker sampling (vllm_omni/deploy/*.yaml, stage 1).
+SAMPLING = {"qwen2_5_omni": dict(temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05),
+            "qwen3_omni": dict(temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05)}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dummy-config", help="real config.json: random weights of that architecture")
+    p.add_argument("--family", choices=sorted(SAMPLING), help="default: from --dummy-config, else qwen2_5_omni")
     p.add_argument("--batches", default="1,8,32")
-    p.add_argument("--prompt-rows", type=int, default=120, help="thinker prompt tokens P")
+    p.add_argument("--prompt-words", type=int, default=100, help="user words of the thinker's ChatML prompt")
     p.add_argument("--reply-rows", type=int, default=128, help="thinker reply tokens R")
     p.add_argument("--context", type=int, default=300, help="codes generated before timing starts")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--profile", help="write a torch profiler table of the timed steps at each batch here")
     p.add_argument("--json", default="talker_step.json")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.family is None:
+        args.family = "qwen3_omni" if args.dummy_config and "qwen3" in Path(args.dummy_config).name else "qwen2_5_omni"
+    return args
 
 
 def model_dir(args: argparse.Namespace) -> str:
@@ -49,19 +60,44 @@ def model_dir(args: argparse.Namespace) -> str:
         from vllm_omni.testing.dummy_checkpoints import make_dummy_omni_checkpoint
 
         return str(make_dummy_omni_checkpoint(args.dummy_config, out / "dummy"))
-    import vllm_omni.testing.tiny_omni  # noqa: F401  (registers "qwen2_5_omni")
     from vllm_omni.testing.tiny_models import make_tiny_model
 
-    return str(make_tiny_model("qwen2_5_omni", out / "tiny"))
+    return str(make_tiny_model({"qwen3_omni": "qwen3_omni_moe"}.get(args.family, args.family), out / "tiny"))
 
 
-def talker_request(engine: LLMEngine, seed: int, prompt_rows: int, reply_rows: int) -> tuple[list[int], dict]:
+def chat_prompt(args: argparse.Namespace, model: str) -> list[int]:
+    """A one-turn ChatML prompt with the checkpoint's special token ids."""
+    if args.dummy_config:  # the real vocabulary's ids
+        from vllm_omni.testing.dummy_checkpoints import chat_prompt_ids
+
+        return chat_prompt_ids(args.prompt_words)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    special = tok.convert_tokens_to_ids
+    user = tok(" ".join(["hello"] * args.prompt_words))["input_ids"]
+    return [special("<|im_start|>"), special("user"), 198, *user, special("<|im_end|>"), 198,
+            special("<|im_start|>"), special("assistant"), 198]
+
+
+def talker_request(engine: LLMEngine, family: str, prompt_ids: list[int], reply_rows: int, seed: int) -> dict:
+    """The talker's prompt as the family's bridge makes it from a finished thinker reply."""
+    if family == "qwen3_omni":
+        from vllm_omni.model_executor.models.qwen3_omni.bridges import thinker2talker
+
+        config = engine.model.config
+        width, layers = config.thinker_hidden_size, ("0", str(config.accept_hidden_layer))
+    else:
+        from vllm_omni.model_executor.models.qwen2_5_omni.bridges import thinker2talker
+
+        width, layers = engine.model.config.embedding_size, ("0", "last")
     g = torch.Generator().manual_seed(seed)
-    width = engine.model.config.embedding_size
-    inputs = TalkerInputs(thinker_prompt_token_ids=torch.randint(1, 50, (prompt_rows,), generator=g).tolist(),
-                          thinker_embeds=torch.randn(prompt_rows + reply_rows, width, generator=g) * 0.02,
-                          thinker_hidden=torch.randn(prompt_rows + reply_rows, width, generator=g))
-    return [0] * (prompt_rows + 2), inputs.to_info()
+    rows = len(prompt_ids) + reply_rows
+    states = {key: torch.randn(rows, width, generator=g) * (0.02 if key == "0" else 1.0) for key in layers}
+    reply = CompletionOutput(0, "", list(range(reply_rows + 1)), finish_reason="stop", multimodal_output=states)
+    thinker_out = RequestOutput(f"t{seed}", None, prompt_ids, [reply], finished=True)
+    [prompt] = thinker2talker([StageView(0, [thinker_out])], [0], None, False)
+    return prompt
 
 
 def decode_until(engine: LLMEngine, tokens: int) -> None:
@@ -112,16 +148,17 @@ def main() -> None:
         model=model_dir(args), model_stage="talker", device="cuda" if gpu else "cpu",
         dtype="bfloat16" if gpu else "float32", load_format="dummy" if args.dummy_config else "auto",
         max_num_seqs=max(batches), enable_prefix_caching=False))  # max_model_len: the model's, as deployed
-    params = SamplingParams(temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05, ignore_eos=True,
-                            max_tokens=args.context + args.steps + 8, detokenize=False)
+    params = SamplingParams(**SAMPLING[args.family], ignore_eos=True, max_tokens=args.context + args.steps + 8,
+                            detokenize=False)
+    prompt_ids = chat_prompt(args, engine.config.model)
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     kv_per_token = engine.runner.kv_bytes_per_block(engine.model, 1, engine.dtype)
     rows = []
     for b in batches:
         ids = [f"b{b}-{i}" for i in range(b)]
         for i, rid in enumerate(ids):
-            prompt, info = talker_request(engine, i, args.prompt_rows, args.reply_rows)
-            engine.add_request(rid, prompt, params, model_inputs=info)
+            prompt = talker_request(engine, args.family, prompt_ids, args.reply_rows, i)
+            engine.add_request(rid, prompt["prompt_token_ids"], params, model_inputs=prompt["additional_information"])
         decode_until(engine, args.context)
         profile_path = Path(args.profile) / f"talker_b{b}.txt" if args.profile else None
         if profile_path is not None:
@@ -129,7 +166,7 @@ def main() -> None:
         times = timed_steps(engine, args.steps, profile_path)
         engine.abort_request(ids)
         ms = statistics.median(times) * 1e3
-        context = args.prompt_rows + 2 + args.context + args.steps // 2
+        context = len(prompt_ids) + 2 + args.context + args.steps // 2
         floor_ms = (weight_bytes + b * context * kv_per_token) / HBM_BYTES_PER_S * 1e3
         row = {"batch": b, "ms_per_step": ms, "graph_replay_ms": graph_replay_ms(engine, b) if gpu else None,
                "roofline_ms": floor_ms, "codes_per_s": b / ms * 1e3}

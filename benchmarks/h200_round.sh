@@ -6,7 +6,7 @@
 #   benchmarks/h200_round.sh qwen3     # Qwen3-Omni-30B-A3B end to end, c = 1..64, vs transformers
 #   benchmarks/h200_round.sh tts       # Qwen3-TTS 1.7B: c = 1, 16, 64 and Poisson arrivals
 #   benchmarks/h200_round.sh profile   # the Qwen2.5-Omni talker's step under the torch profiler
-#   benchmarks/h200_round.sh talker    # the Qwen2.5-Omni talker alone: ms/step at batch 1, 8, 32
+#   benchmarks/h200_round.sh talker    # each talker alone (Qwen3's with its code predictor): ms/step
 #   benchmarks/h200_round.sh stages    # code2wav / token2wav, Qwen3-TTS, Qwen-Image on their own
 # Logs and JSON go to $OUT (or ./h200_out). Each step has its own time limit, so one slow step
 # still leaves the others' results.
@@ -21,7 +21,7 @@ step() {  # step NAME SECONDS COMMAND...
   local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "=== $name: exit $? after $((SECONDS - t0))s"
-  grep -E "^\|| log_stats|stage [0-9].*ms|Error|error:" "$OUT/$name.log" | tail -40
+  grep -E "^\|| log_stats|stage [0-9].*ms|^batch [0-9]+:|Error|error:" "$OUT/$name.log" | tail -40
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case "${1:-}" in
@@ -46,9 +46,11 @@ case "${1:-}" in
         --dummy-config benchmarks/configs/qwen2_5_omni_7b.json --concurrency $c --num-requests $c \
         --prompt-words 100 --text-tokens 128 --codec-tokens 500 --skip-hf --async-chunk off
     done ;;
-  talker)  # the talker stage alone (bench_talker_step.py), with a torch profiler table per batch
+  talker)  # each talker stage alone (bench_talker_step.py); Qwen2.5's with a torch profiler table per batch
     step talker_step 300 $PY benchmarks/bench_talker_step.py --dummy-config benchmarks/configs/qwen2_5_omni_7b.json \
       --batches 1,8,32 --json "$OUT/talker_step.json"
+    step talker_step_qwen3 300 $PY benchmarks/bench_talker_step.py \
+      --dummy-config benchmarks/configs/qwen3_omni_30b_a3b.json --batches 1,8,32,64 --json "$OUT/talker_step_qwen3.json"
     step talker_profile 200 $PY benchmarks/bench_talker_step.py --dummy-config benchmarks/configs/qwen2_5_omni_7b.json \
       --batches 1,8 --steps 50 --profile "$OUT/talker_profile" --json "$OUT/talker_profile.json" ;;
   qwen3)
