@@ -5,8 +5,9 @@ A connector's `extra` holds transport options (TRANSPORT_OPTIONS below) and chun
 input edge uses the connector cuts its input into chunks (`StageConfig.stream_options`).
 
 - Parse time (`attach_stream_options`, no imports): each generation stage gets the chunk
-  options of the connectors on its input edges; a connector with chunk options that feeds no
-  generation stage, or two connectors that disagree on a stage's option, is a ConfigError.
+  options of the connectors on its input edges; a connector with chunk options whose edges
+  lead to no generation stage, or two connectors that disagree on a stage's option, is a
+  ConfigError.
 - Startup (`check_stream_options`, imports the model classes; `validate_dotted_names` runs
   it): the stage's model must declare the options it takes and accept every key and value,
   else a ConfigError naming the stage and the key.
@@ -19,6 +20,8 @@ from typing import Any
 
 from vllm_omni.config.errors import ConfigError
 from vllm_omni.config.stage_config import ConnectorConfig, EdgeConfig, PipelineConfig, StageConfig, WorkerType
+from vllm_omni.model_executor.models.registry import resolve_stage_model_class
+from vllm_omni.model_executor.models.stream_options import stream_options_for
 
 # Options of the transport itself, ignored with the reason (toplevel.read_connectors); every
 # other option of a connector's `extra` is a chunk option.
@@ -39,10 +42,10 @@ def attach_stream_options(stages: Sequence[StageConfig], edges: Sequence[EdgeCon
     for key, connector in by_key.items():
         options = _options_of(connector)
         fed = sorted({e.to_stage for e in edges if e.connector == key})
-        if options and not decoders.intersection(fed):
+        if options and fed and not decoders.intersection(fed):  # (a connector on no edge changes nothing)
             option = next(iter(options))
             raise ConfigError(f"is a chunk option of a decoder (generation) stage, and connector {key!r} feeds "
-                              f"none: it is on the input edges of {_stages(fed)}", source=source,
+                              f"none: it is on the input edges of stages {', '.join(map(str, fed))}", source=source,
                               field=f"connectors.{key}.extra.{option}", value=options[option],
                               allowed="chunk options on a connector of a code2wav stage's input edge")
     out = []
@@ -64,24 +67,15 @@ def attach_stream_options(stages: Sequence[StageConfig], edges: Sequence[EdgeCon
 
 def check_stream_options(pipeline: PipelineConfig) -> None:
     """Every stage's chunk options are taken by its model (imports the model classes)."""
-    from vllm_omni.model_executor.models.registry import resolve_stage_model_class
-    from vllm_omni.model_executor.models.stream_options import stream_options_for, stream_options_type
-
     for stage in pipeline.stages:
         arch = stage.engine_args.model_arch
         if not stage.stream_options or arch is None:  # no model_arch: the worker names that problem
             continue
         model_cls = resolve_stage_model_class(arch, stage.model_stage)
-        options_type = stream_options_type(model_cls)
         try:
             stream_options_for(model_cls, dict(stage.stream_options))
         except ValueError as exc:
             keys = sorted({e.connector for e in pipeline.upstream(stage.stage_id) if e.connector})
             raise ConfigError(f"{model_cls.__name__} (model_stage {stage.model_stage!r}) cannot take these chunk "
                               f"options: {exc}", source=pipeline.source, stage_id=stage.stage_id,
-                              field=f"connectors.{'/'.join(keys)}.extra",
-                              allowed=", ".join(options_type.OPTION_KEYS) if options_type else "none") from None
-
-
-def _stages(ids: Sequence[int]) -> str:
-    return "stages " + ", ".join(map(str, ids)) if ids else "no stage"
+                              field=f"connectors.{'/'.join(keys)}.extra") from None
