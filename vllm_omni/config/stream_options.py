@@ -20,8 +20,6 @@ from typing import Any
 
 from vllm_omni.config.errors import ConfigError
 from vllm_omni.config.stage_config import ConnectorConfig, EdgeConfig, PipelineConfig, StageConfig, WorkerType
-from vllm_omni.model_executor.models.registry import resolve_stage_model_class
-from vllm_omni.model_executor.models.stream_options import stream_options_for
 
 # Options of the transport itself, ignored with the reason (toplevel.read_connectors); every
 # other option of a connector's `extra` is a chunk option.
@@ -66,7 +64,11 @@ def attach_stream_options(stages: Sequence[StageConfig], edges: Sequence[EdgeCon
 
 
 def check_stream_options(pipeline: PipelineConfig) -> None:
-    """Every stage's chunk options are taken by its model (imports the model classes)."""
+    """Every stage's chunk options are taken by its model (imports the model classes, so not at
+    parse time: tests/config/test_config_resolve.py)."""
+    from vllm_omni.model_executor.models.registry import resolve_stage_model_class
+    from vllm_omni.model_executor.models.stream_options import stream_options_for
+
     for stage in pipeline.stages:
         arch = stage.engine_args.model_arch
         if not stage.stream_options or arch is None:  # no model_arch: the worker names that problem
