@@ -23,8 +23,8 @@ def overlay(write_yaml, base: str, extra: str, stage: int) -> object:
         """, name="deploy.yaml"))
 
 
-@pytest.mark.parametrize("name, decoder, initial", [("qwen3_omni_moe.yaml", 2, 2), ("qwen3_omni_moe_single_gpu.yaml", 2, 2),
-                                                    ("qwen3_tts.yaml", 1, 1)])
+@pytest.mark.parametrize("name, decoder, initial", [
+    ("qwen3_omni_moe.yaml", 2, 2), ("qwen3_omni_moe_single_gpu.yaml", 2, 2), ("qwen3_tts.yaml", 1, 1)])
 def test_bundled_chunk_options_reach_code2wav_only(name, decoder, initial):
     p = load_pipeline_config(DEPLOY_DIR / name)
     for stage in p.stages:

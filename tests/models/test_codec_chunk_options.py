@@ -63,7 +63,8 @@ def test_connector_chunk_options_shape_the_streamed_audio(custom_voice, tmp_path
 
     model = Qwen3TTSCode2Wav.load(str(custom_voice))
     codes = outs[-1].request_output.prompt_token_ids  # the code2wav request: every frame, codebook-major
-    [whole] = model.generate_batch([StageRequest(request_id="w", prompt_token_ids=codes, sampling_params=SamplingParams())])
+    [whole] = model.generate_batch([StageRequest(request_id="w", prompt_token_ids=codes,
+                                                 sampling_params=SamplingParams())])
     spf = model.decoder.samples_per_frame
     assert len(codes) == FRAMES * model.decoder.num_quantizers and whole["audio"].numel() == FRAMES * spf
 
@@ -87,7 +88,6 @@ def test_bad_chunk_option_is_refused_at_startup(custom_voice, tmp_path, extra, m
 
 def test_qwen3_omni_code2wav_stage_is_built_with_the_bundled_chunks(tiny_model):
     """The generation worker hands the connector's options to the model's load()."""
-
     ckpt = str(tiny_model("qwen3_omni_moe"))
     pipeline = load_pipeline_config(model=ckpt)
     engine = GPUGenerationWorker(pipeline.stage(2), ckpt, device="cpu").build_engine()
@@ -106,7 +106,8 @@ def test_qwen3_omni_one_frame_first_chunk_joins_to_the_whole_decode(tiny_model):
     reference = Qwen3OmniMoeForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).code2wav.eval()
     model = Qwen3OmniMoeCode2Wav.load(str(ckpt), stream_config=Code2WavStreamConfig.from_options(
         {"initial_codec_chunk_frames": 1, "codec_chunk_frames": 3}))
-    frames = torch.randint(0, model.codebook_size, (60, model.num_quantizers), generator=torch.Generator().manual_seed(4))
+    frames = torch.randint(0, model.codebook_size, (60, model.num_quantizers),
+                           generator=torch.Generator().manual_seed(4))
     whole = reference(frames.T[None]).reshape(-1)
     chunks = audio_of(run_stream(model, open_empty(model), frames, pieces=[1] * 60))
     spf, tail = model.samples_per_frame, model.unfinished_samples

@@ -13,10 +13,10 @@ from typing import Any
 from vllm_omni.config import graph, resolve, schema, support
 from vllm_omni.config.errors import ConfigError
 from vllm_omni.config.layers import Layer
-from vllm_omni.config.stream_options import attach_stream_options
 from vllm_omni.config.stage_config import (ConfigFormat, IgnoredSetting, PipelineConfig,
                                            PipelineRuntimeConfig, StageConfig, StageEngineArgs,
                                            StageRuntimeConfig, WorkerType)
+from vllm_omni.config.stream_options import attach_stream_options
 from vllm_omni.config.upstream_keys import IGNORED_PREFIX
 from vllm_omni.sampling_params import DiffusionSamplingParams, SamplingParams
 
