@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 import transformers
+from stage_stats import print_stage_table, stage_counters  # benchmarks/ (the script's folder)
 
 WORDS = ("river mountain city music light garden ocean story morning window paper bridge voice "
          "forest winter market dream silver orange travel").split()
@@ -184,12 +185,10 @@ def bench_ours(model: str, args: argparse.Namespace, levels: list[int], async_ch
             return {str(c): await _level(omni, make_prompts(max(c, args.num_requests), args.prompt_words), params, c)
                     for c in levels}
         results = asyncio.run(run())
-        counters = {sid: dict(c) for sid, c in omni._runtime.orchestrator.stage_counters.items()}
+        stages = stage_counters(omni)
     finally:
         omni.close()
-    return {"startup_s": startup, "async_chunk": async_chunk, "by_concurrency": results,
-            "stages": [{"stage": s.model_stage, "devices": s.runtime.devices, **counters[s.stage_id]}
-                       for s in omni.pipeline.stages]}
+    return {"startup_s": startup, "async_chunk": async_chunk, "by_concurrency": results, "stages": stages}
 
 
 # --------------------------------------------------------------------------------- transformers
@@ -311,11 +310,7 @@ def main() -> None:
                   f"{fmt(r['ttft_s'], 'p50'):>8}{fmt(r['ttfa_s'], 'p50'):>9}{fmt(r['ttfa_s'], 'p90'):>9}"
                   f"{fmt(r['rtf'], 'mean'):>8}{fmt(r['rtf_aggregate']):>9}{r['requests_per_s']:>8.2f}"
                   f"{fmt(r.get('gap_p50_s')):>9}{fmt(r.get('gap_p99_s')):>9}{r.get('underruns', 0):>9}")
-    print("per stage (all levels): requests, output tokens, busy s, early starts, pauses")
-    for name in names[:2]:
-        for st in result.get(name, {}).get("stages", []):
-            print(f"  {name:<22}{st['stage']:<10}{st.get('requests', 0):>7}{st.get('output_tokens', 0):>9}"
-                  f"{st.get('busy_ms', 0) / 1000:>9.2f}{st.get('early_starts', 0):>7}{st.get('pauses', 0):>7}")
+    print_stage_table({name: result[name]["stages"] for name in names[:2] if name in result})
 
 
 if __name__ == "__main__":

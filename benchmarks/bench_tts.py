@@ -11,9 +11,10 @@ the same work).
 
 Reported per run: time to first audio (mean / p50 / p90 / p95), end-to-end latency, RTF =
 request latency / audio seconds (mean, and aggregate wall / audio), throughput in audio seconds
-per second. --qwen-tts-python runs qwen-tts (its reference venv, tests/reference/qwen_tts) at
-c=1 on the same checkpoint for comparison: it is not streaming, so its first audio is its
-latency.
+per second; then per stage, over all runs and the warm-up (stage_stats.py, the table of
+bench_omni_e2e.py): requests, output tokens, busy seconds, early starts, pauses.
+--qwen-tts-python runs qwen-tts (its reference venv, tests/reference/qwen_tts) at c=1 on the
+same checkpoint for comparison: it is not streaming, so its first audio is its latency.
 
     python benchmarks/bench_tts.py                       # tiny random checkpoint on CPU (smoke test)
     python benchmarks/bench_tts.py --rate 4 --num-requests 16
@@ -37,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stage_stats import print_stage_table, stage_counters  # benchmarks/ (the script's folder)
+
 CONFIGS = Path(__file__).resolve().parent / "configs"
 REAL_CONFIG = CONFIGS / "qwen3_tts_12hz_1.7b_customvoice.json"
 REAL_SPEECH_TOKENIZER = CONFIGS / "qwen3_tts_tokenizer_12hz.json"
@@ -59,6 +62,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--no-predictor-graphs", action="store_true",
                    help="run the code predictor eagerly on CUDA (default: CUDA graphs, unless --eager)")
+    p.add_argument("--deploy-config", default=None,
+                   help="a deploy YAML instead of the bundled one (e.g. other code2wav chunk options)")
     p.add_argument("--qwen-tts-python", default=None, help="python of the qwen-tts venv: also run it at c=1")
     p.add_argument("--json", default=None, help="write the results here")
     return p.parse_args()
@@ -210,7 +215,8 @@ def main() -> None:
             model = tiny_checkpoint(args.task, Path(tmp) / "tiny")
         rows: list[dict[str, Any]] = []
         params = [None, None]
-        with AsyncOmni(model=str(model), stage_overrides=stage_overrides(args, max_c)) as engine:
+        with AsyncOmni(model=str(model), deploy_config=args.deploy_config,
+                       stage_overrides=stage_overrides(args, max_c)) as engine:
             loop = asyncio.new_event_loop()
             loop.run_until_complete(closed_loop(engine, 2, 1, args.task, params))  # warm-up
             for c in concurrency:
@@ -220,13 +226,15 @@ def main() -> None:
                 rows.append(summarize(f"poisson {args.rate}/s", *loop.run_until_complete(
                     open_loop(engine, args.num_requests, args.rate, args.task, params))))
             loop.close()
+            stages = stage_counters(engine)
+        print_stage_table({"ours": stages})
         if args.qwen_tts_python:
             if args.real_arch:
                 print("qwen-tts needs real weights on disk; skipped with --real-arch")
             else:
                 rows.append(run_qwen_tts(args.qwen_tts_python, model, args))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": rows, "stages": stages}, indent=1))
 
 
 if __name__ == "__main__":

@@ -160,7 +160,7 @@ def test_worker_type_follows_a_documented_class(write_yaml):
 RUNTIME_EXTRAS = """\
     async_chunk: true
     connectors:
-      shm: {name: SharedMemoryConnector, extra: {codec_chunk_frames: 25}}
+      shm: {name: SharedMemoryConnector, extra: {shm_threshold_bytes: 65536}}
     stage_args:
       - stage_id: 0
         runtime: {devices: "0", num_replicas: 1, env: {OMP_NUM_THREADS: 4}}
@@ -183,8 +183,8 @@ def test_runtime_extras_edges_connectors(write_yaml):
     assert (s1.engine_args.max_num_seqs, s1.engine_args.dtype) == (8, "bfloat16")  # one spelling kept
     assert p.async_chunk is True and p.runtime.max_inflight == 4
     assert p.edges[0].window_size == -1 and p.edges[0].connector == "shm"
-    assert p.connector("shm").extra_dict() == {"codec_chunk_frames": 25}
-    assert [i.field for i in p.ignored] == ["connectors.shm.extra.codec_chunk_frames"]
+    assert p.connector("shm").extra_dict() == {"shm_threshold_bytes": 65536}
+    assert [i.field for i in p.ignored] == ["connectors.shm.extra.shm_threshold_bytes"]
     assert p.to_dict()["stages"][1]["engine_args"]["worker_type"] == "ar"
 
 

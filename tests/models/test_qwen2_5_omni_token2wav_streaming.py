@@ -208,4 +208,6 @@ def test_stream_errors(ckpt):
         open_empty(model, speaker="Nobody")
     with pytest.raises(ValueError, match="initial"):
         Token2WavStreamConfig(initial_chunk_blocks=4, chunk_blocks=3)
-    assert Token2WavStreamConfig.from_extra({"chunk_blocks": 4, "x": 1}) == Token2WavStreamConfig(chunk_blocks=4)
+    assert Token2WavStreamConfig.from_options({"chunk_blocks": 4}) == Token2WavStreamConfig(chunk_blocks=4)
+    with pytest.raises(ValueError, match="does not read codec_chunk_frames"):  # 12.5 Hz frames: not this decoder's
+        Token2WavStreamConfig.from_options({"codec_chunk_frames": 25})

@@ -187,5 +187,12 @@ def test_stream_errors(ckpt):
         Code2WavStreamConfig(left_context_frames=0)
     with pytest.raises(ValueError, match="initial"):
         Code2WavStreamConfig(initial_chunk_frames=30, chunk_frames=25)
-    assert Code2WavStreamConfig.from_extra({"codec_chunk_frames": 50, "initial_codec_chunk_frames": 2,
-                                            "other": 1}) == Code2WavStreamConfig(2, 50, 25)
+    assert Code2WavStreamConfig.from_options({"codec_chunk_frames": 50, "initial_codec_chunk_frames": 2}) \
+        == Code2WavStreamConfig(2, 50, 25)
+    # Upstream's initial_codec_chunk_frames 0: no small first chunk.
+    assert Code2WavStreamConfig.from_options({"initial_codec_chunk_frames": 0}).ramp.size(0) == 25
+    for bad, match in [({"other": 1}, "does not read other"), ({"codec_chunk_frames": 0}, "codec_chunk_frames=0"),
+                       ({"codec_left_context_frames": -1}, "left_context_frames must be >= 1"),
+                       ({"codec_chunk_frames": "25"}, "must be an integer"), ({"codec_chunk_frames": True}, "integer")]:
+        with pytest.raises(ValueError, match=match):
+            Code2WavStreamConfig.from_options(bad)

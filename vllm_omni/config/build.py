@@ -16,6 +16,7 @@ from vllm_omni.config.layers import Layer
 from vllm_omni.config.stage_config import (ConfigFormat, IgnoredSetting, PipelineConfig,
                                            PipelineRuntimeConfig, StageConfig, StageEngineArgs,
                                            StageRuntimeConfig, WorkerType)
+from vllm_omni.config.stream_options import attach_stream_options
 from vllm_omni.config.upstream_keys import IGNORED_PREFIX
 from vllm_omni.sampling_params import DiffusionSamplingParams, SamplingParams
 
@@ -86,6 +87,7 @@ def build_pipeline(layers: Sequence[Layer], *, fmt: ConfigFormat, source: str,
     edges = graph.resolve_edges(stages, top.get("runtime.edges"), default_window=runtime.window_size,
                                 connectors=connectors, edges_source=top.source("runtime.edges"),
                                 source_of=source_of)
+    stages = attach_stream_options(stages, edges, connectors, source=source)
     return PipelineConfig(stages=stages, edges=edges, runtime=runtime, connectors=connectors,
                           async_chunk=top.get("async_chunk", default_async_chunk), format=fmt,
                           source=source, pipeline_name=pipeline_name, ignored=_ignored(merged, top))

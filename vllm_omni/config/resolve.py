@@ -15,6 +15,7 @@ from typing import Any
 
 from vllm_omni.config.errors import ConfigError
 from vllm_omni.config.stage_config import PipelineConfig, WorkerType
+from vllm_omni.config.stream_options import check_stream_options
 
 AR_WORKER = "vllm_omni.worker.gpu_ar_worker.GPUARWorker"
 GENERATION_WORKER = "vllm_omni.worker.gpu_generation_worker.GPUGenerationWorker"
@@ -81,7 +82,8 @@ def supported_architectures() -> frozenset[str]:
 
 def validate_dotted_names(pipeline: PipelineConfig) -> None:
     """Import every dotted name and check every model_arch; raise one ConfigError listing
-    all problems, each naming the stage, the field and the value."""
+    all problems, each naming the stage, the field and the value. Then check that each stage's
+    model takes the chunk options of its input connectors (config/stream_options.py)."""
     problems: list[str] = []
     archs: frozenset[str] | None = None
     for stage in pipeline.stages:
@@ -120,6 +122,7 @@ def validate_dotted_names(pipeline: PipelineConfig) -> None:
     if problems:
         raise ConfigError("dotted names do not resolve:\n  " + "\n  ".join(problems),
                           source=pipeline.source)
+    check_stream_options(pipeline)  # the models are importable now: do they take their chunk options?
 
 
 def _what(exc: ConfigError) -> str:

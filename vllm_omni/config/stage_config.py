@@ -126,6 +126,9 @@ class StageConfig:
     input_connectors: tuple[tuple[int, str], ...] = ()
     output_connectors: tuple[tuple[int, str], ...] = ()
     max_tokens_limit: int | None = None  # a server's ceiling on max_tokens; None: the default's
+    # A decoder (generation) stage's chunk options, from the connectors on its input edges
+    # (config/stream_options.py): (key as written in the connector's extra, value).
+    stream_options: tuple[tuple[str, Any], ...] = ()
 
     @property
     def max_tokens_ceiling(self) -> int | None:

@@ -7,19 +7,15 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from vllm_omni.config import schema, upstream_keys
+from vllm_omni.config import schema
 from vllm_omni.config.errors import BadValue, ConfigError, bad_value, unknown_keys
 from vllm_omni.config.stage_config import ConnectorConfig
+from vllm_omni.config.stream_options import TRANSPORT_OPTIONS
 from vllm_omni.config.upstream_keys import IGNORED_PREFIX
 
 # The connector class our transport is: stages on one host exchange ZMQ messages whose large
 # tensors travel through shared memory. Every other upstream connector is refused by name.
 SHM_CONNECTOR = "SharedMemoryConnector"
-_CONNECTOR_OPTIONS = {
-    "shm_threshold_bytes": "the shared-memory threshold is --shm-threshold-bytes, for every edge",
-    "codec_chunk_frames": upstream_keys.CHUNKING,
-    "codec_left_context_frames": upstream_keys.CHUNKING,
-}
 
 check_window = schema.check_int(1, extra=(-1,))  # -1: whole upstream output; N: every N units
 
@@ -103,7 +99,7 @@ def read_edges(value: Any, *, source: str, section: str) -> tuple[EdgeSpec, ...]
 
 def read_connectors(value: Any, *, source: str, section: str = "connectors") -> dict[str, Any]:
     """`connectors: {<key>: {name: <class>, extra: {...}}}` -> {"connectors.<key>": ConnectorConfig},
-    plus {"ignored.<section>.<key>.extra.<option>": reason} for options with no effect here."""
+    plus {"ignored.<section>.<key>.extra.<option>": reason} for transport options with no effect here."""
     value = _mapping(value, source=source, field=section)
     out: dict[str, Any] = {}
     for key, spec in value.items():
@@ -117,9 +113,8 @@ def read_connectors(value: Any, *, source: str, section: str = "connectors") -> 
                               f"travel through shared memory, on one host ({SHM_CONNECTOR})", source=source,
                               field=f"{where}.name", value=name, allowed=SHM_CONNECTOR)
         extra = _mapping(spec.get("extra") or {}, source=source, field=f"{where}.extra")
-        for option in extra:
-            out[f"{IGNORED_PREFIX}{where}.extra.{option}"] = _CONNECTOR_OPTIONS.get(
-                option, "a connector option with no effect on this transport")
+        for option in TRANSPORT_OPTIONS.keys() & extra.keys():
+            out[f"{IGNORED_PREFIX}{where}.extra.{option}"] = TRANSPORT_OPTIONS[option]
         out[f"connectors.{key}"] = ConnectorConfig(key=str(key), name=name,
                                                    extra=tuple((str(k), _freeze(v, source, f"{where}.extra.{k}"))
                                                                for k, v in extra.items()))

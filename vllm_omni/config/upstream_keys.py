@@ -34,7 +34,6 @@ class Refusal:
 
 PER_STAGE_STREAMING = ("streaming between stages is set for the whole pipeline (top-level async_chunk, "
                        "--async-chunk) and runs where a family has a stream bridge")
-CHUNKING = "the code2wav stage chooses its own chunk sizes (docs/streaming.md)"
 
 # vLLM / upstream engine args with no effect here (by key in engine_args, flat deploy stage
 # entries and the deploy file's top level).

@@ -8,19 +8,16 @@ from __future__ import annotations
 
 from vllm_omni.config.stage_config import StageConfig
 from vllm_omni.core.sched.omni_generation_scheduler import OmniGenerationScheduler
+from vllm_omni.model_executor.models.registry import resolve_stage_model_class
+from vllm_omni.model_executor.models.stream_options import stream_options_for
 from vllm_omni.worker.generation_stage_engine import GenerationStageEngine
-from vllm_omni.imports import import_dotted
 
 
 def resolve_generation_model_class(stage: StageConfig) -> type:
     arch = stage.engine_args.model_arch
     if arch is None:
         raise ValueError(f"stage {stage.stage_id}: a generation stage needs engine_args.model_arch")
-    if "." in arch:
-        return import_dotted(arch)
-    from vllm_omni.model_executor.models.registry import resolve_model_class
-
-    return resolve_model_class(arch, stage.engine_args.model_stage)
+    return resolve_stage_model_class(arch, stage.engine_args.model_stage)
 
 
 class GPUGenerationWorker:
@@ -40,8 +37,12 @@ class GPUGenerationWorker:
             raise ValueError(f"stage {self.stage.stage_id}: tensor_parallel_size={ea.tensor_parallel_size} is "
                              "supported by AR stages only (worker_type: ar)")
         model_cls = resolve_generation_model_class(self.stage)
+        # The chunk settings of the connector on its input edge (docs/streaming.md), for a model
+        # that declares it takes them; the config has checked that it does.
+        stream = ({"stream_config": stream_options_for(model_cls, dict(self.stage.stream_options))}
+                  if self.stage.stream_options else {})
         model = model_cls.load(ea.model or self.model, model_stage=ea.model_stage, device=torch.device(device),
-                               dtype=ea.dtype, load_format=ea.load_format)
+                               dtype=ea.dtype, load_format=ea.load_format, **stream)
         # max_num_seqs, when given, bounds the batch like it does for AR stages.
         batch = ea.max_num_seqs or self.stage.runtime.max_batch_size
         return GenerationStageEngine(model, OmniGenerationScheduler(batch), stage_id=self.stage.stage_id,

@@ -34,6 +34,13 @@ def resolve_model_class(architecture: str, model_stage: str | None = None) -> ty
                      f"supported: {', '.join(supported_architectures())}")
 
 
+def resolve_stage_model_class(model_arch: str, model_stage: str | None = None) -> type:
+    """A stage's model class: `model_arch` as a dotted path to a user's class, else registered."""
+    if "." in model_arch:
+        return import_dotted(model_arch)
+    return resolve_model_class(model_arch, model_stage)
+
+
 def default_stage_input_processor(architecture: str | None, model_stage: str | None) -> str | None:
     """Dotted name of the bridge a stage model expects by default, or None (spec 003 default)."""
     if architecture is None or model_stage is None:

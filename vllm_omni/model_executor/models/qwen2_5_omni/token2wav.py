@@ -78,6 +78,8 @@ class Qwen2_5OmniToken2Wav:
     """StreamingGenerationModel for the `code2wav` stage; each result is {"audio": float32 [N],
     "sample_rate": int32 []} (a stream's chunks carry the rate in the first one only)."""
 
+    stream_options_type = Token2WavStreamConfig  # load(stream_config=...) from the input connector's options
+
     def __init__(self, module: torch.nn.Module, speakers: dict[str, Speaker], device: torch.device,
                  num_steps: int = DEFAULT_NUM_STEPS, precision: Precision = Precision.FLOAT32,
                  stream_config: Token2WavStreamConfig | None = None, compile_mode: str | None = None) -> None:

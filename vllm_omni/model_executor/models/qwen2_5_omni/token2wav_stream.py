@@ -15,21 +15,25 @@ still needs are kept.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
 from vllm_omni.model_executor.models.codec_streaming import ChunkRamp, RowBuffer
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_dit import draw_noise, new_generator
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_vocoder import VocoderWindow
+from vllm_omni.model_executor.models.stream_options import StreamOptions
 
 
 @dataclass(frozen=True)
-class Token2WavStreamConfig:
+class Token2WavStreamConfig(StreamOptions):
     """Chunking of the streaming token2wav decode, in DiT blocks and mel frames (docs/streaming.md).
-    None: derived from the checkpoint (`Qwen2_5OmniToken2Wav.load`)."""
+    None: derived from the checkpoint (`Qwen2_5OmniToken2Wav.load`). Connector options: the
+    field names (upstream's `codec_*` keys count 12.5 Hz codec frames; this decoder cuts 50 Hz
+    codes into DiT blocks, so they do not apply)."""
+
+    OPTION_KEYS = {name: name for name in ("initial_chunk_blocks", "chunk_blocks", "past_blocks", "future_blocks",
+                                           "vocoder_context_frames")}
 
     # 3 blocks (0.72 s, Qwen's own streaming code): the first chunk plays 0.38 s (the vocoder
     # holds back its context), long enough to cover the next chunk's codes and ODE solve.
@@ -45,11 +49,6 @@ class Token2WavStreamConfig:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
-
-    @classmethod
-    def from_extra(cls, extra: Mapping[str, Any]) -> Token2WavStreamConfig:
-        """From a connector's `extra` mapping (these field names); other keys are ignored."""
-        return cls(**{f.name: int(extra[f.name]) for f in fields(cls) if f.name in extra})
 
 
 @dataclass(frozen=True)

@@ -14,29 +14,28 @@ bounded however long the request runs.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from vllm_omni.model_executor.models.codec_streaming import ChunkRamp, RowBuffer
-
-# Keys of a connector's `extra` (upstream vLLM-Omni's names) that configure the chunks.
-_EXTRA_KEYS = {"initial_codec_chunk_frames": "initial_chunk_frames", "codec_chunk_frames": "chunk_frames",
-               "codec_left_context_frames": "left_context_frames"}
+from vllm_omni.model_executor.models.stream_options import StreamOptions
 
 
 @dataclass(frozen=True)
-class Code2WavStreamConfig:
-    """Chunking of the streaming code2wav decode (docs/streaming.md says why these defaults)."""
+class Code2WavStreamConfig(StreamOptions):
+    """Chunking of the streaming code2wav decode (docs/streaming.md says why these defaults).
+    Connector options: upstream vLLM-Omni's names."""
+
+    OPTION_KEYS = {"initial_codec_chunk_frames": "initial_chunk_frames", "codec_chunk_frames": "chunk_frames",
+                   "codec_left_context_frames": "left_context_frames"}
 
     initial_chunk_frames: int = 4  # 320 ms of audio: the first chunk waits for 4 talker frames
     chunk_frames: int = 25  # upstream's codec_chunk_frames: 2 s of audio per steady chunk
     left_context_frames: int = 25  # transformers' chunked_decode left_context_size
 
     def __post_init__(self) -> None:
-        ChunkRamp(self.initial_chunk_frames, self.chunk_frames)  # validates the sizes
+        _ = self.ramp  # ChunkRamp checks the sizes
         # A chunk re-decodes the samples its predecessor could not finish (the decoder's
         # transposed convolutions need one frame to the right): that takes >= 1 frame of context.
         if self.left_context_frames < 1:
@@ -44,12 +43,8 @@ class Code2WavStreamConfig:
 
     @property
     def ramp(self) -> ChunkRamp:
-        return ChunkRamp(self.initial_chunk_frames, self.chunk_frames)
-
-    @classmethod
-    def from_extra(cls, extra: Mapping[str, Any]) -> Code2WavStreamConfig:
-        """From a connector's `extra` mapping, upstream's key names; other keys are ignored."""
-        return cls(**{field: int(extra[key]) for key, field in _EXTRA_KEYS.items() if key in extra})
+        # initial 0 is upstream's "no small first chunk": every chunk is chunk_frames long.
+        return ChunkRamp(self.initial_chunk_frames or self.chunk_frames, self.chunk_frames)
 
 
 @dataclass(frozen=True)

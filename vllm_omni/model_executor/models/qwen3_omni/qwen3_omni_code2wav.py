@@ -41,6 +41,8 @@ class Qwen3OmniMoeCode2Wav:
     """StreamingGenerationModel for the `code2wav` stage; each result is {"audio": float32 [N],
     "sample_rate": int32 []} (a stream's chunks carry the rate in the first one only)."""
 
+    stream_options_type = Code2WavStreamConfig  # load(stream_config=...) from the input connector's options
+
     def __init__(self, module: torch.nn.Module, device: torch.device, precision: Precision = Precision.FLOAT32,
                  stream_config: Code2WavStreamConfig | None = None, compile_mode: str | None = None) -> None:
         self.module = module

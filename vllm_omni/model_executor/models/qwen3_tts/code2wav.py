@@ -12,11 +12,12 @@ Requests of any lengths share one batch: the decoder is causal, so frames past a
 
 Streaming (a talker -> code2wav edge with async_chunk): `open_stream` / `decode_streams` decode
 a request's frames as the talker makes them, in the chunks of Qwen3-Omni's code2wav
-(qwen3_omni/code2wav_stream.py: 4 frames first, doubling up to 25, each with 25 frames of left
-context). The decoder is causal and keeps no look-ahead samples (its transposed convolutions
-drop them), so a chunk's samples are final when decoded. A cloned voice's reference frames
-come first in the stream and their samples are not played (`context_frames` x samples per
-frame; the whole-request path cuts the same share in qwen-tts' float arithmetic).
+(qwen3_omni/code2wav_stream.py: a small first chunk, doubling up to 25 frames, each with 25
+frames of left context; the connector's `codec_*` options set them). The decoder is causal and
+keeps no look-ahead samples (its transposed convolutions drop them), so a chunk's samples are
+final when decoded. A cloned voice's reference frames come first in the stream and their
+samples are not played (`context_frames` x samples per frame; the whole-request path cuts the
+same share in qwen-tts' float arithmetic).
 """
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ class Qwen3TTSCode2Wav:
     """StreamingGenerationModel: `generate_batch` / `decode_streams` -> [{"audio": float32 [N],
     "sample_rate": int32 []}] (a stream's chunks carry the rate in the first one only)."""
 
+    stream_options_type = Code2WavStreamConfig  # load(stream_config=...) from the input connector's options
+
     def __init__(self, decoder: SpeechDecoder, device: torch.device, sample_rate: int,
                  stream_config: Code2WavStreamConfig | None = None) -> None:
         self.decoder = decoder
@@ -59,7 +62,8 @@ class Qwen3TTSCode2Wav:
 
     @classmethod
     def load(cls, model_path: str, *, model_stage: str | None = None, device: torch.device | str = "cpu",
-             dtype: str = "auto", load_format: str = "auto") -> Qwen3TTSCode2Wav:
+             dtype: str = "auto", load_format: str = "auto",
+             stream_config: Code2WavStreamConfig | None = None) -> Qwen3TTSCode2Wav:
         # "auto" is float32: the vocoder is small and half precision is audible in its samples.
         param_dtype = torch.float32 if canonical_dtype(dtype) == "auto" else torch_dtype(dtype)
         folder = Path(model_path) / "speech_tokenizer"
@@ -74,7 +78,7 @@ class Qwen3TTSCode2Wav:
             tensors = {k[len(DECODER_PREFIX):]: v for k, v in load_file(str(folder / "model.safetensors")).items()
                        if k.startswith(DECODER_PREFIX)}
             decoder.load_state_dict(tensors, strict=True)
-        return cls(decoder.eval(), device, int(config.get("output_sample_rate", 24000)))
+        return cls(decoder.eval(), device, int(config.get("output_sample_rate", 24000)), stream_config)
 
     @torch.inference_mode()
     def generate_batch(self, inputs: list[StageRequest]) -> list[dict[str, torch.Tensor]]:
