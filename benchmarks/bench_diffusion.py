@@ -25,6 +25,7 @@ import torch
 
 PROMPTS = ["a red fox in the snow, photograph", "a lighthouse on a cliff at night, oil painting",
            "two apples on a wooden table", "a city street in the rain, neon signs, cinematic"]
+WARMUP_STEPS = 3  # a 50-step warm-up at batch 4 would cost minutes and warms nothing more
 NEGATIVE = " "  # Qwen-Image's documented negative prompt: guidance on, nothing to avoid
 # The Qwen-Image text encoder is Qwen2.5-VL-7B-Instruct (text_encoder/config.json of Qwen/Qwen-Image).
 QWEN2_5_VL_7B = {
@@ -125,12 +126,14 @@ def run_diffusers(pipe: Any, prompts: list[str], size: int, steps: int) -> None:
          num_inference_steps=steps, generator=torch.Generator().manual_seed(0), output_type="pt")
 
 
-def timed(fn: Any, device: torch.device) -> float:
-    fn()  # warm-up: kernels, allocator, caches
+def timed(fn: Any, device: torch.device, steps: int) -> float:
+    """Seconds of fn(steps), after a warm-up fn(WARMUP_STEPS) (kernels, allocator, caches: the
+    shapes are the same whatever the step count)."""
+    fn(min(steps, WARMUP_STEPS))
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    fn()
+    fn(steps)
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
@@ -156,16 +159,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for batch in (int(b) for b in args.batch_sizes.split(",")):
             prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
             row: dict[str, Any] = {"batch": batch}
-            row["ours_s_per_image"] = timed(lambda: run_ours(model, prompts, size, steps, None), device) / batch
+            row["ours_s_per_image"] = timed(lambda n: run_ours(model, prompts, size, n, None), device, steps) / batch
             cache = TeaCache(TeaCacheConfig(rel_l1_thresh=args.tea_cache_thresh))
-            row["ours_tea_cache_s_per_image"] = timed(lambda: run_ours(model, prompts, size, steps, cache),
-                                                      device) / batch
+            row["ours_tea_cache_s_per_image"] = timed(lambda n: run_ours(model, prompts, size, n, cache),
+                                                      device, steps) / batch
             row["tea_cache_skipped_fraction"] = cache.skipped / max(1, cache.computed + cache.skipped)
             if not args.skip_diffusers:
-                row["diffusers_s_per_image"] = timed(lambda: run_diffusers(pipe, prompts, size, steps), device) / batch
+                row["diffusers_s_per_image"] = timed(lambda n: run_diffusers(pipe, prompts, size, n), device,
+                                                     steps) / batch
                 row["speedup"] = row["diffusers_s_per_image"] / row["ours_s_per_image"]
                 row["speedup_tea_cache"] = row["diffusers_s_per_image"] / row["ours_tea_cache_s_per_image"]
             rows.append(row)
+            print(json.dumps(row), flush=True)  # a run cut short still leaves its finished rows
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "model": "tiny qwen_image" if args.tiny else "Qwen-Image architecture, random bf16 weights",
               "size": size, "steps": steps, "true_cfg_scale": 4.0, "tea_cache_thresh": args.tea_cache_thresh,
