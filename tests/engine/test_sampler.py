@@ -340,3 +340,18 @@ def test_penalty_state_across_steps_equals_rebuilding_from_the_lists(device):
             requests[i][2].append(token)  # as the engine appends the sampled token
     assert state.counts.shape[0] == 16  # grew once, from 8, when 10 requests were live
     assert state.builds == next_id + 1  # each request once, plus the one whose outputs were replaced
+
+
+def test_penalty_state_past_its_memory_cap_falls_back_to_the_lists(monkeypatch):
+    from vllm_omni.model_executor.layers import penalty_state
+
+    monkeypatch.setattr(penalty_state, "MAX_BYTES", 8 * V * 5 - 1)  # fewer than 8 rows fit
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.5)] * 2
+    batch = make_batch(params, [[1, 2], [3]], [[4, 4], [5]])
+    logits = rand_logits(2)
+    want, _ = Sampler()._apply_penalties(logits, batch)
+    batch.owners = [_Owner(), _Owner()]
+    sampler = Sampler()
+    got, rows = sampler._apply_penalties(logits, batch)
+    assert rows is None and sampler.penalty_state.counts is None  # nothing allocated on the device
+    assert torch.equal(got, want)

@@ -11,7 +11,9 @@ A row is keyed by the request object (weakly: a finished request frees nothing b
 trusted only while the number of outputs it has counted equals the request's output count;
 anything else (a recompute that changed the outputs, a row lent to another request meanwhile)
 rebuilds it from the lists. When every row is taken, the least recently used row that the
-current batch does not need is lent out; only a batch larger than all rows grows the buffers.
+current batch does not need is lent out; only a batch larger than all rows grows the buffers,
+and never past MAX_BYTES (memory the KV-cache sizing does not see): a batch that would need
+more is penalized from the lists (`fits`).
 """
 from __future__ import annotations
 
@@ -20,6 +22,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+
+MAX_BYTES = 256 << 20
+_BYTES_PER_TOKEN = 5  # an int32 count and a bool per vocabulary entry and row
 
 
 @dataclass
@@ -40,6 +46,13 @@ class PenaltyState:
         self._next_ticket = 0
         self._gathered: list[int] = []  # rows of the last gather, in batch order
         self.builds = 0  # rows built from the lists (a debugging and test aid)
+
+    def fits(self, batch: int, vocab_size: int) -> bool:
+        """Whether the rows for a batch of this size stay within MAX_BYTES."""
+        return _grown_size(self._size(vocab_size), batch) * vocab_size * _BYTES_PER_TOKEN <= MAX_BYTES
+
+    def _size(self, vocab_size: int) -> int:
+        return 0 if self.counts is None or self.counts.shape[1] != vocab_size else self.counts.shape[0]
 
     def gather(self, owners: list[object], prompts: list[list[int]], outputs: list[list[int]],
                vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -77,10 +90,10 @@ class PenaltyState:
             self.counts = self.prompt_seen = None  # another vocabulary or device: start over
             self._rows.clear()
             self._ticket, self._counted, self._last_used = [], [], []
-        size = 0 if self.counts is None else self.counts.shape[0]
-        if size >= batch:
+        size = self._size(vocab_size)
+        new_size = _grown_size(size, batch)
+        if new_size == size:
             return
-        new_size = max(batch, 2 * size, 8)
         counts = torch.zeros(new_size, vocab_size, dtype=torch.int32, device=device)
         seen = torch.zeros(new_size, vocab_size, dtype=torch.bool, device=device)
         if self.counts is not None:
@@ -112,6 +125,10 @@ class PenaltyState:
         if ids.numel():
             self.prompt_seen[index, ids.to(device)] = True
         self._counted[index] = len(output)
+
+
+def _grown_size(size: int, batch: int) -> int:
+    return size if size >= batch else max(batch, 2 * size, 8)
 
 
 def _in_vocab(ids: list[int], vocab_size: int) -> torch.Tensor:

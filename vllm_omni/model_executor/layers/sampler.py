@@ -181,7 +181,7 @@ class Sampler:
         num_rows, vocab_size = logits.shape
         device = logits.device
         state_rows = None
-        if batch.owners is not None:
+        if batch.owners is not None and self.penalty_state.fits(num_rows, vocab_size):
             state_rows, counts, prompt_seen = self.penalty_state.gather(
                 batch.owners, batch.prompt_token_ids, batch.output_token_ids, vocab_size, device)
         else:
