@@ -38,7 +38,7 @@ class Token2WavStreamConfig(StreamOptions):
     # 3 blocks (0.72 s, Qwen's own streaming code): the first chunk plays 0.38 s (the vocoder
     # holds back its context), long enough to cover the next chunk's codes and ODE solve.
     initial_chunk_blocks: int = 3
-    chunk_blocks: int = 3
+    chunk_blocks: int = 6
     past_blocks: int | None = None  # None: one per look-back DiT layer (2 released)
     future_blocks: int | None = None  # None: one per look-ahead DiT layer (1 released)
     vocoder_context_frames: int | None = None  # None: BigVGAN's receptive field (34 released)
