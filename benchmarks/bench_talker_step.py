@@ -27,9 +27,8 @@ import torch
 
 from vllm_omni.core.engine_config import EngineConfig
 from vllm_omni.core.llm_engine import LLMEngine
-from vllm_omni.engine.stage_input import StageView
-from vllm_omni.outputs import CompletionOutput, RequestOutput
 from vllm_omni.sampling_params import SamplingParams
+from vllm_omni.testing.talker_inputs import chat_prompt_ids, talker_prompt
 
 HBM_BYTES_PER_S = 4.27e12  # device-to-device copy bandwidth measured on the H200 (notes/gpu.md)
 # The bundled deploy configs' talker sampling (vllm_omni/deploy/*.yaml, stage 1).
@@ -66,38 +65,11 @@ def model_dir(args: argparse.Namespace) -> str:
 
 
 def chat_prompt(args: argparse.Namespace, model: str) -> list[int]:
-    """A one-turn ChatML prompt with the checkpoint's special token ids."""
-    if args.dummy_config:  # the real vocabulary's ids
-        from vllm_omni.testing.dummy_checkpoints import chat_prompt_ids
+    if args.dummy_config:  # the real vocabulary's special ids (the dummy checkpoint's tokenizer is tiny)
+        from vllm_omni.testing.dummy_checkpoints import chat_prompt_ids as real_vocab_prompt
 
-        return chat_prompt_ids(args.prompt_words)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model)
-    special = tok.convert_tokens_to_ids
-    user = tok(" ".join(["hello"] * args.prompt_words))["input_ids"]
-    return [special("<|im_start|>"), special("user"), 198, *user, special("<|im_end|>"), 198,
-            special("<|im_start|>"), special("assistant"), 198]
-
-
-def talker_request(engine: LLMEngine, family: str, prompt_ids: list[int], reply_rows: int, seed: int) -> dict:
-    """The talker's prompt as the family's bridge makes it from a finished thinker reply."""
-    if family == "qwen3_omni":
-        from vllm_omni.model_executor.models.qwen3_omni.bridges import thinker2talker
-
-        config = engine.model.config
-        width, layers = config.thinker_hidden_size, ("0", str(config.accept_hidden_layer))
-    else:
-        from vllm_omni.model_executor.models.qwen2_5_omni.bridges import thinker2talker
-
-        width, layers = engine.model.config.embedding_size, ("0", "last")
-    g = torch.Generator().manual_seed(seed)
-    rows = len(prompt_ids) + reply_rows
-    states = {key: torch.randn(rows, width, generator=g) * (0.02 if key == "0" else 1.0) for key in layers}
-    reply = CompletionOutput(0, "", list(range(reply_rows + 1)), finish_reason="stop", multimodal_output=states)
-    thinker_out = RequestOutput(f"t{seed}", None, prompt_ids, [reply], finished=True)
-    [prompt] = thinker2talker([StageView(0, [thinker_out])], [0], None, False)
-    return prompt
+        return real_vocab_prompt(args.prompt_words)
+    return chat_prompt_ids(model, args.prompt_words)
 
 
 def decode_until(engine: LLMEngine, tokens: int) -> None:
@@ -157,7 +129,7 @@ def main() -> None:
     for b in batches:
         ids = [f"b{b}-{i}" for i in range(b)]
         for i, rid in enumerate(ids):
-            prompt = talker_request(engine, args.family, prompt_ids, args.reply_rows, i)
+            prompt = talker_prompt(engine.model, args.family, prompt_ids, args.reply_rows, i)
             engine.add_request(rid, prompt["prompt_token_ids"], params, model_inputs=prompt["additional_information"])
         decode_until(engine, args.context)
         profile_path = Path(args.profile) / f"talker_b{b}.txt" if args.profile else None
