@@ -248,3 +248,24 @@ def test_ctrl_c_stops_a_headless_stage_and_then_the_head(cluster):
         assert "Traceback" not in h.text()
     assert wait_until(lambda: not any(pid_alive(p) for p in pids), 10.0)
     assert "Traceback" not in head.log_path.read_text()
+
+
+def test_a_headless_stage_exits_when_its_head_dies(model, tmp_path):
+    """A head killed outright (no Shutdown sent): its headless stage stops hearing from it and exits
+    with a log line, within the heartbeat timeout. (This head never gets its stage 1.)"""
+    port = free_port()
+    stage2 = Headless(model, 2, port, tmp_path / "stage2.log")
+    head = ServerProcess.launch(head_args(model, port, "--stage-id", "0", "--omni-heartbeat-timeout",
+                                          str(HEARTBEAT_TIMEOUT_S)), tmp_path / "head.log")
+    try:
+        assert wait_until(lambda: "stage 2 (code2wav) replica 0 is UP" in head.log_path.read_text()
+                          or stage2.proc.poll() is not None, READY_S, interval_s=0.2), head.log_tail()
+        os.killpg(head.proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        assert stage2.wait(HEARTBEAT_TIMEOUT_S + 30) == 1
+        assert time.monotonic() - t0 < HEARTBEAT_TIMEOUT_S + 30
+        assert f"the head at tcp://127.0.0.1:{port} did not answer" in stage2.text()
+        assert "Traceback" not in stage2.text()
+    finally:
+        stage2.kill()
+        head.stop()

@@ -232,11 +232,13 @@ class Orchestrator:
         opts = self.options
         summary = pipeline_summary(self.pipeline, self.model)
 
-        def remote_client(stage_id: int, replica: int, launcher: StageLauncher, channel: OrchestratorChannel):
+        def remote_client(stage_id: int, replica: int, launcher: StageLauncher,
+                          channel: OrchestratorChannel) -> StageClient:
             return self._client(stage_id, replica, launcher, channel, f"{self.pools[stage_id].name} replica {replica}")
 
         self._master = StageMaster(
-            self._ctx, opts.master_address, opts.master_port, self.model, summary, self.pools, remote_client, heartbeat_interval_s=min(opts.heartbeat_interval_s, opts.heartbeat_timeout_s / 4),
+            self._ctx, opts.master_address, opts.master_port, self.model, summary, self.pools, remote_client,
+            heartbeat_interval_s=min(opts.heartbeat_interval_s, opts.heartbeat_timeout_s / 4),
             heartbeat_timeout_s=opts.heartbeat_timeout_s, stage_init_timeout_s=opts.stage_init_timeout_s)
         await self._master.start()
 

@@ -146,7 +146,12 @@ class StageMaster:
                 if launcher is not None:
                     launcher.left(msg.reason)
             else:
-                await self._reply(identity, await self._register(msg))
+                try:
+                    answer = await self._register(msg)
+                except Exception as e:  # noqa: BLE001 - e.g. an inbox address zmq cannot connect to: refuse it
+                    logger.exception("a headless stage %d could not be attached", msg.stage_id)
+                    answer = Refused(f"the head could not attach it: {type(e).__name__}: {e}")
+                await self._reply(identity, answer)
 
     async def _reply(self, identity: bytes, msg: Accepted | Refused | Pong) -> None:
         assert self._sock is not None
@@ -158,11 +163,10 @@ class StageMaster:
         if problem is not None:
             logger.error("refused a headless stage %d (%s): %s", reg.stage_id, where, problem)
             return Refused(problem)
-        pool = self.pools[reg.stage_id]
-        replica = await self._free_slot(pool)
+        channel = OrchestratorChannel(self._ctx, reg.inbox, tcp(self.host, "*"), INLINE_ONLY, "")
+        replica = await self._free_slot(self.pools[reg.stage_id])
         session = uuid.uuid4().hex
         launcher = RemoteLauncher(self, session, reg)
-        channel = OrchestratorChannel(self._ctx, reg.inbox, tcp(self.host, "*"), INLINE_ONLY, "")
         client = self._make_client(reg.stage_id, replica, launcher, channel)
         self._sessions[session] = launcher
         client.start()

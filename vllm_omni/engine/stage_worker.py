@@ -139,11 +139,16 @@ def _join_head(ctx: zmq.Context, chan: WorkerChannel, spec: WorkerSpec,
     """A headless replica registers (retrying until stage_init_timeout), then sends where the
     head said, at the heartbeat interval it said."""
     link = MasterLink.register(ctx, remote, spec.stage_id, chan.inbox_endpoint, spec.stage_init_timeout_s)
-    spec = dataclasses.replace(spec, out_addr=link.out_addr, heartbeat_interval_s=link.accepted.heartbeat_interval_s)
-    logger.info("stage %d: registered with the head at %s as replica %d", spec.stage_id, remote.master,
-                link.accepted.replica)
-    chan.connect_outbox(spec.out_addr)
-    link.start()
+    try:
+        spec = dataclasses.replace(spec, out_addr=link.out_addr,
+                                   heartbeat_interval_s=link.accepted.heartbeat_interval_s)
+        logger.info("stage %d: registered with the head at %s as replica %d", spec.stage_id, remote.master,
+                    link.accepted.replica)
+        chan.connect_outbox(spec.out_addr)
+        link.start()
+    except BaseException:
+        link.close("failed to connect")  # its socket must be closed before the context ends
+        raise
     return spec, link
 
 

@@ -92,9 +92,9 @@ OMNI_FLAGS: tuple[Flag, ...] = (
     _f("--omni-master-port -omp", "Port of the Omni orchestrator (master).", type=int, default=None),
     _f("--omni-replica-address -ora", "Local bind address that a headless stage advertises to the Omni master. "
        "Unset: this host's address on the route to --omni-master-address.", default=None),
-    _f("--omni-dp-size-local", "Number of stage replicas this runtime launches locally for its --stage-id. Without "
-       "--stage-id it applies to every stage, like the other engine flags (per stage: runtime.num_replicas in the config or "
-       "--stage-overrides '{\"1\": {\"num_replicas\": 2}}', which wins); see docs/deployment.md.", type=int,
+    _f("--omni-dp-size-local", "Number of stage replicas this runtime launches locally for its --stage-id. "
+       "Without --stage-id it applies to every stage, like the other engine flags (per stage: runtime.num_replicas "
+       "in the config or --stage-overrides '{\"1\": {\"num_replicas\": 2}}', which wins); see docs/deployment.md.", type=int,
        default=1),
     _f("--omni-lb-policy", "Per-stage load-balancing policy: which UP replica of a stage takes a new request.",
        choices=("random", "round-robin", "least-queue-length"), default="random"),
