@@ -79,6 +79,9 @@ class RuntimeOptions:
             raise ValueError(problem)
         if (self.master_address is None) != (self.master_port is None):
             raise ValueError("headless stages register at --omni-master-address and --omni-master-port: give both")
+        if self.master_address is not None and self.worker_backend != "multi_process":
+            raise ValueError("headless stages (a master address) do not combine with worker_backend="
+                             f"{self.worker_backend!r}")
 
 
 @dataclass

@@ -89,14 +89,20 @@ def tcp(host: str, port: int | str) -> str:
 
 def routable_address(master_host: str) -> str:
     """This host's address on the route to the master (a UDP connect sends no packet)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((master_host, 9))
-        return probe.getsockname()[0]
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((master_host, 9))
+            return probe.getsockname()[0]
+    except OSError as e:
+        raise OSError(f"no route to the master address {master_host!r} (--omni-master-address): {e}") from None
 
 
 def bind_address(host: str) -> str:
     """An IP to bind on for a host name (zmq binds interfaces, not names)."""
-    return socket.gethostbyname(host)
+    try:
+        return socket.gethostbyname(host)
+    except OSError as e:
+        raise OSError(f"cannot listen on {host!r} (--omni-master-address): {e}") from None
 
 
 # --------------------------------------------------------------------------- fingerprint

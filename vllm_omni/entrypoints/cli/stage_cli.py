@@ -57,4 +57,8 @@ def run_headless(args: argparse.Namespace, model: str, stage_overrides: Any, eng
         return 1
     options = HeadlessOptions(args.stage_id, args.omni_master_address, args.omni_master_port,
                               args.omni_replica_address, float(args.stage_init_timeout), float(args.shutdown_timeout))
-    return serve_stage(pipeline, model, options)
+    try:
+        return serve_stage(pipeline, model, options)
+    except OSError as e:  # e.g. a master address that does not resolve, or a replica address not of this host
+        logger.error("stage %d cannot start: %s", args.stage_id, e)
+        return 1
