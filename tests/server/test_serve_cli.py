@@ -101,7 +101,7 @@ def test_implemented_flags_and_engine_flags():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--stage-id", "1"], "--stage-id=1 is not supported"),
+    (["--headless"], "--headless needs --stage-id"),
     (["--ray-address", "auto"], "a Ray address (--ray-address) needs --worker-backend ray"),
     (["--stage-configs-path", "a.yaml", "--deploy-config", "b.yaml"], "mutually exclusive"),
     (["--max-concurrent-requests", "0"], "--max-concurrent-requests must be >= 1"),
@@ -117,8 +117,8 @@ def test_vllm_script_only_serves_with_omni(capsys):
     assert "only runs `vllm serve [MODEL] --omni" in capsys.readouterr().err
     assert vllm_main(["serve", "some/model"]) == 2
     assert "add --omni" in capsys.readouterr().err
-    assert vllm_main(["serve", "--omni", "--stage-id", "2"]) == 2
-    assert "--stage-id=2 is not supported" in capsys.readouterr().err
+    assert vllm_main(["serve", "--omni", "--headless", "--stage-id", "2"]) == 2
+    assert "--headless needs --omni-master-address" in capsys.readouterr().err
 
 
 def _non_default(flag: serve_args.Flag) -> list[str]:
@@ -153,4 +153,5 @@ def test_flags_reach_async_omni(monkeypatch):
                     "stage_overrides": '{"0": {"max_num_seqs": 2}}', "stage_init_timeout": 30.0,
                     "init_timeout": 60.0, "shm_threshold_bytes": 1024, "log_stats": True, "async_chunk": False,
                     "heartbeat_timeout": 5.0, "max_stage_restarts": 3, "lb_policy": "random",
-                    "worker_backend": "ray", "ray_address": "auto", "max_num_seqs": 8, "dtype": "float32"}
+                    "worker_backend": "ray", "ray_address": "auto", "max_num_seqs": 8, "dtype": "float32",
+                    "stage_id": None, "master_address": None, "master_port": None}

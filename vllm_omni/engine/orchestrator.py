@@ -41,7 +41,9 @@ from vllm_omni.engine.request_state import RequestDone, RequestSink, RequestStat
 from vllm_omni.engine.stage_client import StageClient, StageDownError, StageHealth, StageState
 from vllm_omni.engine.ray_cluster import RayCluster, worker_backend_problem
 from vllm_omni.engine.stage_input import build_stage_input, resolve_input_processor
+from vllm_omni.engine.registration import pipeline_summary
 from vllm_omni.engine.stage_launcher import ProcessLauncher, StageLauncher, ThreadLauncher, torch_threads_for
+from vllm_omni.engine.stage_master import StageMaster
 from vllm_omni.engine.stage_worker import WorkerSpec
 from vllm_omni.engine.supervisor import StageSupervisor
 from vllm_omni.engine.transport import OrchestratorChannel, make_ipc_dir, stage_addresses, sweep_shared_memory
@@ -65,11 +67,21 @@ class RuntimeOptions:
     lb_policy: str = DEFAULT_LB_POLICY  # which replica of a stage takes a new request (load_balancer.py)
     worker_backend: str = "multi_process"  # or "ray": stages as Ray actors (engine/ray_cluster.py)
     ray_address: str | None = None  # None: RAY_ADDRESS, else a local Ray instance of our own
+    # The stage-based CLI (engine/stage_master.py): the one stage this process launches (None:
+    # every stage), and where headless stages register (None: nowhere).
+    local_stage: int | None = None
+    master_address: str | None = None
+    master_port: int | None = None
 
     def __post_init__(self) -> None:
         problem = worker_backend_problem(self.worker_backend, self.ray_address)
         if problem is not None:
             raise ValueError(problem)
+        if (self.master_address is None) != (self.master_port is None):
+            raise ValueError("headless stages register at --omni-master-address and --omni-master-port: give both")
+        if self.master_address is not None and self.worker_backend != "multi_process":
+            raise ValueError("headless stages (a master address) do not combine with worker_backend="
+                             f"{self.worker_backend!r}")
 
 
 @dataclass
@@ -92,9 +104,10 @@ class Orchestrator:
                             for sid in self.stages}
         self._bridges = {s.stage_id: resolve_input_processor(s, model) for s in pipeline.stages
                          if s.engine_input_source}
+        self._check_stage_cli()
         # Every replica's own stage config (its devices, its replica id), checked before anything starts.
         self._replica_stages = {s.stage_id: replica_configs(s) for s in pipeline.stages}
-        self.pools = {s.stage_id: StagePool(s.stage_id, s.model_stage, s.runtime.num_replicas,
+        self.pools = {s.stage_id: StagePool(s.stage_id, s.model_stage, self._local_replicas(s),
                                             make_policy(options.lb_policy)) for s in pipeline.stages}
         self._streaming: dict[int, StreamingEdge] = {}  # by downstream stage, once the stages are up
         self._requests: dict[str, RequestState] = {}  # internal key -> state
@@ -110,6 +123,21 @@ class Orchestrator:
         self._down_reasons: dict[ReplicaRef, str] = {}  # why a replica last went down
         self._closing = False
         self._ray: RayCluster | None = None  # worker_backend "ray": the cluster the stage actors run on
+        self._master: StageMaster | None = None  # the stage-based CLI's registration socket
+
+    def _check_stage_cli(self) -> None:
+        local = self.options.local_stage
+        if local is not None and local not in self.stages:
+            raise ValueError(f"--stage-id {local}: the pipeline has no such stage (stages {sorted(self.stages)})")
+        others = [sid for sid in self.stages if local is not None and sid != local]
+        if others and self.options.master_address is None:
+            raise ValueError(f"--stage-id {local} runs only stage {local} here; stages {others} must register as "
+                             "headless stages, which needs --omni-master-address and --omni-master-port")
+
+    def _local_replicas(self, stage: StageConfig) -> int:
+        """Replicas this process launches: none of a stage that headless processes run."""
+        local = self.options.local_stage
+        return stage.runtime.num_replicas if local is None or local == stage.stage_id else 0
 
     # --- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
@@ -120,8 +148,10 @@ class Orchestrator:
         try:
             if self.options.worker_backend == "ray":
                 self._ray = RayCluster.connect(self.options.ray_address, self.pipeline)
+            if self.options.master_address is not None:
+                await self._start_master()
             for stage in self.pipeline.stages:
-                for replica in range(stage.runtime.num_replicas):
+                for replica in range(self._local_replicas(stage)):
                     self._launch(stage, replica)
             opts = self.options
             stage_deadline, overall = t0 + opts.stage_init_timeout_s, t0 + opts.init_timeout_s
@@ -129,6 +159,11 @@ class Orchestrator:
                     else f"init_timeout={opts.init_timeout_s}s")
             waits = [asyncio.ensure_future(c.wait_ready(min(stage_deadline, overall), what))
                      for c in self.all_clients()]
+            remote = [s.stage_id for s in self.pipeline.stages if not self._local_replicas(s)]
+            if remote:
+                assert self._master is not None
+                waits.append(asyncio.ensure_future(self._master.wait_for_stages(
+                    remote, overall, f"init_timeout={opts.init_timeout_s}s")))
             # The first stage that fails (or times out) fails the start: waiting for the others
             # to finish loading their models would only delay the error.
             done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
@@ -145,9 +180,9 @@ class Orchestrator:
             await self.close()
             raise
         logger.info("pipeline of %d stages is up in %.1fs", len(self.pools), time.monotonic() - t0)
-        for pool in self.pools.values():
-            for replica in range(pool.num_replicas):
-                self.supervisor.started(pool.ref(replica), time.monotonic() - t0)
+        for stage in self.pipeline.stages:
+            for replica in range(self._local_replicas(stage)):
+                self.supervisor.started(self.pools[stage.stage_id].ref(replica), time.monotonic() - t0)
 
     def all_clients(self) -> list[StageClient]:
         """Every replica of every stage."""
@@ -181,13 +216,34 @@ class Orchestrator:
         else:
             launcher = ProcessLauncher(spec)
         channel = OrchestratorChannel(self._ctx, in_addr, out_addr, opts.shm_threshold_bytes, self._shm_prefix)
-        client = StageClient(stage.stage_id, stage.model_stage, launcher, channel,
-                             on_message=functools.partial(self._on_message, replica=replica),
-                             on_down=functools.partial(self._on_stage_down, replica=replica),
-                             heartbeat_timeout_s=opts.heartbeat_timeout_s, name=ref.name)
-        pool.replicas[replica] = client
+        client = self._client(stage.stage_id, replica, launcher, channel, ref.name)
         client.start()
         return client
+
+    def _client(self, stage_id: int, replica: int, launcher: StageLauncher, channel: OrchestratorChannel,
+                name: str) -> StageClient:
+        """A replica's client, wired to this orchestrator and put in its pool's slot (not started)."""
+        client = StageClient(stage_id, self.stages[stage_id].model_stage, launcher, channel,
+                             on_message=functools.partial(self._on_message, replica=replica),
+                             on_down=functools.partial(self._on_stage_down, replica=replica),
+                             heartbeat_timeout_s=self.options.heartbeat_timeout_s, name=name)
+        self.pools[stage_id].replicas[replica] = client
+        return client
+
+    async def _start_master(self) -> None:
+        assert self._ctx is not None and self.options.master_address is not None
+        opts = self.options
+        summary = pipeline_summary(self.pipeline, self.model)
+
+        def remote_client(stage_id: int, replica: int, launcher: StageLauncher,
+                          channel: OrchestratorChannel) -> StageClient:
+            return self._client(stage_id, replica, launcher, channel, f"{self.pools[stage_id].name} replica {replica}")
+
+        self._master = StageMaster(
+            self._ctx, opts.master_address, opts.master_port, self.model, summary, self.pools, remote_client,
+            heartbeat_interval_s=min(opts.heartbeat_interval_s, opts.heartbeat_timeout_s / 4),
+            heartbeat_timeout_s=opts.heartbeat_timeout_s, stage_init_timeout_s=opts.stage_init_timeout_s)
+        await self._master.start()
 
     async def restart_replica(self, ref: ReplicaRef) -> None:
         """Replace a replica that went down with a fresh process (called by the supervisor);
@@ -214,6 +270,9 @@ class Orchestrator:
         # In pipeline order: nothing flows into a stage after its sources have stopped.
         for sid in self.pipeline.topo_order():
             await asyncio.gather(*(c.close(self.options.shutdown_timeout_s) for c in self.pools[sid].clients()))
+        if self._master is not None:  # after the clients: headless replicas say goodbye through it
+            await self._master.close()
+            self._master = None
         if self._ray is not None:  # every actor is gone; a Ray we started stops here
             self._ray.close()
             self._ray = None
@@ -547,7 +606,8 @@ class Orchestrator:
                 # running beside a dead talker goes on.
                 if stage_id in state.stages and stage_id not in state.finished_stages:
                     self._fail(state, f"{ref.name} is down: {reason}", stage_id)
-        if not self._closing:
+        # A headless replica is restarted by whoever started it; it registers again.
+        if not self._closing and not (self._master is not None and self._master.is_remote(pool.replicas[replica])):
             self.supervisor.on_down(ref, reason)
 
     def _move_to_another_replica(self, state: RequestState, stage_id: int) -> bool:

@@ -109,12 +109,16 @@ class StagePool:
         return self._queues[replica]
 
     def down_message(self) -> str:
+        if not self.clients():  # a stage that headless processes run (engine/stage_master.py)
+            return f"{self.name} has no replica: none has registered yet"
         return "; ".join(f"{c.name} is {c.state.value}: {c.reason or 'not ready'}" for c in self.clients())
 
     # --- health and stats -----------------------------------------------------
     def health(self, replica_health: list[StageHealth]) -> StageHealth:
         """The stage's health from its replicas' (one per replica, in replica order): UP while
         any replica is UP; otherwise the most hopeful state (a replica restarting)."""
+        if not replica_health:
+            return StageHealth(self.stage_id, self.model_stage, StageState.STARTING, self.down_message(), None, None)
         replicas = tuple(ReplicaHealth(r, h.pid, h.state, self._queues[r], self.routed[r], h.reason, h.retry_after_s)
                          for r, h in enumerate(replica_health))
         up = [h for h in replica_health if h.state == StageState.UP]

@@ -8,6 +8,7 @@ every `heartbeat_interval_s`, so a long forward pass does not look like a dead s
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -25,6 +26,7 @@ from vllm_omni.engine.messages import (
     AbortRequests, Heartbeat, PauseRequests, Shutdown, StageFatal, StageInitFailed, StageOutputBatch, StageReady,
     StageStats, StatsRequest,
 )
+from vllm_omni.engine.registration import MasterLink, RegistrationRefused, RemoteAttach
 from vllm_omni.engine.transport import MessageCodec, WorkerChannel
 from vllm_omni.stage_io import StageEngine, StageInputChunk, StageOutput, StageRequest, error_output
 
@@ -51,6 +53,9 @@ class WorkerSpec:
     in_process: bool
     torch_threads: int | None = None  # set in the child; None leaves torch's default
     log_level: int = logging.WARNING  # the parent's level; spawned children start unconfigured
+    # A headless replica (stage-based CLI): it binds its inbox on a free tcp port, registers with
+    # the head there, and learns out_addr and its heartbeat interval from the answer.
+    remote: RemoteAttach | None = None
 
     @property
     def stage_id(self) -> int:
@@ -64,6 +69,8 @@ def stage_process_main(spec: WorkerSpec) -> None:
         os._exit(1)
     os.setpgid(0, 0)  # own process group: shutdown kills the stage and anything it started
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which shuts us down
+    if spec.remote is not None:  # the headless parent stops us with SIGTERM: say goodbye to the head first
+        signal.signal(signal.SIGTERM, _raise_terminated)
     logging.basicConfig(level=spec.log_level, format=f"[stage {spec.stage_id}] %(levelname)s %(name)s: %(message)s")
     runtime = {"env": spec.stage.runtime.env_dict(), "devices": spec.stage.runtime.devices}
     # Visible devices are set before anything initializes CUDA (torch does so lazily).
@@ -72,7 +79,10 @@ def stage_process_main(spec: WorkerSpec) -> None:
             import torch
 
             torch.set_num_threads(spec.torch_threads)
-        code = run_stage_worker(spec, device="auto")
+        try:
+            code = run_stage_worker(spec, device="auto")
+        except _Terminated:
+            code = 0
     # The worker has closed its sockets; skipping interpreter teardown (torch's takes ~1 s)
     # makes shutdown fast. Nothing is left to flush but the log streams.
     logging.shutdown()
@@ -84,29 +94,62 @@ def stage_process_main(spec: WorkerSpec) -> None:
 def run_stage_worker(spec: WorkerSpec, device: str) -> int:
     """Serve one stage until Shutdown (0) or a fatal error (1)."""
     ctx = zmq.Context()
-    chan = WorkerChannel(ctx, spec.in_addr, spec.out_addr, spec.shm_threshold_bytes, spec.shm_prefix)
+    chan = WorkerChannel(ctx, spec.in_addr, None if spec.remote is not None else spec.out_addr,
+                         spec.shm_threshold_bytes, spec.shm_prefix)
+    link: MasterLink | None = None
     stop = threading.Event()
-    beat = threading.Thread(target=_heartbeat_loop, args=(ctx, spec, stop), name=f"stage{spec.stage_id}-heartbeat",
-                            daemon=True)
-    beat.start()
+    beat: threading.Thread | None = None
+    leave = "stopped"
     try:
+        if spec.remote is not None:
+            try:
+                spec, link = _join_head(ctx, chan, spec, spec.remote)
+            except (RegistrationRefused, TimeoutError) as e:
+                logger.error("%s", e)
+                return 1
+        beat = threading.Thread(target=_heartbeat_loop, args=(ctx, spec, stop), name=f"stage{spec.stage_id}-heartbeat",
+                                daemon=True)
+        beat.start()
         try:
             engine = _build_engine(spec, device)
         except Exception:  # noqa: BLE001 - reported to the orchestrator, which names the stage
+            leave = "initialization failed"
             chan.send(StageInitFailed(spec.stage_id, os.getpid(), traceback.format_exc()))
             return 1
         chan.send(StageReady(spec.stage_id, os.getpid(), engine.describe()))
         try:
-            return _serve(engine, chan, spec)
+            return _serve(engine, chan, spec, link)
         except Exception:  # noqa: BLE001 - the loop itself broke: tell the orchestrator, then exit
+            leave = "the worker loop failed"
             logger.exception("stage %d worker loop failed", spec.stage_id)
             chan.send(StageFatal(spec.stage_id, traceback.format_exc()))
             return 1
     finally:
         stop.set()
-        beat.join(timeout=5.0)
+        if beat is not None:
+            beat.join(timeout=5.0)
+        if link is not None:
+            link.close(leave)
         chan.close()
         ctx.term()
+
+
+def _join_head(ctx: zmq.Context, chan: WorkerChannel, spec: WorkerSpec,
+               remote: RemoteAttach) -> tuple[WorkerSpec, MasterLink]:
+    """A headless replica registers (retrying until stage_init_timeout), then sends where the
+    head said, at the heartbeat interval it said."""
+    link = MasterLink.register(ctx, remote, spec.stage_id, chan.inbox_endpoint, spec.stage_init_timeout_s)
+    try:
+        spec = dataclasses.replace(spec, out_addr=link.out_addr,
+                                   heartbeat_interval_s=link.accepted.heartbeat_interval_s)
+        logger.info("stage %d: registered with the head at %s as replica %d", spec.stage_id, remote.master,
+                    link.accepted.replica)
+        chan.connect_outbox(spec.out_addr)
+        link.start()
+    except BaseException:
+        link.close("failed to connect")  # its socket must be closed before the context ends
+        raise
+    return spec, link
 
 
 def _build_engine(spec: WorkerSpec, device: str) -> StageEngine:
@@ -143,7 +186,7 @@ def _worker_class(stage: StageConfig) -> type:
     raise ValueError(f"stage {stage.stage_id}: worker_type={stage.worker_type.value!r} has no engine yet")
 
 
-def _serve(engine: StageEngine, chan: WorkerChannel, spec: WorkerSpec) -> int:
+def _serve(engine: StageEngine, chan: WorkerChannel, spec: WorkerSpec, link: MasterLink | None) -> int:
     profiler = StepProfiler(spec.stage_id)  # benchmarks only: off unless its variables are set
     while True:
         # Requests waiting for streamed input or paused are no work: block on the socket.
@@ -158,6 +201,8 @@ def _serve(engine: StageEngine, chan: WorkerChannel, spec: WorkerSpec) -> int:
             if not spec.in_process and os.getppid() != spec.parent_pid:
                 logger.error("stage %d: parent process is gone; exiting", spec.stage_id)
                 return 1
+            if link is not None and link.lost is not None:
+                return 1  # the link logged why
             continue
         with profiler.step():
             try:
@@ -201,6 +246,15 @@ def _send_outputs(chan: WorkerChannel, stage_id: int, outputs: list[StageOutput]
         except (TypeError, ValueError) as e:
             chan.send(StageOutputBatch(stage_id, [error_output(out.request_id, f"stage {stage_id}: output "
                                                                                f"cannot be sent: {e}")]))
+
+
+class _Terminated(BaseException):
+    """SIGTERM in a headless replica: unwinds the worker (not caught as an Exception) so that it
+    leaves the head cleanly."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated()
 
 
 def _heartbeat_loop(ctx: zmq.Context, spec: WorkerSpec, stop: threading.Event) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import tempfile
 import uuid
 import warnings
@@ -33,6 +34,8 @@ from vllm_omni.engine.messages import FromWorker, ToWorker
 logger = logging.getLogger(__name__)
 
 DEFAULT_SHM_THRESHOLD_BYTES = 65536
+# Peers on different hosts share no memory: with this threshold every tensor travels inline.
+INLINE_ONLY = sys.maxsize
 _TENSOR_EXT = 1
 _SHM_DIR = "/dev/shm"  # where POSIX shared memory segments are visible on Linux
 
@@ -201,7 +204,7 @@ def _configure(sock: zmq.Socket, linger_ms: int) -> None:
 class WorkerChannel:
     """The worker's two sockets: it receives ToWorker messages and sends FromWorker ones."""
 
-    def __init__(self, ctx: zmq.Context, in_addr: str, out_addr: str, shm_threshold_bytes: int,
+    def __init__(self, ctx: zmq.Context, in_addr: str, out_addr: str | None, shm_threshold_bytes: int,
                  shm_prefix: str) -> None:
         self.inbox = ctx.socket(zmq.PULL)
         self.outbox = ctx.socket(zmq.PUSH)
@@ -209,8 +212,18 @@ class WorkerChannel:
         _configure(self.inbox, 0)
         _configure(self.outbox, 2000)
         self.inbox.bind(in_addr)  # before StageReady is sent, so the orchestrator's queue drains here
-        self.outbox.connect(out_addr)
+        if out_addr is not None:
+            self.outbox.connect(out_addr)
         self.codec = MessageCodec(ToWorker, shm_threshold_bytes, shm_prefix)
+
+    @property
+    def inbox_endpoint(self) -> str:
+        """The address the inbox is bound on (a `tcp://host:*` bind resolved to its port)."""
+        return self.inbox.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def connect_outbox(self, out_addr: str) -> None:
+        """For a worker that learns where to send only after binding its inbox (a headless stage)."""
+        self.outbox.connect(out_addr)
 
     def send(self, msg: Any) -> None:
         self.outbox.send_multipart(self.codec.encode(msg), copy=False)
@@ -248,6 +261,11 @@ class OrchestratorChannel:
         self.to_worker.connect(in_addr)
         self.from_worker.bind(out_addr)
         self.codec = MessageCodec(FromWorker, shm_threshold_bytes, shm_prefix)
+
+    @property
+    def out_port(self) -> int:
+        """The port the worker's outputs come to (a `tcp://host:*` bind resolved)."""
+        return int(self.from_worker.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
 
     def send_nowait(self, msg: Any) -> None:
         """Queue a message for the worker (NOBLOCK: a full queue would be an error, never a hang)."""

@@ -18,17 +18,28 @@ _Self = TypeVar("_Self", bound="OmniBase")
 
 def load_pipeline(model: str, stage_configs_path: str | None, deploy_config: str | None,
                   stage_overrides: str | Mapping[Any, Any] | None, engine_args: dict[str, Any],
-                  output_modalities: Sequence[str] | None = None, async_chunk: bool | None = None) -> PipelineConfig:
-    """Parse every config input once (DESIGN 6) and check that its dotted names import."""
+                  output_modalities: Sequence[str] | None = None, async_chunk: bool | None = None,
+                  stage_id: int | None = None) -> PipelineConfig:
+    """Parse every config input once (DESIGN 6) and check that its dotted names import.
+
+    `stage_id` (the stage-based CLI's --stage-id): this process runs that stage alone, so the
+    engine flags apply to it alone and only its devices must exist here."""
     from vllm_omni.config import detect_platform, load_pipeline_config, validate_dotted_names
+    from vllm_omni.config.loader import visible_device_count
+    from vllm_omni.config.support import check_devices_exist
 
     if stage_configs_path is not None and deploy_config is not None:
         raise ValueError("pass stage_configs_path (legacy stage_args YAML) or deploy_config, not both")
     path = stage_configs_path if stage_configs_path is not None else deploy_config
     fmt = "legacy" if stage_configs_path is not None else "deploy" if deploy_config is not None else None
+    platform = detect_platform()
     pipeline = load_pipeline_config(path, model=model, expected_format=fmt, stage_overrides=stage_overrides,
-                                    cli_args=engine_args or None, platform=detect_platform(),
-                                    output_modalities=output_modalities, check_devices=True, async_chunk=async_chunk)
+                                    cli_args=engine_args or None, cli_stage_id=stage_id, platform=platform,
+                                    output_modalities=output_modalities, check_devices=stage_id is None,
+                                    async_chunk=async_chunk)
+    num_devices = visible_device_count(platform)
+    if stage_id is not None and num_devices is not None and stage_id in pipeline.stage_ids:
+        check_devices_exist(pipeline.stage(stage_id), num_devices, lambda _path: pipeline.source)
     validate_dotted_names(pipeline)
     return pipeline
 
@@ -48,7 +59,10 @@ class OmniBase:
 
     `worker_backend="ray"` runs each stage as a Ray actor (needs the `ray` extra) on the Ray
     this process initialized, else the cluster at `ray_address`, else a local instance of its
-    own (docs/deployment.md, "Ray")."""
+    own (docs/deployment.md, "Ray").
+
+    The stage-based CLI (docs/deployment.md): `stage_id` launches that stage only (engine
+    arguments apply to it alone); headless stages register at `master_address:master_port`."""
 
     def __init__(
         self,
@@ -67,18 +81,22 @@ class OmniBase:
         lb_policy: str = DEFAULT_LB_POLICY,
         worker_backend: str = "multi_process",
         ray_address: str | None = None,
+        stage_id: int | None = None,
+        master_address: str | None = None,
+        master_port: int | None = None,
         **engine_args: Any,
     ) -> None:
         model = os.fspath(model)
         if isinstance(output_modalities, str):
             output_modalities = [output_modalities]
         pipeline = load_pipeline(model, stage_configs_path, deploy_config, stage_overrides, engine_args,
-                                 output_modalities, async_chunk)
+                                 output_modalities, async_chunk, stage_id)
         options = RuntimeOptions(stage_init_timeout_s=float(stage_init_timeout), init_timeout_s=float(init_timeout),
                                  shm_threshold_bytes=int(shm_threshold_bytes), log_stats=log_stats,
                                  heartbeat_timeout_s=float(heartbeat_timeout),
                                  max_stage_restarts=int(max_stage_restarts), lb_policy=lb_policy,
-                                 worker_backend=worker_backend, ray_address=ray_address)
+                                 worker_backend=worker_backend, ray_address=ray_address, local_stage=stage_id,
+                                 master_address=master_address, master_port=master_port)
         self._runtime = OmniRuntime(pipeline, model, options, output_modalities)
 
     @property

@@ -11,7 +11,7 @@ import re
 import sys
 from pathlib import Path
 
-from vllm_omni.entrypoints.cli import serve_args
+from vllm_omni.entrypoints.cli import serve_args, stage_cli
 from vllm_omni.entrypoints.cli.demo_defaults import SERVE_OVERRIDES, with_demo_overrides
 
 logger = logging.getLogger("vllm_omni.serve")
@@ -62,7 +62,7 @@ def _configure_logging(log_file: str | None) -> None:
 
 
 def _check(args: argparse.Namespace) -> list[str]:
-    problems = serve_args.refused_flags(args)
+    problems = serve_args.refused_flags(args) + stage_cli.problems(args)
     if args.stage_configs_path is not None and args.deploy_config is not None:
         problems.append("--stage-configs-path and --deploy-config are mutually exclusive (legacy stage_args YAML "
                         "or a deploy YAML, not both)")
@@ -105,6 +105,11 @@ def serve(args: argparse.Namespace) -> int:
                        "they are ready (bounded by --stage-init-timeout / --init-timeout)")
     if args.disable_log_requests:
         logger.warning("--disable-log-requests is deprecated: requests are not logged unless --enable-log-requests")
+    if args.headless:  # no API server: the stage serves the head at --omni-master-address
+        model, _ = _model(args)
+        if args.model is None:
+            args.stage_overrides = with_demo_overrides(SERVE_OVERRIDES, args.stage_overrides)
+        return stage_cli.run_headless(args, model, serve_args.stage_overrides(args), serve_args.engine_args(args))
 
     from vllm_omni.entrypoints.openai.api_server import ServerSettings, bind_socket, local_media_root, run_server
     from vllm_omni.entrypoints.openai.chat_options import ChatOptions, load_chat_template
@@ -205,5 +210,5 @@ def _start_engine(args: argparse.Namespace, model: str):
         init_timeout=args.init_timeout, shm_threshold_bytes=args.shm_threshold_bytes, log_stats=args.log_stats,
         async_chunk=args.async_chunk, heartbeat_timeout=args.omni_heartbeat_timeout,
         max_stage_restarts=args.max_stage_restarts, lb_policy=args.omni_lb_policy, worker_backend=args.worker_backend,
-        ray_address=args.ray_address, **serve_args.engine_args(args),
+        ray_address=args.ray_address, **stage_cli.head_arguments(args), **serve_args.engine_args(args),
     )

@@ -17,7 +17,6 @@ from vllm_omni.entrypoints.openai.chat_options import parse_mm_limits
 from vllm_omni.entrypoints.openai.realtime import limits as realtime_limits
 
 _DIFFUSION = "the diffusion engine does not implement it yet"
-_STAGE_CLI = "the stage-based CLI (one stage per process, headless workers, a remote master) is not implemented yet"
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,9 @@ OMNI_FLAGS: tuple[Flag, ...] = (
        default=None),
     _f("--async-chunk", "Override the deploy YAML's async_chunk: bool. Unset leaves the YAML value in force.",
        action=argparse.BooleanOptionalAction, default=None),
-    _f("--stage-id", "Select and launch a single stage by stage_id.", _STAGE_CLI, type=int, default=None),
+    _f("--stage-id", "Select and launch a single stage by stage_id (the stage-based CLI: engine flags apply to "
+       "this stage alone; the head's other stages register as --headless processes; docs/deployment.md).",
+       type=int, default=None),
     _f("--replica-id", "Deprecated and ignored: replica ids are auto-assigned by the master server. Specifying "
        "it prints a warning and has no effect.", type=int, default=None),
     _f("--stage-init-timeout", "The timeout for initializing a single stage, in seconds.", type=float, default=300),
@@ -86,14 +87,14 @@ OMNI_FLAGS: tuple[Flag, ...] = (
     _f("--ray-address", "The address of the Ray cluster to connect to (with --worker-backend ray), e.g. auto "
        "(the cluster `ray start` began on this host) or HOST:PORT. Unset: the cluster RAY_ADDRESS names, else a "
        "local Ray instance the server starts and stops.", default=None),
-    _f("--omni-master-address -oma", "Hostname or IP address of the Omni orchestrator (master).", _STAGE_CLI,
-       default=None),
-    _f("--omni-master-port -omp", "Port of the Omni orchestrator (master).", _STAGE_CLI, type=int, default=None),
-    _f("--omni-replica-address -ora", "Local bind address that a headless stage advertises to the Omni master.",
-       _STAGE_CLI, default=None),
-    _f("--omni-dp-size-local", "Number of stage replicas this runtime launches locally. Without --stage-id it "
-       "applies to every stage, like the other engine flags (per stage: runtime.num_replicas in the config or "
-       "--stage-overrides '{\"1\": {\"num_replicas\": 2}}', which wins); see docs/deployment.md.", type=int,
+    _f("--omni-master-address -oma", "Hostname or IP address of the Omni orchestrator (master): the head "
+       "listens there for headless stages, which register there.", default=None),
+    _f("--omni-master-port -omp", "Port of the Omni orchestrator (master).", type=int, default=None),
+    _f("--omni-replica-address -ora", "Local bind address that a headless stage advertises to the Omni master. "
+       "Unset: this host's address on the route to --omni-master-address.", default=None),
+    _f("--omni-dp-size-local", "Number of stage replicas this runtime launches locally for its --stage-id. "
+       "Without --stage-id it applies to every stage, like the other engine flags (per stage: runtime.num_replicas "
+       "in the config or --stage-overrides '{\"1\": {\"num_replicas\": 2}}', which wins); see docs/deployment.md.", type=int,
        default=1),
     _f("--omni-lb-policy", "Per-stage load-balancing policy: which UP replica of a stage takes a new request.",
        choices=("random", "round-robin", "least-queue-length"), default="random"),
@@ -197,7 +198,8 @@ SERVER_FLAGS: tuple[Flag, ...] = (
        type=int, default=1024),
     _f("--uvicorn-log-level", "uvicorn's log level.", choices=("critical", "error", "warning", "info", "debug",
        "trace"), default="info"),
-    _bool("--headless", "Run a stage without the API server (stage-based CLI).", _STAGE_CLI),
+    _bool("--headless", "Run stage --stage-id without the API server, for the head at --omni-master-address/"
+          "--omni-master-port (stage-based CLI).", default=False),
     # vLLM's serve flags, upstream's older and streaming-shape flags (docs/compatibility.md).
     _f("--init-sleep-seconds", "[Deprecated: accepted and ignored] upstream v0.12's pause between starting "
        "stages; stages here start together and report when they are ready (see --stage-init-timeout).",
