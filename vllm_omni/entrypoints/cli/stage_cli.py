@@ -55,6 +55,9 @@ def run_headless(args: argparse.Namespace, model: str, stage_overrides: Any, eng
     except (KeyError, ValueError) as e:  # ConfigError is a ValueError
         logger.error("stage %d cannot start: %s", args.stage_id, e)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C before any replica started: nothing to stop
+        logger.info("stage %d: interrupted while loading its config", args.stage_id)
+        return 130
     options = HeadlessOptions(args.stage_id, args.omni_master_address, args.omni_master_port,
                               args.omni_replica_address, float(args.stage_init_timeout), float(args.shutdown_timeout))
     try:
