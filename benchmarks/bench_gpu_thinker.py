@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from graph_timing import graph_replay_ms  # benchmarks/ (the script's folder)
+
 # Device-to-device copy bandwidth measured on the H200 (bytes read + written), ../shared/notes/gpu.md.
 HBM_BYTES_PER_S = 4.27e12
 
@@ -73,24 +75,6 @@ def bench_decode(llm, batches, context, steps, vocab):
         rows.append({"batch": b, "ms_per_step": ms, "graph_replay_ms": replay_ms, "roofline_ms": floor_ms,
                      "fraction_of_roofline": floor_ms / ms, "tokens_per_s": b / ms * 1e3})
     return rows
-
-
-def graph_replay_ms(engine, batch: int, iters: int = 50) -> float | None:
-    """GPU time of the decode graph alone (no scheduling, input preparation or sampling):
-    the difference to ms/step is host overhead."""
-    graphs = engine.runner.graphs
-    if graphs is None:
-        return None
-    size = next(s for s in graphs.sizes if s >= batch)
-    graph = graphs.graphs[size]
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def bench_ours_throughput(llm, n, inp, out, vocab):

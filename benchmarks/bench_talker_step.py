@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from graph_timing import graph_replay_ms  # benchmarks/ (the script's folder)
 from vllm_omni.core.engine_config import EngineConfig
 from vllm_omni.core.llm_engine import LLMEngine
 from vllm_omni.sampling_params import SamplingParams
@@ -75,21 +76,6 @@ def chat_prompt(args: argparse.Namespace, model: str) -> list[int]:
 def decode_until(engine: LLMEngine, tokens: int) -> None:
     while min(r.num_output_tokens for r in engine.scheduler.running + list(engine.scheduler.waiting)) < tokens:
         engine.step()
-
-
-def graph_replay_ms(engine: LLMEngine, batch: int, iters: int = 50) -> float | None:
-    graphs = engine.runner.graphs
-    if graphs is None:
-        return None
-    graph = graphs.graphs[next(s for s in graphs.sizes if s >= batch)]
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def timed_steps(engine: LLMEngine, steps: int, profile_path: Path | None) -> list[float]:
