@@ -49,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="1,4")
     p.add_argument("--tea-cache-thresh", type=float, default=0.2)
     p.add_argument("--skip-diffusers", action="store_true")
+    p.add_argument("--eager", action="store_true", help="no torch.compile of our transformer blocks (enforce_eager)")
     p.add_argument("--json", default="bench_diffusion.json")
     return p.parse_args(argv)
 
@@ -142,6 +143,7 @@ def timed(fn: Any, device: torch.device, steps: int) -> float:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
+    from vllm_omni.diffusion.acceleration import DenoiserAcceleration
     from vllm_omni.diffusion.tea_cache import TeaCache, TeaCacheConfig
     from vllm_omni.model_executor.models.qwen_image.model import QwenImageModel
 
@@ -149,7 +151,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     size = args.size or (64 if args.tiny else 1024)
     steps = args.steps or (4 if args.tiny else 50)
     components, device = load(args)
-    model = QwenImageModel(components, device=device)
+    # Ours as a stage runs it by default: its blocks compiled unless enforce_eager (CUDA only).
+    model = QwenImageModel(components, device=device, acceleration=DenoiserAcceleration(compile=not args.eager))
     pipe = QwenImagePipeline(transformer=components.transformer, vae=components.vae,
                              text_encoder=components.text_encoder, tokenizer=components.tokenizer,
                              scheduler=FlowMatchEulerDiscreteScheduler.from_config(components.scheduler_config))

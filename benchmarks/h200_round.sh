@@ -8,6 +8,7 @@
 #   benchmarks/h200_round.sh profile   # the Qwen2.5-Omni talker's step under the torch profiler
 #   benchmarks/h200_round.sh talker    # each talker alone (Qwen3's with its code predictor): ms/step
 #   benchmarks/h200_round.sh stages    # code2wav / token2wav, Qwen3-TTS, Qwen-Image on their own
+#   benchmarks/h200_round.sh diffusion # Qwen-Image 1024^2, 50 steps vs diffusers; one step per attention/compile setting
 # Logs and JSON go to $OUT (or ./h200_out). Each step has its own time limit, so one slow step
 # still leaves the others' results.
 set -u
@@ -68,5 +69,10 @@ case "${1:-}" in
       --json "$OUT/tts.json"
     step diffusion 120 $PY benchmarks/bench_diffusion.py --size 512 --steps 20 --batch-sizes 1,4 \
       --json "$OUT/diffusion.json" ;;
-  *) echo "usage: $0 tests|qwen2_5|qwen2_5_stream|tts|profile|talker|qwen3|stages"; exit 2 ;;
+  diffusion)
+    step diffusion_step 200 $PY benchmarks/bench_diffusion_step.py --profile CUDNN_ATTN+compile \
+      --json "$OUT/diffusion_step.json"
+    step diffusion_1024 380 $PY benchmarks/bench_diffusion.py --size 1024 --steps 50 --batch-sizes 1,4 \
+      --json "$OUT/diffusion_1024.json" ;;
+  *) echo "usage: $0 tests|qwen2_5|qwen2_5_stream|tts|profile|talker|qwen3|stages|diffusion"; exit 2 ;;
 esac

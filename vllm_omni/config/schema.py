@@ -175,6 +175,17 @@ def check_cfg_parallel_size(v: Any) -> int:
     raise BadValue("1 or 2")
 
 
+def check_attention_backend(v: Any) -> str | None:
+    from vllm_omni.diffusion.acceleration import attention_backend_problem
+
+    if v is None:
+        return None
+    problem = attention_backend_problem(v) if isinstance(v, str) else "a backend name"
+    if problem:
+        raise BadValue(problem)
+    return v.upper()
+
+
 def check_dtype(v: Any) -> str:
     """Any spelling of model_executor.dtypes, stored canonical ("bf16" -> "bfloat16")."""
     try:
@@ -203,6 +214,10 @@ DIFFUSION_FIELDS: dict[str, FieldSpec] = {
     "enable_cpu_offload": FieldSpec(check_bool, False),
     "cfg_parallel_size": FieldSpec(check_cfg_parallel_size, 1),
     "max_generated_image_size": FieldSpec(check_int(1, optional=True), None),
+    # With enforce_eager false the transformer blocks are compiled (docs/diffusion.md).
+    "diffusion_attention_backend": FieldSpec(check_attention_backend, None),
+    "diffusion_compile_granularity": FieldSpec(check_choice("regional"), "regional"),
+    "diffusion_compile_dynamic": FieldSpec(check_bool, True),
 }
 
 # Topology fields describe the model's stage graph; a deploy YAML may not set them

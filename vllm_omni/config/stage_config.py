@@ -106,6 +106,9 @@ class StageEngineArgs:
     enable_cpu_offload: bool = False
     cfg_parallel_size: int = 1
     max_generated_image_size: int | None = None
+    diffusion_attention_backend: str | None = None  # None: CUDNN_ATTN on CUDA, TORCH_SDPA elsewhere
+    diffusion_compile_granularity: str = "regional"
+    diffusion_compile_dynamic: bool = True
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vllm_omni.diffusion.acceleration import DenoiserAcceleration
 from vllm_omni.imports import import_dotted
 
 logger = logging.getLogger(__name__)
@@ -45,13 +46,15 @@ class ModelSpec:
     vae_use_slicing: bool = False
     vae_use_tiling: bool = False
     cpu_offload: bool = False
+    acceleration: DenoiserAcceleration = DenoiserAcceleration()
 
     def build(self, device: torch.device) -> Any:
         if self.dummy:
             torch.manual_seed(self.seed)
         return import_dotted(self.class_path).load(
             self.model_path, device=device, dtype=getattr(torch, self.dtype), dummy=self.dummy,
-            vae_use_slicing=self.vae_use_slicing, vae_use_tiling=self.vae_use_tiling, cpu_offload=self.cpu_offload)
+            vae_use_slicing=self.vae_use_slicing, vae_use_tiling=self.vae_use_tiling, cpu_offload=self.cpu_offload,
+            acceleration=self.acceleration)
 
 
 class CfgParallelGroup:

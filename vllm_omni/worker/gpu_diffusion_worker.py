@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from vllm_omni.config.stage_config import StageConfig, StageEngineArgs
+from vllm_omni.diffusion.acceleration import DenoiserAcceleration
 from vllm_omni.model_executor.dtypes import canonical_dtype, torch_dtype
 
 # dtype "auto": what the real checkpoints are run in on a GPU; float32 on the CPU (bf16 matmuls there are slow).
@@ -53,7 +54,8 @@ class GPUDiffusionWorker:
 
         spec = ModelSpec(model_class_path(self.stage, self.model_path), self.model_path, str(dtype).removeprefix("torch."),
                          dummy=load_format(ea) == "dummy", seed=ea.seed or 0, vae_use_slicing=ea.vae_use_slicing,
-                         vae_use_tiling=ea.vae_use_tiling, cpu_offload=ea.enable_cpu_offload)
+                         vae_use_tiling=ea.vae_use_tiling, cpu_offload=ea.enable_cpu_offload,
+                         acceleration=acceleration(ea))
         cfg_group = CfgParallelGroup.start(spec, self._tea_cache_settings(), self.device) \
             if ea.cfg_parallel_size == 2 else None
         try:
@@ -73,6 +75,12 @@ class GPUDiffusionWorker:
     def _tea_cache_settings(self) -> dict[str, Any] | None:
         ea = self.stage.engine_args
         return dict(ea.cache_config or ()) if ea.cache_backend == "tea_cache" else None
+
+
+def acceleration(args: StageEngineArgs) -> DenoiserAcceleration:
+    """The transformer's attention kernel and compilation: compiled unless enforce_eager (CUDA only)."""
+    return DenoiserAcceleration(attention_backend=args.diffusion_attention_backend, compile=not args.enforce_eager,
+                                compile_dynamic=args.diffusion_compile_dynamic)
 
 
 def model_class_path(stage: StageConfig, model_path: str) -> str:

@@ -124,7 +124,8 @@ OMNI_FLAGS: tuple[Flag, ...] = (
     _bool("--use-hsdp", "Enable HSDP (Hybrid Sharded Data Parallel) for diffusion models.", _DIFFUSION),
     _f("--hsdp-shard-size", "Number of GPUs to shard weights across (-1: auto).", _DIFFUSION, type=int, default=-1),
     _f("--hsdp-replicate-size", "Number of replica groups for HSDP.", _DIFFUSION, type=int, default=1),
-    _f("--diffusion-attention-backend", "Diffusion attention backend (shorthand).", _DIFFUSION, default=None),
+    _f("--diffusion-attention-backend", "Attention kernel of the diffusion transformer: TORCH_SDPA (PyTorch "
+       "chooses) or CUDNN_ATTN (cuDNN first). Default: CUDNN_ATTN on CUDA, TORCH_SDPA elsewhere.", default=None),
     _f("--diffusion-attention-config -dac", "Diffusion attention config (JSON).", _DIFFUSION, default=None),
     _f("--cache-backend", "Cache backend for diffusion models: none or tea_cache (cache_dit and mag_cache are not "
        "supported).", default="none"),

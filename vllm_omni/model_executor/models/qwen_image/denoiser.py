@@ -6,10 +6,12 @@ TeaCache skip the blocks for some rows of a batch and reuse their cached residua
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from vllm_omni.model_executor.models.qwen_image.block import length_runs, real_rope
 from vllm_omni.model_executor.models.qwen_image.inputs import Embedded, QwenImageBatch
 
 
@@ -22,7 +24,7 @@ def embed(transformer: Any, batch: QwenImageBatch) -> Embedded:
     text_seq_len, _, mask = compute_text_seq_len_from_mask(encoder, batch.encoder_mask)
     temb = transformer.time_text_embed(timestep, hidden, None)
     rope = transformer.pos_embed(batch.img_shapes, max_txt_seq_len=text_seq_len, device=hidden.device)
-    return Embedded(hidden, encoder, mask, temb, rope, batch.num_latent_tokens)
+    return Embedded(hidden, encoder, mask, batch.text_lengths, temb, rope, batch.num_latent_tokens)
 
 
 def modulated_input(transformer: Any, emb: Embedded) -> torch.Tensor:
@@ -33,12 +35,20 @@ def modulated_input(transformer: Any, emb: Embedded) -> torch.Tensor:
     return modulated
 
 
-def run_blocks(transformer: Any, emb: Embedded, rows: torch.Tensor | None) -> torch.Tensor:
-    hidden, encoder, mask, temb = emb.hidden, emb.encoder, emb.mask, emb.temb
+def run_blocks(blocks: Sequence[Any], emb: Embedded, rows: torch.Tensor | None, compiled: bool) -> torch.Tensor:
+    """The transformer blocks over `rows` of the batch (None: all): diffusers' blocks with the
+    padding mask, or their CompilableBlock wrappers (`compiled`), which need no mask."""
+    hidden, encoder, mask, temb, lengths = emb.hidden, emb.encoder, emb.mask, emb.temb, emb.text_lengths
     if rows is not None:
         hidden, encoder, temb = hidden[rows], encoder[rows], temb[rows]
         mask = mask[rows] if mask is not None else None
-    for block in transformer.transformer_blocks:
+        lengths = tuple(lengths[i] for i in rows.tolist())
+    if compiled:
+        rope, runs = (*real_rope(emb.rope[0]), *real_rope(emb.rope[1])), length_runs(lengths)
+        for block in blocks:
+            encoder, hidden = block(hidden, encoder, temb, rope, runs)
+        return hidden
+    for block in blocks:
         encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, encoder_hidden_states_mask=mask,
                                 temb=temb, image_rotary_emb=emb.rope, joint_attention_kwargs={}, modulate_index=None)
     return hidden

@@ -45,6 +45,7 @@ class QwenImageBatch:
     hidden_states: torch.Tensor  # [rows, seq (+ cond_seq), in_channels]
     encoder_hidden_states: torch.Tensor  # [rows, L, joint_attention_dim], zero padded
     encoder_mask: torch.Tensor | None  # [rows, L] 1 = token, 0 = padding; None: no padding
+    text_lengths: tuple[int, ...]  # each row's prompt length (its unpadded part of L)
     timestep: torch.Tensor  # [rows], already / 1000 as the pipeline passes it
     img_shapes: list[list[tuple[int, int, int]]]
     num_latent_tokens: int  # the prediction covers the sample only, not the edit's image tokens
@@ -57,6 +58,7 @@ class Embedded:
     hidden: torch.Tensor
     encoder: torch.Tensor
     mask: torch.Tensor | None
+    text_lengths: tuple[int, ...]
     temb: torch.Tensor
-    rope: tuple[torch.Tensor, torch.Tensor]
+    rope: tuple[torch.Tensor, torch.Tensor]  # complex tables of the image and the (padded) text positions
     num_latent_tokens: int

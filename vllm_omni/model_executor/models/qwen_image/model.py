@@ -18,8 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_omni.diffusion.acceleration import DenoiserAcceleration
 from vllm_omni.model_executor.models import diffusion_inputs
 from vllm_omni.model_executor.models.qwen_image import denoiser
+from vllm_omni.model_executor.models.qwen_image.block import CompilableBlock
 from vllm_omni.model_executor.models.qwen_image.components import QwenImageComponents, load_components
 from vllm_omni.model_executor.models.qwen_image.inputs import (Embedded, PromptEmbeds, QwenImageBatch,
                                                                 QwenImageRequest)
@@ -32,12 +34,18 @@ EDIT_TARGET_AREA = 1024 * 1024  # the edit pipeline resizes the input image to a
 
 
 class QwenImageModel:
-    def __init__(self, components: QwenImageComponents, *, device: torch.device, cpu_offload: bool = False) -> None:
+    def __init__(self, components: QwenImageComponents, *, device: torch.device, cpu_offload: bool = False,
+                 acceleration: DenoiserAcceleration = DenoiserAcceleration()) -> None:
         from diffusers.image_processor import VaeImageProcessor
 
         denoiser.check_supported(components.transformer)
         self.c = components
         self.device = device
+        self.acceleration = acceleration
+        self.compiled = acceleration.compiles(device)
+        blocks = components.transformer.transformer_blocks
+        # Compiled: one wrapper per block, all running the same compiled code (regional compilation).
+        self.blocks = [CompilableBlock(b, acceleration.compile_fn) for b in blocks] if self.compiled else blocks
         # Offload: the text encoder and the VAE wait on the CPU and visit the device for their calls;
         # the transformer, used every step, stays.
         self.offload = cpu_offload and device.type != "cpu"
@@ -50,13 +58,14 @@ class QwenImageModel:
 
     @classmethod
     def load(cls, model_path: str | Path, *, device: torch.device, dtype: torch.dtype, dummy: bool = False,
-             vae_use_slicing: bool = False, vae_use_tiling: bool = False, cpu_offload: bool = False) -> QwenImageModel:
+             vae_use_slicing: bool = False, vae_use_tiling: bool = False, cpu_offload: bool = False,
+             acceleration: DenoiserAcceleration = DenoiserAcceleration()) -> QwenImageModel:
         components = load_components(model_path, device=device, dtype=dtype, dummy=dummy)
         if vae_use_slicing:
             components.vae.enable_slicing()
         if vae_use_tiling:
             components.vae.enable_tiling()
-        return cls(components, device=device, cpu_offload=cpu_offload)
+        return cls(components, device=device, cpu_offload=cpu_offload, acceleration=acceleration)
 
     # --- one request -----------------------------------------------------------------------
     def prepare(self, request: StageRequest, params: DiffusionSamplingParams) -> QwenImageRequest:
@@ -165,7 +174,7 @@ class QwenImageModel:
         encoder, mask = _pad(embeds)
         first: QwenImageRequest = groups[0].prepared
         rows = sum(g.num_rows for g in groups)
-        return QwenImageBatch(torch.cat(hidden), encoder, mask, torch.cat(timesteps),
+        return QwenImageBatch(torch.cat(hidden), encoder, mask, tuple(e.shape[0] for e in embeds), torch.cat(timesteps),
                               [list(first.img_shapes)] * rows, groups[0].latents.shape[1])
 
     def embed(self, batch: QwenImageBatch) -> Embedded:
@@ -178,7 +187,8 @@ class QwenImageModel:
         return emb.hidden
 
     def run_blocks(self, emb: Embedded, rows: torch.Tensor | None) -> torch.Tensor:
-        return denoiser.run_blocks(self.c.transformer, emb, rows)
+        with self.acceleration.attention(self.device):
+            return denoiser.run_blocks(self.blocks, emb, rows, self.compiled)
 
     def finish(self, emb: Embedded, hidden: torch.Tensor) -> torch.Tensor:
         return denoiser.finish(self.c.transformer, emb, hidden)
@@ -214,7 +224,8 @@ class QwenImageModel:
         t = self.c.transformer.config
         return {"pipeline": self.c.pipeline_class, "transformer": type(self.c.transformer).__name__,
                 "transformer_layers": t.num_layers,
-                "dtype": str(self.c.transformer.dtype).removeprefix("torch."), "cpu_offload": self.offload}
+                "dtype": str(self.c.transformer.dtype).removeprefix("torch."), "cpu_offload": self.offload,
+                **self.acceleration.describe(self.device)}
 
     @contextlib.contextmanager
     def _on_device(self, module: Any) -> Iterator[None]:
