@@ -1,5 +1,6 @@
 """The stage-process profiler of the GPU benchmarks (engine/step_profiler.py), on the CPU: the
-named stage alone writes its profile after the asked steps, and the outputs are unchanged."""
+named stage alone writes its profile after the asked steps (or when it stops first), with a
+timeline of its steps, and the outputs are unchanged."""
 from __future__ import annotations
 
 from tests.e2e.conftest import by_request, short_params, user
@@ -21,5 +22,21 @@ def test_a_named_stage_writes_its_profile(omni_dir, tmp_path, monkeypatch):
     text = (tmp_path / "stage1-profile.txt").read_text()
     assert text.startswith("stage 1: steps 2..6\nwall per step: ") and "top ops by self CPU time" in text
     assert "aten::" in text
+    timeline = text.split("timeline (ms from the first profiled step: start +duration):\n")[1].splitlines()
+    assert [line.split(":")[0].strip() for line in timeline] == [f"step {i}" for i in range(2, 7)]
     codes = [r["audio"].request_output.prompt_token_ids for r in (reference[0], profiled[0])]
     assert codes[0] == codes[1]
+
+
+def test_a_stage_that_stops_first_writes_its_timeline(omni_dir, tmp_path, monkeypatch):
+    for name, value in {step_profiler.DIR_ENV: str(tmp_path), step_profiler.STAGES_ENV: "2",
+                        step_profiler.SKIP_ENV: "0", step_profiler.STEPS_ENV: "100000",
+                        step_profiler.OPS_ENV: "0"}.items():
+        monkeypatch.setenv(name, value)
+    with Omni(model=str(omni_dir)) as omni:
+        omni.generate([{"messages": user({"type": "text", "text": "Hi."})}], short_params(thinker=4, talker=8),
+                      use_tqdm=False)
+    text = (tmp_path / "stage2-profile.txt").read_text()  # written when code2wav shut down
+    assert "aten::" not in text  # no torch profiler
+    timeline = text.split("start +duration):\n")[1].splitlines()
+    assert timeline and timeline[0].startswith("  step 0: ")

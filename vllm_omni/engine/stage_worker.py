@@ -188,6 +188,14 @@ def _worker_class(stage: StageConfig) -> type:
 
 def _serve(engine: StageEngine, chan: WorkerChannel, spec: WorkerSpec, link: MasterLink | None) -> int:
     profiler = StepProfiler(spec.stage_id)  # benchmarks only: off unless its variables are set
+    try:
+        return _loop(engine, chan, spec, link, profiler)
+    finally:
+        profiler.close()
+
+
+def _loop(engine: StageEngine, chan: WorkerChannel, spec: WorkerSpec, link: MasterLink | None,
+          profiler: StepProfiler) -> int:
     while True:
         # Requests waiting for streamed input or paused are no work: block on the socket.
         busy = engine.has_work()

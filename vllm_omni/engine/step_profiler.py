@@ -6,8 +6,11 @@
 Each named stage profiles its loop from its SKIP-th engine step for STEPS steps (stage
 processes inherit the variables), then writes DIR/stage<N>-profile.txt: wall time per step,
 split into the engine step with its output send (model, scheduling, per-request Python, IPC
-encode) and the rest of the loop (receiving and handling messages), and the top ops by self
-CPU time and by self GPU time. A benchmark tool: the profiler slows what it watches.
+encode) and the rest of the loop (receiving and handling messages), the top ops by self
+CPU time and by self GPU time, and a timeline of the steps (start, duration: a request's
+prefill, its first frame, a waiting gap). A stage that stops earlier writes what it has.
+VLLM_OMNI_PROFILE_OPS=0 keeps the timeline only (no torch profiler, which slows what it
+watches).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ DIR_ENV = "VLLM_OMNI_PROFILE_DIR"
 STAGES_ENV = "VLLM_OMNI_PROFILE_STAGES"
 SKIP_ENV = "VLLM_OMNI_PROFILE_SKIP"
 STEPS_ENV = "VLLM_OMNI_PROFILE_STEPS"
+OPS_ENV = "VLLM_OMNI_PROFILE_OPS"
 ROWS = 30
 
 
@@ -35,10 +39,13 @@ class StepProfiler:
         self.enabled = bool(self.out_dir) and str(stage_id) in stages
         self.skip = int(os.environ.get(SKIP_ENV, "50"))
         self.steps = int(os.environ.get(STEPS_ENV, "200"))
+        self.ops = os.environ.get(OPS_ENV, "1") != "0"
         self.count = 0
+        self._running = False
         self._prof = None
         self._started = 0.0
         self._in_step = 0.0
+        self._timeline: list[tuple[float, float]] = []  # (start, duration) of each profiled step
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -53,36 +60,50 @@ class StepProfiler:
             yield
         finally:
             self.count += 1
-            if self._prof is not None:
-                self._in_step += time.perf_counter() - began
+            if self._running:
+                took = time.perf_counter() - began
+                self._in_step += took
+                self._timeline.append((began - self._started, took))
                 if self.count == self.skip + self.steps:
-                    self._finish()
+                    self.close()
 
     def _start(self) -> None:
         import torch
-        from torch.profiler import ProfilerActivity, profile
 
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        self._prof = profile(activities=activities)
-        self._prof.__enter__()
+        if self.ops:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self._prof = profile(activities=activities)
+            self._prof.__enter__()
+        self._running = True
         self._started = time.perf_counter()
 
-    def _finish(self) -> None:
+    def close(self) -> None:
+        """Write the profile of the steps so far (at the last profiled step, or when the stage stops)."""
+        if not self._running:
+            return
         import torch
 
+        self._running = False
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         wall = time.perf_counter() - self._started
-        prof, self._prof = self._prof, None
-        prof.__exit__(None, None, None)
-        averages = prof.key_averages()
-        n = self.steps
+        n = max(1, len(self._timeline))
         lines = [f"stage {self.stage_id}: steps {self.skip}..{self.skip + n - 1}",
                  f"wall per step: {1e3 * wall / n:.3f} ms, of which engine step + output send "
-                 f"{1e3 * self._in_step / n:.3f} ms, rest of the loop {1e3 * (wall - self._in_step) / n:.3f} ms",
-                 "", "top ops by self CPU time:", averages.table(sort_by="self_cpu_time_total", row_limit=ROWS)]
-        if torch.cuda.is_available():
-            lines += ["", "top ops by self GPU time:", averages.table(sort_by="self_device_time_total", row_limit=ROWS)]
+                 f"{1e3 * self._in_step / n:.3f} ms, rest of the loop {1e3 * (wall - self._in_step) / n:.3f} ms"]
+        if self._prof is not None:
+            prof, self._prof = self._prof, None
+            prof.__exit__(None, None, None)
+            averages = prof.key_averages()
+            lines += ["", "top ops by self CPU time:", averages.table(sort_by="self_cpu_time_total", row_limit=ROWS)]
+            if torch.cuda.is_available():
+                lines += ["", "top ops by self GPU time:",
+                          averages.table(sort_by="self_device_time_total", row_limit=ROWS)]
+        lines += ["", "timeline (ms from the first profiled step: start +duration):"]
+        lines += [f"  step {self.skip + i}: {1e3 * start:.2f} +{1e3 * took:.2f}"
+                  for i, (start, took) in enumerate(self._timeline)]
         path = Path(self.out_dir) / f"stage{self.stage_id}-profile.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(lines) + "\n")

@@ -41,8 +41,10 @@ class GPUGenerationWorker:
         # that declares it takes them; the config has checked that it does.
         stream = ({"stream_config": stream_options_for(model_cls, dict(self.stage.stream_options))}
                   if self.stage.stream_options else {})
+        # CUDA graphs (enforce_eager false), for a model that declares it has them.
+        graphs = {"cuda_graphs": not ea.enforce_eager} if getattr(model_cls, "supports_cuda_graphs", False) else {}
         model = model_cls.load(ea.model or self.model, model_stage=ea.model_stage, device=torch.device(device),
-                               dtype=ea.dtype, load_format=ea.load_format, **stream)
+                               dtype=ea.dtype, load_format=ea.load_format, **stream, **graphs)
         # max_num_seqs, when given, bounds the batch like it does for AR stages.
         batch = ea.max_num_seqs or self.stage.runtime.max_batch_size
         return GenerationStageEngine(model, OmniGenerationScheduler(batch), stage_id=self.stage.stage_id,

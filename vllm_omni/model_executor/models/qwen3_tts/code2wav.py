@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 
 from vllm_omni.model_executor.dtypes import canonical_dtype, torch_dtype
 from vllm_omni.model_executor.models.codec_streaming import chunk_output, own_streams, prompt_frames
+from vllm_omni.model_executor.models.decoder_graphs import DecoderGraphs
 from vllm_omni.model_executor.models.qwen3_omni.code2wav_stream import Code2WavStream, Code2WavStreamConfig
 from vllm_omni.model_executor.models.qwen3_tts.speech_decoder import SpeechDecoder
 from vllm_omni.stage_io import StageRequest, StreamingDecoder
@@ -51,19 +52,22 @@ class Qwen3TTSCode2Wav:
     "sample_rate": int32 []}] (a stream's chunks carry the rate in the first one only)."""
 
     stream_options_type = Code2WavStreamConfig  # load(stream_config=...) from the input connector's options
+    supports_cuda_graphs = True  # load(cuda_graphs=not enforce_eager)
 
     def __init__(self, decoder: SpeechDecoder, device: torch.device, sample_rate: int,
-                 stream_config: Code2WavStreamConfig | None = None) -> None:
+                 stream_config: Code2WavStreamConfig | None = None, cuda_graphs: bool = False) -> None:
         self.decoder = decoder
         self.device = device
         self.sample_rate = sample_rate
         self.stream_config = stream_config or Code2WavStreamConfig()
         self.max_units_per_chunk = max(self.stream_config.initial_chunk_frames, self.stream_config.chunk_frames)
+        # Streamed chunks are small calls: replayed graphs (the decoder is causal, rows independent).
+        self.decode_window = DecoderGraphs(decoder, decoder.num_quantizers) if cuda_graphs else decoder
 
     @classmethod
     def load(cls, model_path: str, *, model_stage: str | None = None, device: torch.device | str = "cpu",
              dtype: str = "auto", load_format: str = "auto",
-             stream_config: Code2WavStreamConfig | None = None) -> Qwen3TTSCode2Wav:
+             stream_config: Code2WavStreamConfig | None = None, cuda_graphs: bool = False) -> Qwen3TTSCode2Wav:
         # "auto" is float32: the vocoder is small and half precision is audible in its samples.
         param_dtype = torch.float32 if canonical_dtype(dtype) == "auto" else torch_dtype(dtype)
         folder = Path(model_path) / "speech_tokenizer"
@@ -78,7 +82,8 @@ class Qwen3TTSCode2Wav:
             tensors = {k[len(DECODER_PREFIX):]: v for k, v in load_file(str(folder / "model.safetensors")).items()
                        if k.startswith(DECODER_PREFIX)}
             decoder.load_state_dict(tensors, strict=True)
-        return cls(decoder.eval(), device, int(config.get("output_sample_rate", 24000)), stream_config)
+        return cls(decoder.eval(), device, int(config.get("output_sample_rate", 24000)), stream_config,
+                   cuda_graphs=cuda_graphs and device.type == "cuda")
 
     @torch.inference_mode()
     def generate_batch(self, inputs: list[StageRequest]) -> list[dict[str, torch.Tensor]]:
@@ -121,7 +126,7 @@ class Qwen3TTSCode2Wav:
         batch = torch.zeros(len(windows), self.decoder.num_quantizers, longest, dtype=torch.long)
         for row, window in enumerate(windows):
             batch[row, :, : window.codes.shape[1]] = window.codes
-        wavs = self.decoder(batch.to(self.device))[:, 0].float().cpu()
+        wavs = self.decode_window(batch.to(self.device))[:, 0].float().cpu()
         spf, outputs = self.decoder.samples_per_frame, []
         for stream, window, wav in zip(streams, windows, wavs):
             stream.commit(window)
