@@ -6,9 +6,11 @@ a Qwen3-TTS chunk costs ~20 ms of host time for ~4 ms of GPU work. `DecoderGraph
 captured graph per (rows, frames) bucket instead: rows are padded with code 0 and frames on the
 right. Padding is harmless only for a decoder whose samples of frame t depend on frames <= t
 and whose rows are independent (the caller's promise), and the padded rows' and frames' samples
-are the caller's to ignore. Graphs are captured on first use of a bucket, into one memory pool
-(their outputs are copied out before the next replay), up to `max_rows` x `max_frames`; larger
-calls run eagerly, as does everything on the CPU.
+are the caller's to ignore. `capture_all` captures every bucket up to `max_rows` x `max_frames`
+at load, into one memory pool (their outputs are copied out before the next replay): a capture
+synchronizes the device and empties the allocator's cache, which a serving process must not do
+between steps. Larger calls run eagerly (a call of many rows is GPU-bound: padding it would
+only add work), as does everything on the CPU.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ class DecoderGraphs:
                  max_rows: int = BUCKETS[-1], max_frames: int = BUCKETS[-1]) -> None:
         self.decoder = decoder
         self.num_quantizers = num_quantizers
-        self.max_rows, self.max_frames = max_rows, max_frames
+        self.max_rows, self.max_frames = min(max_rows, BUCKETS[-1]), min(max_frames, BUCKETS[-1])
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._pool = None
 
@@ -45,13 +47,21 @@ class DecoderGraphs:
                 or frames > self.max_frames):
             return self.decoder(codes)
         key = (rows_bucket, frames_bucket)
-        if key not in self._graphs:
+        if key not in self._graphs:  # not captured at load (capture_all): capture now
             self._graphs[key] = self._capture(*key, codes.device)
         graph, static_in, static_out = self._graphs[key]
         static_in.zero_()
         static_in[:rows, :, :frames].copy_(codes)
         graph.replay()
         return static_out[:rows]
+
+    @torch.inference_mode()
+    def capture_all(self, device: torch.device) -> None:
+        """Capture every bucket, largest first (the smaller ones reuse its pool memory)."""
+        keys = [(r, f) for r in BUCKETS if r <= bucket(self.max_rows) for f in BUCKETS if f <= bucket(self.max_frames)]
+        for key in sorted(keys, reverse=True):
+            self._graphs[key] = self._capture(*key, device)
+        logger.info("captured %d decoder CUDA graphs (up to %d rows x %d frames)", len(keys), *max(keys))
 
     def _capture(self, rows: int, frames: int, device: torch.device):
         static_in = torch.zeros(rows, self.num_quantizers, frames, dtype=torch.long, device=device)
