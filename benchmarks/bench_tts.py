@@ -60,6 +60,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--frames", type=int, default=24, help="codec frames per request (12.5 per second)")
     p.add_argument("--dtype", default=None, help="talker dtype (default: bfloat16 on GPU, the config's on CPU)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--code2wav-eager", action="store_true", help="code2wav without its CUDA graphs (enforce_eager)")
     p.add_argument("--no-predictor-graphs", action="store_true",
                    help="run the code predictor eagerly on CUDA (default: CUDA graphs, unless --eager)")
     p.add_argument("--deploy-config", default=None,
@@ -168,7 +169,7 @@ def stage_overrides(args: argparse.Namespace, max_c: int) -> dict[str, Any]:
     talker: dict[str, Any] = {"max_num_seqs": max_c, "enforce_eager": args.eager or not cuda,
                               "default_sampling_params": {"max_tokens": args.frames, "min_tokens": args.frames,
                                                           "ignore_eos": True}}
-    code2wav: dict[str, Any] = {"max_num_seqs": max_c}
+    code2wav: dict[str, Any] = {"max_num_seqs": max_c, "enforce_eager": args.code2wav_eager}
     dtype = args.dtype or ("bfloat16" if cuda else None)
     if dtype:
         talker["dtype"] = dtype
