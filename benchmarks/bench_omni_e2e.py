@@ -62,7 +62,8 @@ def parse_args() -> argparse.Namespace:
                                                  "on CPU, bfloat16 on GPU")
     p.add_argument("--stage-configs-path", default=None)
     p.add_argument("--deploy-config", default=None)
-    p.add_argument("--stage-overrides", default=None, help="JSON; default: max_num_seqs = max concurrency")
+    p.add_argument("--stage-overrides", type=json.loads, default=None,
+                   help="JSON; default: max_num_seqs = max concurrency")
     p.add_argument("--hf-threads", type=int, default=None, help="torch threads for transformers (default: torch's)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--async-chunk", choices=("both", "on", "off"), default="both",

