@@ -143,7 +143,7 @@ def timed(fn: Any, device: torch.device, steps: int) -> float:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
-    from vllm_omni.diffusion.acceleration import DenoiserAcceleration
+    from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
     from vllm_omni.diffusion.tea_cache import TeaCache, TeaCacheConfig
     from vllm_omni.model_executor.models.qwen_image.model import QwenImageModel
 

@@ -54,7 +54,7 @@ def batches(model: Any, size: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    from vllm_omni.diffusion.acceleration import DenoiserAcceleration
+    from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
     from vllm_omni.diffusion.denoise import run_denoiser
     from vllm_omni.model_executor.models.qwen_image.model import QwenImageModel
 

@@ -13,11 +13,11 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from vllm_omni.diffusion.acceleration import DenoiserAcceleration  # noqa: E402
 from vllm_omni.diffusion.denoise import Denoiser  # noqa: E402
 from vllm_omni.diffusion.engine import DiffusionEngine  # noqa: E402
 from vllm_omni.diffusion.request import DiffusionRequest  # noqa: E402
 from vllm_omni.diffusion.tea_cache import TeaCache, TeaCacheConfig  # noqa: E402
+from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration  # noqa: E402
 from vllm_omni.model_executor.models.qwen_image.model import QwenImageModel  # noqa: E402
 from vllm_omni.sampling_params import DiffusionSamplingParams  # noqa: E402
 from vllm_omni.stage_io import StageRequest  # noqa: E402

@@ -176,7 +176,7 @@ def check_cfg_parallel_size(v: Any) -> int:
 
 
 def check_attention_backend(v: Any) -> str | None:
-    from vllm_omni.diffusion.acceleration import attention_backend_problem
+    from vllm_omni.model_executor.models.diffusion_acceleration import attention_backend_problem
 
     if v is None:
         return None

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vllm_omni.diffusion.acceleration import DenoiserAcceleration
 from vllm_omni.imports import import_dotted
+from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_omni.diffusion.acceleration import DenoiserAcceleration
 from vllm_omni.model_executor.models import diffusion_inputs
+from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
 from vllm_omni.model_executor.models.qwen_image import denoiser
 from vllm_omni.model_executor.models.qwen_image.block import CompilableBlock
 from vllm_omni.model_executor.models.qwen_image.components import QwenImageComponents, load_components
