@@ -5,6 +5,7 @@
 #   benchmarks/h200_round.sh qwen2_5_stream  # its streaming path alone, with the code2wav GPU tests
 #   benchmarks/h200_round.sh qwen3     # Qwen3-Omni-30B-A3B end to end, c = 1..64, vs transformers
 #   benchmarks/h200_round.sh tts       # Qwen3-TTS 1.7B: c = 1, 16, 64 and Poisson arrivals
+#   benchmarks/h200_round.sh tts_ab    # its code2wav decoder graphs vs the eager decoder, two runs each
 #   benchmarks/h200_round.sh profile   # the Qwen2.5-Omni talker's step under the torch profiler
 #   benchmarks/h200_round.sh talker    # each talker alone (Qwen3's with its code predictor): ms/step
 #   benchmarks/h200_round.sh stages    # code2wav / token2wav, Qwen3-TTS, Qwen-Image on their own
@@ -40,6 +41,14 @@ case "${1:-}" in
   tts)  # Qwen3-TTS alone (its start-up does not fit the stages part's limit)
     step tts 480 $PY benchmarks/bench_tts.py --real-arch --concurrency 1,16,64 --num-requests 32 --frames 120 \
       --rate 20 --json "$OUT/tts.json" ;;
+  tts_ab)  # the code2wav decoder graphs against the eager decoder, alternating, in one call
+    for run in 1 2; do
+      for mode in eager graphs; do
+        flag=$([ $mode = eager ] && echo --code2wav-eager)
+        step tts_${mode}_$run 140 $PY benchmarks/bench_tts.py --real-arch --concurrency 1,64 --num-requests 32 \
+          --frames 120 --rate 20 $flag --json "$OUT/tts_${mode}_$run.json"
+      done
+    done ;;
   profile)  # where the Qwen2.5-Omni talker's step goes (engine/step_profiler.py), 1 and 8 in flight
     for c in 1 8; do  # skip the warm-up request's 500 talker steps, then 200 steps of the measured ones
       step profile_c$c 200 env VLLM_OMNI_PROFILE_DIR="$OUT/profile_c$c" VLLM_OMNI_PROFILE_STAGES=1 \
@@ -74,5 +83,5 @@ case "${1:-}" in
       --json "$OUT/diffusion_step.json"
     step diffusion_1024 380 $PY benchmarks/bench_diffusion.py --size 1024 --steps 50 --batch-sizes 1,4 \
       --json "$OUT/diffusion_1024.json" ;;
-  *) echo "usage: $0 tests|qwen2_5|qwen2_5_stream|tts|profile|talker|qwen3|stages|diffusion"; exit 2 ;;
+  *) echo "usage: $0 tests|qwen2_5|qwen2_5_stream|tts|tts_ab|profile|talker|qwen3|stages|diffusion"; exit 2 ;;
 esac
