@@ -49,6 +49,20 @@ def select_attention_backend(device: torch.device, dtype: torch.dtype):
     return TorchAttentionBackend()
 
 
+def select_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows] for increasing rows, as slices of their contiguous runs: no index tensor to copy
+    to the device (a copy from pageable memory waits for the queued GPU work)."""
+    if rows == list(range(t.shape[0])):
+        return t
+    runs: list[list[int]] = []
+    for r in rows:
+        if runs and runs[-1][1] == r:
+            runs[-1][1] = r + 1
+        else:
+            runs.append([r, r + 1])
+    return t[runs[0][0]:runs[0][1]] if len(runs) == 1 else torch.cat([t[a:b] for a, b in runs])
+
+
 class ARModelRunner:
     def __init__(
         self,
@@ -80,6 +94,7 @@ class ARModelRunner:
             layer.backend = self.backend
         self._allocate_kv_cache()
         self.graphs = None
+        self.prefill_graphs = None
         if device.type == "cuda" and not enforce_eager and not isinstance(self.backend, TorchAttentionBackend):
             self._capture_graphs(max_num_seqs, max_model_len)
 
@@ -98,6 +113,7 @@ class ARModelRunner:
             logger.info("%s does not support CUDA graphs here: decode runs eagerly", type(self.model).__name__)
             return
         from vllm_omni.core.cuda_graphs import DecodeGraphs
+        from vllm_omni.core.prefill_graphs import PREFILL_GRAPHS_ENV, PrefillGraphs
 
         self.graphs = DecodeGraphs(
             self.model,
@@ -111,6 +127,12 @@ class ARModelRunner:
             capture_layers=self.hidden_state_layers,
         )
         self.graphs.capture()
+        if self.model.supports_prefill_graphs and self.backend.use_flash and os.environ.get(PREFILL_GRAPHS_ENV) != "0":
+            self.prefill_graphs = PrefillGraphs(
+                self.model, device=self.device, max_tokens=max_model_len, block_size=self.block_size,
+                scratch_block=self.num_blocks, mrope=self.model.uses_mrope, embeds=self.model.embeds_requests,
+                capture_layers=self.hidden_state_layers)
+            self.prefill_graphs.capture()
 
     def _moe_capturable(self) -> bool:
         """MoE layers avoid host syncs only on the grouped-GEMM path (Hopper, bf16)."""
@@ -137,13 +159,9 @@ class ARModelRunner:
         items = sched.scheduled
         self.model.begin_step()
         want_hidden = any(item.request.return_hidden_states for item in items)
-        decode_only = all(item.num_new_tokens == 1 for item in items)
-        replayed = None
-        if self.graphs is not None and decode_only and self.graphs.fits(len(items)):
-            replayed = self._replay_decode_graph(items)
+        replayed = self._replay_graphs(items) if self.graphs is not None else None
         if replayed is not None:
-            hidden, all_logits, captured = replayed
-            query_start = list(range(len(items) + 1))
+            items, query_start, hidden, captured, row_logits = replayed
         else:
             inputs = self._prepare(items)
             query_start = inputs.query_start
@@ -153,18 +171,17 @@ class ARModelRunner:
                 hidden, captured = self.model(
                     inputs.input_ids, inputs.positions, inputs_embeds=inputs.inputs_embeds, capture_layers=capture
                 )
-            all_logits = None
+            row_logits = None
 
         out = RunnerOutput()
         if want_hidden:
             self._slice_hidden_states(items, query_start, hidden, captured, out)
         sample_rows = [i for i, item in enumerate(items) if item.completes_sequence]
         if sample_rows:
-            if all_logits is not None:  # decode graph: every row samples
-                logits, sampled_hidden = all_logits, hidden
+            sampled_hidden = select_rows(hidden, [query_start[i + 1] - 1 for i in sample_rows])
+            if row_logits is not None:  # graphs: the logits of every item's last row
+                logits = select_rows(row_logits, sample_rows)
             else:
-                last_token_idx = torch.tensor([query_start[i + 1] - 1 for i in sample_rows], device=self.device)
-                sampled_hidden = hidden[last_token_idx]
                 logits = self.model.compute_logits(sampled_hidden)
             if not self.samples:
                 return out
@@ -173,9 +190,45 @@ class ARModelRunner:
             self.model.on_tokens_sampled(reqs, sampled_hidden, [out.sampled[r.request_id] for r in reqs])
         return out
 
+    def _replay_graphs(self, items: list[ScheduledRequest]):
+        """The step through captured graphs: its decode rows through the decode graph, the prefill
+        span of at most one request through a prefill graph. Returns (items reordered: decode rows
+        first, query_start, hidden, captured layers, logits of each item's last row), or None when
+        the step does not fit the graphs (then it runs eagerly)."""
+        decode = [item for item in items if item.num_new_tokens == 1]
+        prefill = [item for item in items if item.num_new_tokens > 1]
+        if len(prefill) > 1 or (prefill and self.prefill_graphs is None) or not self.graphs.fits(len(decode)):
+            return None
+        staged = self._stage_prefill(prefill[0]) if prefill else None
+        if prefill and staged is None:
+            return None
+        parts = []
+        if decode:
+            part = self._replay_decode_graph(decode)
+            if part is None:
+                return None
+            parts.append(part)
+        if prefill:
+            item = prefill[0]
+            start, end = item.request.num_computed_tokens, item.request.num_computed_tokens + item.num_new_tokens
+            embeds = (self.model.embed_request_spans([(item.request, start, end)], staged)
+                      if self.model.embeds_requests else None)
+            parts.append(self.prefill_graphs.replay(end - start, end, embeds))
+        items = decode + prefill
+        query_start = list(range(len(decode) + 1))
+        if prefill:
+            query_start.append(query_start[-1] + prefill[0].num_new_tokens)
+        if len(parts) == 1:
+            hidden, logits, captured = parts[0]
+        else:  # (hidden, logits, captured) of each part, joined in item order
+            hidden, logits = (torch.cat(pair) for pair in zip(*(part[:2] for part in parts)))
+            captured = {k: torch.cat([part[2][k] for part in parts]) for k in parts[0][2]}
+        return items, query_start, hidden, captured, logits
+
     def _replay_decode_graph(self, items: list[ScheduledRequest]):
-        """A pure-decode step through the captured graph, or None when it cannot take the batch
-        (fractional M-RoPE positions: the graph's position buffer holds integers)."""
+        """A step's single-token rows through the decode graph: (hidden, logits, captured), or None
+        when it cannot take them (fractional M-RoPE positions: the graph's position buffer holds
+        integers)."""
         bs = self.block_size
         reqs = [item.request for item in items]
         steps = [r.num_computed_tokens for r in reqs]
@@ -191,6 +244,24 @@ class ARModelRunner:
         if self.model.embeds_requests:
             embeds = self.model.embed_request_spans([(r, p, p + 1) for r, p in zip(reqs, steps)], ids)
         return self.graphs.replay(len(reqs), embeds)
+
+    def _stage_prefill(self, item: ScheduledRequest) -> torch.Tensor | None:
+        """Stage one request's prefill span for its graph; returns the span's ids on the device, or
+        None when no graph takes it (too long, fractional M-RoPE positions, prompt embeddings of a
+        model that embeds by id)."""
+        req, start = item.request, item.request.num_computed_tokens
+        end = start + item.num_new_tokens
+        if self.prefill_graphs.bucket(end) is None or (req.prompt_embeds is not None and not self.model.embeds_requests):
+            return None
+        if self.model.uses_mrope:
+            positions = self.model.request_positions(req, start, end)
+            if positions.is_floating_point():
+                return None
+        else:
+            positions = range(start, end)
+        bs, blocks = self.block_size, req.block_ids
+        kv_slots = [blocks[p // bs] * bs + p % bs for p in range(end)]
+        return self.prefill_graphs.stage(req.token_ids[start:end], positions, kv_slots[start:], kv_slots)
 
     def _prepare(self, items: list[ScheduledRequest]) -> StepInputs:
         input_ids: list[int] = []

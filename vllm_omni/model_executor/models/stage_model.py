@@ -79,6 +79,9 @@ class StageModel(nn.Module):
     uses_mrope: ClassVar[bool] = False  # request_positions gives [3, n] multimodal positions
     embeds_requests: ClassVar[bool] = False  # embed_request_span builds every input row
     supports_cuda_graphs: ClassVar[bool] = True  # decode steps may replay captured graphs
+    # One request's prefill span may replay a captured graph too (core/prefill_graphs.py): the
+    # forward must be a function of its input rows, positions and attention metadata alone.
+    supports_prefill_graphs: ClassVar[bool] = True
     accepts_streamed_input: ClassVar[bool] = False  # append_request_inputs / available_positions
     # False: even as a latent stage it exports no hidden states (its consumers read its tokens or
     # request_outputs), so no step copies them off the device.

@@ -1,0 +1,157 @@
+"""Qwen3-TTS talker on its own: the first step of a request (its prompt's prefill, the first
+frame's group-0 code and its code predictor frame), which is most of the first audio at low
+load, against a later decode step.
+
+    python benchmarks/bench_tts_first_frame.py --real-arch --requests 20 [--profile DIR]
+    python benchmarks/bench_tts_first_frame.py            # CPU smoke run on the tiny checkpoint
+
+One request at a time on an idle engine (the bundled deploy config's talker: CUDA graphs,
+sampling), each after the previous one has ended: the first step's wall time (the request
+added -> its first frame on the host), then `--decode-steps` decode steps. `--profile DIR`
+writes the torch profiler's tables of `--profile-requests` first steps and, on CUDA, every
+host <-> device synchronisation inside one first step with the Python stack that caused it
+(torch.cuda.set_sync_debug_mode): a synchronisation makes the host wait for all GPU work
+queued before it.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+from bench_tts import SENTENCES, real_arch_checkpoint, tiny_checkpoint  # benchmarks/ (the script's folder)
+from vllm_omni.core.engine_config import EngineConfig
+from vllm_omni.core.llm_engine import LLMEngine
+from vllm_omni.multimodal.qwen3_tts_input import Qwen3TTSInputProcessor
+from vllm_omni.sampling_params import SamplingParams
+
+# The bundled deploy config's talker sampling (vllm_omni/deploy/qwen3_tts.yaml, stage 0).
+SAMPLING = dict(temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--real-arch", action="store_true", help="the released 1.7B architecture, random weights")
+    p.add_argument("--requests", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--decode-steps", type=int, default=10)
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
+    p.add_argument("--profile", help="write the profiler tables and the synchronisation trace here")
+    p.add_argument("--profile-requests", type=int, default=5)
+    p.add_argument("--json", default=None)
+    return p.parse_args()
+
+
+def first_step(engine: LLMEngine, processor: Qwen3TTSInputProcessor, i: int, params: SamplingParams) -> float:
+    """Seconds from adding request i to its first frame on the host."""
+    prompt = processor.process({"prompt": SENTENCES[i % len(SENTENCES)], "speaker": "vivian"})
+    start = time.perf_counter()
+    engine.add_request(f"r{i}", prompt["prompt_token_ids"], params, model_inputs=prompt["additional_information"])
+    while not any(r.num_output_tokens for r in engine.scheduler.requests.values()):
+        engine.step()
+    return time.perf_counter() - start
+
+
+def decode_steps(engine: LLMEngine, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def finish(engine: LLMEngine) -> None:
+    engine.abort_request(list(engine.scheduler.requests))
+
+
+def trace_syncs(run) -> list[tuple[int, str]]:
+    """(count, stack) of every synchronising CUDA call made by `run()`, most frequent first;
+    stacks keep our own frames (vllm_omni/, benchmarks/) only."""
+    stacks: collections.Counter[str] = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "vllm_omni" in f.filename or "benchmarks" in f.filename]
+        stacks["\n".join(f"    {Path(f.filename).name}:{f.lineno} {f.name}: {f.line}" for f in frames[-6:])] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [(n, stack) for stack, n in stacks.most_common()]
+
+
+def profile(engine, processor, params, args, out: Path) -> None:
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with torch_profile(activities=activities) as prof:
+        for i in range(args.profile_requests):
+            first_step(engine, processor, 1000 + i, params)
+            finish(engine)
+    lines = [f"{args.profile_requests} first steps", "top ops by self CPU time:",
+             prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)]
+    if gpu:
+        lines += ["top ops by self GPU time:", prof.key_averages().table(sort_by="self_device_time_total",
+                                                                           row_limit=25)]
+        syncs = trace_syncs(lambda: first_step(engine, processor, 2000, params))
+        finish(engine)
+        lines += [f"synchronising calls in one first step: {sum(n for n, _ in syncs)}"]
+        lines += [f"  x{n}\n{stack}" for n, stack in syncs]
+    (out / "tts_first_frame_profile.txt").write_text("\n".join(lines) + "\n")
+    with torch_profile(activities=activities) as prof:  # one first step, for chrome://tracing or Perfetto
+        first_step(engine, processor, 3000, params)
+        finish(engine)
+    prof.export_chrome_trace(str(out / "tts_first_step_trace.json"))
+    print(f"profile written to {out / 'tts_first_frame_profile.txt'}")
+
+
+def main() -> None:
+    args = parse_args()
+    gpu = torch.cuda.is_available()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = real_arch_checkpoint(Path(tmp) / "real") if args.real_arch else tiny_checkpoint(
+            "CustomVoice", Path(tmp) / "tiny")
+        engine = LLMEngine(EngineConfig(
+            model=str(model), model_stage="talker", architecture="Qwen3TTSForConditionalGeneration",
+            device="cuda" if gpu else "cpu", dtype="bfloat16" if gpu else "auto",
+            load_format="dummy" if args.real_arch else "auto", max_num_seqs=64, enable_prefix_caching=False,
+            max_num_batched_tokens=32768, gpu_memory_utilization=0.5, enforce_eager=args.eager))
+        processor = Qwen3TTSInputProcessor(model)
+        params = SamplingParams(**SAMPLING, ignore_eos=True, max_tokens=args.decode_steps + 8, detokenize=False)
+        for i in range(args.warmup):
+            first_step(engine, processor, -1 - i, params)
+            decode_steps(engine, args.decode_steps)
+            finish(engine)
+        firsts, decodes = [], []
+        for i in range(args.requests):
+            firsts.append(first_step(engine, processor, i, params))
+            decodes += decode_steps(engine, args.decode_steps)
+            finish(engine)
+        result = {"first_step_ms_p50": 1e3 * statistics.median(firsts), "first_step_ms_min": 1e3 * min(firsts),
+                  "decode_step_ms_p50": 1e3 * statistics.median(decodes),
+                  "device": torch.cuda.get_device_name() if gpu else "cpu"}
+        print(f"first step {result['first_step_ms_p50']:.2f} ms p50 (min {result['first_step_ms_min']:.2f}), "
+              f"decode step {result['decode_step_ms_p50']:.2f} ms p50", flush=True)
+        if args.profile:
+            profile(engine, processor, params, args, Path(args.profile))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": vars(args), **result}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""CUDA graphs for one request's prefill span, one per token-count bucket.
+
+A talker's first step is its prompt's prefill: at one request in flight, 28 eager layers cost
+~25 ms of host work for ~2 ms of GPU work on the H200 (docs/benchmarks.md), and that is most
+of the time to first audio. Here the span [start, end) of a single request runs as a captured
+graph of the whole forward, padded to the bucket that holds `end`:
+
+- queries: the span's rows, padded at the end; padded rows write their KV into the scratch
+  block and their outputs are dropped. Rows are independent in every op but attention, and
+  there FlashAttention varlen reads the real lengths from device buffers
+  (cu_seqlens = [0, end - start] for queries, [0, end] for keys), so a padded row is never a key;
+- keys: gathered from the KV cache by slot (the request's blocks for positions < end);
+- max_seqlen_q / max_seqlen_k: the bucket (an upper bound is what FlashAttention needs);
+- logits of the span's last row only (the one a completed prompt samples from).
+
+Graphs exist only where the prefill runs on FlashAttention (bfloat16 / float16); float32
+prefills take the torch reference path, which builds masks from host-side lengths. A decode
+step with the prefill of one new request alongside (a request arriving under load) replays
+both graphs in one step (model_runner.py).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from vllm_omni.model_executor.forward_context import AttentionMetadata, set_forward_context
+from vllm_omni.model_executor.layers.triton_attention import TritonAttentionState
+
+logger = logging.getLogger(__name__)
+
+PREFILL_GRAPHS_ENV = "VLLM_OMNI_PREFILL_CUDA_GRAPHS"  # "0": prefill spans run eagerly
+_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
+# Rows of the int64 input buffer: ids, KV write slots, KV read slots, lengths, positions (1 or 3).
+_IDS, _SLOTS, _KV_SLOTS, _LENGTHS, _POSITIONS = 0, 1, 2, 3, 4
+# Columns of the lengths row: query cu_seqlens (2), key cu_seqlens (2), the last row's index.
+_CU_Q, _CU_K, _LAST = slice(0, 2), slice(2, 4), slice(4, 5)
+
+
+def prefill_capture_sizes(max_tokens: int) -> list[int]:
+    """Buckets up to the first that holds `max_tokens` (the step token budget or the model length)."""
+    sizes = []
+    for size in _BUCKETS:
+        sizes.append(size)
+        if size >= max_tokens:
+            break
+    return sizes
+
+
+class PrefillGraphs:
+    def __init__(self, model: nn.Module, *, device: torch.device, max_tokens: int, block_size: int,
+                 scratch_block: int, mrope: bool, embeds: bool, capture_layers: tuple[int, ...]) -> None:
+        self.model = model
+        self.sizes = prefill_capture_sizes(max_tokens)
+        self.block_size = block_size
+        self.scratch_slot = scratch_block * block_size
+        self.capture_layers = capture_layers
+        self.mrope = mrope
+        n = self.sizes[-1]
+        # One buffer (one host-to-device copy per step) for every per-token input.
+        self.token_rows = torch.zeros(_POSITIONS + (3 if mrope else 1), n, dtype=torch.long, device=device)
+        self.staging = torch.zeros(self.token_rows.shape, dtype=torch.long, pin_memory=True)
+        self.staging_np = self.staging.numpy()
+        dtype = next(model.parameters()).dtype
+        self.inputs_embeds = torch.zeros(n, model.hidden_size, dtype=dtype, device=device) if embeds else None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]] = {}
+
+    def bucket(self, end: int) -> int | None:
+        """The graph for a span ending at token `end`, or None when the span is too long."""
+        return next((s for s in self.sizes if s >= end), None)
+
+    def _run(self, size: int):
+        rows = self.token_rows
+        lengths = rows[_LENGTHS]
+        meta = AttentionMetadata(
+            slot_mapping=rows[_SLOTS, :size], query_start_loc=lengths[_CU_Q], seq_lens=lengths[3:4],
+            block_tables=lengths[None, :0],  # unused: the prefill path reads its keys by kv_gather_slots
+            block_size=self.block_size, max_query_len=size, max_seq_len=size,
+            query_lens_cpu=[size], seq_lens_cpu=[size])
+        meta.backend_state = TritonAttentionState(
+            decode_only=False, kv_gather_slots=rows[_KV_SLOTS, :size],
+            cu_seq_q=lengths[_CU_Q].to(torch.int32), cu_seq_k=lengths[_CU_K].to(torch.int32))
+        positions = rows[_POSITIONS:, :size] if self.mrope else rows[_POSITIONS, :size]
+        embeds = self.inputs_embeds[:size] if self.inputs_embeds is not None else None
+        with set_forward_context(meta):
+            hidden, captured = self.model(rows[_IDS, :size], positions, inputs_embeds=embeds,
+                                          capture_layers=self.capture_layers)
+        return hidden, self.model.compute_logits(hidden[lengths[_LAST]]), captured
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        staging = self.staging_np
+        staging[:] = 0
+        staging[_SLOTS] = staging[_KV_SLOTS] = self.scratch_slot
+        pool = None
+        for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool memory
+            staging[_LENGTHS, :5] = (0, size, 0, size, size - 1)
+            self.token_rows.copy_(self.staging)
+            self._run(size)  # warm-up: Triton compiles and autotunes outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self._run(size)
+            pool = pool or graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        logger.info("captured prefill CUDA graphs for spans of up to %s tokens", self.sizes)
+
+    def stage(self, input_ids: list[int], positions, slots: list[int], kv_slots: list[int]) -> torch.Tensor:
+        """Copy one span's inputs into the static buffers (queued, no wait): its ids, positions
+        ([n] or [3, n] integers), KV write slots [n] and the request's KV read slots [end] (its
+        cached prefix, then the span). Returns the span's ids on the device."""
+        n, end = len(input_ids), len(kv_slots)
+        size = self.bucket(end)
+        staging = self.staging_np
+        staging[:, n:size] = 0
+        staging[_SLOTS, n:size] = self.scratch_slot
+        staging[_IDS, :n] = input_ids
+        staging[_SLOTS, :n] = slots
+        staging[_KV_SLOTS, :end] = kv_slots
+        staging[_KV_SLOTS, end:size] = self.scratch_slot
+        staging[_POSITIONS:, :n] = positions
+        staging[_LENGTHS, :5] = (0, n, 0, end, n - 1)
+        self.token_rows[:, :size].copy_(self.staging[:, :size], non_blocking=True)
+        return self.token_rows[_IDS, :n]
+
+    def replay(self, n: int, end: int, inputs_embeds: torch.Tensor | None):
+        """The staged span (n rows, ending at token `end`): (hidden [n, H], logits [1, V] of its
+        last row, captured layers [n, H])."""
+        size = self.bucket(end)
+        if self.inputs_embeds is not None:
+            self.inputs_embeds[:n].copy_(inputs_embeds)
+        self.graphs[size].replay()
+        hidden, logits, captured = self.outputs[size]
+        return hidden[:n], logits, {k: v[:n] for k, v in captured.items()}
