@@ -116,3 +116,34 @@ def test_float32_prefills_run_eagerly(tmp_path):
     eng = LLMEngine(EngineConfig(model=str(path), model_stage="talker", device="cuda", dtype="float32",
                                  architecture="Qwen3TTSForConditionalGeneration", max_num_seqs=4))
     assert eng.runner.graphs is not None and eng.runner.prefill_graphs is None
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_omni", "qwen3_omni_moe"])
+def test_thinker_prefill_graphs_follow_eager_prefills(tiny_model, monkeypatch, arch):
+    """Text prompts: the thinker's tokens and the hidden states it exports to the talker."""
+    if arch == "qwen3_omni_moe" and not grouped_mm_available(torch.empty(1, device="cuda", dtype=torch.bfloat16)):
+        pytest.skip("torch._grouped_mm needs Hopper")
+    path = tiny_model(arch)
+    results = []
+    for graphs in (True, False):
+        monkeypatch.setenv(PREFILL_GRAPHS_ENV, "1" if graphs else "0")
+        eng = LLMEngine(EngineConfig(model=str(path), model_stage="thinker", device="cuda", dtype="bfloat16",
+                                     enable_prefix_caching=False, max_num_seqs=8, hidden_state_layers=(0, 1)))
+        assert (eng.runner.prefill_graphs is not None) == graphs
+        params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=0, detokenize=False)
+        done = {}
+        for i, words in enumerate([3, 25, 60]):
+            eng.add_request(str(i), chat_prompt_ids(str(path), words), params, return_hidden_states=True)
+            for _ in range(3):  # the next request arrives while this one decodes
+                done.update((o.request_id, o) for o in eng.step() if o.finished)
+        while eng.has_unfinished_requests():
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+        results.append(done)
+    graphed, eager = results
+    assert_follows({k: v.outputs[0] for k, v in graphed.items()}, {k: v.outputs[0] for k, v in eager.items()})
+    for key, ref in eager.items():
+        assert ref.outputs[0].multimodal_output.keys() == {"0", "1", "last"}
+        for layer, want in ref.outputs[0].multimodal_output.items():
+            got = graphed[key].outputs[0].multimodal_output[layer]
+            prompt = len(ref.prompt_token_ids)  # the prefill's rows (later rows follow the tokens)
+            torch.testing.assert_close(got[:prompt].float(), want[:prompt].float(), atol=3e-2, rtol=3e-2)

@@ -312,3 +312,18 @@ def test_a_graph_replayed_step_leaves_no_deepstack_spans():
     model.step_deepstack.add(3, torch.tensor([0]), embeds[:, :1])
     taken = model.step_deepstack.take(5)
     assert taken.rows.tolist() == [2] and torch.equal(taken.embeds, embeds[:, :1])
+
+
+def test_only_text_and_audio_prompts_replay_prefill_graphs():
+    """DeepStack adds visual features inside the forward: image and video prompts prefill eagerly."""
+    from types import SimpleNamespace
+
+    from vllm_omni.model_executor.models.omni_thinker import ThinkerMediaInputs
+
+    def graphable(**media) -> bool:
+        inputs = ThinkerMediaInputs(**media) if media else None
+        return Qwen3OmniMoeThinkerForConditionalGeneration.prefill_graphable(None, SimpleNamespace(model_inputs=inputs))
+
+    assert graphable() and graphable(input_features=torch.zeros(1, 128, 10))
+    assert not graphable(pixel_values=torch.zeros(4, 8), image_grid_thw=torch.tensor([[1, 2, 2]]))
+    assert not graphable(pixel_values_videos=torch.zeros(4, 8), video_grid_thw=torch.tensor([[1, 2, 2]]))

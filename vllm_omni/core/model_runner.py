@@ -247,11 +247,12 @@ class ARModelRunner:
 
     def _stage_prefill(self, item: ScheduledRequest) -> torch.Tensor | None:
         """Stage one request's prefill span for its graph; returns the span's ids on the device, or
-        None when no graph takes it (too long, fractional M-RoPE positions, prompt embeddings of a
-        model that embeds by id)."""
+        None when no graph takes it (too long, refused by the model, fractional M-RoPE positions,
+        prompt embeddings of a model that embeds by id)."""
         req, start = item.request, item.request.num_computed_tokens
         end = start + item.num_new_tokens
-        if self.prefill_graphs.bucket(end) is None or (req.prompt_embeds is not None and not self.model.embeds_requests):
+        if self.prefill_graphs.bucket(end) is None or not self.model.prefill_graphable(req) or (
+                req.prompt_embeds is not None and not self.model.embeds_requests):
             return None
         if self.model.uses_mrope:
             positions = self.model.request_positions(req, start, end)

@@ -89,9 +89,6 @@ class OmniThinkerForCausalLM(DecoderForCausalLM):
     whole_omni_checkpoint: bool
     uses_mrope: ClassVar[bool] = True
     embeds_requests: ClassVar[bool] = True
-    # Prefills run eagerly: Qwen3-Omni's DeepStack adds per-step visual features by host-side
-    # lengths, and a thinker's first step is not yet measured against a graph.
-    supports_prefill_graphs: ClassVar[bool] = False
 
     def parse_request_inputs(self, info: Mapping[str, Any]) -> ThinkerMediaInputs | None:
         return ThinkerMediaInputs.from_info(info)

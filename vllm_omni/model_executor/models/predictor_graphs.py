@@ -3,14 +3,17 @@
 Qwen3-Omni's and Qwen3-TTS's talkers run a small code predictor after each sampled group-0
 code: G-1 tiny decoder passes plus sampling, ~1000 kernel launches per frame for the released
 models (15 groups x 5 layers), which dominate a decode step at small batch. Here the frame is
-a fixed-shape function of static buffers, sampling included:
+a fixed-shape function of static buffers, sampling included (`sample_codes`):
 
-    code = argmax(logits)                                               greedy rows
-    code = argmax(softmax(top_k_top_p(logits / T)) / q)                  sampled rows, q ~ Exp(1)
+    code = argmax(logits)                                         greedy rows
+    code = argmax(top_k_top_p(logits / T) + g)                    sampled rows, g ~ Gumbel(0, 1)
 
-(our Sampler's exponential race, at the predictor's fixed sampling settings). The noise is
-drawn before each replay, from a request's own generator when it has a seed, so seeded
-requests are reproducible; the draws differ from the eager path's, the distribution does not.
+the Gumbel-max form of our Sampler's exponential race (argmax p / q = argmax log p - log q),
+at the predictor's fixed sampling settings, over the top-k candidates only: no softmax over
+the vocabulary and no sort of it, which took ~1 ms of a Qwen3-TTS frame's ~5 ms on the H200.
+The noise is drawn before each replay, from a request's own generator when it has a seed, so
+seeded requests are reproducible; the draws differ from the eager path's, the distribution
+does not (tests/models/test_predictor_sampling.py).
 
 `GraphedPredictor.predict` is what a talker calls: the graphs on CUDA, else the predictor run
 eagerly with our Sampler. `PredictorFrame.__call__` is the captured function run eagerly (what
@@ -25,7 +28,7 @@ import os
 import torch
 from torch import nn
 
-from vllm_omni.model_executor.layers.sampler import Sampler, SamplingBatch, apply_top_k_top_p
+from vllm_omni.model_executor.layers.sampler import Sampler, SamplingBatch
 from vllm_omni.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -33,6 +36,27 @@ logger = logging.getLogger(__name__)
 PREDICTOR_GRAPHS_ENV = "VLLM_OMNI_PREDICTOR_CUDA_GRAPHS"
 MAX_GRAPH_BATCH = 64  # larger batches run eagerly (launch overhead is amortised there)
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+
+def sample_codes(logits: torch.Tensor, greedy: torch.Tensor, gumbel: torch.Tensor, temperature: float,
+                 top_k: int, top_p: float) -> torch.Tensor:
+    """Codes [B] from logits [B, V]: argmax where `greedy` [B], else a draw from softmax(logits / T)
+    restricted to the top-k and then to the top-p nucleus (the Sampler's rule: a token stays while
+    the tokens above it hold less than p; at exact ties on the k-th value, topk keeps k of them),
+    by the Gumbel-max trick with noise `gumbel` [B, >= V]. top_k <= 0 or >= V: no top-k."""
+    best = logits.argmax(dim=-1)
+    vocab = logits.shape[-1]
+    scaled = logits / temperature
+    if top_p >= 1.0 and not 0 < top_k < vocab:
+        drawn = (scaled + gumbel[:, :vocab]).argmax(dim=-1)
+    else:
+        k = top_k if 0 < top_k < vocab else vocab
+        values, ids = scaled.topk(k, dim=-1)  # descending
+        if top_p < 1.0:
+            probs = values.softmax(dim=-1)
+            values = values.masked_fill(probs.cumsum(dim=-1) - probs >= top_p, float("-inf"))
+        drawn = ids.gather(1, (values + gumbel[:, :k]).argmax(dim=-1, keepdim=True)).squeeze(1)
+    return torch.where(greedy, best, drawn)
 
 
 class PredictorFrame:
@@ -45,21 +69,17 @@ class PredictorFrame:
                  device: torch.device, dtype: torch.dtype) -> None:
         self.predictor = predictor
         self.groups = predictor.num_code_groups - 1
-        self.temperature = sampling.temperature
-        top_k = sampling.top_k if 0 < sampling.top_k < vocab else vocab
-        self.top_k = torch.full((max_batch,), top_k, dtype=torch.long, device=device)
-        self.top_p = torch.full((max_batch,), sampling.top_p, dtype=torch.float32, device=device)
+        self.temperature, self.top_k, self.top_p = sampling.temperature, sampling.top_k, sampling.top_p
         self.hidden = torch.zeros(max_batch, width, dtype=dtype, device=device)
         self.first = torch.zeros(max_batch, width, dtype=dtype, device=device)
-        self.noise = torch.ones(max_batch, self.groups, vocab, dtype=torch.float32, device=device)
+        self.gumbel = torch.zeros(max_batch, self.groups, vocab, dtype=torch.float32, device=device)
         self.greedy = torch.ones(max_batch, dtype=torch.bool, device=device)
 
     def __call__(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        greedy, noise, top_k, top_p = self.greedy[:b], self.noise[:b], self.top_k[:b], self.top_p[:b]
+        greedy, gumbel = self.greedy[:b], self.gumbel[:b]
 
         def sample(logits: torch.Tensor, group: int) -> torch.Tensor:
-            probs = apply_top_k_top_p(logits / self.temperature, top_k, top_p).softmax(dim=-1)
-            return torch.where(greedy, logits.argmax(dim=-1), (probs / noise[:, group]).argmax(dim=-1))
+            return sample_codes(logits, greedy, gumbel[:, group], self.temperature, self.top_k, self.top_p)
 
         return self.predictor(self.hidden[:b], self.first[:b], sample)
 
@@ -71,10 +91,13 @@ class PredictorFrame:
         self.first[:b].copy_(first)
         self.greedy[:b].copy_(torch.tensor(greedy), non_blocking=True)
         if not all(greedy):
-            self.noise[:b].exponential_()
+            noise = self.gumbel[:b]
+            noise.exponential_()
             for i, g in enumerate(generators):
                 if g is not None and not greedy[i]:
-                    self.noise[i].exponential_(generator=g)
+                    noise[i].exponential_(generator=g)
+            # -log Exp(1) ~ Gumbel(0, 1); the clamp keeps a draw of exactly 0 finite.
+            noise.clamp_(min=torch.finfo(noise.dtype).tiny).log_().neg_()
 
 
 class PredictorGraphs:

@@ -10,6 +10,7 @@ Per request, the engine calls, in order:
   inputs = model.parse_request_inputs(additional_information)   # once, at add_request
   prompt = model.prompt_token_ids(prompt_token_ids, inputs)      # once, at add_request
   model.begin_step()                                # each step, before the calls below
+  model.prefill_graphable(request)                  # a step with its prefill, with CUDA graphs
   model.request_positions(request, start, end)      # each step, if uses_mrope
   model.decode_positions(request, position)         #   (instead, in a step of single tokens)
   model.embed_request_spans([(request, start, end), ...], ids)  # each step, if embeds_requests
@@ -80,7 +81,8 @@ class StageModel(nn.Module):
     embeds_requests: ClassVar[bool] = False  # embed_request_span builds every input row
     supports_cuda_graphs: ClassVar[bool] = True  # decode steps may replay captured graphs
     # One request's prefill span may replay a captured graph too (core/prefill_graphs.py): the
-    # forward must be a function of its input rows, positions and attention metadata alone.
+    # forward must be a function of its input rows, positions and attention metadata alone
+    # (`prefill_graphable` can refuse a request whose forward would take more).
     supports_prefill_graphs: ClassVar[bool] = True
     accepts_streamed_input: ClassVar[bool] = False  # append_request_inputs / available_positions
     # False: even as a latent stage it exports no hidden states (its consumers read its tokens or
@@ -141,6 +143,10 @@ class StageModel(nn.Module):
         uses_mrope). Override with something cheaper than request_positions: it runs for every
         request of every decode step. Float positions (fractional M-RoPE) keep the step eager."""
         return tuple(self.request_positions(request, position, position + 1)[:, 0].tolist())
+
+    def prefill_graphable(self, request: Request) -> bool:
+        """Whether this request's prefill may replay a prefill graph (when supports_prefill_graphs)."""
+        return True
 
     def begin_step(self) -> None:
         """A step starts: per-step scratch of the previous one may go (a decode step replayed

@@ -114,6 +114,12 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerForCausalLM):
         deepstack = self.step_deepstack.take(positions.shape[-1])
         return self.model(input_ids, positions, inputs_embeds, capture_layers, deepstack)
 
+    def prefill_graphable(self, request) -> bool:
+        """Not with images or videos: DeepStack adds their features inside the forward, by
+        host-side lengths. Text and audio prompts replay the prefill graphs."""
+        inputs = request.model_inputs
+        return inputs is None or (inputs.pixel_values is None and inputs.pixel_values_videos is None)
+
     # --- per-request inputs -----------------------------------------------------
     def _prompt_positions(self, request) -> torch.Tensor:
         cached = request.model_state.get(_POSITIONS_KEY)
