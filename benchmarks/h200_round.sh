@@ -6,6 +6,7 @@
 #   benchmarks/h200_round.sh qwen3     # Qwen3-Omni-30B-A3B end to end, c = 1..64, vs transformers
 #   benchmarks/h200_round.sh tts       # Qwen3-TTS 1.7B: c = 1, 16, 64 and Poisson arrivals
 #   benchmarks/h200_round.sh tts_ab    # its code2wav decoder graphs vs the eager decoder, two runs each
+#   benchmarks/h200_round.sh first_frame  # its talker's first step, prefill graphs vs eager, with a profile
 #   benchmarks/h200_round.sh profile   # the Qwen2.5-Omni talker's step under the torch profiler
 #   benchmarks/h200_round.sh talker    # each talker alone (Qwen3's with its code predictor): ms/step
 #   benchmarks/h200_round.sh stages    # code2wav / token2wav, Qwen3-TTS, Qwen-Image on their own
@@ -23,7 +24,7 @@ step() {  # step NAME SECONDS COMMAND...
   local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "=== $name: exit $? after $((SECONDS - t0))s"
-  grep -E "^\|| log_stats|stage [0-9].*ms|^batch [0-9]+:|Error|error:" "$OUT/$name.log" | tail -40
+  grep -E "^\|| log_stats|stage [0-9].*ms|^batch [0-9]+:|^first step|Error|error:" "$OUT/$name.log" | tail -40
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case "${1:-}" in
@@ -49,6 +50,10 @@ case "${1:-}" in
           --frames 120 --rate 20 $flag --json "$OUT/tts_${mode}_$run.json"
       done
     done ;;
+  first_frame)  # the TTS talker's first step (the prefill and the first frame): prefill graphs vs eager
+    step first_frame 150 $PY benchmarks/bench_tts_first_frame.py --real-arch --requests 20 --profile "$OUT/first_frame"
+    step first_frame_eager 150 env VLLM_OMNI_PREFILL_CUDA_GRAPHS=0 $PY benchmarks/bench_tts_first_frame.py \
+      --real-arch --requests 20 ;;
   profile)  # where the Qwen2.5-Omni talker's step goes (engine/step_profiler.py), 1 and 8 in flight
     for c in 1 8; do  # skip the warm-up request's 500 talker steps, then 200 steps of the measured ones
       step profile_c$c 200 env VLLM_OMNI_PROFILE_DIR="$OUT/profile_c$c" VLLM_OMNI_PROFILE_STAGES=1 \

@@ -75,7 +75,7 @@ class PrefillGraphs:
         rows = self.token_rows
         lengths = rows[_LENGTHS]
         meta = AttentionMetadata(
-            slot_mapping=rows[_SLOTS, :size], query_start_loc=lengths[_CU_Q], seq_lens=lengths[3:4],
+            slot_mapping=rows[_SLOTS, :size], query_start_loc=lengths[_CU_Q], seq_lens=lengths[_CU_K][1:],
             block_tables=lengths[None, :0],  # unused: the prefill path reads its keys by kv_gather_slots
             block_size=self.block_size, max_query_len=size, max_seq_len=size,
             query_lens_cpu=[size], seq_lens_cpu=[size])
