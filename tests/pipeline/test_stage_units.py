@@ -161,6 +161,26 @@ def test_streams_share_the_batch_round_robin():
     assert [(o.request_id, o.finished) for o in outs] == [("short", True), ("long", False)]
 
 
+def test_first_chunks_go_out_in_a_step_of_their_own():
+    """A new stream's first chunk is not batched behind the steady chunks of running streams:
+    the step after it arrives decodes it alone, then the round robin goes on."""
+    model = OneUnitChunks()
+    engine = GenerationStageEngine(model, OmniGenerationScheduler(8), stage_id=2)
+
+    def stream(rid, units):
+        engine.add_request(StageRequest(request_id=rid, prompt_token_ids=[], sampling_params=SamplingParams(),
+                                        input_complete=False))
+        engine.add_input(StageInputChunk(request_id=rid, additional_information={"units": torch.zeros(units)},
+                                         final=False))
+
+    stream("a", 10)
+    stream("b", 10)
+    assert sorted(o.request_id for o in engine.step()) == ["a", "b"]
+    stream("new", 3)
+    assert [o.request_id for o in engine.step()] == ["new"]  # alone, ahead of a and b
+    assert sorted(o.request_id for o in engine.step()) == ["a", "b", "new"]
+
+
 def test_ar_stage_engine_sends_deltas_or_the_final_output_only(tiny_model):
     """DELTA: an output per step whose concatenation is the result; FINAL_ONLY: one output
     holding everything (the engine builds no intermediate outputs for it)."""

@@ -107,7 +107,11 @@ class GenerationStageEngine:
         # Round robin: the streams decoded longest ago (or never) first, so a long stream that
         # always has a chunk ready cannot hold the batch's slots while the others wait.
         ready = sorted((rid for rid, d in self._streams.items() if d.ready()), key=self._last_turn.__getitem__)
-        ready = ready[: self.scheduler.max_batch_size]
+        # First chunks first, in a step of their own: a new stream's first audio (a small window)
+        # goes out after one short decode, not after a batch of steady chunks (windows of up to
+        # 50 frames) that it would otherwise join. Steady streams still have audio playing.
+        first = [rid for rid in ready if self._last_turn[rid] == 0]
+        ready = (first or ready)[: self.scheduler.max_batch_size]
         if ready:
             self._turns += 1
             self._last_turn.update(dict.fromkeys(ready, self._turns))
