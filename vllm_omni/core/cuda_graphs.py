@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from vllm_omni.model_executor.forward_context import AttentionMetadata, set_forward_context
+from vllm_omni.model_executor.graph_capture import capture_buckets
 from vllm_omni.model_executor.layers.triton_attention import TritonAttentionState
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,6 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]] = {}
-        self.pool = None
 
     def _meta(self, b: int) -> AttentionMetadata:
         meta = AttentionMetadata(
@@ -94,15 +94,7 @@ class DecodeGraphs:
         self.slot_mapping.fill_(self.scratch_block * self.block_size)
         self.seq_lens.fill_(1)
         self.block_tables.fill_(self.scratch_block)
-        for b in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool memory
-            self._run(b)  # warm-up: Triton compiles and autotunes outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[b] = self._run(b)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[b] = graph
-        torch.cuda.synchronize()
+        self.graphs, self.outputs = capture_buckets(self.sizes, self._run)
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
     def fits(self, num_seqs: int) -> bool:

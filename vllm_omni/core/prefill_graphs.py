@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from vllm_omni.model_executor.forward_context import AttentionMetadata, set_forward_context
+from vllm_omni.model_executor.graph_capture import capture_buckets
 from vllm_omni.model_executor.layers.triton_attention import TritonAttentionState
 
 logger = logging.getLogger(__name__)
@@ -89,22 +90,16 @@ class PrefillGraphs:
                                           capture_layers=self.capture_layers)
         return hidden, self.model.compute_logits(hidden[lengths[_LAST]]), captured
 
-    @torch.inference_mode()
     def capture(self) -> None:
         staging = self.staging_np
         staging[:] = 0
         staging[_SLOTS] = staging[_KV_SLOTS] = self.scratch_slot
-        pool = None
-        for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool memory
+
+        def whole_bucket(size: int) -> None:  # a span filling the bucket, on the scratch block
             staging[_LENGTHS, :5] = (0, size, 0, size, size - 1)
             self.token_rows.copy_(self.staging)
-            self._run(size)  # warm-up: Triton compiles and autotunes outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._run(size)
-            pool = pool or graph.pool()
-            self.graphs[size] = graph
-        torch.cuda.synchronize()
+
+        self.graphs, self.outputs = capture_buckets(self.sizes, self._run, before=whole_bucket)
         logger.info("captured prefill CUDA graphs for spans of up to %s tokens", self.sizes)
 
     def stage(self, input_ids: list[int], positions, slots: list[int], kv_slots: list[int]) -> torch.Tensor:

@@ -28,6 +28,7 @@ import os
 import torch
 from torch import nn
 
+from vllm_omni.model_executor.graph_capture import capture_buckets
 from vllm_omni.model_executor.layers.sampler import Sampler, SamplingBatch
 from vllm_omni.sampling_params import SamplingParams
 
@@ -109,17 +110,8 @@ class PredictorGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    @torch.inference_mode()
     def capture(self) -> None:
-        pool = None
-        for b in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
-            self.frame(b)  # warm-up (Triton compiles outside the capture)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[b] = self.frame(b)
-            pool = pool or graph.pool()
-            self.graphs[b] = graph
-        torch.cuda.synchronize()
+        self.graphs, self.outputs = capture_buckets(self.sizes, self.frame)
         logger.info("captured code predictor CUDA graphs for batch sizes %s", self.sizes)
 
     def run(self, hidden: torch.Tensor, first: torch.Tensor, greedy: list[bool],
