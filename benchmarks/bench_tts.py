@@ -65,6 +65,8 @@ def parse_args() -> argparse.Namespace:
                    help="run the code predictor eagerly on CUDA (default: CUDA graphs, unless --eager)")
     p.add_argument("--deploy-config", default=None,
                    help="a deploy YAML instead of the bundled one (e.g. other code2wav chunk options)")
+    p.add_argument("--stage-overrides", type=json.loads, default={},
+                   help='JSON merged over the benchmark\'s own stage fields, e.g. \'{"1": {"runtime": {"process": false}}}\'')
     p.add_argument("--qwen-tts-python", default=None, help="python of the qwen-tts venv: also run it at c=1")
     p.add_argument("--json", default=None, help="write the results here")
     return p.parse_args()
@@ -175,7 +177,10 @@ def stage_overrides(args: argparse.Namespace, max_c: int) -> dict[str, Any]:
         talker["dtype"] = dtype
     if args.real_arch:
         talker["load_format"] = code2wav["load_format"] = "dummy"
-    return {"0": talker, "1": code2wav}
+    overrides = {"0": talker, "1": code2wav}
+    for stage_id, fields in args.stage_overrides.items():
+        overrides.setdefault(str(stage_id), {}).update(fields)
+    return overrides
 
 
 def run_qwen_tts(python: str, model: Path, args: argparse.Namespace) -> dict[str, Any]:

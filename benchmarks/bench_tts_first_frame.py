@@ -3,6 +3,7 @@ frame's group-0 code and its code predictor frame), which is most of the first a
 load, against a later decode step.
 
     python benchmarks/bench_tts_first_frame.py --real-arch --requests 20 [--profile DIR]
+    python benchmarks/bench_tts_first_frame.py --real-arch --batches 1,8,32,64 [--profile DIR]
     python benchmarks/bench_tts_first_frame.py            # CPU smoke run on the tiny checkpoint
 
 One request at a time on an idle engine (the bundled deploy config's talker: CUDA graphs,
@@ -12,6 +13,10 @@ writes the torch profiler's tables of `--profile-requests` first steps and, on C
 host <-> device synchronisation inside one first step with the Python stack that caused it
 (torch.cuda.set_sync_debug_mode): a synchronisation makes the host wait for all GPU work
 queued before it.
+
+`--batches B,...` times steady decode steps (one frame for each of B requests) instead, the
+talker's share of a loaded server; with `--profile DIR` the largest batch's steps get the
+same tables, synchronisation trace and chrome trace.
 """
 from __future__ import annotations
 
@@ -46,6 +51,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
     p.add_argument("--profile", help="write the profiler tables and the synchronisation trace here")
     p.add_argument("--profile-requests", type=int, default=5)
+    p.add_argument("--batches", default=None, help="comma-separated batch sizes: time steady decode steps")
+    p.add_argument("--seed", type=int, default=None, help="every request's sampling seed (spec 000's default "
+                                                          "sampling parameters say 42)")
+    p.add_argument("--min-tokens", type=int, default=0, help="every request's min_tokens (bench_tts.py sets --frames)")
     p.add_argument("--json", default=None)
     return p.parse_args()
 
@@ -93,31 +102,66 @@ def trace_syncs(run) -> list[tuple[int, str]]:
     return [(n, stack) for stack, n in stacks.most_common()]
 
 
-def profile(engine, processor, params, args, out: Path) -> None:
+def start_batch(engine: LLMEngine, processor: Qwen3TTSInputProcessor, batch: int, params: SamplingParams) -> None:
+    """Add `batch` requests and step until each has its first frame: the next steps are decode steps."""
+    for i in range(batch):
+        prompt = processor.process({"prompt": SENTENCES[i % len(SENTENCES)], "speaker": "vivian"})
+        engine.add_request(f"b{batch}-{i}", prompt["prompt_token_ids"], params,
+                           model_inputs=prompt["additional_information"])
+    while not all(r.num_output_tokens for r in engine.scheduler.requests.values()):
+        engine.step()
+
+
+def profile_steps(run, out: Path, name: str, title: str) -> None:
+    """The torch profiler's tables of `run()` (and on CUDA its synchronisations, and a chrome
+    trace of a second call) in out/NAME.txt and out/NAME_trace.json."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     with torch_profile(activities=activities) as prof:
-        for i in range(args.profile_requests):
-            first_step(engine, processor, 1000 + i, params)
-            finish(engine)
-    lines = [f"{args.profile_requests} first steps", "top ops by self CPU time:",
+        run()
+    lines = [title, "top ops by self CPU time:",
              prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)]
     if gpu:
         lines += ["top ops by self GPU time:", prof.key_averages().table(sort_by="self_device_time_total",
                                                                            row_limit=25)]
-        syncs = trace_syncs(lambda: first_step(engine, processor, 2000, params))
-        finish(engine)
-        lines += [f"synchronising calls in one first step: {sum(n for n, _ in syncs)}"]
+        syncs = trace_syncs(run)
+        lines += [f"synchronising calls: {sum(n for n, _ in syncs)}"]
         lines += [f"  x{n}\n{stack}" for n, stack in syncs]
-    (out / "tts_first_frame_profile.txt").write_text("\n".join(lines) + "\n")
-    with torch_profile(activities=activities) as prof:  # one first step, for chrome://tracing or Perfetto
-        first_step(engine, processor, 3000, params)
+    (out / f"{name}.txt").write_text("\n".join(lines) + "\n")
+    with torch_profile(activities=activities) as prof:  # for chrome://tracing or Perfetto
+        run()
+    prof.export_chrome_trace(str(out / f"{name}_trace.json"))
+    print(f"profile written to {out / name}.txt")
+
+
+def batch_steps(engine, processor, args) -> dict[str, float]:
+    """ms per steady decode step at each of --batches (p50 of --decode-steps steps)."""
+    batches = [int(b) for b in args.batches.split(",")]
+    params = SamplingParams(**SAMPLING, ignore_eos=True, max_tokens=1 << 20, detokenize=False, seed=args.seed,
+                            min_tokens=args.min_tokens)
+    result = {}
+    for batch in batches:
+        start_batch(engine, processor, batch, params)
+        decode_steps(engine, 5)  # warm-up
+        result[f"batch_{batch}_ms_p50"] = 1e3 * statistics.median(decode_steps(engine, args.decode_steps))
+        print(f"batch {batch}: {result[f'batch_{batch}_ms_p50']:.2f} ms per decode step (p50)", flush=True)
+        if args.profile and batch == max(batches):
+            profile_steps(lambda: decode_steps(engine, 5), Path(args.profile), f"tts_batch{batch}_profile",
+                          f"5 decode steps at batch {batch}")
         finish(engine)
-    prof.export_chrome_trace(str(out / "tts_first_step_trace.json"))
-    print(f"profile written to {out / 'tts_first_frame_profile.txt'}")
+    return result
+
+
+def profile(engine, processor, params, args, out: Path) -> None:
+    def run() -> None:
+        for i in range(args.profile_requests):
+            first_step(engine, processor, 1000 + i, params)
+            finish(engine)
+
+    profile_steps(run, out, "tts_first_frame_profile", f"{args.profile_requests} first steps")
 
 
 def main() -> None:
@@ -132,6 +176,11 @@ def main() -> None:
             load_format="dummy" if args.real_arch else "auto", max_num_seqs=64, enable_prefix_caching=False,
             max_num_batched_tokens=32768, gpu_memory_utilization=0.5, enforce_eager=args.eager))
         processor = Qwen3TTSInputProcessor(model)
+        if args.batches:
+            result = batch_steps(engine, processor, args)
+            if args.json:
+                Path(args.json).write_text(json.dumps({"args": vars(args), **result}, indent=1))
+            return
         params = SamplingParams(**SAMPLING, ignore_eos=True, max_tokens=args.decode_steps + 8, detokenize=False)
         for i in range(args.warmup):
             first_step(engine, processor, -1 - i, params)

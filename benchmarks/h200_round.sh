@@ -5,6 +5,9 @@
 #   benchmarks/h200_round.sh qwen2_5_stream  # its streaming path alone, with the code2wav GPU tests
 #   benchmarks/h200_round.sh qwen3     # Qwen3-Omni-30B-A3B end to end, c = 1..64, vs transformers
 #   benchmarks/h200_round.sh tts       # Qwen3-TTS 1.7B: c = 1, 16, 64 and Poisson arrivals
+#   benchmarks/h200_round.sh tts_sharing  # talker and code2wav processes time-sliced or under MPS
+#   benchmarks/h200_round.sh tts_load  # the TTS talker's steps at 64 in flight under cProfile, streaming or not
+#   benchmarks/h200_round.sh tts_batches  # the TTS talker's decode step at batch 1..64 (profiled)
 #   benchmarks/h200_round.sh tts_ab    # its code2wav decoder graphs vs the eager decoder, two runs each
 #   benchmarks/h200_round.sh first_frame  # its talker's first step, prefill graphs vs eager, with a profile
 #   benchmarks/h200_round.sh profile   # the Qwen2.5-Omni talker's step under the torch profiler
@@ -50,6 +53,30 @@ case "${1:-}" in
           --frames 120 --rate 20 $flag --json "$OUT/tts_${mode}_$run.json"
       done
     done ;;
+  tts_sharing)  # how the talker and code2wav processes share the GPU: time slicing (the default) or MPS
+    args="--real-arch --concurrency 1,64 --num-requests 32 --frames 120 --rate 20"
+    step tts_processes 150 $PY benchmarks/bench_tts.py $args --json "$OUT/tts_processes.json"
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
+    mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+    if nvidia-cuda-mps-control -d; then
+      step tts_mps 150 $PY benchmarks/bench_tts.py $args --json "$OUT/tts_mps.json"
+      echo quit | nvidia-cuda-mps-control
+    fi ;;
+  tts_load)  # the talker's steps at 64 in flight under cProfile, code2wav streaming (sharing the GPU) or not
+    sed 's/^async_chunk: true/async_chunk: false/' vllm_omni/deploy/qwen3_tts.yaml > "$OUT/qwen3_tts_whole.yaml"
+    for mode in streaming whole; do
+      deploy=$([ $mode = whole ] && echo "--deploy-config $OUT/qwen3_tts_whole.yaml")
+      step tts_load_$mode 150 env VLLM_OMNI_PROFILE_DIR="$OUT/tts_load_$mode" VLLM_OMNI_PROFILE_STAGES=0 \
+        VLLM_OMNI_PROFILE_SKIP=300 VLLM_OMNI_PROFILE_STEPS=40 VLLM_OMNI_PROFILE_OPS=0 VLLM_OMNI_PROFILE_PYTHON=1 \
+        $PY benchmarks/bench_tts.py --real-arch --concurrency 64 --num-requests 64 --frames 120 $deploy
+      grep -h "wall per step" "$OUT"/tts_load_$mode/stage*-profile.txt
+    done ;;
+  tts_batches)  # the TTS talker's steady decode step at batch 1..64, the largest under the profiler
+    step tts_batches 100 $PY benchmarks/bench_tts_first_frame.py --real-arch --batches 1,8,32,64 --decode-steps 30 \
+      --json "$OUT/tts_batches.json"
+    # as requests of bench_tts.py sample: seeded (spec 000's default seed 42) with min_tokens
+    step tts_batches_seeded 150 $PY benchmarks/bench_tts_first_frame.py --real-arch --batches 1,8,32,64 \
+      --decode-steps 30 --seed 42 --min-tokens 100000 --profile "$OUT/tts_batches" --json "$OUT/tts_batches_seeded.json" ;;
   first_frame)  # the TTS talker's first step (the prefill and the first frame): prefill graphs vs eager
     step first_frame 150 $PY benchmarks/bench_tts_first_frame.py --real-arch --requests 20 --profile "$OUT/first_frame"
     step first_frame_eager 150 env VLLM_OMNI_PREFILL_CUDA_GRAPHS=0 $PY benchmarks/bench_tts_first_frame.py \

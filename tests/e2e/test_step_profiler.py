@@ -40,3 +40,18 @@ def test_a_stage_that_stops_first_writes_its_timeline(omni_dir, tmp_path, monkey
     assert "aten::" not in text  # no torch profiler
     timeline = text.split("start +duration):\n")[1].splitlines()
     assert timeline and timeline[0].startswith("  step 0: ")
+
+
+def test_per_stage_skips_and_the_python_profile(omni_dir, tmp_path, monkeypatch):
+    for name, value in {step_profiler.DIR_ENV: str(tmp_path), step_profiler.STAGES_ENV: "0,1",
+                        step_profiler.SKIP_ENV: "0:1,1:3", step_profiler.STEPS_ENV: "2",
+                        step_profiler.OPS_ENV: "0", step_profiler.PYTHON_ENV: "1"}.items():
+        monkeypatch.setenv(name, value)
+    with Omni(model=str(omni_dir)) as omni:
+        omni.generate([{"messages": user({"type": "text", "text": "Hi."})}], short_params(thinker=8, talker=8),
+                      use_tqdm=False)
+    thinker, talker = ((tmp_path / f"stage{i}-profile.txt").read_text() for i in (0, 1))
+    assert thinker.startswith("stage 0: steps 1..2\n") and talker.startswith("stage 1: steps 3..4\n")
+    for text in (thinker, talker):  # cProfile's tables name our own functions
+        assert "python functions by tottime:" in text and "python functions by cumulative:" in text
+        assert "llm_engine.py" in text and "aten::" not in text

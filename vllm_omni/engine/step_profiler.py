@@ -4,13 +4,16 @@
         [VLLM_OMNI_PROFILE_STEPS=200] python benchmarks/bench_omni_e2e.py ...
 
 Each named stage profiles its loop from its SKIP-th engine step for STEPS steps (stage
-processes inherit the variables), then writes DIR/stage<N>-profile.txt: wall time per step,
-split into the engine step with its output send (model, scheduling, per-request Python, IPC
-encode) and the rest of the loop (receiving and handling messages), the top ops by self
-CPU time and by self GPU time, and a timeline of the steps (start, duration: a request's
-prefill, its first frame, a waiting gap). A stage that stops earlier writes what it has.
+processes inherit the variables; `VLLM_OMNI_PROFILE_SKIP=0:300,1:20` skips per stage), then
+writes DIR/stage<N>-profile.txt: wall time per step, split into the engine step with its
+output send (model, scheduling, per-request Python, IPC encode) and the rest of the loop
+(receiving and handling messages), the top ops by self CPU time and by self GPU time, and a
+timeline of the steps (start, duration: a request's
+prefill, its first frame, a waiting gap). A stage that stops earlier writes what it has, if
+its shutdown leaves it the time (the torch profiler's tables of many steps take seconds).
 VLLM_OMNI_PROFILE_OPS=0 keeps the timeline only (no torch profiler, which slows what it
-watches).
+watches). VLLM_OMNI_PROFILE_PYTHON=1 runs cProfile over the same steps and adds its top
+functions by own time and by cumulative time: which Python code a step's host time goes to.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ STAGES_ENV = "VLLM_OMNI_PROFILE_STAGES"
 SKIP_ENV = "VLLM_OMNI_PROFILE_SKIP"
 STEPS_ENV = "VLLM_OMNI_PROFILE_STEPS"
 OPS_ENV = "VLLM_OMNI_PROFILE_OPS"
+PYTHON_ENV = "VLLM_OMNI_PROFILE_PYTHON"
 ROWS = 30
 
 
@@ -37,9 +41,11 @@ class StepProfiler:
         self.out_dir = os.environ.get(DIR_ENV)
         stages = {s.strip() for s in os.environ.get(STAGES_ENV, "").split(",")}
         self.enabled = bool(self.out_dir) and str(stage_id) in stages
-        self.skip = int(os.environ.get(SKIP_ENV, "50"))
+        self.skip = _stage_skip(os.environ.get(SKIP_ENV, "50"), stage_id)
         self.steps = int(os.environ.get(STEPS_ENV, "200"))
         self.ops = os.environ.get(OPS_ENV, "1") != "0"
+        self.python = os.environ.get(PYTHON_ENV, "0") == "1"
+        self._cprofile = None
         self.count = 0
         self._running = False
         self._prof = None
@@ -76,6 +82,11 @@ class StepProfiler:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             self._prof = profile(activities=activities)
             self._prof.__enter__()
+        if self.python:
+            import cProfile
+
+            self._cprofile = cProfile.Profile()
+            self._cprofile.enable()
         self._running = True
         self._started = time.perf_counter()
 
@@ -101,6 +112,10 @@ class StepProfiler:
             if torch.cuda.is_available():
                 lines += ["", "top ops by self GPU time:",
                           averages.table(sort_by="self_device_time_total", row_limit=ROWS)]
+        if self._cprofile is not None:
+            self._cprofile.disable()
+            lines += ["", _python_profile(self._cprofile)]
+            self._cprofile = None
         lines += ["", "timeline (ms from the first profiled step: start +duration):"]
         lines += [f"  step {self.skip + i}: {1e3 * start:.2f} +{1e3 * took:.2f}"
                   for i, (start, took) in enumerate(self._timeline)]
@@ -108,3 +123,23 @@ class StepProfiler:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(lines) + "\n")
         logger.info("stage %d: profile of %d steps written to %s", self.stage_id, n, path)
+
+
+def _python_profile(cprofile) -> str:
+    import io
+    import pstats
+
+    text = io.StringIO()
+    stats = pstats.Stats(cprofile, stream=text)
+    for order in ("tottime", "cumulative"):
+        text.write(f"python functions by {order}:\n")
+        stats.sort_stats(order).print_stats(ROWS)
+    return text.getvalue()
+
+
+def _stage_skip(value: str, stage_id: int) -> int:
+    """"50" for every stage, or "0:300,1:20" per stage (50 for a stage not named)."""
+    if ":" not in value:
+        return int(value)
+    per_stage = dict(item.split(":") for item in value.split(","))
+    return int(per_stage.get(str(stage_id), "50"))

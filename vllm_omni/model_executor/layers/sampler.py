@@ -168,7 +168,10 @@ class Sampler:
             return logits
         logits = logits.clone()  # never modify the caller's tensor
         device = logits.device
-        logits[_to_device(rows, torch.long, device), _to_device(ids, torch.long, device)] = _NEG_INF
+        # A device-side value: a Python float would be copied from pageable host memory, which
+        # waits for all queued GPU work (the step's forward) before the sampler can go on.
+        logits.index_put_((_to_device(rows, torch.long, device), _to_device(ids, torch.long, device)),
+                          torch.full((), _NEG_INF, device=device))
         return logits
 
     def _apply_penalties(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
