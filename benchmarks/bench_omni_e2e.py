@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import platform
 import statistics
 import tempfile
@@ -68,6 +69,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--async-chunk", choices=("both", "on", "off"), default="both",
                    help="run ours with streaming edges, without, or both (same run)")
+    p.add_argument("--log-requests", action="store_true",
+                   help="log each request's stage timings (when each stage got it, its first output)")
     p.add_argument("--json", default="bench_omni_e2e.json")
     return p.parse_args()
 
@@ -120,7 +123,9 @@ def summarize(rows: list[dict[str, float]], wall: float) -> dict[str, Any]:
             "rtf": stats("rtf"), "rtf_aggregate": wall / audio if audio else None,
             "gap_p50_s": gaps[len(gaps) // 2] if gaps else None,
             "gap_p99_s": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else None,
-            "underruns": sum(r.get("underruns", 0) for r in rows)}
+            "underruns": sum(r.get("underruns", 0) for r in rows),
+            # Each request's start on time.perf_counter() (the stage profiler's clock) and its times.
+            "each": [{k: r.get(k) for k in ("start_s", "ttft_s", "ttfa_s", "e2e_s")} for r in rows]}
 
 
 # ----------------------------------------------------------------------------------------- ours
@@ -148,8 +153,8 @@ async def _one(omni, prompt, params) -> dict[str, Any]:
         if played_until is not None and arrival > played_until:
             underruns += 1
         played_until = max(played_until or arrival, arrival) + duration
-    return {"e2e_s": e2e, "ttft_s": ttft, "ttfa_s": chunks[0][0] if chunks else None, "audio_s": audio_s,
-            "rtf": e2e / audio_s if audio_s else None, "underruns": underruns,
+    return {"start_s": t0, "e2e_s": e2e, "ttft_s": ttft, "ttfa_s": chunks[0][0] if chunks else None,
+            "audio_s": audio_s, "rtf": e2e / audio_s if audio_s else None, "underruns": underruns,
             "gaps_s": [b[0] - a[0] for a, b in zip(chunks, chunks[1:])]}
 
 
@@ -273,6 +278,9 @@ def fmt(value: dict[str, float] | float | None, key: str | None = None) -> str:
 
 def main() -> None:
     args = parse_args()
+    if args.log_requests:  # the orchestrator's per-request line (log_stats)
+        logging.basicConfig(format="%(message)s")
+        logging.getLogger("vllm_omni.engine.orchestrator").setLevel(logging.INFO)
     from vllm_omni.engine.stage_init_utils import prepare_engine_environment
 
     prepare_engine_environment()  # spawn for the stages, before building a model picks a start method

@@ -7,6 +7,7 @@
 #   benchmarks/h200_round.sh tts       # Qwen3-TTS 1.7B: c = 1, 16, 64 and Poisson arrivals
 #   benchmarks/h200_round.sh tts_sharing  # talker and code2wav processes time-sliced or under MPS
 #   benchmarks/h200_round.sh tts_load  # the TTS talker's steps at 64 in flight under cProfile, streaming or not
+#   benchmarks/h200_round.sh qwen3_timeline  # Qwen3-Omni at one request: every stage's step timeline
 #   benchmarks/h200_round.sh tts_batches  # the TTS talker's decode step at batch 1..64 (profiled)
 #   benchmarks/h200_round.sh tts_ab    # its code2wav decoder graphs vs the eager decoder, two runs each
 #   benchmarks/h200_round.sh first_frame  # its talker's first step, prefill graphs vs eager, with a profile
@@ -71,6 +72,13 @@ case "${1:-}" in
         $PY benchmarks/bench_tts.py --real-arch --concurrency 64 --num-requests 64 --frames 120 $deploy
       grep -h "wall per step" "$OUT"/tts_load_$mode/stage*-profile.txt
     done ;;
+  qwen3_timeline)  # Qwen3-Omni at one request: every stage's step timeline (one clock), where first audio goes
+    step qwen3_timeline 300 env VLLM_OMNI_PROFILE_DIR="$OUT/qwen3_timeline" VLLM_OMNI_PROFILE_STAGES=0,1,2 \
+      VLLM_OMNI_PROFILE_SKIP=0 VLLM_OMNI_PROFILE_STEPS=100000 VLLM_OMNI_PROFILE_OPS=0 \
+      $PY benchmarks/bench_omni_e2e.py --dummy-config benchmarks/configs/qwen3_omni_30b_a3b.json --concurrency 1 \
+      --num-requests 4 --prompt-words 74 --text-tokens 64 --codec-tokens 100 --skip-hf --async-chunk on \
+      --stage-overrides '{"0":{"max_num_seqs":8},"1":{"max_num_seqs":8},"2":{"max_num_seqs":8}}' \
+      --log-requests --json "$OUT/qwen3_timeline.json" ;;
   tts_batches)  # the TTS talker's steady decode step at batch 1..64, the largest under the profiler
     step tts_batches 100 $PY benchmarks/bench_tts_first_frame.py --real-arch --batches 1,8,32,64 --decode-steps 30 \
       --json "$OUT/tts_batches.json"

@@ -42,7 +42,9 @@ from vllm_omni.engine.stage_client import StageClient, StageDownError, StageHeal
 from vllm_omni.engine.ray_cluster import RayCluster, worker_backend_problem
 from vllm_omni.engine.stage_input import build_stage_input, resolve_input_processor
 from vllm_omni.engine.registration import pipeline_summary
-from vllm_omni.engine.stage_launcher import ProcessLauncher, StageLauncher, ThreadLauncher, torch_threads_for
+from vllm_omni.engine.stage_launcher import (
+    ProcessLauncher, StageLauncher, ThreadLauncher, limit_own_torch_threads, torch_threads_for,
+)
 from vllm_omni.engine.stage_master import StageMaster
 from vllm_omni.engine.stage_worker import WorkerSpec
 from vllm_omni.engine.supervisor import StageSupervisor
@@ -117,6 +119,7 @@ class Orchestrator:
         self._shm_prefix = f"vomni-{os.getpid()}-{uuid.uuid4().hex[:6]}-"
         self._ipc_dir: str | None = None
         self._ctx: zmq.Context | None = None
+        self._threads_before: int | None = None  # this process's torch threads before start()
         self.stage_counters: dict[int, Counter[str]] = {sid: Counter() for sid in self.stages}
         self.supervisor = StageSupervisor(self.restart_replica, options.max_stage_restarts)
         self._launches: Counter[ReplicaRef] = Counter()  # per replica: a restart gets fresh socket addresses
@@ -144,6 +147,7 @@ class Orchestrator:
         """Launch every stage at once and wait until all are UP; on any failure, stop them all."""
         self._ipc_dir = make_ipc_dir()
         self._ctx = zmq.Context()
+        self._threads_before = limit_own_torch_threads(self.pipeline)
         t0 = time.monotonic()
         try:
             if self.options.worker_backend == "ray":
@@ -282,6 +286,11 @@ class Orchestrator:
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
             self._ipc_dir = None
+        if self._threads_before is not None:
+            import torch
+
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
         leaked = sweep_shared_memory(self._shm_prefix)
         if leaked:
             logger.warning("removed %d shared memory segment(s) that were never received", leaked)

@@ -177,5 +177,34 @@ def torch_threads_for(stage: StageConfig, pipeline: PipelineConfig) -> int | Non
     # One core stays with the orchestrator's process (prompt and media processing, routing): a
     # stage whose OpenMP threads compete with it for every core spin-waits, measured 30-50x
     # slower per step on a 2-core machine (one stage with 2 threads vs 1).
-    num_processes = sum(s.runtime.num_replicas for s in pipeline.stages if s.runtime.process)
-    return max(1, ((os.cpu_count() or 1) - 1) // max(1, num_processes))
+    return max(1, ((os.cpu_count() or 1) - 1) // max(1, _num_processes(pipeline)))
+
+
+def limit_own_torch_threads(pipeline: PipelineConfig) -> int | None:
+    """Keep the orchestrator (called from its thread) to the cores its stage processes leave
+    it, and return the previous torch thread count to restore at shutdown (None: unchanged).
+
+    Its torch ops (growing a stream's hidden states, bridge copies) would otherwise run on
+    one OpenMP thread per core while the stages keep those cores busy (GPU stages spin-wait on
+    CUDA): a parallel op then waits for threads the OS has descheduled. Measured on the H200
+    with Qwen3-Omni: each hand-off between stages took ~50 ms; first audio 206 -> 98 ms with one
+    thread. With OpenMP the count is the calling thread's; a stage in this process
+    (`process: false`) leaves it alone, in case the build's pool is process-wide.
+    """
+    if "OMP_NUM_THREADS" in os.environ or not all(s.runtime.process for s in pipeline.stages):
+        return None
+    import torch
+
+    cores, processes = os.cpu_count() or 1, _num_processes(pipeline)
+    own = max(1, cores - processes * max(1, (cores - 1) // max(1, processes)))
+    previous = torch.get_num_threads()
+    if own < previous:
+        torch.set_num_threads(own)
+        logger.info("the orchestrator's process uses %d torch thread(s); its %d stage processes the other cores",
+                    own, processes)
+        return previous
+    return None
+
+
+def _num_processes(pipeline: PipelineConfig) -> int:
+    return sum(s.runtime.num_replicas for s in pipeline.stages if s.runtime.process)

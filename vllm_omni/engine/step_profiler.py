@@ -116,7 +116,9 @@ class StepProfiler:
             self._cprofile.disable()
             lines += ["", _python_profile(self._cprofile)]
             self._cprofile = None
-        lines += ["", "timeline (ms from the first profiled step: start +duration):"]
+        # perf_counter is CLOCK_MONOTONIC on Linux: the stage processes' timelines line up.
+        lines += ["", f"first profiled step at time.perf_counter() = {self._started:.6f} s",
+                  "timeline (ms from the first profiled step: start +duration):"]
         lines += [f"  step {self.skip + i}: {1e3 * start:.2f} +{1e3 * took:.2f}"
                   for i, (start, took) in enumerate(self._timeline)]
         path = Path(self.out_dir) / f"stage{self.stage_id}-profile.txt"
