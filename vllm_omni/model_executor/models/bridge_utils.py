@@ -98,6 +98,15 @@ def source_outputs(stage_list: list[Any], engine_input_source: list[int]) -> lis
     return outputs
 
 
+def rows_like(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A streamed chunk's rows on `like`'s device and dtype, without making the host wait: a
+    copy from pageable memory first waits for all work queued on the stream, and a talker
+    takes a chunk per request per thinker step between its own steps."""
+    if like.device.type == "cuda":
+        return rows.pin_memory().to(like.device, non_blocking=True).to(like.dtype)
+    return rows.to(like.device, like.dtype)
+
+
 def check_speaker(value: Any) -> str | None:
     if value is not None and not isinstance(value, str):
         raise ValueError(f"{SPEAKER_KEY} must be a voice name (string), got {type(value).__name__}")

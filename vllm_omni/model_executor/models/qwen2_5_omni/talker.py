@@ -35,7 +35,7 @@ from vllm_omni.model_executor.models.qwen2 import make_qwen2_layer
 from vllm_omni.model_executor.models.qwen2_5_omni.positions import MRopeTokenConfig, omni_rope_index
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav import load_speakers, select_speaker
 from vllm_omni.growing_tensor import GrowingTensor
-from vllm_omni.model_executor.models.bridge_utils import streamed_rows
+from vllm_omni.model_executor.models.bridge_utils import rows_like, streamed_rows
 from vllm_omni.model_executor.models.stage_model import StageModel
 from vllm_omni.model_executor.models.utils import load_weights_strict, map_stacked_name
 from vllm_omni.model_executor.models.qwen2_5_omni.bridges import TalkerInputs
@@ -246,7 +246,7 @@ class Qwen2_5OmniTalkerForConditionalGeneration(StageModel):
             embeds, hidden = streamed_rows(info, ("thinker_embeds", "thinker_hidden"), st.conditioning.view.shape[1])
         if info and embeds.shape[0]:
             weight = self.thinker_text_embeds
-            st.conditioning.append(hidden.to(weight.device, weight.dtype) + embeds.to(weight.device, weight.dtype))
+            st.conditioning.append(rows_like(hidden, weight) + rows_like(embeds, weight))
         if final:
             self._complete(st)
 

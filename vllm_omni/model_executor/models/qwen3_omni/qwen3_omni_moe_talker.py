@@ -36,7 +36,7 @@ from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_code_predictor import
 from vllm_omni.model_executor.models.qwen3_omni.rope_index import GeneratedPositions
 from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_talker_prompt import TalkerPrompt, talker_prompt
 from vllm_omni.growing_tensor import GrowingTensor
-from vllm_omni.model_executor.models.bridge_utils import streamed_rows
+from vllm_omni.model_executor.models.bridge_utils import rows_like, streamed_rows
 from vllm_omni.model_executor.models.stage_model import StageModel
 from vllm_omni.model_executor.models.predictor_graphs import GraphedPredictor
 from vllm_omni.model_executor.models.utils import load_weights_strict, map_stacked_name
@@ -248,7 +248,7 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
         if info and embeds.shape[0]:
             # Projected as they arrive; transformers projects the whole reply at once, which
             # rounds differently in the last bits (docs/streaming.md).
-            st.text_stream.append(self.text_projection(embeds.to(weight.device, weight.dtype)))
+            st.text_stream.append(self.text_projection(rows_like(embeds, weight)))
         if final:
             self._complete(st)
 
