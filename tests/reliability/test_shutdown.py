@@ -106,3 +106,21 @@ def test_sigterm_under_load_answers_everyone_and_leaves_nothing(server):
     assert not [n for n in os.listdir("/tmp") if n.startswith(f"vomni-{pid}-")]
     log = server.log_path.read_text()
     assert "Traceback" not in log and "ending 2 request(s) still in flight" in log
+
+
+def test_a_second_ctrl_c_ends_the_wait_and_exits_cleanly(server):
+    talk = [{"role": "user", "content": "Tell me everything."}]
+    out: dict[str, tuple] = {}
+    started = threading.Event()
+    thread = threading.Thread(target=_post, args=(server.url, {"messages": talk, "sampling_params_list": LONG_SPEECH},
+                                                  out, "long", started))
+    thread.start()
+    assert wait_until(lambda: server.metric("vllm_omni:num_requests_running") == 1, 60.0)
+    server.proc.send_signal(signal.SIGINT)
+    assert wait_until(lambda: "waiting up to" in server.log_path.read_text(), 10.0)
+    server.proc.send_signal(signal.SIGINT)  # do not wait for the request
+    assert server.proc.wait(SHUTDOWN_TIMEOUT_S) == 0  # before the shutdown timeout would end it
+    thread.join(30)
+    assert out["long"][0] in (200, 503) and "the server is shutting down" in out["long"][1]
+    log = server.log_path.read_text()
+    assert "Traceback" not in log and "ending 1 request(s) still in flight" in log, log[-2000:]

@@ -39,6 +39,10 @@ class GracefulServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         await self._drain()
+        # A second Ctrl-C has done its job: it cut the wait above. Left set, uvicorn would also
+        # skip the app's lifespan shutdown and cancel it, which logs a CancelledError traceback;
+        # with the pipeline closed, what uvicorn has left to do is quick. (A third one forces.)
+        self.force_exit = False
         await super().shutdown(sockets)
         # Cleaned up already: nothing is left for a re-raised SIGTERM / SIGINT to interrupt.
         # (uvicorn >= 0.29 keeps the signals it caught here; older ones re-raise nothing.)
