@@ -1,7 +1,7 @@
 """The orchestrator's process keeps to the cores its stage processes leave it while a pipeline
 runs (engine/stage_launcher.py limit_own_torch_threads): with a torch thread per core, its small
 parallel ops waited ~50 ms for threads the busy stages had displaced, at every hand-off between
-stages (Qwen3-Omni first audio 206 -> 98 ms on the H200)."""
+stages (Qwen3-Omni first audio 206 -> 98-108 ms on the H200)."""
 from __future__ import annotations
 
 import asyncio

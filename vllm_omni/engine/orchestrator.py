@@ -119,7 +119,7 @@ class Orchestrator:
         self._shm_prefix = f"vomni-{os.getpid()}-{uuid.uuid4().hex[:6]}-"
         self._ipc_dir: str | None = None
         self._ctx: zmq.Context | None = None
-        self._threads_before: int | None = None  # this process's torch threads before start()
+        self._threads_before: int | None = None  # the orchestrator thread's torch threads before start()
         self.stage_counters: dict[int, Counter[str]] = {sid: Counter() for sid in self.stages}
         self.supervisor = StageSupervisor(self.restart_replica, options.max_stage_restarts)
         self._launches: Counter[ReplicaRef] = Counter()  # per replica: a restart gets fresh socket addresses

@@ -187,8 +187,8 @@ def limit_own_torch_threads(pipeline: PipelineConfig) -> int | None:
     Its torch ops (growing a stream's hidden states, bridge copies) would otherwise run on
     one OpenMP thread per core while the stages keep those cores busy (GPU stages spin-wait on
     CUDA): a parallel op then waits for threads the OS has descheduled. Measured on the H200
-    with Qwen3-Omni: each hand-off between stages took ~50 ms; first audio 206 -> 98 ms with one
-    thread. With OpenMP the count is the calling thread's; a stage in this process
+    with Qwen3-Omni: each hand-off between stages took ~50 ms; first audio 206 -> 98-108 ms
+    with one thread. With OpenMP the count is the calling thread's; a stage in this process
     (`process: false`) leaves it alone, in case the build's pool is process-wide.
     """
     if "OMP_NUM_THREADS" in os.environ or not all(s.runtime.process for s in pipeline.stages):
@@ -200,7 +200,7 @@ def limit_own_torch_threads(pipeline: PipelineConfig) -> int | None:
     previous = torch.get_num_threads()
     if own < previous:
         torch.set_num_threads(own)
-        logger.info("the orchestrator's process uses %d torch thread(s); its %d stage processes the other cores",
+        logger.info("the orchestrator uses %d torch thread(s); its %d stage processes the other cores",
                     own, processes)
         return previous
     return None
