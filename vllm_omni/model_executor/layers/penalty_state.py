@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_omni.model_executor.device_copy import to_device_nowait
+
 
 MAX_BYTES = 256 << 20
 _BYTES_PER_TOKEN = 5  # an int32 count and a bool per vocabulary entry and row
@@ -70,9 +72,7 @@ class PenaltyState:
             in_batch.add(row.index)
             indices.append(row.index)
         self._gathered = indices
-        index = torch.tensor(indices, dtype=torch.long)
-        if device.type == "cuda":
-            index = index.pin_memory().to(device, non_blocking=True)
+        index = to_device_nowait(torch.tensor(indices, dtype=torch.long), device)
         return index, self.counts[index], self.prompt_seen[index]
 
     def record(self, index: torch.Tensor, sampled: torch.Tensor) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_omni.model_executor.device_copy import to_device_nowait
 from vllm_omni.model_executor.layers.penalty_state import PenaltyState
 from vllm_omni.sampling_params import SamplingParams
 
@@ -51,10 +52,7 @@ class SamplerOutput:
 
 def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host list -> device tensor without stalling the host on CUDA (pinned + non_blocking)."""
-    t = torch.tensor(data, dtype=dtype)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    return to_device_nowait(torch.tensor(data, dtype=dtype), device)
 
 
 def _flat_ids(rows_ids: list[list[int]], vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,9 +70,7 @@ def _flat_ids(rows_ids: list[list[int]], vocab_size: int, device: torch.device) 
     keep = (ids >= 0) & (ids < vocab_size)
     if not bool(keep.all()):  # host-side check on CPU tensors: no device sync
         ids, rows = ids[keep], rows[keep]
-    if device.type == "cuda":
-        return rows.pin_memory().to(device, non_blocking=True), ids.pin_memory().to(device, non_blocking=True)
-    return rows.to(device), ids.to(device)
+    return to_device_nowait(rows, device), to_device_nowait(ids, device)
 
 
 def _penalty_inputs(batch: SamplingBatch, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

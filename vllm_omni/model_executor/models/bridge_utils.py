@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from vllm_omni.model_executor.device_copy import to_device_nowait
 from vllm_omni.outputs import RequestOutput
 from vllm_omni.stage_io import STREAM_UNITS_KEY, StageOutput
 
@@ -99,12 +100,9 @@ def source_outputs(stage_list: list[Any], engine_input_source: list[int]) -> lis
 
 
 def rows_like(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A streamed chunk's rows on `like`'s device and dtype, without making the host wait: a
-    copy from pageable memory first waits for all work queued on the stream, and a talker
-    takes a chunk per request per thinker step between its own steps."""
-    if like.device.type == "cuda":
-        return rows.pin_memory().to(like.device, non_blocking=True).to(like.dtype)
-    return rows.to(like.device, like.dtype)
+    """A streamed chunk's rows on `like`'s device and dtype, without making the host wait (a
+    talker takes a chunk per request per thinker step between its own steps)."""
+    return to_device_nowait(rows, like.device).to(like.dtype)
 
 
 def check_speaker(value: Any) -> str | None:
