@@ -78,14 +78,24 @@ def tiny_checkpoint(task: str, out: Path) -> Path:
     return make_tiny_model("qwen3_tts", out, task_type=task)
 
 
-def real_arch_checkpoint(out: Path) -> Path:
+def real_arch_checkpoint(out: Path, task: str = "CustomVoice") -> Path:
     """config.json of the release + the speech tokenizer's config + a tokenizer: enough for
-    load_format dummy (the tiny tokenizer's ids all lie inside the real text vocabulary)."""
+    load_format dummy (the tiny tokenizer's ids all lie inside the real text vocabulary).
+
+    Base (voice cloning): the CustomVoice release's config with the Base model type, no named
+    speakers and a speaker encoder of the talker's width (the encoder's other sizes are
+    qwen-tts' defaults, as the Base release leaves them)."""
     from vllm_omni.testing.tiny_qwen3_tts import GENERATION_CONFIG, save_tokenizer
     from vllm_omni.testing.tokenizer import make_tiny_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    shutil.copy(REAL_CONFIG, out / "config.json")
+    config = json.loads(REAL_CONFIG.read_text())
+    if task == "Base":
+        talker = config["talker_config"]
+        talker["spk_id"], talker["spk_is_dialect"] = {}, {}
+        config["tts_model_type"] = "base"
+        config["speaker_encoder_config"] = {"enc_dim": talker["hidden_size"], "sample_rate": SAMPLE_RATE}
+    (out / "config.json").write_text(json.dumps(config))
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
     save_tokenizer(make_tiny_tokenizer(), out)
     (out / "speech_tokenizer").mkdir(exist_ok=True)
@@ -216,7 +226,7 @@ def main() -> None:
         if args.model:
             model = Path(args.model)
         elif args.real_arch:
-            model = real_arch_checkpoint(Path(tmp) / "real")
+            model = real_arch_checkpoint(Path(tmp) / "real", args.task)
         else:
             model = tiny_checkpoint(args.task, Path(tmp) / "tiny")
         rows: list[dict[str, Any]] = []

@@ -3,6 +3,7 @@ frame's group-0 code and its code predictor frame), which is most of the first a
 load, against a later decode step.
 
     python benchmarks/bench_tts_first_frame.py --real-arch --requests 20 [--profile DIR]
+    python benchmarks/bench_tts_first_frame.py --real-arch --task Base --requests 20   # voice cloning
     python benchmarks/bench_tts_first_frame.py --real-arch --batches 1,8,32,64 [--profile DIR]
     python benchmarks/bench_tts_first_frame.py            # CPU smoke run on the tiny checkpoint
 
@@ -12,7 +13,8 @@ added -> its first frame on the host), then `--decode-steps` decode steps. `--pr
 writes the torch profiler's tables of `--profile-requests` first steps and, on CUDA, every
 host <-> device synchronisation inside one first step with the Python stack that caused it
 (torch.cuda.set_sync_debug_mode): a synchronisation makes the host wait for all GPU work
-queued before it.
+queued before it. `--task Base`: every request clones a voice (a 2 s reference), so its first
+step also encodes the reference (speaker embedding, reference codes).
 
 `--batches B,...` times steady decode steps (one frame for each of B requests) instead, the
 talker's share of a loaded server; with `--profile DIR` the largest batch's steps get the
@@ -21,22 +23,20 @@ same tables, synchronisation trace and chrome trace.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import statistics
 import tempfile
 import time
-import traceback
-import warnings
 from pathlib import Path
 
 import torch
 
-from bench_tts import SENTENCES, real_arch_checkpoint, tiny_checkpoint  # benchmarks/ (the script's folder)
+from bench_tts import prompt as tts_prompt, real_arch_checkpoint, tiny_checkpoint  # benchmarks/ (the script's folder)
 from vllm_omni.core.engine_config import EngineConfig
 from vllm_omni.core.llm_engine import LLMEngine
 from vllm_omni.multimodal.qwen3_tts_input import Qwen3TTSInputProcessor
 from vllm_omni.sampling_params import SamplingParams
+from vllm_omni.testing.cuda_syncs import format_syncs, trace_syncs
 
 # The bundled deploy config's talker sampling (vllm_omni/deploy/qwen3_tts.yaml, stage 0).
 SAMPLING = dict(temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05)
@@ -45,6 +45,8 @@ SAMPLING = dict(temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05)
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--real-arch", action="store_true", help="the released 1.7B architecture, random weights")
+    p.add_argument("--task", default="CustomVoice", choices=["CustomVoice", "Base"],
+                   help="Base: every request clones a voice (its reference encoded in the first step)")
     p.add_argument("--requests", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--decode-steps", type=int, default=10)
@@ -59,9 +61,10 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def first_step(engine: LLMEngine, processor: Qwen3TTSInputProcessor, i: int, params: SamplingParams) -> float:
+def first_step(engine: LLMEngine, processor: Qwen3TTSInputProcessor, i: int, params: SamplingParams,
+               task: str) -> float:
     """Seconds from adding request i to its first frame on the host."""
-    prompt = processor.process({"prompt": SENTENCES[i % len(SENTENCES)], "speaker": "vivian"})
+    prompt = processor.process(tts_prompt(i, task))
     start = time.perf_counter()
     engine.add_request(f"r{i}", prompt["prompt_token_ids"], params, model_inputs=prompt["additional_information"])
     while not any(r.num_output_tokens for r in engine.scheduler.requests.values()):
@@ -82,30 +85,10 @@ def finish(engine: LLMEngine) -> None:
     engine.abort_request(list(engine.scheduler.requests))
 
 
-def trace_syncs(run) -> list[tuple[int, str]]:
-    """(count, stack) of every synchronising CUDA call made by `run()`, most frequent first;
-    stacks keep our own frames (vllm_omni/, benchmarks/) only."""
-    stacks: collections.Counter[str] = collections.Counter()
-
-    def record(message, category, filename, lineno, file=None, line=None):
-        frames = [f for f in traceback.extract_stack()[:-1] if "vllm_omni" in f.filename or "benchmarks" in f.filename]
-        stacks["\n".join(f"    {Path(f.filename).name}:{f.lineno} {f.name}: {f.line}" for f in frames[-6:])] += 1
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            run()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return [(n, stack) for stack, n in stacks.most_common()]
-
-
 def start_batch(engine: LLMEngine, processor: Qwen3TTSInputProcessor, batch: int, params: SamplingParams) -> None:
     """Add `batch` requests and step until each has its first frame: the next steps are decode steps."""
     for i in range(batch):
-        prompt = processor.process({"prompt": SENTENCES[i % len(SENTENCES)], "speaker": "vivian"})
+        prompt = processor.process(tts_prompt(i, "CustomVoice"))
         engine.add_request(f"b{batch}-{i}", prompt["prompt_token_ids"], params,
                            model_inputs=prompt["additional_information"])
     while not all(r.num_output_tokens for r in engine.scheduler.requests.values()):
@@ -127,9 +110,7 @@ def profile_steps(run, out: Path, name: str, title: str) -> None:
     if gpu:
         lines += ["top ops by self GPU time:", prof.key_averages().table(sort_by="self_device_time_total",
                                                                            row_limit=25)]
-        syncs = trace_syncs(run)
-        lines += [f"synchronising calls: {sum(n for n, _ in syncs)}"]
-        lines += [f"  x{n}\n{stack}" for n, stack in syncs]
+        lines.append(format_syncs(trace_syncs(run)))
     (out / f"{name}.txt").write_text("\n".join(lines) + "\n")
     with torch_profile(activities=activities) as prof:  # for chrome://tracing or Perfetto
         run()
@@ -158,7 +139,7 @@ def batch_steps(engine, processor, args) -> dict[str, float]:
 def profile(engine, processor, params, args, out: Path) -> None:
     def run() -> None:
         for i in range(args.profile_requests):
-            first_step(engine, processor, 1000 + i, params)
+            first_step(engine, processor, 1000 + i, params, args.task)
             finish(engine)
 
     profile_steps(run, out, "tts_first_frame_profile", f"{args.profile_requests} first steps")
@@ -168,8 +149,8 @@ def main() -> None:
     args = parse_args()
     gpu = torch.cuda.is_available()
     with tempfile.TemporaryDirectory() as tmp:
-        model = real_arch_checkpoint(Path(tmp) / "real") if args.real_arch else tiny_checkpoint(
-            "CustomVoice", Path(tmp) / "tiny")
+        model = real_arch_checkpoint(Path(tmp) / "real", args.task) if args.real_arch else tiny_checkpoint(
+            args.task, Path(tmp) / "tiny")
         engine = LLMEngine(EngineConfig(
             model=str(model), model_stage="talker", architecture="Qwen3TTSForConditionalGeneration",
             device="cuda" if gpu else "cpu", dtype="bfloat16" if gpu else "auto",
@@ -183,12 +164,12 @@ def main() -> None:
             return
         params = SamplingParams(**SAMPLING, ignore_eos=True, max_tokens=args.decode_steps + 8, detokenize=False)
         for i in range(args.warmup):
-            first_step(engine, processor, -1 - i, params)
+            first_step(engine, processor, -1 - i, params, args.task)
             decode_steps(engine, args.decode_steps)
             finish(engine)
         firsts, decodes = [], []
         for i in range(args.requests):
-            firsts.append(first_step(engine, processor, i, params))
+            firsts.append(first_step(engine, processor, i, params, args.task))
             decodes += decode_steps(engine, args.decode_steps)
             finish(engine)
         result = {"first_step_ms_p50": 1e3 * statistics.median(firsts), "first_step_ms_min": 1e3 * min(firsts),

@@ -8,6 +8,11 @@
 #   benchmarks/h200_round.sh tts_sharing  # talker and code2wav processes time-sliced or under MPS
 #   benchmarks/h200_round.sh tts_load  # the TTS talker's steps at 64 in flight under cProfile, streaming or not
 #   benchmarks/h200_round.sh qwen3_timeline  # Qwen3-Omni at one request: every stage's step timeline
+#   benchmarks/h200_round.sh qwen3_load  # Qwen3-Omni at 1, 8, 32 in flight (32 requests each), every stage's timeline
+#   benchmarks/h200_round.sh qwen2_5_timeline  # Qwen2.5-Omni-7B at one request, streaming: every stage's timeline
+#   benchmarks/h200_round.sh token2wav_first  # Qwen2.5-Omni token2wav alone at batch 1: its first window
+#   benchmarks/h200_round.sh tts_clone  # Qwen3-TTS voice cloning (Base): first audio at 1 and 16 in flight
+#   benchmarks/h200_round.sh tts_code2wav  # the TTS code2wav stage's steps at 64 in flight under the torch profiler
 #   benchmarks/h200_round.sh tts_batches  # the TTS talker's decode step at batch 1..64 (profiled)
 #   benchmarks/h200_round.sh tts_ab    # its code2wav decoder graphs vs the eager decoder, two runs each
 #   benchmarks/h200_round.sh first_frame  # its talker's first step, prefill graphs vs eager, with a profile
@@ -79,6 +84,30 @@ case "${1:-}" in
       --num-requests 4 --prompt-words 74 --text-tokens 64 --codec-tokens 100 --skip-hf --async-chunk on \
       --stage-overrides '{"0":{"max_num_seqs":8},"1":{"max_num_seqs":8},"2":{"max_num_seqs":8}}' \
       --log-requests --json "$OUT/qwen3_timeline.json" ;;
+  qwen3_load)  # issue 11's load levels; the timelines (one tar, few files) say where first audio goes
+    step qwen3_load 300 env VLLM_OMNI_PROFILE_DIR="$OUT/qwen3_load" VLLM_OMNI_PROFILE_STAGES=0,1,2 \
+      VLLM_OMNI_PROFILE_SKIP=0 VLLM_OMNI_PROFILE_STEPS=1000000 VLLM_OMNI_PROFILE_OPS=0 \
+      $PY benchmarks/bench_omni_e2e.py --dummy-config benchmarks/configs/qwen3_omni_30b_a3b.json --concurrency 1,8,32 \
+      --num-requests 32 --prompt-words 74 --text-tokens 64 --codec-tokens 100 --skip-hf --async-chunk on \
+      --log-requests --json "$OUT/qwen3_load.json"
+    tar -C "$OUT" -czf "$OUT/qwen3_load.tgz" qwen3_load && rm -r "$OUT/qwen3_load" ;;
+  qwen2_5_timeline)
+    step qwen2_5_timeline 300 env VLLM_OMNI_PROFILE_DIR="$OUT/qwen2_5_timeline" VLLM_OMNI_PROFILE_STAGES=0,1,2 \
+      VLLM_OMNI_PROFILE_SKIP=0 VLLM_OMNI_PROFILE_STEPS=100000 VLLM_OMNI_PROFILE_OPS=0 \
+      $PY benchmarks/bench_omni_e2e.py --dummy-config benchmarks/configs/qwen2_5_omni_7b.json --concurrency 1 \
+      --num-requests 2 --prompt-words 100 --text-tokens 128 --codec-tokens 500 --skip-hf --async-chunk on \
+      --log-requests --json "$OUT/qwen2_5_timeline.json" ;;
+  token2wav_first)  # the Qwen2.5-Omni token2wav stage alone: its first streamed window at batch 1
+    step token2wav_first 150 $PY benchmarks/bench_code2wav.py --families qwen2_5 --precision tf32,bfloat16 --batches 1 \
+      --skip-hf --json "$OUT/token2wav_first.json" ;;
+  tts_clone)
+    step tts_clone 240 $PY benchmarks/bench_tts.py --real-arch --task Base --concurrency 1,16 --num-requests 16 \
+      --frames 120 --json "$OUT/tts_clone.json" ;;
+  tts_code2wav)  # skip the warm-up and the ramp: 40 steps of steady decoding under the torch profiler
+    step tts_code2wav 200 env VLLM_OMNI_PROFILE_DIR="$OUT/tts_code2wav" VLLM_OMNI_PROFILE_STAGES=0,1 \
+      VLLM_OMNI_PROFILE_SKIP=300 VLLM_OMNI_PROFILE_STEPS=40 \
+      $PY benchmarks/bench_tts.py --real-arch --concurrency 64 --num-requests 64 --frames 120
+    grep -h "wall per step" "$OUT"/tts_code2wav/stage*-profile.txt ;;
   tts_batches)  # the TTS talker's steady decode step at batch 1..64, the largest under the profiler
     step tts_batches 100 $PY benchmarks/bench_tts_first_frame.py --real-arch --batches 1,8,32,64 --decode-steps 30 \
       --json "$OUT/tts_batches.json"
@@ -123,5 +152,5 @@ case "${1:-}" in
       --json "$OUT/diffusion_step.json"
     step diffusion_1024 380 $PY benchmarks/bench_diffusion.py --size 1024 --steps 50 --batch-sizes 1,4 \
       --json "$OUT/diffusion_1024.json" ;;
-  *) echo "usage: $0 tests|qwen2_5|qwen2_5_stream|tts|tts_ab|profile|talker|qwen3|stages|diffusion"; exit 2 ;;
+  *) sed -n 's/^#   benchmarks\/h200_round.sh /  /p' "$0"; exit 2 ;;
 esac

@@ -22,8 +22,10 @@ def test_a_named_stage_writes_its_profile(omni_dir, tmp_path, monkeypatch):
     text = (tmp_path / "stage1-profile.txt").read_text()
     assert text.startswith("stage 1: steps 2..6\nwall per step: ") and "top ops by self CPU time" in text
     assert "aten::" in text
-    timeline = text.split("timeline (ms from the first profiled step: start +duration):\n")[1].splitlines()
-    assert [line.split(":")[0].strip() for line in timeline] == [f"step {i}" for i in range(2, 7)]
+    timeline = text.split("timeline (ms from the first profiled step: start +duration, outputs sent):\n")[1]
+    steps = timeline.splitlines()
+    assert [line.split(":")[0].strip() for line in steps] == [f"step {i}" for i in range(2, 7)]
+    assert all(line.endswith(" (1)") for line in steps)  # one request: one streamed output a step
     codes = [r["audio"].request_output.prompt_token_ids for r in (reference[0], profiled[0])]
     assert codes[0] == codes[1]
 
@@ -38,7 +40,7 @@ def test_a_stage_that_stops_first_writes_its_timeline(omni_dir, tmp_path, monkey
                       use_tqdm=False)
     text = (tmp_path / "stage2-profile.txt").read_text()  # written when code2wav shut down
     assert "aten::" not in text  # no torch profiler
-    timeline = text.split("start +duration):\n")[1].splitlines()
+    timeline = text.split("outputs sent):\n")[1].splitlines()
     assert timeline and timeline[0].startswith("  step 0: ")
 
 

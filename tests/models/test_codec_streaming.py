@@ -10,8 +10,8 @@ from vllm_omni.model_executor.models.codec_streaming import (
 
 
 def test_chunk_ramp_doubles_up_to_the_steady_size():
-    assert [ChunkRamp(4, 25).size(i) for i in range(6)] == [4, 8, 16, 25, 25, 25]
-    assert [ChunkRamp(2, 3).size(i) for i in range(3)] == [2, 3, 3]
+    assert [ChunkRamp(4, 25).size(i) for i in range(7)] == [4, 4, 8, 16, 25, 25, 25]
+    assert [ChunkRamp(2, 3).size(i) for i in range(4)] == [2, 2, 3, 3]
     assert ChunkRamp(1, 50).size(10_000) == 50
     with pytest.raises(ValueError):
         ChunkRamp(0, 4)

@@ -5,13 +5,22 @@ from __future__ import annotations
 
 import torch
 
-from vllm_omni.model_executor.models.decoder_graphs import BUCKETS, DecoderGraphs, bucket
+from vllm_omni.model_executor.models.decoder_graphs import BUCKETS, DecoderGraphs, bucket, graph_buckets
 from vllm_omni.model_executor.models.qwen3_tts.code2wav import Qwen3TTSCode2Wav
 
 
 def test_buckets():
     assert [bucket(n) for n in (1, 2, 3, 5, 33, 64)] == [1, 2, 4, 8, 64, 64]
     assert bucket(BUCKETS[-1] + 1) is None
+
+
+def test_graphs_cover_many_short_windows_and_few_long_ones():
+    """A stage's longest window is 50 frames (25 of context + a 25-frame chunk): graphs for up to
+    4 rows of any window, and for up to 64 rows of first chunks (a few frames each)."""
+    keys = set(graph_buckets(max_frames=50))
+    assert {(1, 64), (4, 64), (8, 32), (32, 8), (64, 4)} <= keys
+    assert not keys & {(8, 64), (16, 32), (64, 8)}  # GPU-bound: run eagerly, unpadded
+    assert max(f for _, f in graph_buckets(max_frames=11)) == 16
 
 
 def test_padding_leaves_the_real_samples_unchanged(tiny_model):

@@ -159,7 +159,7 @@ def test_seeded_sampling_is_reproducible(checkpoints):
 
 
 def test_streamed_decode_joins_to_the_whole_decode(checkpoints):
-    """The streaming path's chunks (4 frames first, doubling up to 25, with 25 frames of left context)
+    """The streaming path's chunks (4 frames, then each as long as all before it up to 25, with 25 frames of left context)
     join into the audio of one whole decode: the decoder is causal, and 25 frames of context
     cover its receptive field closely (not exactly: the transformer's sliding window spans 8
     frames per layer). A cloned voice's reference frames are decoded but not played."""
@@ -170,11 +170,16 @@ def test_streamed_decode_joins_to_the_whole_decode(checkpoints):
     with torch.inference_mode():
         whole = decoder(codes.T[None])[0, 0]
     chunks = audio_of(run_stream(model, open_empty(model), codes, [3, 10, 47]))
-    assert [c.numel() // spf for c in chunks] == [4, 8, 16, 25, 7]  # the ramp of code2wav_stream.py
+    assert [c.numel() // spf for c in chunks] == [4, 4, 8, 16, 25, 3]  # the ramp of code2wav_stream.py
     torch.testing.assert_close(torch.cat(chunks), whole, rtol=0, atol=1e-4)
     cloned = audio_of(run_stream(model, open_empty(model, context_frames=10), codes, [3, 10, 47]))
     torch.testing.assert_close(torch.cat(cloned), whole[10 * spf:], rtol=0, atol=1e-4)
-    assert cloned[0].numel() == 0  # the first chunk was reference frames only
+    # The reference is the first chunk's left context, not chunks of its own: first audio comes
+    # after the first generated frames, however long the reference.
+    assert [c.numel() // spf for c in cloned] == [4, 4, 8, 16, 18]
+    stream = open_empty(model, context_frames=10)
+    with pytest.raises(ValueError, match="ended inside its 10 reference frames"):
+        stream.push(codes[:6], final=True)
 
 
 def test_tiny_checkpoint_cli_builds_each_task_type(tmp_path):

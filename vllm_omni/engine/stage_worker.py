@@ -220,6 +220,7 @@ def _loop(engine: StageEngine, chan: WorkerChannel, spec: WorkerSpec, link: Mast
                 outputs = engine.fail_all(f"stage {spec.stage_id}: engine step failed: {type(e).__name__}: {e}")
             if outputs:
                 _send_outputs(chan, spec.stage_id, outputs)
+                profiler.record_outputs(len(outputs))
 
 
 def _handle(msg: object, engine: StageEngine, chan: WorkerChannel, stage_id: int) -> None:

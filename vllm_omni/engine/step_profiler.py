@@ -8,8 +8,8 @@ processes inherit the variables; `VLLM_OMNI_PROFILE_SKIP=0:300,1:20` skips per s
 writes DIR/stage<N>-profile.txt: wall time per step, split into the engine step with its
 output send (model, scheduling, per-request Python, IPC encode) and the rest of the loop
 (receiving and handling messages), the top ops by self CPU time and by self GPU time, and a
-timeline of the steps (start, duration: a request's prefill, its first frame, a waiting gap)
-on `time.perf_counter()`, one clock for every process of the host. A stage that stops
+timeline of the steps (start, duration and outputs sent: a request's prefill, its first frame,
+a waiting gap, the batch) on `time.perf_counter()`, one clock for every process of the host. A stage that stops
 earlier writes what it has, if its shutdown leaves it the time (the torch profiler's tables
 of many steps take seconds).
 VLLM_OMNI_PROFILE_OPS=0 keeps the timeline only (no torch profiler, which slows what it
@@ -52,7 +52,8 @@ class StepProfiler:
         self._prof = None
         self._started = 0.0
         self._in_step = 0.0
-        self._timeline: list[tuple[float, float]] = []  # (start, duration) of each profiled step
+        self._timeline: list[tuple[float, float, int]] = []  # (start, duration, outputs) of each profiled step
+        self._outputs = 0
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -62,7 +63,7 @@ class StepProfiler:
             return
         if self.count == self.skip:
             self._start()
-        began = time.perf_counter()
+        began, self._outputs = time.perf_counter(), 0
         try:
             yield
         finally:
@@ -70,9 +71,13 @@ class StepProfiler:
             if self._running:
                 took = time.perf_counter() - began
                 self._in_step += took
-                self._timeline.append((began - self._started, took))
+                self._timeline.append((began - self._started, took, self._outputs))
                 if self.count == self.skip + self.steps:
                     self.close()
+
+    def record_outputs(self, count: int) -> None:
+        """How many outputs the current step sent (its rows, for a stage that streams every row)."""
+        self._outputs = count
 
     def _start(self) -> None:
         import torch
@@ -119,9 +124,9 @@ class StepProfiler:
             self._cprofile = None
         # perf_counter is CLOCK_MONOTONIC on Linux: the stage processes' timelines line up.
         lines += ["", f"first profiled step at time.perf_counter() = {self._started:.6f} s",
-                  "timeline (ms from the first profiled step: start +duration):"]
-        lines += [f"  step {self.skip + i}: {1e3 * start:.2f} +{1e3 * took:.2f}"
-                  for i, (start, took) in enumerate(self._timeline)]
+                  "timeline (ms from the first profiled step: start +duration, outputs sent):"]
+        lines += [f"  step {self.skip + i}: {1e3 * start:.2f} +{1e3 * took:.2f} ({outputs})"
+                  for i, (start, took, outputs) in enumerate(self._timeline)]
         path = Path(self.out_dir) / f"stage{self.stage_id}-profile.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(lines) + "\n")

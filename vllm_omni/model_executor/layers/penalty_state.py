@@ -119,11 +119,11 @@ class PenaltyState:
         self.prompt_seen[index].zero_()
         out = _in_vocab(output, vocab_size)
         if out.numel():
-            self.counts[index].index_put_((out.to(device),), torch.ones(out.numel(), dtype=torch.int32, device=device),
-                                          accumulate=True)
+            self.counts[index].index_put_((to_device_nowait(out, device),),
+                                          torch.ones(out.numel(), dtype=torch.int32, device=device), accumulate=True)
         ids = _in_vocab(prompt, vocab_size)
-        if ids.numel():
-            self.prompt_seen[index, ids.to(device)] = True
+        if ids.numel():  # a new request's row, built between a step's launches: nothing waits for the GPU
+            self.prompt_seen[index].index_fill_(0, to_device_nowait(ids, device), True)
         self._counted[index] = len(output)
 
 

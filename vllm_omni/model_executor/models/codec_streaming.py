@@ -1,7 +1,7 @@
 """What the two streaming codec decoders share (Qwen3-Omni code2wav, Qwen2.5-Omni token2wav).
 
 - `ChunkRamp`: the chunk sizes of a stream: a small first chunk (first audio early), each next
-  one twice the previous, up to a steady size (fewer, larger decode calls once audio flows).
+  one as long as all before it, up to a steady size (fewer, larger decode calls once audio flows).
 - `RowBuffer`: the part of a growing sequence a stream still needs, by whole-sequence index.
 - `plan_padded_calls`: which rows of different lengths share one right-padded forward call.
 - `Precision` and `precision_scope`: float32 / TF32 / bfloat16 execution of a decoder.
@@ -27,7 +27,12 @@ S = TypeVar("S")
 
 @dataclass(frozen=True)
 class ChunkRamp:
-    """Chunk sizes in units (codec frames, DiT blocks): `initial`, then doubling up to `steady`."""
+    """Chunk sizes in units (codec frames, DiT blocks): `initial`, then each chunk as long as all
+    before it (initial, initial, 2 initial, 4 initial, ...) up to `steady`.
+
+    A chunk is made while the chunks before it play: this is the largest size whose units the
+    producer makes in time whenever it is faster than half real time (docs/streaming.md). Doubling
+    from the first chunk (initial, 2 initial, ...) asks twice as many units at the first join."""
 
     initial: int
     steady: int
@@ -38,7 +43,7 @@ class ChunkRamp:
 
     def size(self, index: int) -> int:
         """The size of chunk `index` (0 = the first)."""
-        return min(self.steady, self.initial << min(index, 32))
+        return min(self.steady, self.initial << max(0, min(index, 32) - 1))
 
 
 class RowBuffer:

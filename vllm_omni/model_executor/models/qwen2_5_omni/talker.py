@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from vllm_omni.model_executor.device_copy import to_device_nowait
 from vllm_omni.model_executor.layers.linear import Linear, VocabEmbedding, check_shape, set_loader
 from vllm_omni.model_executor.models.decoder import DecoderModel, config_head_dim
 from vllm_omni.model_executor.models.qwen2 import make_qwen2_layer
@@ -215,11 +216,12 @@ class Qwen2_5OmniTalkerForConditionalGeneration(StageModel):
         if request.num_prompt_tokens != num_prompt + 2:
             raise ValueError(f"request {request.request_id}: talker prompt has {request.num_prompt_tokens} tokens, "
                              f"expected {num_prompt + 2} (thinker prompt + speaker bos + first reply token)")
+        # Built between steps (a streamed request's first rows arrive with its other messages), on
+        # a GPU the other stages keep busy: nothing here may wait for it (tests/gpu/test_request_state_syncs.py).
         weight = self.thinker_text_embeds
-        embeds = inputs.thinker_embeds.to(weight.device, weight.dtype)
-        hidden = inputs.thinker_hidden.to(weight.device, weight.dtype)
+        embeds, hidden = rows_like(inputs.thinker_embeds, weight), rows_like(inputs.thinker_hidden, weight)
         prompt_ids = torch.tensor(inputs.thinker_prompt_token_ids)
-        placeholder = torch.isin(prompt_ids, self.placeholder_ids).to(weight.device)
+        placeholder = to_device_nowait(torch.isin(prompt_ids, self.placeholder_ids), weight.device)
         prompt_rows = hidden[:num_prompt] + embeds[:num_prompt].masked_fill(placeholder[:, None], 0.0)
         reply_rows = hidden[num_prompt:] + embeds[num_prompt:]
         bos = self.text_row[self.speaker_bos[select_speaker(self.speaker_bos, inputs.speaker)]]

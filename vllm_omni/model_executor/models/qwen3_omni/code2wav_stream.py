@@ -1,7 +1,7 @@
 """One request's streaming decode for Qwen3-Omni code2wav (`stage_io.StreamingDecoder`).
 
 Codec frames ([num_quantizers] codes, 80 ms of audio each at 12.5 Hz) arrive by `push`. The
-stream cuts them into chunks (`ChunkRamp`: 4 frames, then 8, 16, 25, 25, ... by default) and
+stream cuts them into chunks (`ChunkRamp`: 4 frames, then 4, 8, 16, 25, 25, ... by default) and
 decodes each chunk as one window: the chunk plus up to `left_context_frames` frames before
 it, like transformers' `chunked_decode` (whose defaults, 25 frames of context, it keeps).
 
@@ -60,14 +60,17 @@ class Code2WavStream:
     """`stage_io.StreamingDecoder` of one request; `Qwen3OmniMoeCode2Wav.decode_streams` runs it."""
 
     def __init__(self, request_id: str, num_quantizers: int, codebook_size: int,
-                 config: Code2WavStreamConfig) -> None:
+                 config: Code2WavStreamConfig, reference_frames: int = 0) -> None:
+        """`reference_frames`: leading frames that are context only (a cloned voice's reference,
+        Qwen3-TTS): the first chunk begins after them, with them as its left context, and their
+        own audio is never decoded."""
         self.request_id = request_id
         self.num_quantizers = num_quantizers
         self.codebook_size = codebook_size
         self.config = config
         self._ramp = config.ramp
         self._frames = RowBuffer(torch.zeros(0, num_quantizers, dtype=torch.long))  # [n, num_quantizers]
-        self._decoded = 0
+        self._decoded = reference_frames
         self._chunks = 0
         self._final = False
         self.sent_sample_rate = False
@@ -85,9 +88,12 @@ class Code2WavStream:
             raise ValueError(f"request {self.request_id}: codec codes must lie in [0, {self.codebook_size})")
         self._frames.append(frames.to(torch.long).cpu())
         self._final = final
+        if final and self._frames.end < self._decoded:
+            raise ValueError(f"request {self.request_id}: the stream ended inside its {self._decoded} reference "
+                             f"frames ({self._frames.end} frames)")
 
     def ready(self) -> bool:
-        if self._decoded == self._frames.end:
+        if self._decoded >= self._frames.end:
             return False
         return self._final or self._frames.end >= self._decoded + self._ramp.size(self._chunks)
 

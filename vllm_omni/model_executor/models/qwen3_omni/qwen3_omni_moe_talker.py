@@ -36,6 +36,7 @@ from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_code_predictor import
 from vllm_omni.model_executor.models.qwen3_omni.rope_index import GeneratedPositions
 from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_talker_prompt import TalkerPrompt, talker_prompt
 from vllm_omni.growing_tensor import GrowingTensor
+from vllm_omni.model_executor.device_copy import to_device_nowait
 from vllm_omni.model_executor.models.bridge_utils import rows_like, streamed_rows
 from vllm_omni.model_executor.models.stage_model import StageModel
 from vllm_omni.model_executor.models.predictor_graphs import GraphedPredictor
@@ -188,7 +189,7 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
         the code predictor for all rows at once and keeps, per request, each frame's codes and
         the next step's input row (transformers builds it in `prepare_inputs_for_generation`).
         """
-        tokens = torch.tensor(token_ids, device=hidden.device)
+        tokens = to_device_nowait(torch.tensor(token_ids), hidden.device)
         first = self.model.embed_tokens(tokens)
         codes, embeds = self.graphed_predictor.predict(requests, hidden, first)
         codec_rows = torch.cat([first[:, None], embeds], dim=1).sum(1)  # transformers' codec_hiddens.sum(1)
@@ -326,22 +327,27 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
         if request.num_prompt_tokens != prompt.num_tokens:
             raise ValueError(f"request {request.request_id}: talker prompt has {request.num_prompt_tokens} tokens, "
                              f"expected {prompt.num_tokens} (see prompt_token_ids)")
+        # Built between steps (a streamed request's first rows arrive with its other messages), on
+        # a GPU the other stages keep busy: nothing here may wait for it (tests/gpu/test_request_state_syncs.py).
         tc, weight = self.config, self.thinker_special_embeds
-        embeds = inputs.thinker_embeds.to(weight.device, weight.dtype)
-        hidden = inputs.thinker_hidden.to(weight.device, weight.dtype)
-        num_prompt, mm = inputs.num_prompt_tokens, prompt.multimodal.to(weight.device)
-        # transformers' _get_talker_user_parts over the whole thinker prompt, then the user turns.
+        embeds = rows_like(inputs.thinker_embeds, weight)
+        num_prompt, mm = inputs.num_prompt_tokens, prompt.multimodal
+        # transformers' _get_talker_user_parts over the whole thinker prompt, then the user turns
+        # (row indices made on the host: a boolean mask on the GPU would wait for its count).
         user = torch.empty(num_prompt, self.hidden_size, device=weight.device, dtype=weight.dtype)
         if bool(mm.any()):
-            user[mm] = self.hidden_projection(hidden[:num_prompt][mm])
-        user[~mm] = self.text_projection(embeds[:num_prompt][~mm])
-        user = user[prompt.user_index.to(weight.device)]
+            rows = to_device_nowait(mm.nonzero().flatten(), weight.device)
+            hidden = rows_like(inputs.thinker_hidden[mm.nonzero().flatten()], weight)
+            user.index_copy_(0, rows, self.hidden_projection(hidden))
+        rows = to_device_nowait((~mm).nonzero().flatten(), weight.device)
+        user.index_copy_(0, rows, self.text_projection(embeds.index_select(0, rows)))
+        user = user.index_select(0, to_device_nowait(prompt.user_index, weight.device))
         # _get_talker_assistant_parts: rows from the assistant turn's <|im_start|> to the last reply row.
         assistant = self.text_projection(embeds[prompt.assistant_start:])
         bos, eos, pad = self.text_projection(weight).unbind(0)
         text = torch.cat([assistant[:3], pad.expand(4, -1), bos[None], assistant[3:4]])
-        codec_ids = torch.tensor([tc.codec_nothink_id, tc.codec_think_bos_id, tc.codec_think_eos_id, prompt.speaker_id,
-                                  tc.codec_pad_id, tc.codec_bos_id], device=weight.device)
+        codec_ids = to_device_nowait(torch.tensor([tc.codec_nothink_id, tc.codec_think_bos_id, tc.codec_think_eos_id,
+                                                   prompt.speaker_id, tc.codec_pad_id, tc.codec_bos_id]), weight.device)
         codec = torch.cat([text.new_zeros(3, self.hidden_size), self.model.embed_tokens(codec_ids)])
         st = _RequestState(prompt=prompt, prompt_embeds=torch.cat([user, text + codec]),
                            text_stream=GrowingTensor(assistant[4:]), text_pad=pad, complete=False,

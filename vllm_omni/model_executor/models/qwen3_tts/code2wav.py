@@ -12,12 +12,13 @@ Requests of any lengths share one batch: the decoder is causal, so frames past a
 
 Streaming (a talker -> code2wav edge with async_chunk): `open_stream` / `decode_streams` decode
 a request's frames as the talker makes them, in the chunks of Qwen3-Omni's code2wav
-(qwen3_omni/code2wav_stream.py: a small first chunk, doubling up to 25 frames, each with 25
-frames of left context; the connector's `codec_*` options set them). The decoder is causal and
-keeps no look-ahead samples (its transposed convolutions drop them), so a chunk's samples are
-final when decoded. A cloned voice's reference frames come first in the stream and their
-samples are not played (`context_frames` x samples per frame; the whole-request path cuts the
-same share in qwen-tts' float arithmetic).
+(qwen3_omni/code2wav_stream.py: a small first chunk, then each chunk as long as all before
+it up to 25 frames, each with 25 frames of left context; the connector's `codec_*` options set
+them). The decoder is causal and keeps no look-ahead samples (its transposed convolutions drop
+them), so a chunk's samples are final when decoded. A cloned voice's reference frames come
+first in the stream as the first chunk's left context: its first chunk is its first generated
+frames (the whole-request path decodes the reference too and cuts its share of the audio in
+qwen-tts' float arithmetic).
 """
 from __future__ import annotations
 
@@ -37,14 +38,6 @@ from vllm_omni.stage_io import StageRequest, StreamingDecoder
 CONTEXT_FRAMES_KEY = "context_frames"
 DECODER_PREFIX = "decoder."
 CHUNK_FRAMES, LEFT_CONTEXT_FRAMES = 300, 25  # qwen-tts' chunked_decode defaults
-
-
-class TTSStream(Code2WavStream):
-    """A request's stream; its first `skip_samples` samples (a cloned voice's reference) are not played."""
-
-    def __init__(self, request_id: str, decoder: SpeechDecoder, config: Code2WavStreamConfig, skip_samples: int):
-        super().__init__(request_id, decoder.num_quantizers, decoder.codebook_size, config)
-        self.skip_samples = skip_samples
 
 
 class Qwen3TTSCode2Wav:
@@ -114,9 +107,10 @@ class Qwen3TTSCode2Wav:
         return [{"audio": wav, "sample_rate": rate} for wav in wavs]
 
     # ------------------------------------------------------------------ streaming
-    def open_stream(self, req: StageRequest) -> TTSStream:
-        context = int(req.additional_information.get(CONTEXT_FRAMES_KEY, 0))
-        stream = TTSStream(req.request_id, self.decoder, self.stream_config, context * self.decoder.samples_per_frame)
+    def open_stream(self, req: StageRequest) -> Code2WavStream:
+        # A cloned voice's reference frames are the first chunk's left context, not chunks of their own.
+        stream = Code2WavStream(req.request_id, self.decoder.num_quantizers, self.decoder.codebook_size,
+                                self.stream_config, int(req.additional_information.get(CONTEXT_FRAMES_KEY, 0)))
         first = self._codes(req)
         if first.shape[1]:
             stream.push(first.T, final=False)
@@ -124,7 +118,7 @@ class Qwen3TTSCode2Wav:
 
     @torch.inference_mode()
     def decode_streams(self, decoders: list[StreamingDecoder]) -> list[dict[str, torch.Tensor]]:
-        streams = own_streams(decoders, TTSStream)
+        streams = own_streams(decoders, Code2WavStream)
         windows = [s.next_window() for s in streams]
         # Right padding cannot reach a row's samples (the decoder is causal): one call for all.
         longest = max(w.codes.shape[1] for w in windows)
@@ -135,10 +129,8 @@ class Qwen3TTSCode2Wav:
         spf, outputs = self.decoder.samples_per_frame, []
         for stream, window, wav in zip(streams, windows, wavs):
             stream.commit(window)
-            new = wav[window.context * spf: window.codes.shape[1] * spf]
-            skip = min(stream.skip_samples, new.shape[0])
-            stream.skip_samples -= skip
-            outputs.append(chunk_output(stream, new[skip:].clone(), self.sample_rate))
+            outputs.append(chunk_output(stream, wav[window.context * spf: window.codes.shape[1] * spf].clone(),
+                                        self.sample_rate))
         return outputs
 
     def _codes(self, req: StageRequest) -> torch.Tensor:

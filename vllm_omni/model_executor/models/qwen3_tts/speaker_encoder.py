@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_omni.model_executor.device_copy import to_device_nowait
+
 SAMPLE_RATE = 24000
 N_FFT, HOP, NUM_MELS, F_MAX = 1024, 256, 128, 12000
 
@@ -137,5 +139,5 @@ class SpeakerEncoder(nn.Module):
     def embed(self, audio: torch.Tensor) -> torch.Tensor:
         """audio [N] at 24 kHz -> [enc_dim]"""
         weight = self.fc.weight
-        mel = mel_spectrogram(audio.float().cpu()).to(weight.device, weight.dtype)
+        mel = to_device_nowait(mel_spectrogram(audio.float().cpu()), weight.device).to(weight.dtype)
         return self(mel[None])[0]

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from vllm_omni.model_executor.device_copy import to_device_nowait
+
 ENCODER_PREFIX = "encoder."
 # transformers 5 MimiModel name prefix -> released (transformers 4) prefix; other names of the
 # encoding half are the same in both layouts.
@@ -52,8 +54,25 @@ class SpeechEncoder(nn.Module):
 
     @torch.inference_mode()
     def encode(self, audio: torch.Tensor) -> torch.Tensor:
-        """audio [N] float at 24 kHz -> codes [ceil(N / samples_per_frame), valid_quantizers] long."""
+        """audio [N] float at 24 kHz -> codes [ceil(N / samples_per_frame), valid_quantizers] long,
+        on the encoder's device."""
         weight = next(self.mimi.parameters())
-        codes = self.mimi.encode(audio.to(weight.device, weight.dtype)[None, None], return_dict=True).audio_codes
+        _conv_geometry_on_host(self.mimi)
+        audio = to_device_nowait(audio, weight.device).to(weight.dtype)
+        codes = self.mimi.encode(audio[None, None], return_dict=True).audio_codes
         frames = -(-audio.shape[0] // self.samples_per_frame)
-        return codes[0, : self.valid_quantizers, :frames].T.cpu()
+        return codes[0, : self.valid_quantizers, :frames].T
+
+
+_GEOMETRY = ("stride", "kernel_size", "padding_total", "padding_left", "padding_right")
+
+
+def _conv_geometry_on_host(mimi: nn.Module) -> None:
+    """transformers' MimiConv1d keeps its stride, kernel size and paddings as 0-dim tensors that
+    move with the module; each convolution then computes its padding on the GPU and reads it back
+    (~30 waits per encode, H200). On the host the same arithmetic waits for nothing."""
+    for module in mimi.modules():
+        for name in _GEOMETRY:
+            value = getattr(module, name, None)
+            if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_cpu:
+                setattr(module, name, value.cpu())

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from vllm_omni.model_executor.device_copy import to_device_nowait
 from vllm_omni.model_executor.layers.linear import Linear, VocabEmbedding
 from vllm_omni.model_executor.layers.rotary import get_rope
 from vllm_omni.model_executor.models.decoder import DecoderModel, config_head_dim
@@ -50,7 +51,7 @@ SPEECH_TOKENIZER_DIR = "speech_tokenizer"
 @dataclass
 class _RequestState:
     prompt: TalkerPrompt
-    ref_codes: torch.Tensor | None  # [F, G] reference frames (in-context cloning)
+    ref_codes: torch.Tensor | None  # [F, G] reference frames (in-context cloning), on the device
     frame_embeds: list[torch.Tensor] = field(default_factory=list)  # input row after output token k
     frames: list[torch.Tensor] = field(default_factory=list)  # [G] codes of output token k
     frames_sent: int = 0  # frames handed out by request_outputs
@@ -148,7 +149,7 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
     def on_tokens_sampled(self, requests: list, hidden: torch.Tensor, token_ids: list[int]) -> None:
         """After sampling: groups 1..G-1 of each sampled frame and the next step's input row.
         hidden: [B, H] final states that produced the sampled group-0 codes `token_ids`."""
-        tokens = torch.tensor(token_ids, device=hidden.device)
+        tokens = to_device_nowait(torch.tensor(token_ids), hidden.device)
         first = self.model.embed_tokens(tokens)
         codes, embeds = self.graphed_predictor.predict(requests, hidden, first)
         codec_rows = torch.cat([first[:, None], embeds], dim=1).sum(1)  # qwen-tts' codec_hiddens.sum(1)
@@ -178,8 +179,8 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
         if new or finished:
             out[CODES_KEY] = torch.stack(new) if new else torch.zeros(0, self.config.num_code_groups,
                                                                        dtype=torch.long)
-        if first and out and st.ref_codes is not None:
-            out[REF_CODES_KEY] = st.ref_codes
+        if first and out and st.ref_codes is not None:  # after the step's frames came to the host: no wait
+            out[REF_CODES_KEY] = st.ref_codes.cpu()
         return out
 
     # --- per-request inputs (model runner / engine hooks) ------------------------
@@ -233,12 +234,12 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
         device = self.codec_head.weight.device
         speaker, ref_codes, ref_rows = None, None, None
         if tts.speaker is not None:
-            speaker = self.model.embed_tokens(torch.tensor([self.config.spk_id[tts.speaker]], device=device))[0]
+            speaker = self._codec_rows([self.config.spk_id[tts.speaker]])[0]
         if tts.ref_audio is not None:
             speaker = self.speaker_encoder.embed(tts.ref_audio)
             if tts.in_context:
                 ref_codes = self.speech_encoder.encode(tts.ref_audio)
-                ref_rows = self.code_predictor.embed_codes(ref_codes.to(device), self.model.embed_tokens)
+                ref_rows = self.code_predictor.embed_codes(ref_codes, self.model.embed_tokens)
         prompt = build_prompt(self.config, self.special_text_ids, tts, self._text_rows, self._codec_rows,
                               speaker, ref_rows)
         if prompt.rows.shape[0] != request.num_prompt_tokens:
@@ -247,8 +248,9 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
         return _RequestState(prompt=prompt, ref_codes=ref_codes)
 
     def _text_rows(self, ids: list[int]) -> torch.Tensor:
-        ids_t = torch.tensor(ids, dtype=torch.long, device=self.codec_head.weight.device)
+        ids_t = to_device_nowait(torch.tensor(ids, dtype=torch.long), self.codec_head.weight.device)
         return self.text_projection(self.text_embedding(ids_t))
 
     def _codec_rows(self, ids: list[int]) -> torch.Tensor:
-        return self.model.embed_tokens(torch.tensor(ids, dtype=torch.long, device=self.codec_head.weight.device))
+        return self.model.embed_tokens(to_device_nowait(torch.tensor(ids, dtype=torch.long),
+                                                        self.codec_head.weight.device))
