@@ -8,7 +8,7 @@
 #   benchmarks/h200_round.sh tts_sharing  # talker and code2wav processes time-sliced or under MPS
 #   benchmarks/h200_round.sh tts_load  # the TTS talker's steps at 64 in flight under cProfile, streaming or not
 #   benchmarks/h200_round.sh qwen3_timeline  # Qwen3-Omni at one request: every stage's step timeline
-#   benchmarks/h200_round.sh qwen3_load  # Qwen3-Omni at 1, 8, 32 in flight (32 requests each), every stage's timeline
+#   benchmarks/h200_round.sh qwen3_load  # Qwen3-Omni at 1, 8, 32 in flight (32 requests each), timelines
 #   benchmarks/h200_round.sh qwen2_5_timeline  # Qwen2.5-Omni-7B at one request, streaming: every stage's timeline
 #   benchmarks/h200_round.sh token2wav_first  # Qwen2.5-Omni token2wav alone at batch 1: its first window
 #   benchmarks/h200_round.sh tts_clone  # Qwen3-TTS voice cloning (Base): first audio at 1 and 16 in flight

@@ -9,9 +9,9 @@ writes DIR/stage<N>-profile.txt: wall time per step, split into the engine step 
 output send (model, scheduling, per-request Python, IPC encode) and the rest of the loop
 (receiving and handling messages), the top ops by self CPU time and by self GPU time, and a
 timeline of the steps (start, duration and outputs sent: a request's prefill, its first frame,
-a waiting gap, the batch) on `time.perf_counter()`, one clock for every process of the host. A stage that stops
-earlier writes what it has, if its shutdown leaves it the time (the torch profiler's tables
-of many steps take seconds).
+a waiting gap, the batch) on `time.perf_counter()`, one clock for every process of the host. A
+stage that stops earlier writes what it has, if its shutdown leaves it the time (the torch
+profiler's tables of many steps take seconds).
 VLLM_OMNI_PROFILE_OPS=0 keeps the timeline only (no torch profiler, which slows what it
 watches). VLLM_OMNI_PROFILE_PYTHON=1 runs cProfile over the same steps and adds its top
 functions by own time and by cumulative time: which Python code a step's host time goes to.

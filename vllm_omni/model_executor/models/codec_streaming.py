@@ -30,9 +30,9 @@ class ChunkRamp:
     """Chunk sizes in units (codec frames, DiT blocks): `initial`, then each chunk as long as all
     before it (initial, initial, 2 initial, 4 initial, ...) up to `steady`.
 
-    A chunk is made while the chunks before it play: this is the largest size whose units the
-    producer makes in time whenever it is faster than half real time (docs/streaming.md). Doubling
-    from the first chunk (initial, 2 initial, ...) asks twice as many units at the first join."""
+    A chunk is made while the chunks before it play: a producer faster than half real time keeps
+    playback fed, with margin at the first joins (docs/streaming.md). Doubling from the first
+    chunk (initial, 2 initial, ...) asks twice as many units at the first join, with none."""
 
     initial: int
     steady: int

@@ -336,9 +336,9 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
         # (row indices made on the host: a boolean mask on the GPU would wait for its count).
         user = torch.empty(num_prompt, self.hidden_size, device=weight.device, dtype=weight.dtype)
         if bool(mm.any()):
-            rows = to_device_nowait(mm.nonzero().flatten(), weight.device)
-            hidden = rows_like(inputs.thinker_hidden[mm.nonzero().flatten()], weight)
-            user.index_copy_(0, rows, self.hidden_projection(hidden))
+            host_rows = mm.nonzero().flatten()
+            hidden = rows_like(inputs.thinker_hidden[host_rows], weight)
+            user.index_copy_(0, to_device_nowait(host_rows, weight.device), self.hidden_projection(hidden))
         rows = to_device_nowait((~mm).nonzero().flatten(), weight.device)
         user.index_copy_(0, rows, self.text_projection(embeds.index_select(0, rows)))
         user = user.index_select(0, to_device_nowait(prompt.user_index, weight.device))
