@@ -125,7 +125,8 @@ def summarize(rows: list[dict[str, float]], wall: float) -> dict[str, Any]:
             "gap_p99_s": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else None,
             "underruns": sum(r.get("underruns", 0) for r in rows),
             # Each request's start on time.perf_counter() (the stage profiler's clock) and its times.
-            "each": [{k: r.get(k) for k in ("start_s", "ttft_s", "ttfa_s", "e2e_s")} for r in rows]}
+            "each": [{k: r.get(k) for k in ("start_s", "ttft_s", "ttfa_s", "e2e_s", "underruns", "gaps_s")}
+                     for r in rows]}
 
 
 # ----------------------------------------------------------------------------------------- ours

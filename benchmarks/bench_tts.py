@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -34,7 +35,7 @@ import statistics
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", help="Qwen3-TTS checkpoint directory (default: build the tiny one)")
     p.add_argument("--real-arch", action="store_true", help="the released 1.7B architecture, random weights")
     p.add_argument("--task", default="CustomVoice", choices=["CustomVoice", "Base"])
+    p.add_argument("--voices", type=int, default=1, help="Base: distinct references the requests clone "
+                                                         "(0: every request its own)")
     p.add_argument("--concurrency", default="1,16", help="comma-separated in-flight limits (closed loop)")
     p.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (open loop)")
     p.add_argument("--num-requests", type=int, default=16, help="requests per run (at least C)")
@@ -110,20 +113,37 @@ class Result:
     audio_s: float
 
 
-def prompt(i: int, task: str) -> dict[str, Any]:
+def prompt(i: int, task: str, voice: int = 0) -> dict[str, Any]:
+    """Request i's prompt. Base: it clones reference number `voice` (a 2 s tone)."""
     text = SENTENCES[i % len(SENTENCES)]
     if task == "Base":
         import numpy as np
 
         t = np.arange(int(2.0 * SAMPLE_RATE)) / SAMPLE_RATE
-        return {"prompt": text, "ref_audio": ((0.3 * np.sin(2 * np.pi * 140 * t)).astype("float32"), SAMPLE_RATE),
+        pitch = 140 + voice
+        return {"prompt": text, "ref_audio": ((0.3 * np.sin(2 * np.pi * pitch * t)).astype("float32"), SAMPLE_RATE),
                 "ref_text": "This is my voice, please copy it."}
     return {"prompt": text, "speaker": "vivian"}
 
 
-async def one(engine, i: int, task: str, params: list) -> Result:
+@dataclass
+class Workload:
+    """What each request asks for. Base: the talker keeps each reference's encodings
+    (reference_cache.py), so only a reference it has not seen runs its two encoders: `voices`
+    distinct references are cloned in turn, 0 = every request a new one (the cold path)."""
+    task: str
+    params: list
+    voices: int = 1
+    _sent: itertools.count = field(default_factory=itertools.count)
+
+    def prompt(self, i: int) -> dict[str, Any]:
+        k = next(self._sent)
+        return prompt(i, self.task, k % self.voices if self.voices else k)
+
+
+async def one(engine, i: int, work: Workload) -> Result:
     start, first, samples = time.perf_counter(), None, 0
-    async for out in engine.generate(prompt(i, task), params, request_id=f"bench-{i}-{start}", modalities=["audio"],
+    async for out in engine.generate(work.prompt(i), work.params, request_id=f"bench-{i}-{start}", modalities=["audio"],
                                      output_partial=True):
         if out.error is not None:
             raise RuntimeError(out.error)
@@ -135,23 +155,23 @@ async def one(engine, i: int, task: str, params: list) -> Result:
     return Result(first - start, end - start, samples / SAMPLE_RATE)
 
 
-async def closed_loop(engine, n: int, concurrency: int, task: str, params: list) -> tuple[list[Result], float]:
+async def closed_loop(engine, n: int, concurrency: int, work: Workload) -> tuple[list[Result], float]:
     gate = asyncio.Semaphore(concurrency)
 
     async def limited(i: int) -> Result:
         async with gate:
-            return await one(engine, i, task, params)
+            return await one(engine, i, work)
 
     start = time.perf_counter()
     results = await asyncio.gather(*(limited(i) for i in range(n)))
     return list(results), time.perf_counter() - start
 
 
-async def open_loop(engine, n: int, rate: float, task: str, params: list) -> tuple[list[Result], float]:
+async def open_loop(engine, n: int, rate: float, work: Workload) -> tuple[list[Result], float]:
     rng = random.Random(0)
     start, tasks = time.perf_counter(), []
     for i in range(n):
-        tasks.append(asyncio.ensure_future(one(engine, i, task, params)))
+        tasks.append(asyncio.ensure_future(one(engine, i, work)))
         await asyncio.sleep(rng.expovariate(rate))
     results = await asyncio.gather(*tasks)
     return list(results), time.perf_counter() - start
@@ -230,17 +250,17 @@ def main() -> None:
         else:
             model = tiny_checkpoint(args.task, Path(tmp) / "tiny")
         rows: list[dict[str, Any]] = []
-        params = [None, None]
+        work = Workload(args.task, [None, None], args.voices)
         with AsyncOmni(model=str(model), deploy_config=args.deploy_config,
                        stage_overrides=stage_overrides(args, max_c)) as engine:
             loop = asyncio.new_event_loop()
-            loop.run_until_complete(closed_loop(engine, 2, 1, args.task, params))  # warm-up
+            loop.run_until_complete(closed_loop(engine, 2, 1, work))  # warm-up
             for c in concurrency:
                 n = max(args.num_requests, c)
-                rows.append(summarize(f"c={c}", *loop.run_until_complete(closed_loop(engine, n, c, args.task, params))))
+                rows.append(summarize(f"c={c}", *loop.run_until_complete(closed_loop(engine, n, c, work))))
             if args.rate:
                 rows.append(summarize(f"poisson {args.rate}/s", *loop.run_until_complete(
-                    open_loop(engine, args.num_requests, args.rate, args.task, params))))
+                    open_loop(engine, args.num_requests, args.rate, work))))
             loop.close()
             stages = stage_counters(engine)
         print_stage_table({"ours": stages})

@@ -14,7 +14,9 @@ writes the torch profiler's tables of `--profile-requests` first steps and, on C
 host <-> device synchronisation inside one first step with the Python stack that caused it
 (torch.cuda.set_sync_debug_mode): a synchronisation makes the host wait for all GPU work
 queued before it. `--task Base`: every request clones a voice (a 2 s reference), so its first
-step also encodes the reference (speaker embedding, reference codes).
+step also encodes the reference (speaker embedding, reference codes) unless the talker has
+encoded the same reference before (`--voices 1`, the default: one reference, encoded in the
+warm-up; `--voices 0`: every request a reference of its own).
 
 `--batches B,...` times steady decode steps (one frame for each of B requests) instead, the
 talker's share of a loaded server; with `--profile DIR` the largest batch's steps get the
@@ -47,6 +49,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--real-arch", action="store_true", help="the released 1.7B architecture, random weights")
     p.add_argument("--task", default="CustomVoice", choices=["CustomVoice", "Base"],
                    help="Base: every request clones a voice (its reference encoded in the first step)")
+    p.add_argument("--voices", type=int, default=1, help="Base: distinct references cloned in turn; the talker "
+                                                         "encodes each once (0: every request a new one)")
     p.add_argument("--requests", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--decode-steps", type=int, default=10)
@@ -62,9 +66,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def first_step(engine: LLMEngine, processor: Qwen3TTSInputProcessor, i: int, params: SamplingParams,
-               task: str) -> float:
+               task: str, voices: int = 1) -> float:
     """Seconds from adding request i to its first frame on the host."""
-    prompt = processor.process(tts_prompt(i, task))
+    prompt = processor.process(tts_prompt(i, task, i % voices if voices else i))
     start = time.perf_counter()
     engine.add_request(f"r{i}", prompt["prompt_token_ids"], params, model_inputs=prompt["additional_information"])
     while not any(r.num_output_tokens for r in engine.scheduler.requests.values()):
@@ -139,7 +143,7 @@ def batch_steps(engine, processor, args) -> dict[str, float]:
 def profile(engine, processor, params, args, out: Path) -> None:
     def run() -> None:
         for i in range(args.profile_requests):
-            first_step(engine, processor, 1000 + i, params, args.task)
+            first_step(engine, processor, 1000 + i, params, args.task, args.voices)
             finish(engine)
 
     profile_steps(run, out, "tts_first_frame_profile", f"{args.profile_requests} first steps")
@@ -164,12 +168,12 @@ def main() -> None:
             return
         params = SamplingParams(**SAMPLING, ignore_eos=True, max_tokens=args.decode_steps + 8, detokenize=False)
         for i in range(args.warmup):
-            first_step(engine, processor, -1 - i, params, args.task)
+            first_step(engine, processor, -1 - i, params, args.task, args.voices)
             decode_steps(engine, args.decode_steps)
             finish(engine)
         firsts, decodes = [], []
         for i in range(args.requests):
-            firsts.append(first_step(engine, processor, i, params, args.task))
+            firsts.append(first_step(engine, processor, i, params, args.task, args.voices))
             decodes += decode_steps(engine, args.decode_steps)
             finish(engine)
         result = {"first_step_ms_p50": 1e3 * statistics.median(firsts), "first_step_ms_min": 1e3 * min(firsts),

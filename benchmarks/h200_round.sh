@@ -11,7 +11,8 @@
 #   benchmarks/h200_round.sh qwen3_load  # Qwen3-Omni at 1, 8, 32 in flight (32 requests each), timelines
 #   benchmarks/h200_round.sh qwen2_5_timeline  # Qwen2.5-Omni-7B at one request, streaming: every stage's timeline
 #   benchmarks/h200_round.sh token2wav_first  # Qwen2.5-Omni token2wav alone at batch 1: its first window
-#   benchmarks/h200_round.sh tts_clone  # Qwen3-TTS voice cloning (Base): first audio at 1 and 16 in flight
+#   benchmarks/h200_round.sh tts_clone  # Qwen3-TTS voice cloning (Base): first step, first audio at 1 and 16 in flight
+#   benchmarks/h200_round.sh code2wav_precision  # Qwen3 / TTS code2wav: TF32 and bfloat16 tolerances and speed
 #   benchmarks/h200_round.sh tts_code2wav  # the TTS code2wav stage's steps at 64 in flight under the torch profiler
 #   benchmarks/h200_round.sh tts_batches  # the TTS talker's decode step at batch 1..64 (profiled)
 #   benchmarks/h200_round.sh tts_ab    # its code2wav decoder graphs vs the eager decoder, two runs each
@@ -100,9 +101,18 @@ case "${1:-}" in
   token2wav_first)  # the Qwen2.5-Omni token2wav stage alone: its first streamed window at batch 1
     step token2wav_first 150 $PY benchmarks/bench_code2wav.py --families qwen2_5 --precision tf32,bfloat16 --batches 1 \
       --skip-hf --json "$OUT/token2wav_first.json" ;;
-  tts_clone)
-    step tts_clone 240 $PY benchmarks/bench_tts.py --real-arch --task Base --concurrency 1,16 --num-requests 16 \
-      --frames 120 --json "$OUT/tts_clone.json" ;;
+  tts_clone)  # one voice cloned by every request (encoded once), then every request a new voice
+    for voices in 1 0; do
+      step tts_clone_v$voices 150 $PY benchmarks/bench_tts_first_frame.py --real-arch --task Base --voices $voices \
+        --requests 10 --json "$OUT/tts_clone_first_v$voices.json"
+      step tts_clone_e2e_v$voices 200 $PY benchmarks/bench_tts.py --real-arch --task Base --voices $voices \
+        --concurrency 1,16 --num-requests 16 --frames 120 --json "$OUT/tts_clone_v$voices.json"
+    done ;;
+  code2wav_precision)  # Qwen3 / TTS code2wav: waveform tolerances of TF32 and bfloat16, then their speed
+    step code2wav_tests 200 $PY -m pytest -q tests/gpu/test_code2wav_precision.py tests/gpu/test_decoder_graphs.py \
+      -k "not qwen2_5 and not dit" -s -p no:cacheprovider
+    step code2wav_qwen3 150 $PY benchmarks/bench_code2wav.py --families qwen3 --precision float32,tf32,bfloat16 \
+      --skip-hf --json "$OUT/code2wav_qwen3.json" ;;
   tts_code2wav)  # skip the warm-up and the ramp: 40 steps of steady decoding under the torch profiler
     step tts_code2wav 200 env VLLM_OMNI_PROFILE_DIR="$OUT/tts_code2wav" VLLM_OMNI_PROFILE_STAGES=0,1 \
       VLLM_OMNI_PROFILE_SKIP=300 VLLM_OMNI_PROFILE_STEPS=40 \

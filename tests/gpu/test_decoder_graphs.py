@@ -35,12 +35,10 @@ def _chunks(model, frames: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 def test_graphed_streams_equal_eager(tiny_model, family, lengths):
     """12 streams: their first chunks (and second) replay the graphs of many rows of short
     windows; their longer windows, too many frame-rows for a graph, run eagerly."""
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
     folder, cls = str(tiny_model(family)), FAMILIES[family]
     config = Code2WavStreamConfig(initial_chunk_frames=1, chunk_frames=6, left_context_frames=5)
-    eager = cls.load(folder, device="cuda", stream_config=config)
-    graphed = cls.load(folder, device="cuda", stream_config=config, cuda_graphs=True)
+    eager = cls.load(folder, device="cuda", dtype="float32", stream_config=config)  # "auto": TF32
+    graphed = cls.load(folder, device="cuda", dtype="float32", stream_config=config, cuda_graphs=True)
     gen = torch.Generator().manual_seed(0)
     codec = getattr(eager, "decoder", eager)  # Qwen3-TTS keeps the codebook sizes on its decoder
     frames = [torch.randint(0, codec.codebook_size, (n, codec.num_quantizers), generator=gen) for n in lengths]

@@ -32,7 +32,8 @@ def busy_gpu() -> None:
 
 # transformers' MimiModel.encode (a cloned voice's reference codes) waits once inside its own code;
 # it waited ~30 times before speech_encoder.py kept its convolutions' geometry on the host.
-MIMI_ENCODE = "codes = self.mimi.encode(audio[None, None], return_dict=True).audio_codes"
+MIMI_ENCODE = ("codes = self.mimi.encode(audio[None, None], num_quantizers=self.valid_quantizers, "
+               "return_dict=True).audio_codes")
 
 
 def assert_no_waits(run, allowed_once: str | None = None) -> None:

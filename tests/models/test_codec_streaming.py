@@ -43,5 +43,9 @@ def test_precision_from_dtype_or_explicit():
     assert resolve_precision("bf16", None) is Precision.BFLOAT16
     assert resolve_precision("float16", None) is Precision.FLOAT32  # never half precision audio
     assert resolve_precision("auto", "tf32") is Precision.TF32
+    # On CUDA "auto" computes with TF32; an explicit float32 keeps the reference math there.
+    assert resolve_precision("auto", None, "cuda") is Precision.TF32
+    assert resolve_precision("float32", None, "cuda") is Precision.FLOAT32
+    assert resolve_precision("auto", "float32", "cuda") is Precision.FLOAT32
     with pytest.raises(ValueError, match="unknown precision"):
         resolve_precision("auto", "fp8")

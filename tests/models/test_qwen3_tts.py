@@ -194,3 +194,41 @@ def test_tiny_checkpoint_cli_builds_each_task_type(tmp_path):
 def test_predictor_frame_function_matches_the_eager_predictor(checkpoints):
     """The function the code predictor's CUDA graphs capture, run eagerly (predictor_frames.py)."""
     check_frame_matches_eager_predictor(talker_engine(checkpoints["CustomVoice"]).model, [5, 17, 40])
+
+
+def test_a_reference_is_encoded_once_for_every_request_that_clones_it(checkpoints, monkeypatch):
+    """Requests with the same reference samples share its encodings (reference_cache.py): both
+    encoders run once per distinct reference, the speech encoder only once an in-context request
+    asks for codes, and the cloned requests' codes are those of fresh encodings."""
+    ckpt = checkpoints["Base"]
+    engine = talker_engine(ckpt)
+    model = engine.model
+    runs = {"speaker": 0, "codes": 0}
+
+    def counted(name, encode):
+        def run(audio):
+            runs[name] += 1
+            return encode(audio)
+        return run
+
+    cache = model.reference_cache
+    monkeypatch.setattr(cache, "_embed_speaker", counted("speaker", cache._embed_speaker))
+    monkeypatch.setattr(cache, "_encode_codes", counted("codes", cache._encode_codes))
+    processor = Qwen3TTSInputProcessor(ckpt, engine.tokenizer)
+    xvector, icl = (next(c for c in CASES["Base"] if c["name"] == name) for name in ("xvector_only", "icl_clone"))
+    other = {**case_prompt("Base", icl), "ref_audio": (0.5 * np.asarray(reference_audio(), dtype=np.float32),
+                                                        REF_SAMPLE_RATE)}
+    prompts = {"icl": processor.process(case_prompt("Base", icl)),
+               "xvector": processor.process(case_prompt("Base", xvector)),  # after codes were cached
+               "icl_again": processor.process(case_prompt("Base", icl)),
+               "other_voice": processor.process(other)}
+    outputs = run_talker(engine, prompts, {rid: greedy() for rid in prompts})
+    assert runs == {"speaker": 2, "codes": 2} and len(cache) == 2
+
+    codes = {rid: out.outputs[0].multimodal_output[CODES_KEY].tolist() for rid, out in outputs.items()}
+    expected = fixture("Base")["cases"]
+    assert codes["xvector"] == expected["xvector_only"]["codes"]
+    assert REF_CODES_KEY not in outputs["xvector"].outputs[0].multimodal_output
+    assert codes["icl"] == codes["icl_again"] == expected["icl_clone"]["codes"]
+    fresh = run_talker(talker_engine(ckpt), {"other_voice": prompts["other_voice"]}, {"other_voice": greedy()})
+    assert codes["other_voice"] == fresh["other_voice"].outputs[0].multimodal_output[CODES_KEY].tolist()

@@ -8,6 +8,7 @@ reaping happens on the loop thread, so no two threads ever wait on one child.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -16,7 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
-from vllm_omni.config.stage_config import PipelineConfig, StageConfig
+from vllm_omni.config.stage_config import PipelineConfig, StageConfig, WorkerType
 from vllm_omni.engine.stage_init_utils import terminate_alive_proc
 from vllm_omni.engine.stage_worker import WorkerSpec, run_stage_worker, stage_process_main
 
@@ -115,7 +116,8 @@ class ProcessLauncher:
 
 
 class ThreadLauncher:
-    """`runtime.process: false`: the worker runs in a thread of this process (debugging)."""
+    """`runtime.process: false`: the worker runs in a thread of this process, on its own CUDA
+    stream (debugging, and stages that share a GPU's context instead of taking turns on it)."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
@@ -130,7 +132,8 @@ class ThreadLauncher:
         def run() -> None:
             code = 1
             try:
-                code = run_stage_worker(self.spec, self.device)
+                with _own_cuda_stream(self.spec, self.device):
+                    code = run_stage_worker(self.spec, self.device)
             finally:
                 try:
                     loop.call_soon_threadsafe(self._finished, code, on_exit)
@@ -158,6 +161,20 @@ class ThreadLauncher:
     def stop_blocking(self, timeout_s: float) -> None:
         if self._thread is not None:
             self._thread.join(timeout_s)
+
+
+def _own_cuda_stream(spec: WorkerSpec, device: str) -> contextlib.AbstractContextManager:
+    """The stage thread's own CUDA stream. Stages in one process share one CUDA context, so their
+    kernels can run side by side (separate stage processes take turns on the GPU instead); on
+    one stream they would queue behind each other. Stages that decode step by step (AR: thinker,
+    talker) get the higher priority: their small kernels pace the pipeline, and a generation
+    stage's large ones (code2wav, diffusion) fill the GPU around them."""
+    if not device.startswith("cuda"):
+        return contextlib.nullcontext()
+    import torch
+
+    priority = -1 if spec.stage.worker_type is WorkerType.AR else 0
+    return torch.cuda.stream(torch.cuda.Stream(device, priority=priority))
 
 
 def _in_process_device(spec: WorkerSpec) -> str:

@@ -156,16 +156,24 @@ def _build_engine(spec: WorkerSpec, device: str) -> StageEngine:
     import torch
 
     worker_cls = _worker_class(spec.stage)
-    locks: list[int] = []
     # Serialize initialization per GPU so co-located stages do not size their KV caches while
-    # another stage is still allocating. Threads of one process cannot use file locks that way.
-    if torch.cuda.is_available() and not spec.in_process:
+    # another stage is still allocating. Threads of one process cannot use file locks that way:
+    # they take a lock of the process, which also keeps a neighbour's CUDA graph captures away
+    # from this stage's memory profiling (a device-wide wait during a capture is an error).
+    if spec.in_process:
+        with _IN_PROCESS_INIT:
+            return worker_cls(spec.stage, spec.model, device=device).build_engine()
+    locks: list[int] = []
+    if torch.cuda.is_available():
         tp = {"tensor_parallel_size": spec.stage.engine_args.tensor_parallel_size}
         locks = siu.acquire_device_locks(spec.stage_id, tp, spec.stage_init_timeout_s)
     try:
         return worker_cls(spec.stage, spec.model, device=device).build_engine()
     finally:
         siu.release_device_locks(locks)
+
+
+_IN_PROCESS_INIT = threading.Lock()
 
 
 def _worker_class(stage: StageConfig) -> type:

@@ -1,11 +1,26 @@
-"""Capturing one CUDA graph per bucket size, what the engine's decode and prefill graphs and the
-code predictors' frame graphs share."""
+"""Capturing CUDA graphs: `capturing`, which every capture in the package goes through, and one
+graph per bucket size, what the engine's decode and prefill graphs and the code predictors'
+frame graphs share."""
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+_ONE_CAPTURE_AT_A_TIME = threading.Lock()
+
+
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool=None) -> Iterator[None]:
+    """`torch.cuda.graph(graph, pool)` for stages that may share this process as threads
+    (`runtime.process: false`): one capture at a time (two at once invalidate each other,
+    cudaErrorStreamCaptureInvalidated), and in thread-local mode, so that a neighbour thread's
+    allocations and waits during the capture are not errors of this capture."""
+    with _ONE_CAPTURE_AT_A_TIME, torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        yield
 
 
 @torch.inference_mode()
@@ -22,7 +37,7 @@ def capture_buckets(sizes: list[int], run: Callable[[int], Any],
             before(size)
         run(size)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with capturing(graph, pool):
             outputs[size] = run(size)
         pool = pool or graph.pool()
         graphs[size] = graph

@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 import torch
 
+from vllm_omni.model_executor.graph_capture import capturing
+
 logger = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -86,7 +88,7 @@ class DecoderGraphs:
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         self._pool = self._pool or torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with capturing(graph, self._pool):
             static_out = self.decoder(static_in)
         logger.debug("captured a decoder CUDA graph for %d rows x %d frames", rows, frames)
         return graph, static_in, static_out

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from vllm_omni.model_executor.dtypes import canonical_dtype
 from vllm_omni.model_executor.model_loader import safetensors_files
 from vllm_omni.model_executor.models.codec_streaming import (
     Precision, chunk_output, own_streams, plan_padded_calls, precision_scope, resolve_precision,
@@ -112,13 +111,9 @@ class Qwen2_5OmniToken2Wav:
 
         # Weights stay float32 (transformers casts token2wav to float32 too: the ODE and the
         # vocoder lose too much in half precision); bfloat16 / tf32 change only how it computes.
-        mode = resolve_precision(dtype, precision)
         device = torch.device(device)
-        if precision is None and canonical_dtype(dtype) == "auto" and device.type == "cuda":
-            # In float32 the DiT is compute-bound at the FP32 peak (13x over its target); TF32
-            # tensor cores keep the waveform within 50 dB SNR of float32 (test_code2wav_precision).
-            # `dtype: float32` on the stage asks for the reference math.
-            mode = Precision.TF32
+        # In float32 the DiT is compute-bound at the FP32 peak (13x over its target): TF32 on CUDA.
+        mode = resolve_precision(dtype, precision, device)
         config = AutoConfig.from_pretrained(model_path)
         t2w_config = getattr(config, "token2wav_config", None)
         if t2w_config is None:

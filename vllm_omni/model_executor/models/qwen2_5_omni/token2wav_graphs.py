@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_omni.model_executor.graph_capture import capturing
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_dit import forward_cfg
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class DiTGraphs:
             forward_cfg(dit, *static)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with uncached, torch.cuda.graph(graph, pool=self.pool):
+        with uncached, capturing(graph, self.pool):
             output = forward_cfg(dit, *static)
         self.pool = self.pool or graph.pool()
         logger.info("token2wav: captured a DiT graph for x %s (%d shapes)", tuple(inputs[0].shape),

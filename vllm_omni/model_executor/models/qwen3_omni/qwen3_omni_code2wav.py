@@ -83,9 +83,9 @@ class Qwen3OmniMoeCode2Wav:
         from transformers import AutoConfig
         from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav as HFCode2Wav
 
-        # "auto" is float32, not the checkpoint's bf16: the vocoder is small and its output is
-        # audio samples, where half precision is audible; ask for bfloat16 or tf32 explicitly.
-        mode = resolve_precision(dtype, precision)
+        # "auto" is not the checkpoint's bf16: the output is audio samples, where half precision is
+        # audible; float32 weights, computed with TF32 on CUDA (float32 math: `dtype: float32`).
+        mode = resolve_precision(dtype, precision, device)
         config = AutoConfig.from_pretrained(model_path)
         c2w_config = getattr(config, "code2wav_config", None)
         if c2w_config is None:

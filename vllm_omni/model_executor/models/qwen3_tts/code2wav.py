@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from vllm_omni.model_executor.dtypes import canonical_dtype, torch_dtype
-from vllm_omni.model_executor.models.codec_streaming import chunk_output, own_streams, prompt_frames
+from vllm_omni.model_executor.models.codec_streaming import (
+    Precision, chunk_output, own_streams, precision_scope, prompt_frames, resolve_precision,
+)
 from vllm_omni.model_executor.models.decoder_graphs import DecoderGraphs
 from vllm_omni.model_executor.models.qwen3_omni.code2wav_stream import Code2WavStream, Code2WavStreamConfig
 from vllm_omni.model_executor.models.qwen3_tts.speech_decoder import SpeechDecoder
@@ -48,9 +49,11 @@ class Qwen3TTSCode2Wav:
     supports_cuda_graphs = True  # load(cuda_graphs=not enforce_eager)
 
     def __init__(self, decoder: SpeechDecoder, device: torch.device, sample_rate: int,
-                 stream_config: Code2WavStreamConfig | None = None, cuda_graphs: bool = False) -> None:
+                 stream_config: Code2WavStreamConfig | None = None, cuda_graphs: bool = False,
+                 precision: Precision = Precision.FLOAT32) -> None:
         self.decoder = decoder
         self.device = device
+        self.precision = precision
         self.sample_rate = sample_rate
         self.stream_config = stream_config or Code2WavStreamConfig()
         self.max_units_per_chunk = max(self.stream_config.initial_chunk_frames, self.stream_config.chunk_frames)
@@ -60,28 +63,32 @@ class Qwen3TTSCode2Wav:
         if cuda_graphs:
             longest_window = self.stream_config.left_context_frames + self.max_units_per_chunk
             self.decode_window = DecoderGraphs(decoder, decoder.num_quantizers, longest_window)
-            self.decode_window.capture_all(device)
+            with self._precision():
+                self.decode_window.capture_all(device)
 
     @classmethod
     def load(cls, model_path: str, *, model_stage: str | None = None, device: torch.device | str = "cpu",
-             dtype: str = "auto", load_format: str = "auto",
+             dtype: str = "auto", load_format: str = "auto", precision: str | None = None,
              stream_config: Code2WavStreamConfig | None = None, cuda_graphs: bool = False) -> Qwen3TTSCode2Wav:
-        # "auto" is float32: the vocoder is small and half precision is audible in its samples.
-        param_dtype = torch.float32 if canonical_dtype(dtype) == "auto" else torch_dtype(dtype)
+        device = torch.device(device)
+        # "auto" is float32 weights (half precision is audible in the samples), TF32 math on CUDA.
+        mode = resolve_precision(dtype, precision, device)
         folder = Path(model_path) / "speech_tokenizer"
         if not (folder / "config.json").is_file():
             raise ValueError(f"{model_path}: no speech_tokenizer/config.json (the 12 Hz codec of Qwen3-TTS)")
         config = json.loads((folder / "config.json").read_text())
-        device = torch.device(device)
         with torch.device(device):
             decoder = SpeechDecoder(config["decoder_config"])
-        decoder = decoder.to(param_dtype)
+        decoder = decoder.to(torch.bfloat16 if mode is Precision.BFLOAT16 else torch.float32)
         if load_format != "dummy":
             tensors = {k[len(DECODER_PREFIX):]: v for k, v in load_file(str(folder / "model.safetensors")).items()
                        if k.startswith(DECODER_PREFIX)}
             decoder.load_state_dict(tensors, strict=True)
         return cls(decoder.eval(), device, int(config.get("output_sample_rate", 24000)), stream_config,
-                   cuda_graphs=cuda_graphs and device.type == "cuda")
+                   cuda_graphs=cuda_graphs and device.type == "cuda", precision=mode)
+
+    def _precision(self):
+        return precision_scope(self.device, tf32=self.precision is Precision.TF32)
 
     @torch.inference_mode()
     def generate_batch(self, inputs: list[StageRequest]) -> list[dict[str, torch.Tensor]]:
@@ -94,7 +101,8 @@ class Qwen3TTSCode2Wav:
                                 dtype=torch.long)
             for row, i in enumerate(live):
                 batch[row, :, : lengths[i]] = codes[i]
-            out = self.decoder.chunked_decode(batch.to(self.device), CHUNK_FRAMES, LEFT_CONTEXT_FRAMES)
+            with self._precision():
+                out = self.decoder.chunked_decode(batch.to(self.device), CHUNK_FRAMES, LEFT_CONTEXT_FRAMES)
             out = out.float().cpu()
             spf = self.decoder.samples_per_frame
             for row, i in enumerate(live):
@@ -125,7 +133,8 @@ class Qwen3TTSCode2Wav:
         batch = torch.zeros(len(windows), self.decoder.num_quantizers, longest, dtype=torch.long)
         for row, window in enumerate(windows):
             batch[row, :, : window.codes.shape[1]] = window.codes
-        wavs = self.decode_window(batch.to(self.device))[:, 0].float().cpu()
+        with self._precision():
+            wavs = self.decode_window(batch.to(self.device))[:, 0].float().cpu()
         spf, outputs = self.decoder.samples_per_frame, []
         for stream, window, wav in zip(streams, windows, wavs):
             stream.commit(window)

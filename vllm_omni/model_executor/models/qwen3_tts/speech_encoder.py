@@ -59,9 +59,10 @@ class SpeechEncoder(nn.Module):
         weight = next(self.mimi.parameters())
         _conv_geometry_on_host(self.mimi)
         audio = to_device_nowait(audio, weight.device).to(weight.dtype)
-        codes = self.mimi.encode(audio[None, None], return_dict=True).audio_codes
+        # The codes are residual: the first valid_quantizers do not depend on the rest, skipped.
+        codes = self.mimi.encode(audio[None, None], num_quantizers=self.valid_quantizers, return_dict=True).audio_codes
         frames = -(-audio.shape[0] // self.samples_per_frame)
-        return codes[0, : self.valid_quantizers, :frames].T
+        return codes[0, :, :frames].T
 
 
 _GEOMETRY = ("stride", "kernel_size", "padding_total", "padding_left", "padding_right")

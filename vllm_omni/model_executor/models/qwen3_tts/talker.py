@@ -34,6 +34,7 @@ from vllm_omni.model_executor.models.qwen3_tts.code_predictor import Qwen3TTSCod
 from vllm_omni.model_executor.models.qwen3_tts.configuration import TaskType, TTSConfig
 from vllm_omni.model_executor.models.predictor_graphs import GraphedPredictor
 from vllm_omni.model_executor.models.qwen3_tts.prompt import TalkerPrompt, build_prompt, prompt_length
+from vllm_omni.model_executor.models.qwen3_tts.reference_cache import ReferenceCache
 from vllm_omni.model_executor.models.qwen3_tts.speaker_encoder import SpeakerEncoder
 from vllm_omni.model_executor.models.qwen3_tts.speech_encoder import ENCODER_PREFIX, SpeechEncoder
 from vllm_omni.model_executor.models.qwen3_tts.tts_request import CODES_KEY, REF_CODES_KEY, TTSRequest
@@ -92,6 +93,7 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
             # Kept out of the module tree: its tensors live in their own file (load_weights).
             object.__setattr__(self, "speech_encoder", SpeechEncoder(
                 speech["encoder_config"], speech["encoder_valid_num_quantizers"], self.samples_per_frame))
+            self.reference_cache = ReferenceCache(self.speaker_encoder.embed, self.speech_encoder.encode)
 
         # Engine-facing attributes (DecoderForCausalLM's set).
         self.num_layers = tc.num_hidden_layers
@@ -236,9 +238,10 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
         if tts.speaker is not None:
             speaker = self._codec_rows([self.config.spk_id[tts.speaker]])[0]
         if tts.ref_audio is not None:
-            speaker = self.speaker_encoder.embed(tts.ref_audio)
-            if tts.in_context:
-                ref_codes = self.speech_encoder.encode(tts.ref_audio)
+            reference = self.reference_cache.encode(tts.ref_audio, with_codes=tts.in_context)
+            speaker = reference.speaker
+            if tts.in_context:  # (an x-vector-only request ignores codes another request cached)
+                ref_codes = reference.codes
                 ref_rows = self.code_predictor.embed_codes(ref_codes, self.model.embed_tokens)
         prompt = build_prompt(self.config, self.special_text_ids, tts, self._text_rows, self._codec_rows,
                               speaker, ref_rows)
