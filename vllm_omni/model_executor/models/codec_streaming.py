@@ -98,6 +98,10 @@ class Precision(str, enum.Enum):
     TF32 = "tf32"
     BFLOAT16 = "bfloat16"
 
+    def scope(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """The math switches of a decoder that runs wholly in this precision (TF32 on for TF32 only)."""
+        return precision_scope(device, tf32=self is Precision.TF32)
+
 
 def resolve_precision(dtype: str, precision: str | None, device: torch.device | str = "cpu") -> Precision:
     """The precision a stage asked for: an explicit `precision`, else from its dtype: bfloat16 ->

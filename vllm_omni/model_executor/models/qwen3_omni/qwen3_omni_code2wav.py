@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from vllm_omni.model_executor.models.codec_streaming import (
-    Precision, chunk_output, own_streams, plan_padded_calls, precision_scope, prompt_frames, resolve_precision,
+    Precision, chunk_output, own_streams, plan_padded_calls, prompt_frames, resolve_precision,
 )
 from vllm_omni.model_executor.models.decoder_graphs import DecoderGraphs
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav import _prefixed_tensors
@@ -71,7 +71,7 @@ class Qwen3OmniMoeCode2Wav:
         if cuda_graphs and device.type == "cuda" and compile_mode is None:
             longest_window = self.stream_config.left_context_frames + self.max_units_per_chunk
             graphs = DecoderGraphs(module, self.num_quantizers, longest_window)
-            with precision_scope(device, tf32=precision is Precision.TF32):
+            with precision.scope(device):
                 graphs.capture_all(device)
             self._stream_forward = graphs
 
@@ -156,7 +156,7 @@ class Qwen3OmniMoeCode2Wav:
             batch = torch.zeros(len(rows), self.num_quantizers, longest, dtype=torch.long)
             for slot, i in enumerate(rows):
                 batch[slot, :, : lengths[i]] = windows[i]
-            with precision_scope(self.device, tf32=self.precision is Precision.TF32):
+            with self.precision.scope(self.device):
                 out = forward(batch.to(self.device))[:, 0].float().cpu()  # [rows, samples]
             if out.shape[1] < longest * self.samples_per_frame - self.unfinished_samples:
                 raise RuntimeError(f"code2wav: {out.shape[1]} samples for {longest} frames; expected at least "

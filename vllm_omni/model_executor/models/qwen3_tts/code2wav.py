@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from vllm_omni.model_executor.models.codec_streaming import (
-    Precision, chunk_output, own_streams, precision_scope, prompt_frames, resolve_precision,
+    Precision, chunk_output, own_streams, prompt_frames, resolve_precision,
 )
 from vllm_omni.model_executor.models.decoder_graphs import DecoderGraphs
 from vllm_omni.model_executor.models.qwen3_omni.code2wav_stream import Code2WavStream, Code2WavStreamConfig
@@ -63,7 +63,7 @@ class Qwen3TTSCode2Wav:
         if cuda_graphs:
             longest_window = self.stream_config.left_context_frames + self.max_units_per_chunk
             self.decode_window = DecoderGraphs(decoder, decoder.num_quantizers, longest_window)
-            with self._precision():
+            with self.precision.scope(self.device):
                 self.decode_window.capture_all(device)
 
     @classmethod
@@ -87,9 +87,6 @@ class Qwen3TTSCode2Wav:
         return cls(decoder.eval(), device, int(config.get("output_sample_rate", 24000)), stream_config,
                    cuda_graphs=cuda_graphs and device.type == "cuda", precision=mode)
 
-    def _precision(self):
-        return precision_scope(self.device, tf32=self.precision is Precision.TF32)
-
     @torch.inference_mode()
     def generate_batch(self, inputs: list[StageRequest]) -> list[dict[str, torch.Tensor]]:
         codes = [self._codes(req) for req in inputs]
@@ -101,7 +98,7 @@ class Qwen3TTSCode2Wav:
                                 dtype=torch.long)
             for row, i in enumerate(live):
                 batch[row, :, : lengths[i]] = codes[i]
-            with self._precision():
+            with self.precision.scope(self.device):
                 out = self.decoder.chunked_decode(batch.to(self.device), CHUNK_FRAMES, LEFT_CONTEXT_FRAMES)
             out = out.float().cpu()
             spf = self.decoder.samples_per_frame
@@ -133,7 +130,7 @@ class Qwen3TTSCode2Wav:
         batch = torch.zeros(len(windows), self.decoder.num_quantizers, longest, dtype=torch.long)
         for row, window in enumerate(windows):
             batch[row, :, : window.codes.shape[1]] = window.codes
-        with self._precision():
+        with self.precision.scope(self.device):
             wavs = self.decode_window(batch.to(self.device))[:, 0].float().cpu()
         spf, outputs = self.decoder.samples_per_frame, []
         for stream, window, wav in zip(streams, windows, wavs):

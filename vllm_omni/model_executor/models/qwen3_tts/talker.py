@@ -251,9 +251,10 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
         return _RequestState(prompt=prompt, ref_codes=ref_codes)
 
     def _text_rows(self, ids: list[int]) -> torch.Tensor:
-        ids_t = to_device_nowait(torch.tensor(ids, dtype=torch.long), self.codec_head.weight.device)
-        return self.text_projection(self.text_embedding(ids_t))
+        return self.text_projection(self.text_embedding(self._on_device(ids)))
 
     def _codec_rows(self, ids: list[int]) -> torch.Tensor:
-        return self.model.embed_tokens(to_device_nowait(torch.tensor(ids, dtype=torch.long),
-                                                        self.codec_head.weight.device))
+        return self.model.embed_tokens(self._on_device(ids))
+
+    def _on_device(self, ids: list[int]) -> torch.Tensor:
+        return to_device_nowait(torch.tensor(ids, dtype=torch.long), self.codec_head.weight.device)
