@@ -111,6 +111,7 @@ class Result:
     ttfa: float
     latency: float
     audio_s: float
+    start: float = 0.0  # time.perf_counter() at submission: one clock with the stage profiles' timelines
 
 
 def prompt(i: int, task: str, voice: int = 0) -> dict[str, Any]:
@@ -152,7 +153,7 @@ async def one(engine, i: int, work: Workload) -> Result:
             first = first or time.perf_counter()
             samples = audio.numel()
     end = time.perf_counter()
-    return Result(first - start, end - start, samples / SAMPLE_RATE)
+    return Result(first - start, end - start, samples / SAMPLE_RATE, start)
 
 
 async def closed_loop(engine, n: int, concurrency: int, work: Workload) -> tuple[list[Result], float]:
@@ -186,7 +187,8 @@ def summarize(name: str, results: list[Result], wall: float) -> dict[str, Any]:
     row = {"run": name, "requests": len(results), "ttfa_mean_ms": 1e3 * statistics.mean(ttfa),
            "ttfa_p50_ms": 1e3 * pct(ttfa, 50), "ttfa_p90_ms": 1e3 * pct(ttfa, 90), "ttfa_p95_ms": 1e3 * pct(ttfa, 95),
            "latency_p50_ms": 1e3 * pct(lat, 50), "rtf_mean": statistics.mean(r.latency / r.audio_s for r in results),
-           "rtf_aggregate": wall / audio, "audio_s_per_s": audio / wall}
+           "rtf_aggregate": wall / audio, "audio_s_per_s": audio / wall,
+           "each": [{"start": r.start, "ttfa_ms": 1e3 * r.ttfa} for r in results]}
     print(f"{name:>14}: TTFA mean {row['ttfa_mean_ms']:8.1f} p50 {row['ttfa_p50_ms']:8.1f} p90 "
           f"{row['ttfa_p90_ms']:8.1f} p95 {row['ttfa_p95_ms']:8.1f} ms | latency p50 {row['latency_p50_ms']:8.1f} ms "
           f"| RTF {row['rtf_mean']:.3f} (aggregate {row['rtf_aggregate']:.3f}) | {row['audio_s_per_s']:.2f} audio s/s",

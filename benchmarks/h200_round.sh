@@ -12,6 +12,8 @@
 #   benchmarks/h200_round.sh qwen2_5_timeline  # Qwen2.5-Omni-7B at one request, streaming: every stage's timeline
 #   benchmarks/h200_round.sh token2wav_first  # Qwen2.5-Omni token2wav alone at batch 1: its first window
 #   benchmarks/h200_round.sh tts_clone  # Qwen3-TTS voice cloning (Base): first step, first audio at 1 and 16 in flight
+#   benchmarks/h200_round.sh tts_reference  # a new cloned voice: its encoders eager vs in graphs, alone and end to end
+#   benchmarks/h200_round.sh tts_poisson_timeline  # Qwen3-TTS under Poisson arrivals: both stages' step timelines
 #   benchmarks/h200_round.sh code2wav_precision  # Qwen3 / TTS code2wav: TF32 and bfloat16 tolerances and speed
 #   benchmarks/h200_round.sh tts_code2wav  # the TTS code2wav stage's steps at 64 in flight under the torch profiler
 #   benchmarks/h200_round.sh tts_batches  # the TTS talker's decode step at batch 1..64 (profiled)
@@ -108,6 +110,19 @@ case "${1:-}" in
       step tts_clone_e2e_v$voices 200 $PY benchmarks/bench_tts.py --real-arch --task Base --voices $voices \
         --concurrency 1,16 --num-requests 16 --frames 120 --json "$OUT/tts_clone_v$voices.json"
     done ;;
+  tts_reference)
+    step tts_reference 100 $PY benchmarks/bench_tts_reference.py --real-arch --seconds 2,5,10 --reps 10 \
+      --json "$OUT/tts_reference.json"
+    for g in 1 0; do
+      step tts_clone_new_g$g 200 env VLLM_OMNI_REFERENCE_CUDA_GRAPHS=$g $PY benchmarks/bench_tts.py --real-arch \
+        --task Base --voices 0 --concurrency 1,16 --num-requests 16 --frames 120 --json "$OUT/tts_clone_new_g$g.json"
+    done ;;
+  tts_poisson_timeline)  # each request's submission and first audio (JSON each[]) on the timelines' clock
+    step tts_poisson_timeline 200 env VLLM_OMNI_PROFILE_DIR="$OUT/tts_poisson" VLLM_OMNI_PROFILE_STAGES=0,1 \
+      VLLM_OMNI_PROFILE_SKIP=0 VLLM_OMNI_PROFILE_STEPS=1000000 VLLM_OMNI_PROFILE_OPS=0 \
+      $PY benchmarks/bench_tts.py --real-arch --concurrency "" --num-requests 32 --frames 120 --rate 20 \
+      --json "$OUT/tts_poisson.json"
+    tar -C "$OUT" -czf "$OUT/tts_poisson.tgz" tts_poisson && rm -r "$OUT/tts_poisson" ;;
   code2wav_precision)  # Qwen3 / TTS code2wav: waveform tolerances of TF32 and bfloat16, then their speed
     step code2wav_tests 200 $PY -m pytest -q tests/gpu/test_code2wav_precision.py tests/gpu/test_decoder_graphs.py \
       -k "not qwen2_5 and not dit" -s -p no:cacheprovider

@@ -1,7 +1,8 @@
 """Prefill spans in CUDA graphs (core/prefill_graphs.py) against the same engine with prefills
 run eagerly (runs only where CUDA is). Decode steps replay their graphs in both runs, so the
-prefill is the only difference: one request alone, and requests arriving while others decode
-(a step of decode rows through the decode graph plus one prefill through a prefill graph).
+prefill is the only difference: one request alone, requests arriving while others decode (a
+step of decode rows through the decode graph plus one prefill through a prefill graph), and
+requests arriving together (their spans packed into one prefill graph).
 
 bfloat16 (FlashAttention prefill; a padded span changes the GEMMs' shapes, so sums may round
 differently): the first code of every request is identical, logprobs agree within 5e-2, and
@@ -41,9 +42,12 @@ def omni_prompts(path, family: str):
     return build
 
 
-def run(path, prompts, monkeypatch, graphs: bool, staggered: bool, **config) -> tuple[dict, list]:
+ARRIVALS = ["alone", "arriving-under-decode", "arriving-together"]
+
+
+def run(path, prompts, monkeypatch, graphs: bool, arrival: str, **config) -> tuple[dict, list]:
     """Greedy codes with logprobs per request, and the steps that replayed a prefill graph as
-    (decode rows, prefill rows) each."""
+    (decode rows, prefill spans) each."""
     monkeypatch.setenv(PREFILL_GRAPHS_ENV, "1" if graphs else "0")
     eng = LLMEngine(EngineConfig(model=str(path), model_stage="talker", device="cuda", dtype="bfloat16",
                                  enable_prefix_caching=False, max_num_seqs=8, **config))
@@ -53,20 +57,26 @@ def run(path, prompts, monkeypatch, graphs: bool, staggered: bool, **config) -> 
 
     def recorded(items):
         replayed = replay_graphs(items)
-        if replayed is not None and replayed[0][-1].num_new_tokens > 1:
-            prefill_steps.append((len(replayed[0]) - 1, replayed[0][-1].num_new_tokens))
+        spans = sum(item.num_new_tokens > 1 for item in items)
+        if replayed is not None and spans:
+            prefill_steps.append((len(items) - spans, spans))
         return replayed
     eng.runner._replay_graphs = recorded
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=0, detokenize=False)
     done = {}
+
+    def step_until_done():
+        while eng.has_unfinished_requests():
+            done.update((o.request_id, o.outputs[0]) for o in eng.step() if o.finished)
+
     for i, prompt in enumerate(prompts(eng) if callable(prompts) else prompts):
         eng.add_request(str(i), prompt["prompt_token_ids"], params, model_inputs=prompt["additional_information"])
-        for _ in range(3 if staggered else 0):  # the next request arrives while this one decodes
-            done.update((o.request_id, o.outputs[0]) for o in eng.step() if o.finished)
-        while not staggered and eng.has_unfinished_requests():
-            done.update((o.request_id, o.outputs[0]) for o in eng.step() if o.finished)
-    while eng.has_unfinished_requests():
-        done.update((o.request_id, o.outputs[0]) for o in eng.step() if o.finished)
+        if arrival == "arriving-under-decode":  # the next request arrives while this one decodes
+            for _ in range(3):
+                done.update((o.request_id, o.outputs[0]) for o in eng.step() if o.finished)
+        elif arrival == "alone":
+            step_until_done()
+    step_until_done()
     return done, prefill_steps
 
 
@@ -82,29 +92,33 @@ def assert_follows(got: dict, want: dict) -> None:
                 break
 
 
-@pytest.mark.parametrize("staggered", [False, True], ids=["alone", "arriving-under-decode"])
-def test_tts_talker_prefill_graphs_follow_eager_prefills(tmp_path, monkeypatch, staggered):
+# (decode rows, prefill spans) of the steps that replayed a prefill graph, for three requests
+EXPECTED_PREFILL_STEPS = {"alone": [(0, 1)] * 3, "arriving-under-decode": [(0, 1), (1, 1), (2, 1)],
+                          "arriving-together": [(0, 3)]}
+
+
+@pytest.mark.parametrize("arrival", ARRIVALS)
+def test_tts_talker_prefill_graphs_follow_eager_prefills(tmp_path, monkeypatch, arrival):
     from vllm_omni.testing.tiny_models import make_tiny_model
 
     path = make_tiny_model("qwen3_tts", tmp_path / "tts", task_type="CustomVoice")
     prompts = tts_prompts(path)
     config = dict(architecture="Qwen3TTSForConditionalGeneration")
-    graphed, prefill_steps = run(path, prompts, monkeypatch, graphs=True, staggered=staggered, **config)
-    eager, eager_steps = run(path, prompts, monkeypatch, graphs=False, staggered=staggered, **config)
-    assert len(prefill_steps) == len(prompts) and not eager_steps
-    # Arriving under decode: a step of the others' decode rows and the new prefill together.
-    assert [decode for decode, _ in prefill_steps] == ([0, 1, 2] if staggered else [0, 0, 0])
+    graphed, prefill_steps = run(path, prompts, monkeypatch, graphs=True, arrival=arrival, **config)
+    eager, eager_steps = run(path, prompts, monkeypatch, graphs=False, arrival=arrival, **config)
+    assert prefill_steps == EXPECTED_PREFILL_STEPS[arrival] and not eager_steps
     assert_follows(graphed, eager)
 
 
+@pytest.mark.parametrize("arrival", ARRIVALS[1:])
 @pytest.mark.parametrize("family,arch", [("qwen2_5_omni", "qwen2_5_omni"), ("qwen3_omni", "qwen3_omni_moe")])
-def test_omni_talker_prefill_graphs_follow_eager_prefills(tiny_model, monkeypatch, family, arch):
+def test_omni_talker_prefill_graphs_follow_eager_prefills(tiny_model, monkeypatch, family, arch, arrival):
     if arch == "qwen3_omni_moe" and not grouped_mm_available(torch.empty(1, device="cuda", dtype=torch.bfloat16)):
         pytest.skip("torch._grouped_mm needs Hopper")
     path = tiny_model(arch)
-    graphed, prefill_steps = run(path, omni_prompts(path, family), monkeypatch, graphs=True, staggered=True)
-    eager, _ = run(path, omni_prompts(path, family), monkeypatch, graphs=False, staggered=True)
-    assert [decode for decode, _ in prefill_steps] == [0, 1, 2]
+    graphed, prefill_steps = run(path, omni_prompts(path, family), monkeypatch, graphs=True, arrival=arrival)
+    eager, _ = run(path, omni_prompts(path, family), monkeypatch, graphs=False, arrival=arrival)
+    assert prefill_steps == EXPECTED_PREFILL_STEPS[arrival]
     assert_follows(graphed, eager)
 
 
@@ -118,8 +132,9 @@ def test_float32_prefills_run_eagerly(tmp_path):
     assert eng.runner.graphs is not None and eng.runner.prefill_graphs is None
 
 
+@pytest.mark.parametrize("together", [False, True], ids=["arriving-under-decode", "arriving-together"])
 @pytest.mark.parametrize("arch", ["qwen2_5_omni", "qwen3_omni_moe"])
-def test_thinker_prefill_graphs_follow_eager_prefills(tiny_model, monkeypatch, arch):
+def test_thinker_prefill_graphs_follow_eager_prefills(tiny_model, monkeypatch, arch, together):
     """Text prompts: the thinker's tokens and the hidden states it exports to the talker."""
     if arch == "qwen3_omni_moe" and not grouped_mm_available(torch.empty(1, device="cuda", dtype=torch.bfloat16)):
         pytest.skip("torch._grouped_mm needs Hopper")
@@ -134,7 +149,7 @@ def test_thinker_prefill_graphs_follow_eager_prefills(tiny_model, monkeypatch, a
         done = {}
         for i, words in enumerate([3, 25, 60]):
             eng.add_request(str(i), chat_prompt_ids(str(path), words), params, return_hidden_states=True)
-            for _ in range(3):  # the next request arrives while this one decodes
+            for _ in range(0 if together else 3):  # the next request arrives while this one decodes
                 done.update((o.request_id, o) for o in eng.step() if o.finished)
         while eng.has_unfinished_requests():
             done.update((o.request_id, o) for o in eng.step() if o.finished)

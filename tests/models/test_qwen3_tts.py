@@ -232,3 +232,65 @@ def test_a_reference_is_encoded_once_for_every_request_that_clones_it(checkpoint
     assert codes["icl"] == codes["icl_again"] == expected["icl_clone"]["codes"]
     fresh = run_talker(talker_engine(ckpt), {"other_voice": prompts["other_voice"]}, {"other_voice": greedy()})
     assert codes["other_voice"] == fresh["other_voice"].outputs[0].multimodal_output[CODES_KEY].tolist()
+
+
+@pytest.mark.parametrize("seconds", [1.2, 0.77, 2.03])
+def test_padded_references_encode_as_the_reference_alone(checkpoints, seconds):
+    """What the reference encoders' CUDA graphs compute (reference_graphs.py), run eagerly: a
+    reference padded with noise up to a longer buffer gives the speaker row and Mimi's codes of
+    the reference alone, and the same quantizer input on every real frame (the codes of random
+    weights barely move; the last frame's latent does when the padding leaks into it)."""
+    model = talker_engine(checkpoints["Base"]).model
+    speaker, speech = model.speaker_encoder, model.speech_encoder
+    assert speech.supports_padding()
+    audio = torch.tensor(reference_audio(seconds), dtype=torch.float32)
+    n = audio.shape[0]
+    buffer = (-(-n // speech.samples_per_frame) + 3) * speech.samples_per_frame
+    padded = torch.cat([audio, torch.randn(buffer - n, generator=torch.Generator().manual_seed(0))])
+
+    from vllm_omni.model_executor.models.qwen3_tts.speaker_encoder import HOP, mel_spectrogram
+
+    mel = mel_spectrogram(audio)
+    mel_buffer = torch.cat([mel, 5 * torch.randn(buffer // HOP - mel.shape[0], mel.shape[1])])[None]
+    with torch.inference_mode():
+        row = speaker(mel_buffer, torch.tensor(mel.shape[0]))[0]
+    torch.testing.assert_close(row, speaker.embed(audio), rtol=1e-5, atol=1e-5)
+
+    latents = []
+    quantize = speech.mimi.quantizer.encode
+    speech.mimi.quantizer.encode = lambda x, *a, **k: latents.append(x.clone()) or quantize(x, *a, **k)
+    codes = speech.encode(audio)
+    padded_codes = speech.encode_padded(padded, torch.tensor(n))
+    frames = codes.shape[0]
+    assert padded_codes.shape[0] == buffer // speech.samples_per_frame
+    assert torch.equal(padded_codes[:frames], codes)
+    alone, in_buffer = latents[0], latents[1][..., :frames]
+    torch.testing.assert_close(in_buffer, alone, rtol=0, atol=1e-4 * float(alone.abs().max()))
+    if seconds == 1.2:
+        assert codes.tolist() == fixture("Base")["voice_clone_prompt"]["ref_code"]
+
+
+@pytest.mark.parametrize("rates", [([8, 5, 4, 3], [2, 2]), ([6, 5, 4, 4], [4]), ([10, 8, 3, 2], [2, 2])],
+                         ids=["released", "one-front-upsampler", "wide-first-rate"])
+def test_the_vocoder_reads_exactly_its_receptive_field(rates):
+    """A chunk's vocoder (speech_decoder.py) starts `vocoder_context_frames` frames before the chunk,
+    not at its window's start: the chunk's samples are those of the whole window, and a frame less
+    of vocoder context changes them (the field is not overestimated)."""
+    from vllm_omni.model_executor.models.qwen3_tts.speech_decoder import SpeechDecoder
+    from vllm_omni.testing.tiny_qwen3_tts import DECODER_CONFIG
+
+    torch.manual_seed(0)
+    decoder = SpeechDecoder({**DECODER_CONFIG, "upsample_rates": rates[0], "upsampling_ratios": rates[1]}).eval()
+    with torch.no_grad():  # weights that carry the signal through every layer
+        for p in decoder.parameters():
+            p.normal_(0, 0.1) if p.dim() > 1 else p.uniform_(-0.3, 0.3)
+    codes = torch.randint(0, decoder.codebook_size, (2, decoder.num_quantizers, 30))
+    spf, reach, context = decoder.samples_per_frame, decoder.vocoder_context_frames, 20
+    with torch.inference_mode():
+        whole = decoder(codes)[:, 0, context * spf:]
+        trimmed = decoder(codes, context - reach)[:, 0, reach * spf:]
+        short = decoder(codes, context - reach + 1)[:, 0, (reach - 1) * spf:]
+    assert 0 < reach < context
+    # (not bit for bit everywhere: convolutions over other lengths may round differently, ~1e-6)
+    torch.testing.assert_close(trimmed, whole, atol=1e-5, rtol=0)
+    assert (short - whole).abs().max() > 1e-4  # (2e-4 at least in these three)

@@ -97,6 +97,7 @@ class ARModelRunner:
         self.prefill_graphs = None
         if device.type == "cuda" and not enforce_eager and not isinstance(self.backend, TorchAttentionBackend):
             self._capture_graphs(max_num_seqs, max_model_len)
+            self.model.capture_graphs()
 
     def _allocate_kv_cache(self) -> None:
         # One block more than the block manager hands out: padded rows of a CUDA-graph
@@ -192,16 +193,21 @@ class ARModelRunner:
 
     def _replay_graphs(self, items: list[ScheduledRequest]):
         """The step through captured graphs: its decode rows through the decode graph, the prefill
-        span of at most one request through a prefill graph. Returns (items reordered: decode rows
-        first, query_start, hidden, captured layers, logits of each item's last row), or None when
-        the step does not fit the graphs (then it runs eagerly)."""
+        spans of up to `max_spans` requests packed through a prefill graph. Returns (items
+        reordered: decode rows first, query_start, hidden, captured layers, logits of each item's
+        last row), or None when the step does not fit the graphs (then it runs eagerly)."""
         decode = [item for item in items if item.num_new_tokens == 1]
         prefill = [item for item in items if item.num_new_tokens > 1]
-        if len(prefill) > 1 or (prefill and self.prefill_graphs is None) or not self.graphs.fits(len(decode)):
+        if not self.graphs.fits(len(decode)) or prefill and (
+                self.prefill_graphs is None or len(prefill) > self.prefill_graphs.max_spans):
             return None
-        staged = self._stage_prefill(prefill[0]) if prefill else None
-        if prefill and staged is None:
+        spans = [self._prefill_span(item) for item in prefill]
+        if None in spans:
             return None
+        keys = sum(len(kv_slots) for *_, kv_slots in spans)  # the spans' keys, packed
+        if spans and self.prefill_graphs.bucket(keys) is None:
+            return None
+        staged = self.prefill_graphs.stage(spans) if spans else None
         parts = []
         if decode:
             part = self._replay_decode_graph(decode)
@@ -209,15 +215,14 @@ class ARModelRunner:
                 return None
             parts.append(part)
         if prefill:
-            item = prefill[0]
-            start, end = item.request.num_computed_tokens, item.request.num_computed_tokens + item.num_new_tokens
-            embeds = (self.model.embed_request_spans([(item.request, start, end)], staged)
-                      if self.model.embeds_requests else None)
-            parts.append(self.prefill_graphs.replay(end - start, end, embeds))
+            bounds = [(item.request, item.request.num_computed_tokens,
+                       item.request.num_computed_tokens + item.num_new_tokens) for item in prefill]
+            embeds = self.model.embed_request_spans(bounds, staged) if self.model.embeds_requests else None
+            parts.append(self.prefill_graphs.replay(len(prefill), staged.shape[0], keys, embeds))
         items = decode + prefill
-        query_start = list(range(len(decode) + 1))
-        if prefill:
-            query_start.append(query_start[-1] + prefill[0].num_new_tokens)
+        query_start = [0]
+        for item in items:
+            query_start.append(query_start[-1] + item.num_new_tokens)
         if len(parts) == 1:
             hidden, logits, captured = parts[0]
         else:  # (hidden, logits, captured) of each part, joined in item order
@@ -245,9 +250,9 @@ class ARModelRunner:
             embeds = self.model.embed_request_spans([(r, p, p + 1) for r, p in zip(reqs, steps)], ids)
         return self.graphs.replay(len(reqs), embeds)
 
-    def _stage_prefill(self, item: ScheduledRequest) -> torch.Tensor | None:
-        """Stage one request's prefill span for its graph; returns the span's ids on the device, or
-        None when no graph takes it (too long, refused by the model, fractional M-RoPE positions,
+    def _prefill_span(self, item: ScheduledRequest):
+        """One request's prefill span as a prefill graph takes it (PrefillGraphs.stage), or None
+        when no graph takes it (too long, refused by the model, fractional M-RoPE positions,
         prompt embeddings of a model that embeds by id)."""
         req, start = item.request, item.request.num_computed_tokens
         end = start + item.num_new_tokens
@@ -262,7 +267,7 @@ class ARModelRunner:
             positions = range(start, end)
         bs, blocks = self.block_size, req.block_ids
         kv_slots = [blocks[p // bs] * bs + p % bs for p in range(end)]
-        return self.prefill_graphs.stage(req.token_ids[start:end], positions, kv_slots[start:], kv_slots)
+        return req.token_ids[start:end], positions, kv_slots[start:], kv_slots
 
     def _prepare(self, items: list[ScheduledRequest]) -> StepInputs:
         input_ids: list[int] = []

@@ -1,22 +1,25 @@
-"""CUDA graphs for one request's prefill span, one per token-count bucket.
+"""CUDA graphs for the prefill spans of a step, one per token-count bucket.
 
 A talker's first step is its prompt's prefill: at one request in flight, 28 eager layers cost
 ~25 ms of host work for ~2 ms of GPU work on the H200 (docs/benchmarks.md), and that is most
-of the time to first audio. Here the span [start, end) of a single request runs as a captured
-graph of the whole forward, padded to the bucket that holds `end`:
+of the time to first audio. Here the spans [start, end) of up to MAX_SPANS requests run packed
+as one captured graph of the whole forward, padded to the bucket that holds their keys (the
+sum of their `end`s):
 
-- queries: the span's rows, padded at the end; padded rows write their KV into the scratch
-  block and their outputs are dropped. Rows are independent in every op but attention, and
-  there FlashAttention varlen reads the real lengths from device buffers
-  (cu_seqlens = [0, end - start] for queries, [0, end] for keys), so a padded row is never a key;
-- keys: gathered from the KV cache by slot (the request's blocks for positions < end);
+- queries: the spans' rows one after another, padded at the end; padded rows write their KV
+  into the scratch block and their outputs are dropped. Rows are independent in every op but
+  attention, and there FlashAttention varlen reads the spans' lengths from device buffers
+  (cu_seqlens of queries and of keys, MAX_SPANS + 1 entries, unused spans empty at the end), so
+  a padded row is never a key;
+- keys: gathered from the KV cache by slot (each request's blocks for positions < its end);
 - max_seqlen_q / max_seqlen_k: the bucket (an upper bound is what FlashAttention needs);
-- logits of the span's last row only (the one a completed prompt samples from).
+- logits of each span's last row only (the one a completed prompt samples from).
 
-Graphs exist only where the prefill runs on FlashAttention (bfloat16 / float16); float32
-prefills take the torch reference path, which builds masks from host-side lengths. A decode
-step with the prefill of one new request alongside (a request arriving under load) replays
-both graphs in one step (model_runner.py).
+Several spans in one step are requests arriving together: before, any step with two of them
+ran eagerly, its decode rows too. Graphs exist only where the prefill runs on FlashAttention
+(bfloat16 / float16); float32 prefills take the torch reference path, which builds masks from
+host-side lengths. A decode step with prefills alongside (requests arriving under load) replays
+the decode graph and a prefill graph in one step (model_runner.py).
 """
 from __future__ import annotations
 
@@ -35,8 +38,10 @@ PREFILL_GRAPHS_ENV = "VLLM_OMNI_PREFILL_CUDA_GRAPHS"  # "0": prefill spans run e
 _BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
 # Rows of the int64 input buffer: ids, KV write slots, KV read slots, lengths, positions (1 or 3).
 _IDS, _SLOTS, _KV_SLOTS, _LENGTHS, _POSITIONS = 0, 1, 2, 3, 4
-# Columns of the lengths row: query cu_seqlens (2), key cu_seqlens (2), the last row's index.
-_CU_Q, _CU_K, _LAST = slice(0, 2), slice(2, 4), slice(4, 5)
+MAX_SPANS = 4  # spans per graph: the lengths row below fits the smallest bucket (3 * 4 + 2 <= 16)
+# Columns of the lengths row: query cu_seqlens, key cu_seqlens, each span's last row.
+_CU_Q, _CU_K, _LAST = (slice(0, MAX_SPANS + 1), slice(MAX_SPANS + 1, 2 * MAX_SPANS + 2),
+                       slice(2 * MAX_SPANS + 2, 3 * MAX_SPANS + 2))
 
 
 def prefill_capture_sizes(max_tokens: int) -> list[int]:
@@ -50,6 +55,8 @@ def prefill_capture_sizes(max_tokens: int) -> list[int]:
 
 
 class PrefillGraphs:
+    max_spans = MAX_SPANS
+
     def __init__(self, model: nn.Module, *, device: torch.device, max_tokens: int, block_size: int,
                  scratch_block: int, mrope: bool, embeds: bool, capture_layers: tuple[int, ...]) -> None:
         self.model = model
@@ -75,7 +82,7 @@ class PrefillGraphs:
     def _run(self, size: int):
         rows = self.token_rows
         lengths = rows[_LENGTHS]
-        meta = AttentionMetadata(
+        meta = AttentionMetadata(  # seq_lens: not read by the prefill path (FlashAttention reads cu_seq_k)
             slot_mapping=rows[_SLOTS, :size], query_start_loc=lengths[_CU_Q], seq_lens=lengths[_CU_K][1:],
             block_tables=lengths[None, :0],  # unused: the prefill path reads its keys by kv_gather_slots
             block_size=self.block_size, max_query_len=size, max_seq_len=size,
@@ -95,37 +102,49 @@ class PrefillGraphs:
         staging[:] = 0
         staging[_SLOTS] = staging[_KV_SLOTS] = self.scratch_slot
 
-        def whole_bucket(size: int) -> None:  # a span filling the bucket, on the scratch block
-            staging[_LENGTHS, :5] = (0, size, 0, size, size - 1)
+        def whole_bucket(size: int) -> None:  # one span filling the bucket, on the scratch block
+            staging[_LENGTHS, _CU_Q] = staging[_LENGTHS, _CU_K] = [0] + [size] * MAX_SPANS
+            staging[_LENGTHS, _LAST] = size - 1
             self.token_rows.copy_(self.staging)
 
         self.graphs, self.outputs = capture_buckets(self.sizes, self._run, before=whole_bucket)
         logger.info("captured prefill CUDA graphs for spans of up to %s tokens", self.sizes)
 
-    def stage(self, input_ids: list[int], positions, slots: list[int], kv_slots: list[int]) -> torch.Tensor:
-        """Copy one span's inputs into the static buffers (queued, no wait): its ids, positions
-        ([n] or [3, n] integers), KV write slots [n] and the request's KV read slots [end] (its
-        cached prefix, then the span). Returns the span's ids on the device."""
-        n, end = len(input_ids), len(kv_slots)
-        size = self.bucket(end)
+    def stage(self, spans: list[tuple[list[int], object, list[int], list[int]]]) -> torch.Tensor:
+        """Copy the spans' inputs into the static buffers (queued, no wait), packed in order. A span
+        is (its ids, positions ([n] or [3, n] integers), KV write slots [n], the request's KV read
+        slots [end]: its cached prefix, then the span). Returns the spans' ids on the device."""
+        ends = [len(kv_slots) for _, _, _, kv_slots in spans]
+        size = self.bucket(sum(ends))
         staging = self.staging_np
-        staging[:, n:size] = 0
-        staging[_SLOTS, n:size] = self.scratch_slot
-        staging[_IDS, :n] = input_ids
-        staging[_SLOTS, :n] = slots
-        staging[_KV_SLOTS, :end] = kv_slots
-        staging[_KV_SLOTS, end:size] = self.scratch_slot
-        staging[_POSITIONS:, :n] = positions
-        staging[_LENGTHS, :5] = (0, n, 0, end, n - 1)
+        staging[:, :size] = 0  # padding: id 0 at position 0, written to and read from the scratch block
+        staging[_SLOTS, :size] = staging[_KV_SLOTS, :size] = self.scratch_slot
+        q = k = 0
+        cu_q, cu_k, last = [0], [0], []
+        for (input_ids, positions, slots, kv_slots), end in zip(spans, ends):
+            n = len(input_ids)
+            staging[_IDS, q:q + n] = input_ids
+            staging[_SLOTS, q:q + n] = slots
+            staging[_POSITIONS:, q:q + n] = positions
+            staging[_KV_SLOTS, k:k + end] = kv_slots
+            q, k = q + n, k + end
+            cu_q.append(q)
+            cu_k.append(k)
+            last.append(q - 1)
+        unused = MAX_SPANS - len(spans)
+        staging[_LENGTHS, _CU_Q] = cu_q + [q] * unused
+        staging[_LENGTHS, _CU_K] = cu_k + [k] * unused
+        staging[_LENGTHS, _LAST] = last + [0] * unused
         self.token_rows[:, :size].copy_(self.staging[:, :size], non_blocking=True)
-        return self.token_rows[_IDS, :n]
+        return self.token_rows[_IDS, :q]
 
-    def replay(self, n: int, end: int, inputs_embeds: torch.Tensor | None):
-        """The staged span (n rows, ending at token `end`): (hidden [n, H], logits [1, V] of its
-        last row, captured layers [n, H])."""
-        size = self.bucket(end)
+    def replay(self, spans: int, rows: int, keys: int, inputs_embeds: torch.Tensor | None):
+        """The staged spans (`rows` query rows, `keys` keys in all): (hidden [rows, H], logits
+        [spans, V] of each span's last row, captured layers [rows, H]). The outputs are the graph's
+        own buffers: the next replay overwrites them."""
+        size = self.bucket(keys)
         if self.inputs_embeds is not None:
-            self.inputs_embeds[:n].copy_(inputs_embeds)
+            self.inputs_embeds[:rows].copy_(inputs_embeds)
         self.graphs[size].replay()
         hidden, logits, captured = self.outputs[size]
-        return hidden[:n], logits, {k: v[:n] for k, v in captured.items()}
+        return hidden[:rows], logits[:spans], {k: v[:rows] for k, v in captured.items()}

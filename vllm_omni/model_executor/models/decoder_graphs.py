@@ -55,20 +55,22 @@ class DecoderGraphs:
         self._pool = None
 
     @torch.inference_mode()
-    def __call__(self, codes: torch.Tensor) -> torch.Tensor:
+    def __call__(self, codes: torch.Tensor, skip_frames: int = 0) -> torch.Tensor:
         """The decoder's output for codes [rows, num_quantizers, frames]: rows x (at least) the
-        frames' samples, on the device; valid until the next call."""
+        frames' samples, on the device; valid until the next call. `skip_frames` > 0 (a decoder
+        whose `decoder(codes, skip_frames)` leaves out the samples of the first frames, and whose
+        output is samples_per_frame per frame): the samples from that frame on."""
         rows, _, frames = codes.shape
         key = (bucket(rows), bucket(frames))
         if not codes.is_cuda or frames > self.max_frames or key not in self.buckets:
-            return self.decoder(codes)
+            return self.decoder(codes, skip_frames) if skip_frames else self.decoder(codes)
         if key not in self._graphs:  # not captured at load (capture_all): capture now
             self._graphs[key] = self._capture(*key, codes.device)
         graph, static_in, static_out = self._graphs[key]
         static_in.zero_()
         static_in[:rows, :, :frames].copy_(codes)
-        graph.replay()
-        return static_out[:rows]
+        graph.replay()  # the whole window (a graph per skip would multiply the graphs)
+        return static_out[:rows, ..., skip_frames * (static_out.shape[-1] // key[1]):]
 
     @torch.inference_mode()
     def capture_all(self, device: torch.device) -> None:

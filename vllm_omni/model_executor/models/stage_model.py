@@ -148,6 +148,10 @@ class StageModel(nn.Module):
         """Whether this request's prefill may replay a prefill graph (when supports_prefill_graphs)."""
         return True
 
+    def capture_graphs(self) -> None:
+        """CUDA graphs of the model's own (beyond the runner's decode and prefill graphs), captured
+        at load with them: on CUDA, unless enforce_eager."""
+
     def begin_step(self) -> None:
         """A step starts: per-step scratch of the previous one may go (a decode step replayed
         from a CUDA graph embeds its requests but never calls forward)."""

@@ -130,13 +130,15 @@ class Qwen3TTSCode2Wav:
         batch = torch.zeros(len(windows), self.decoder.num_quantizers, longest, dtype=torch.long)
         for row, window in enumerate(windows):
             batch[row, :, : window.codes.shape[1]] = window.codes
+        # The vocoder needs less context than the transformer: it starts where every row has enough.
+        skip = max(0, min(w.context for w in windows) - self.decoder.vocoder_context_frames)
         with self.precision.scope(self.device):
-            wavs = self.decode_window(batch.to(self.device))[:, 0].float().cpu()
+            wavs = self.decode_window(batch.to(self.device), skip)[:, 0].float().cpu()
         spf, outputs = self.decoder.samples_per_frame, []
         for stream, window, wav in zip(streams, windows, wavs):
             stream.commit(window)
-            outputs.append(chunk_output(stream, wav[window.context * spf: window.codes.shape[1] * spf].clone(),
-                                        self.sample_rate))
+            chunk = wav[(window.context - skip) * spf: (window.codes.shape[1] - skip) * spf]
+            outputs.append(chunk_output(stream, chunk.clone(), self.sample_rate))
         return outputs
 
     def _codes(self, req: StageRequest) -> torch.Tensor:

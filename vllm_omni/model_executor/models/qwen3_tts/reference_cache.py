@@ -1,10 +1,10 @@
 """A cloned voice's encodings, kept by the content of its reference audio.
 
 Cloning a voice runs two encoders over the reference waveform before the request's first step:
-the speaker encoder (its talker row) and, for in-context cloning, Mimi's encoder (its codes).
-On the H200 they take ~20 ms of eager launches per request, two thirds of a cloning request's
-first step. A service clones the same few voices again and again (qwen-tts offers the same reuse
-as `create_voice_clone_prompt`), so requests whose reference has the same samples share one
+the speaker encoder (its talker row) and, for in-context cloning, Mimi's encoder (its codes):
+~4 ms replayed from their graphs on the H200 (reference_graphs.py), ~20 ms eagerly. A service
+clones the same few voices again and again (qwen-tts offers the same reuse as
+`create_voice_clone_prompt`), so requests whose reference has the same samples share one
 encoding: the talker computes each part on its first use and keeps the most recent references.
 """
 from __future__ import annotations

@@ -3,6 +3,11 @@
 Our implementation of qwen-tts' `Qwen3TTSSpeakerEncoder` (ECAPA-TDNN; parameter names match the
 checkpoint's `speaker_encoder.` tensors) and of its `mel_spectrogram` (n_fft 1024, hop 256,
 128 slaney mels up to 12 kHz, log-compressed), which feeds it.
+
+The encoder also runs on a mel padded past its real length (`ValidFrames`), with the result of
+the unpadded mel: every convolution pads by reflection at the real end, the means and the
+attention's softmax see only real frames. So one CUDA graph per padded length serves every
+reference (reference_graphs.py).
 """
 from __future__ import annotations
 
@@ -40,6 +45,28 @@ def mel_spectrogram(audio: torch.Tensor) -> torch.Tensor:
     return torch.log(mel.clamp(min=1e-5))[0].T
 
 
+class ValidFrames:
+    """The first `length` (a 0-dim long tensor, on the device) of a padded mel's frames are real.
+
+    `reflected(x)` makes x's frames after the real end what reflect padding at that end would
+    put there (frame `length + k` is frame `length - 2 - k`: torch's "reflect"), so that a "same"
+    convolution gives every real frame what it gives it on the unpadded input; `mean(x)` and
+    `mask` keep statistics to the real frames. Frames past the real end hold anything."""
+
+    def __init__(self, frames: int, length: torch.Tensor):
+        t = torch.arange(frames, device=length.device)
+        self.mask = t < length  # [T]
+        self.count = length.to(torch.float32)
+        self.reflect_index = torch.where(self.mask, t, (2 * length - 2 - t).clamp(min=0))
+
+    def reflected(self, x: torch.Tensor) -> torch.Tensor:
+        return x.index_select(2, self.reflect_index)
+
+    def mean(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, C, T] -> [B, C, 1], over the real frames."""
+        return (torch.where(self.mask, x, 0).sum(2, keepdim=True, dtype=torch.float32) / self.count).to(x.dtype)
+
+
 def _conv(in_ch: int, out_ch: int, kernel: int, dilation: int = 1) -> nn.Conv1d:
     return nn.Conv1d(in_ch, out_ch, kernel, dilation=dilation, padding="same", padding_mode="reflect")
 
@@ -49,7 +76,9 @@ class TDNNBlock(nn.Module):
         super().__init__()
         self.conv = _conv(in_ch, out_ch, kernel, dilation)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, valid: ValidFrames | None = None) -> torch.Tensor:
+        if valid is not None and self.conv.kernel_size[0] > 1:
+            x = valid.reflected(x)
         return F.relu(self.conv(x))
 
 
@@ -60,11 +89,11 @@ class Res2NetBlock(nn.Module):
         self.blocks = nn.ModuleList(TDNNBlock(channels // scale, channels // scale, kernel, dilation)
                                     for _ in range(scale - 1))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, valid: ValidFrames | None = None) -> torch.Tensor:
         parts = list(torch.chunk(x, self.scale, dim=1))
         out = [parts[0]]
         for i, block in enumerate(self.blocks, start=1):
-            out.append(block(parts[i] if i == 1 else parts[i] + out[-1]))
+            out.append(block(parts[i] if i == 1 else parts[i] + out[-1], valid))
         return torch.cat(out, dim=1)
 
 
@@ -74,8 +103,9 @@ class SEBlock(nn.Module):
         self.conv1 = _conv(channels, se_channels, 1)
         self.conv2 = _conv(se_channels, channels, 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = torch.sigmoid(self.conv2(F.relu(self.conv1(x.mean(dim=2, keepdim=True)))))
+    def forward(self, x: torch.Tensor, valid: ValidFrames | None = None) -> torch.Tensor:
+        mean = x.mean(dim=2, keepdim=True) if valid is None else valid.mean(x)
+        gate = torch.sigmoid(self.conv2(F.relu(self.conv1(mean))))
         return x * gate
 
 
@@ -87,8 +117,8 @@ class SERes2NetBlock(nn.Module):
         self.tdnn2 = TDNNBlock(out_ch, out_ch, 1, 1)
         self.se_block = SEBlock(out_ch, se_channels)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.se_block(self.tdnn2(self.res2net_block(self.tdnn1(x))))
+    def forward(self, x: torch.Tensor, valid: ValidFrames | None = None) -> torch.Tensor:
+        return x + self.se_block(self.tdnn2(self.res2net_block(self.tdnn1(x), valid)), valid)
 
 
 class AttentiveStatsPool(nn.Module):
@@ -103,12 +133,18 @@ class AttentiveStatsPool(nn.Module):
         std = torch.sqrt((weights * (x - mean[..., None]).pow(2)).sum(2).clamp(1e-12))
         return mean, std
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        frames = x.shape[-1]
-        mean, std = self._stats(x, torch.full_like(x[:, :1], 1.0 / frames))
+    def forward(self, x: torch.Tensor, valid: ValidFrames | None = None) -> torch.Tensor:
+        if valid is None:
+            uniform = torch.full_like(x[:, :1], 1.0 / x.shape[-1])
+        else:  # padded frames weigh 0 (where, not a product: they may hold anything)
+            x = torch.where(valid.mask, x, 0)
+            uniform = torch.where(valid.mask, 1.0 / valid.count, 0).to(x.dtype).expand_as(x[:, :1])
+        mean, std = self._stats(x, uniform)
         context = torch.cat([x, mean[..., None].expand_as(x), std[..., None].expand_as(x)], dim=1)
-        attention = F.softmax(self.conv(torch.tanh(self.tdnn(context))), dim=2)
-        mean, std = self._stats(x, attention)
+        scores = self.conv(torch.tanh(self.tdnn(context, valid)))
+        if valid is not None:
+            scores = scores.masked_fill(~valid.mask, float("-inf"))
+        mean, std = self._stats(x, F.softmax(scores, dim=2))
         return torch.cat([mean, std], dim=1)[..., None]
 
 
@@ -126,14 +162,23 @@ class SpeakerEncoder(nn.Module):
         self.asp = AttentiveStatsPool(ch[-1], config.enc_attention_channels)
         self.fc = _conv(ch[-1] * 2, config.enc_dim, 1)
 
-    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+    @property
+    def max_reflect_padding(self) -> int:
+        """The widest reflection of its convolutions: a mel needs more frames than this."""
+        spans = [conv.dilation[0] * (conv.kernel_size[0] - 1) for conv in self.modules() if isinstance(conv, nn.Conv1d)]
+        return max(span - span // 2 for span in spans)  # "same" puts the odd frame on the right
+
+    def forward(self, mel: torch.Tensor, length: torch.Tensor | None = None) -> torch.Tensor:
+        """mel [B, T, mel_dim]; `length` (0-dim long, on the device): only the first `length`
+        frames are real (every row's), the result is that of mel[:, :length]."""
         x = mel.transpose(1, 2)
+        valid = None if length is None else ValidFrames(x.shape[-1], length)
         outputs = []
         for block in self.blocks:
-            x = block(x)
+            x = block(x, valid)
             outputs.append(x)
-        x = self.mfa(torch.cat(outputs[1:], dim=1))
-        return self.fc(self.asp(x))[..., 0]
+        x = self.mfa(torch.cat(outputs[1:], dim=1), valid)
+        return self.fc(self.asp(x, valid))[..., 0]
 
     @torch.inference_mode()
     def embed(self, audio: torch.Tensor) -> torch.Tensor:

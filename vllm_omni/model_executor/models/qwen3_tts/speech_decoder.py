@@ -9,11 +9,16 @@ checkpoint's `speech_tokenizer/model.safetensors` below `decoder.`):
     -> causal conv -> clamp to [-1, 1]
 
 Everything is causal, so a frame's samples depend only on earlier frames: decoding in chunks
-with enough left context reproduces the whole decode (see `decode_chunk`).
+with enough left context reproduces the whole decode (see `decode_chunk`). Nearly all of the
+work is the vocoder (the convolutions after the transformer, up to 24 kHz), and it reads only
+`vocoder_context_frames` frames back (5 of the released model's 25 frames of context): a chunk
+runs the transformer over its whole context and the vocoder over that much of it.
 """
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -270,27 +275,62 @@ class SpeechDecoder(nn.Module):
                                       *(UpsampleBlock(dim >> i, dim >> (i + 1), r) for i, r in enumerate(rates)),
                                       SnakeBeta(dim >> len(rates)), CausalConv(dim >> len(rates), 1, 7)])
 
-    def forward(self, codes: torch.Tensor) -> torch.Tensor:
-        """codes [B, G, T] long -> waveform [B, 1, T * samples_per_frame] in [-1, 1]"""
+    def forward(self, codes: torch.Tensor, skip_frames: int = 0) -> torch.Tensor:
+        """codes [B, G, T] long -> waveform of frames [skip_frames, T) in [-1, 1]:
+        [B, 1, (T - skip_frames) * samples_per_frame]. The vocoder starts at frame skip_frames, so
+        only the samples of frames from skip_frames + vocoder_context_frames on are those of the
+        whole window."""
         if codes.shape[1] != self.num_quantizers:
             raise ValueError(f"expected {self.num_quantizers} code groups, got {codes.shape[1]}")
         h = self.pre_conv(self.quantizer(codes))
         h = self.pre_transformer(h.transpose(1, 2)).transpose(1, 2)
         for trans_conv, convnext in self.upsample:
             h = convnext(trans_conv(h))
+        h = h[..., skip_frames * self.vocoder_input_per_frame:]
         for layer in self.decoder:
             h = layer(h)
         return h.clamp(-1, 1)
 
+    @property
+    def vocoder_input_per_frame(self) -> int:
+        return math.prod(trans_conv.conv.stride[0] for trans_conv, _ in self.upsample)
+
+    @functools.cached_property
+    def vocoder_context_frames(self) -> int:
+        """How many frames before a frame the vocoder reads for that frame's samples (its
+        receptive field, walked from its output back to its input, rounded up to frames)."""
+        reach = 0  # samples before the first wanted one, at the current layer's output
+        for layer in reversed(list(_vocoder_layers(self.decoder))):
+            if isinstance(layer, CausalConv):  # output j reads inputs j*s - (span - s) .. j*s + s - 1
+                reach = reach * layer.stride + layer.span - layer.stride
+            elif isinstance(layer, CausalTransConv):  # output u reads inputs i with i*s <= u < i*s + kernel
+                stride, kernel = layer.conv.stride[0], layer.conv.kernel_size[0]
+                reach = -(-(reach + kernel) // stride) - 1
+        return -(-reach // self.vocoder_input_per_frame)
+
     def decode_chunk(self, codes: torch.Tensor, start: int, end: int, left_context: int) -> torch.Tensor:
         """Samples of frames [start, end) of `codes` [B, G, T], decoded with up to
-        `left_context` earlier frames: [B, (end - start) * samples_per_frame]."""
+        `left_context` earlier frames (the transformer reads them all, the vocoder what it needs):
+        [B, (end - start) * samples_per_frame]."""
         context = min(left_context, start)
-        wav = self(codes[..., start - context : end])
-        return wav[:, 0, context * self.samples_per_frame :]
+        skip = max(0, context - self.vocoder_context_frames)
+        wav = self(codes[..., start - context : end], skip)
+        return wav[:, 0, (context - skip) * self.samples_per_frame :]
 
     def chunked_decode(self, codes: torch.Tensor, chunk: int = 300, left_context: int = 25) -> torch.Tensor:
         """qwen-tts' decode: chunks of `chunk` frames with `left_context` frames of context."""
         pieces = [self.decode_chunk(codes, s, min(s + chunk, codes.shape[-1]), left_context)
                   for s in range(0, codes.shape[-1], chunk)]
         return torch.cat(pieces, dim=-1)
+
+
+def _vocoder_layers(modules) -> Iterator[nn.Module]:
+    """The vocoder's layers in the order they run (a residual unit's branch; its skip path adds no
+    reach)."""
+    for module in modules:
+        if isinstance(module, UpsampleBlock):
+            yield from _vocoder_layers(module.block)
+        elif isinstance(module, ResidualUnit):
+            yield from (module.act1, module.conv1, module.act2, module.conv2)
+        else:
+            yield module

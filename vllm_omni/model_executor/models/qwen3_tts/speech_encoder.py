@@ -6,10 +6,15 @@ subclasses), loaded from the checkpoint's `speech_tokenizer/model.safetensors` `
 tensors. Those carry transformers 4.x names (as released); transformers 5.24 nests the SEANet,
 its transformer and the downsampling conv one level deeper, so names are mapped on load
 (either layout works: the map is built from the module's own names).
+
+`encode_padded` gives the codes of a reference from a longer buffer that holds it, equal to
+those of the reference alone, so that one CUDA graph per buffer length serves every reference
+(reference_graphs.py).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -63,6 +68,63 @@ class SpeechEncoder(nn.Module):
         codes = self.mimi.encode(audio[None, None], num_quantizers=self.valid_quantizers, return_dict=True).audio_codes
         frames = -(-audio.shape[0] // self.samples_per_frame)
         return codes[0, :, :frames].T
+
+    def supports_padding(self) -> bool:
+        """Whether `encode_padded` equals `encode`: each convolution pads its right end with zeros or
+        with its last value (Qwen3-TTS' tokenizer: zeros, and the downsampling conv replicates)."""
+        return all(conv.pad_mode in _PAST_THE_END for conv in self._encoding_convs())
+
+    @torch.inference_mode()
+    def encode_padded(self, audio: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+        """audio [B] (B a multiple of samples_per_frame), of which the first `length` samples (a 0-dim
+        long tensor on the device) are the reference -> codes [B / samples_per_frame, Q], whose first
+        ceil(length / samples_per_frame) rows are `encode(audio[:length])`.
+
+        Why it is exact: the encoder pads each convolution's input on the right up to a whole number
+        of strides (zeros, or the last value); here every convolution's input past the real length
+        the unpadded encode would give it is overwritten with that padding, so each real output sees
+        the same values. The transformer is causal, and each code depends on its own frame only."""
+        _conv_geometry_on_host(self.mimi)
+        with self._padded_past(length):
+            codes = self.mimi.encode(audio[None, None], num_quantizers=self.valid_quantizers,
+                                     return_dict=True).audio_codes
+        return codes[0].T
+
+    def _encoding_convs(self) -> list[nn.Module]:
+        return [m for name, m in self.mimi.named_modules()
+                if type(m).__name__ == "MimiConv1d" and to_released_name(name + ".weight") is not None]
+
+    @contextlib.contextmanager
+    def _padded_past(self, length: torch.Tensor) -> Iterator[None]:
+        """Hooks on the encoding half's convolutions, which run one after another: each pads its
+        input past the current real length, then advances that length to its output's (transformers'
+        MimiConv1d._get_output_length, as arithmetic on the device)."""
+        real = length.clone()
+
+        def pad_past(conv, args):
+            x = args[0]
+            return (_PAST_THE_END[conv.pad_mode](x, torch.arange(x.shape[-1], device=x.device), real), *args[1:])
+
+        def advance(conv, args, output):
+            kernel, stride, total = int(conv.kernel_size), int(conv.stride), int(conv.padding_total)
+            real.copy_(torch.div(real - kernel + total + stride - 1, stride, rounding_mode="floor") + 1)
+
+        handles = []
+        for conv in self._encoding_convs():
+            handles += [conv.register_forward_pre_hook(pad_past), conv.register_forward_hook(advance)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+# pad mode -> (x [..., T], positions [T], real length) -> x with every position past the real end
+# holding what that mode pads with
+_PAST_THE_END = {
+    "constant": lambda x, t, real: torch.where(t < real, x, 0),
+    "replicate": lambda x, t, real: x.index_select(-1, torch.minimum(t, real - 1)),
+}
 
 
 _GEOMETRY = ("stride", "kernel_size", "padding_total", "padding_left", "padding_right")

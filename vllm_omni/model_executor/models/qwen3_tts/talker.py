@@ -16,6 +16,7 @@ Codes of the vocabulary's last 1024 ids except codec EOS are suppressed (qwen-tt
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ from vllm_omni.model_executor.models.qwen3_tts.configuration import TaskType, TT
 from vllm_omni.model_executor.models.predictor_graphs import GraphedPredictor
 from vllm_omni.model_executor.models.qwen3_tts.prompt import TalkerPrompt, build_prompt, prompt_length
 from vllm_omni.model_executor.models.qwen3_tts.reference_cache import ReferenceCache
+from vllm_omni.model_executor.models.qwen3_tts.reference_graphs import REFERENCE_GRAPHS_ENV, ReferenceGraphs
 from vllm_omni.model_executor.models.qwen3_tts.speaker_encoder import SpeakerEncoder
 from vllm_omni.model_executor.models.qwen3_tts.speech_encoder import ENCODER_PREFIX, SpeechEncoder
 from vllm_omni.model_executor.models.qwen3_tts.tts_request import CODES_KEY, REF_CODES_KEY, TTSRequest
@@ -93,7 +95,8 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
             # Kept out of the module tree: its tensors live in their own file (load_weights).
             object.__setattr__(self, "speech_encoder", SpeechEncoder(
                 speech["encoder_config"], speech["encoder_valid_num_quantizers"], self.samples_per_frame))
-            self.reference_cache = ReferenceCache(self.speaker_encoder.embed, self.speech_encoder.encode)
+            self.reference_cache = ReferenceCache(self._embed_speaker, self._encode_reference_codes)
+        self.reference_graphs: ReferenceGraphs | None = None  # capture_graphs, on CUDA
 
         # Engine-facing attributes (DecoderForCausalLM's set).
         self.num_layers = tc.num_hidden_layers
@@ -134,6 +137,20 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
             self.speech_encoder.load_released(tensors)
             self.speech_encoder.eval()
         return loaded
+
+    def capture_graphs(self) -> None:
+        if self.speech_encoder is not None and self.speech_encoder.supports_padding() \
+                and os.environ.get(REFERENCE_GRAPHS_ENV) != "0":
+            self.reference_graphs = ReferenceGraphs(self.speaker_encoder, self.speech_encoder)
+            self.reference_graphs.capture()
+
+    def _embed_speaker(self, audio: torch.Tensor) -> torch.Tensor:
+        row = self.reference_graphs and self.reference_graphs.embed_speaker(audio)
+        return self.speaker_encoder.embed(audio) if row is None else row
+
+    def _encode_reference_codes(self, audio: torch.Tensor) -> torch.Tensor:
+        codes = self.reference_graphs and self.reference_graphs.encode_codes(audio)
+        return self.speech_encoder.encode(audio) if codes is None else codes
 
     # --- forward ----------------------------------------------------------------
     def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
