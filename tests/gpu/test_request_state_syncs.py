@@ -95,7 +95,7 @@ def test_a_tts_request_state_is_built_without_waiting(tmp_path, task):
         return lambda: engine.model.embed_request_span(request, 0, request.num_prompt_tokens, None)
 
     add(0)()  # warm-up
-    # the prefill's rows: the speaker, the reference encoded (its encoders' graphs: transformers'
-    # MimiModel.encode run eagerly waits once inside its own code), the text
+    # the prefill's rows: the speaker, the reference encoded (through its encoders' graphs; the
+    # eager transformers MimiModel.encode would wait once inside its own code), the text
     assert_no_waits(add(1))
     run_to_the_end(engine)

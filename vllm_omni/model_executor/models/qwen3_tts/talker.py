@@ -145,11 +145,11 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
             self.reference_graphs.capture()
 
     def _embed_speaker(self, audio: torch.Tensor) -> torch.Tensor:
-        row = self.reference_graphs and self.reference_graphs.embed_speaker(audio)
+        row = self.reference_graphs.embed_speaker(audio) if self.reference_graphs else None
         return self.speaker_encoder.embed(audio) if row is None else row
 
     def _encode_reference_codes(self, audio: torch.Tensor) -> torch.Tensor:
-        codes = self.reference_graphs and self.reference_graphs.encode_codes(audio)
+        codes = self.reference_graphs.encode_codes(audio) if self.reference_graphs else None
         return self.speech_encoder.encode(audio) if codes is None else codes
 
     # --- forward ----------------------------------------------------------------
