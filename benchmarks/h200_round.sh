@@ -13,6 +13,7 @@
 #   benchmarks/h200_round.sh token2wav_first  # Qwen2.5-Omni token2wav alone at batch 1: its first window
 #   benchmarks/h200_round.sh tts_clone  # Qwen3-TTS voice cloning (Base): first step, first audio at 1 and 16 in flight
 #   benchmarks/h200_round.sh tts_reference  # a new cloned voice: its encoders eager vs in graphs, alone and end to end
+#   benchmarks/h200_round.sh tts_lanes  # its code2wav's steady-chunk graphs and first-chunk lane, A/B/C
 #   benchmarks/h200_round.sh tts_poisson_timeline  # Qwen3-TTS under Poisson arrivals: both stages' step timelines
 #   benchmarks/h200_round.sh code2wav_precision  # Qwen3 / TTS code2wav: TF32 and bfloat16 tolerances and speed
 #   benchmarks/h200_round.sh tts_code2wav  # the TTS code2wav stage's steps at 64 in flight under the torch profiler
@@ -116,6 +117,16 @@ case "${1:-}" in
     for g in 1 0; do
       step tts_clone_new_g$g 200 env VLLM_OMNI_REFERENCE_CUDA_GRAPHS=$g $PY benchmarks/bench_tts.py --real-arch \
         --task Base --voices 0 --concurrency 1,16 --num-requests 16 --frames 120 --json "$OUT/tts_clone_new_g$g.json"
+    done ;;
+  tts_lanes)  # code2wav: steady-chunk graphs and the first-chunk lane, each off and on (RUNS, MODES: which)
+    step decode_lane_tests 200 $PY -m pytest -q tests/gpu/test_decode_lanes.py tests/gpu/test_decoder_graphs.py \
+      -p no:cacheprovider
+    for run in ${RUNS:-1}; do
+      for mode in ${MODES:-before steady lanes}; do
+        step tts_${mode}_$run 150 env VLLM_OMNI_STEADY_CHUNK_GRAPHS=$([ $mode = before ] && echo 0 || echo 1) \
+          VLLM_OMNI_DECODE_LANES=$([ $mode = lanes ] && echo 1 || echo 0) $PY benchmarks/bench_tts.py --real-arch \
+          --concurrency 1,64 --num-requests 32 --frames 120 --rate 20 --json "$OUT/tts_${mode}_$run.json"
+      done
     done ;;
   tts_poisson_timeline)  # each request's submission and first audio (JSON each[]) on the timelines' clock
     step tts_poisson_timeline 200 env VLLM_OMNI_PROFILE_DIR="$OUT/tts_poisson" VLLM_OMNI_PROFILE_STAGES=0,1 \

@@ -104,7 +104,9 @@ class StageEngine(Protocol):
     def pause(self, request_ids: Sequence[str], paused: bool) -> None: ...  # flow control
     def step(self) -> list[StageOutput]: ...  # deltas of DELTA requests, finished outputs of all
     # A step would make progress now. Requests waiting for streamed input or paused do not
-    # count: the worker then blocks on its socket instead of spinning.
+    # count: the worker then blocks on its socket instead of spinning. Optional
+    # `poll_ms() -> int | None`: with work on the device that a later step collects, how soon
+    # to step again if no message comes (None: block as usual).
     def has_work(self) -> bool: ...
     def fail_all(self, error: str) -> list[StageOutput]: ...  # after a step raised
     def stats(self) -> dict[str, int]: ...  # fields of engine.messages.StageStats
@@ -144,7 +146,14 @@ class StreamingDecoder(Protocol):
 class StreamingGenerationModel(GenerationModel, Protocol):
     """A GenerationModel that can also decode a request in chunks as its input streams in.
     `max_units_per_chunk`: the most units a decoder may wait for before it can decode (a chunk
-    and its look-ahead): flow control never holds its producer back below that."""
+    and its look-ahead): flow control never holds its producer back below that.
+    Optional `streams_per_step(decoders) -> int`: how many of these ready decoders (in the
+    engine's order) one `decode_streams` call should take, where a larger call would only make a
+    new stream's first chunk wait longer behind it (without it: all, up to max_batch_size).
+    `decode_streams` may return tensors on the model's device (the engine copies them out).
+    Optional `overlaps_first_chunks = True`: a call of only new streams' first chunks may run
+    while a call of later chunks is still on the GPU (worker/decode_lanes.py), the model keeping
+    what the two write apart (its CUDA graphs' memory)."""
 
     max_units_per_chunk: int
 

@@ -19,12 +19,15 @@ FAMILIES = {"qwen3_tts": Qwen3TTSCode2Wav, "qwen3_omni_moe": Qwen3OmniMoeCode2Wa
 
 
 def _chunks(model, frames: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Every stream's chunks, decoded in steps as the engine plans them (`streams_per_step`)."""
     streams = [open_empty(model, rid=str(i)) for i in range(len(frames))]
     for stream, f in zip(streams, frames):
         stream.push(f, final=True)
     chunks: list[list[torch.Tensor]] = [[] for _ in frames]
+    plan = getattr(model, "streams_per_step", len)
     while any(s.ready() for s in streams):
         ready = [i for i, s in enumerate(streams) if s.ready()]
+        ready = ready[: plan([streams[i] for i in ready])]
         for i, out in zip(ready, model.decode_streams([streams[i] for i in ready])):
             chunks[i].append(out["audio"])
     return chunks
@@ -48,3 +51,25 @@ def test_graphed_streams_equal_eager(tiny_model, family, lengths):
             assert len(e) == len(g) > 1
             for a, b in zip(e, g):
                 torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+
+
+def test_steady_chunks_replay_trimmed_graphs(tiny_model):
+    """Qwen3-TTS with 8 frames of context (3 more than its vocoder reads): 6 streams' steady
+    chunks go in steps of what the graphs hold, each replaying the graph of the steady window
+    with the vocoder trimmed, and no call runs eagerly; audio as the eager decoder's."""
+    folder = str(tiny_model("qwen3_tts"))
+    config = Code2WavStreamConfig(initial_chunk_frames=1, chunk_frames=6, left_context_frames=8)
+    eager = Qwen3TTSCode2Wav.load(folder, device="cuda", dtype="float32", stream_config=config)
+    graphed = Qwen3TTSCode2Wav.load(folder, device="cuda", dtype="float32", stream_config=config, cuda_graphs=True)
+    assert graphed.graphs.later.steady == (14, 3)
+    eager_calls = []
+    for graphs in (graphed.graphs.later, graphed.graphs.first):
+        graphs.decoder = lambda *args, run=graphs.decoder: eager_calls.append(args[0].shape) or run(*args)
+    gen = torch.Generator().manual_seed(1)
+    frames = [torch.randint(0, 64, (n, eager.decoder.num_quantizers), generator=gen) for n in (40, 37, 45, 40, 31, 50)]
+    expected, got = _chunks(eager, frames), _chunks(graphed, frames)
+    assert eager_calls == []
+    for e, g in zip(expected, got):
+        assert len(e) == len(g) > 4
+        for a, b in zip(e, g):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=0)

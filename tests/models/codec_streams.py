@@ -32,7 +32,8 @@ def run_stream(model, stream, units: torch.Tensor, pieces: Sequence[int] | None 
 
 
 def audio_of(outputs: list[dict]) -> list[torch.Tensor]:
-    return [out["audio"] for out in outputs]
+    """Each chunk's audio on the host (decode_streams may leave it on the device)."""
+    return [out["audio"].cpu() for out in outputs]
 
 
 def snr_db(reference: torch.Tensor, other: torch.Tensor) -> float:

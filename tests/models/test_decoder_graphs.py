@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from vllm_omni.model_executor.models.decoder_graphs import BUCKETS, DecoderGraphs, bucket, graph_buckets
+from tests.models.codec_streams import open_empty
+from vllm_omni.model_executor.models.decoder_graphs import (
+    BUCKETS, DecoderGraphs, StreamGraphs, bucket, graph_buckets, streams_within_budget,
+)
 from vllm_omni.model_executor.models.qwen3_tts.code2wav import Qwen3TTSCode2Wav
 
 
@@ -39,8 +42,35 @@ def test_padding_leaves_the_real_samples_unchanged(tiny_model):
 
 def test_on_the_cpu_the_decoder_runs_eagerly(tiny_model):
     model = Qwen3TTSCode2Wav.load(str(tiny_model("qwen3_tts")), device="cpu", cuda_graphs=True)
-    assert model.decode_window is model.decoder  # graphs are CUDA-only
+    assert model.graphs is None  # graphs are CUDA-only
     calls = []
     graphs = DecoderGraphs(lambda codes: calls.append(codes.shape) or codes.float(), num_quantizers=2)
     graphs(torch.zeros(3, 2, 5, dtype=torch.long))
     assert calls == [(3, 2, 5)]  # CPU tensors: the decoder itself, unpadded
+
+
+def test_steps_of_streamed_windows_fit_the_graphs(tiny_model):
+    """StreamGraphs for the default chunks (25 + 25 frames, the vocoder reading 5 back): the
+    steady window's graph starts the vocoder 20 frames in; first chunks have graphs of their
+    own for every new stream at once; a step of later chunks takes the windows 4 steady graphs
+    hold (`streams_within_budget`, what code2wav's `streams_per_step` says), at least one."""
+    model = Qwen3TTSCode2Wav.load(str(tiny_model("qwen3_tts")), device="cpu")  # 4-frame first chunk, 25 + 25
+    decoder = model.decoder
+    graphs = StreamGraphs(decoder, decoder.num_quantizers, decoder.samples_per_frame, model.stream_config,
+                          vocoder_context_frames=5)
+    assert graphs.later.steady == (50, 20) and {(4, 50, 20), (1, 64, 0)} <= graphs.later.buckets
+    assert graphs.first.steady is None and {(64, 4, 0), (64, 1, 0)} <= graphs.first.buckets
+    assert graphs.step_frame_budget == 200
+    streams = [open_empty(model, rid=str(i)) for i in range(8)]
+    for i, stream in enumerate(streams):
+        stream.push(torch.zeros(100, decoder.num_quantizers, dtype=torch.long), final=False)
+        for _ in range(min(i, 5)):  # stream i is past its first i chunks (4, 4, 8, 16, 25 frames)
+            stream.commit(stream.next_window())
+    assert graphs.for_streams(streams[:1]) is graphs.first and graphs.for_streams(streams[:2]) is graphs.later
+    sizes = [s.next_window_frames() for s in streams]
+    assert sizes == [s.next_window().codes.shape[1] for s in streams] == [4, 8, 16, 32] + [50] * 4
+    assert streams_within_budget(graphs, streams) == 6  # 160 frames, and 50 more would pass 200
+    assert streams_within_budget(graphs, streams[4:]) == 4  # the budget: 4 steady windows
+    assert streams_within_budget(None, streams) == 8  # no graphs: one call for all
+    assert streams_within_budget(StreamGraphs(decoder, decoder.num_quantizers, decoder.samples_per_frame,
+                                              model.stream_config, vocoder_context_frames=25), streams) == 8

@@ -3,7 +3,9 @@
 The reference is transformers' own `Qwen3OmniMoeCode2Wav` from the checkpoint: its
 `chunked_decode` for chunked audio, its forward for whole requests. A streamed request is
 compared with it bit for bit where the math is the same, and by max abs / SNR where the
-left context cuts what the decoder would see.
+left context cuts what the decoder would see. A stream's vocoder starts
+`vocoder_context_frames` before each chunk: its audio is the whole windows' (checked against
+streams that run the vocoder over whole windows), and a frame less would change it.
 """
 from __future__ import annotations
 
@@ -150,16 +152,100 @@ def test_audio_does_not_depend_on_batch_mates(ckpt):
         assert out["audio"].shape == alone["audio"].shape
         torch.testing.assert_close(out["audio"], alone["audio"], atol=1e-5, rtol=0)
 
+    got = decode_together(model, frames)
+    for rid, f in frames.items():
+        alone = torch.cat(audio_of(run_stream(model, open_empty(model), f)))
+        torch.testing.assert_close(got[rid], alone, atol=1e-5, rtol=0)
+
+
+def decode_together(model: Qwen3OmniMoeCode2Wav, frames: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each request's streamed audio, all streams decoded in the same calls (first chunks beside
+    later ones: windows with different left contexts share a call)."""
     together = {rid: open_empty(model, rid) for rid in frames}
     got: dict[str, list[torch.Tensor]] = {rid: [] for rid in frames}
     for rid, stream in together.items():
         stream.push(frames[rid], final=True)
-    while ready := [rid for rid, s in together.items() if s.ready()]:  # first chunks beside late ones
+    while ready := [rid for rid, s in together.items() if s.ready()]:
         for rid, out in zip(ready, model.decode_streams([together[rid] for rid in ready])):
             got[rid].append(out["audio"])
+    return {rid: torch.cat(chunks) for rid, chunks in got.items()}
+
+
+# Vocoder layouts (upsample_rates after upsampling_ratios) and their vocoder_context_frames, which
+# a brute-force Jacobian of the vocoder confirmed: the tiny checkpoint's, another, and the released
+# one (5 frames: 20 vocoder input samples for the 555 unfinished samples before a chunk).
+LAYOUTS = {
+    "tiny": ({}, 34),
+    "4x3-after-2x2": ({"code2wav_upsample_rates": [4, 3], "code2wav_upsampling_ratios": [2, 2]}, 9),
+    "released": ({"code2wav_upsample_rates": [8, 5, 4, 3], "code2wav_upsampling_ratios": [2, 2]}, 5),
+}
+
+
+def carry_signal(model: Qwen3OmniMoeCode2Wav) -> None:
+    """Vocoder weights that carry the signal through every layer: the far end of its receptive
+    field is a product of edge taps, ~1e-11 of the output in the tiny checkpoint's small weights."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.module.decoder.parameters():
+            if p.dim() > 1:  # convolution weights: N(0, 0.1)
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            else:  # biases, SnakeBeta's alpha and beta: U(-0.3, 0.3)
+                p.copy_(torch.rand(p.shape, generator=gen) * 0.6 - 0.3)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@torch.inference_mode()
+def test_streamed_vocoder_skips_only_context_it_does_not_read(tiny_model, layout):
+    """Streams whose vocoder starts `vocoder_context_frames` before each chunk (per call: where
+    every row has that much context) against streams that vocode whole windows: equal within
+    1e-5 (convolutions over other lengths round differently, measured <= 5e-7; a frame of vocoder
+    context less moves two of these layouts by 2e-4). 40 frames of left context, more than the
+    tiny layout's 34: every layout skips some."""
+    overrides, reach = LAYOUTS[layout]
+    model = load(tiny_model("qwen3_omni_moe", **overrides), left_context_frames=40)
+    assert model.vocoder_context_frames == reach
+    carry_signal(model)
+    frames = {rid: random_frames(n, seed=20 + n) for rid, n in {"a": 137, "b": 60, "c": 9}.items()}
+    trimmed = decode_together(model, frames)
+    model.vocoder_context_frames = 10**6  # no skip: the whole windows
     for rid, f in frames.items():
-        alone = torch.cat(audio_of(run_stream(model, open_empty(model), f)))
-        torch.testing.assert_close(torch.cat(got[rid]), alone, atol=1e-5, rtol=0)
+        whole_windows = torch.cat(audio_of(run_stream(model, open_empty(model), f)))
+        torch.testing.assert_close(trimmed[rid], whole_windows, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@torch.inference_mode()
+def test_one_frame_less_of_vocoder_context_changes_the_audio(tiny_model, layout):
+    """`vocoder_context_frames` is tight: with it a chunk's samples are the whole window's, with a
+    frame less they are not. In float64 (rounding ~1e-16: trimmed == whole exactly here), so that
+    the far end of the receptive field shows in every layout (a frame less: 3e-6 to 2e-4)."""
+    overrides, reach = LAYOUTS[layout]
+    model = load(tiny_model("qwen3_omni_moe", **overrides))
+    carry_signal(model)
+    model.module.double()
+    spf, unfinished, context = model.samples_per_frame, model.unfinished_samples, reach + 6
+    codes = torch.randint(0, CODEBOOK, (2, Q, context + 10), generator=torch.Generator().manual_seed(1))
+    # A chunk after `context` frames: its new samples start `unfinished` before its first frame.
+    whole = model._decode_from(codes)[:, 0, context * spf - unfinished:]
+    trimmed = model._decode_from(codes, context - reach)[:, 0, reach * spf - unfinished:]
+    short = model._decode_from(codes, context - reach + 1)[:, 0, (reach - 1) * spf - unfinished:]
+    assert trimmed.shape == short.shape == whole.shape
+    torch.testing.assert_close(trimmed, whole, atol=1e-12, rtol=0)
+    assert (short - whole).abs().max() > 1e-7
+
+
+@torch.inference_mode()
+def test_steady_chunks_vocode_only_their_receptive_field(tiny_model):
+    """With the default chunks (4, 4, 8, 16, then 25 frames with 25 of context) the vocoder (a hook
+    on its first layer) sees a chunk's frames plus `vocoder_context_frames` once the context is
+    longer than that: a steady chunk is 25 + 9 frames of vocoder work, not 50."""
+    overrides, reach = LAYOUTS["4x3-after-2x2"]
+    model = load(tiny_model("qwen3_omni_moe", **overrides))
+    per_frame = model.vocoder_input_per_frame
+    seen: list[int] = []
+    model.module.decoder[0].register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[-1] // per_frame))
+    run_stream(model, open_empty(model), random_frames(137, seed=4))
+    assert seen == [4, 4 + 4, 8 + 8, 16 + reach] + [25 + reach] * 4 + [5 + reach]
 
 
 def test_stream_errors(ckpt):

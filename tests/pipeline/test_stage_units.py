@@ -7,6 +7,7 @@ import torch
 from vllm_omni.config.stage_config import StageConfig, StageEngineArgs, StageRuntimeConfig
 from vllm_omni.core.sched.omni_generation_scheduler import OmniGenerationScheduler
 from vllm_omni.stage_io import StageInputChunk, StageRequest
+from vllm_omni.worker.decode_lanes import HostLanes, Launched
 from vllm_omni.worker.generation_stage_engine import GenerationStageEngine
 from vllm_omni.engine.stage_input import StageView, build_stage_input, default_input_processor
 from vllm_omni.inputs import OmniTokensPrompt
@@ -179,6 +180,118 @@ def test_first_chunks_go_out_in_a_step_of_their_own():
     stream("new", 3)
     assert [o.request_id for o in engine.step()] == ["new"]  # alone, ahead of a and b
     assert sorted(o.request_id for o in engine.step()) == ["a", "b", "new"]
+
+
+class TwoStreamsPerStep(OneUnitChunks):
+    """A model whose steps run well with at most two streams (like code2wav's graphs)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def streams_per_step(self, decoders):
+        return 2
+
+    def decode_streams(self, decoders):
+        self.calls.append(len(decoders))
+        return super().decode_streams(decoders)
+
+
+def test_steps_take_no_more_streams_than_the_model_plans():
+    """Five streams with chunks ready: steps of two (round robin), a new stream's first chunk
+    still in the next step, ahead of them; every chunk decoded once."""
+    model = TwoStreamsPerStep()
+    engine = GenerationStageEngine(model, OmniGenerationScheduler(8), stage_id=2)
+    for rid in "abcde":
+        engine.add_request(StageRequest(request_id=rid, prompt_token_ids=[], sampling_params=SamplingParams(),
+                                        input_complete=False))
+        engine.add_input(StageInputChunk(request_id=rid, additional_information={"units": torch.zeros(2)},
+                                         final=True))
+    steps = [sorted(o.request_id for o in engine.step()) for _ in range(3)]
+    assert steps == [["a", "b"], ["c", "d"], ["e"]]  # first chunks, two at a time
+    engine.add_request(StageRequest(request_id="new", prompt_token_ids=[], sampling_params=SamplingParams(),
+                                    input_complete=False))
+    engine.add_input(StageInputChunk(request_id="new", additional_information={"units": torch.zeros(1)},
+                                     final=True))
+    assert [o.request_id for o in engine.step()] == ["new"]
+    outs = []
+    while engine.has_work():
+        outs.append(sorted((o.request_id, o.finished) for o in engine.step()))
+    assert outs == [[("a", True), ("b", True)], [("c", True), ("d", True)], [("e", True)]]
+    assert model.calls == [2, 2, 1, 1, 2, 2, 1]
+
+
+class HeldLaunch(Launched):
+    """A launched decode that stays on the 'device' until the test releases it."""
+
+    released = False
+
+    def done(self):
+        return self.released
+
+
+class HeldLanes(HostLanes):
+    """Overlapping lanes (as CudaLanes) whose launched calls finish when the test says so."""
+
+    overlapping = True
+
+    def __init__(self):
+        self.launched = []
+
+    def launch(self, call):
+        self.launched.append(HeldLaunch(self.run_now(call)))
+        return self.launched[-1]
+
+
+def _open(engine, rid, units, final=False):
+    engine.add_request(StageRequest(request_id=rid, prompt_token_ids=[], sampling_params=SamplingParams(),
+                                    input_complete=False))
+    engine.add_input(StageInputChunk(request_id=rid, additional_information={"units": torch.zeros(units)},
+                                     final=final))
+
+
+def test_a_first_chunk_does_not_wait_for_later_chunks_on_the_device():
+    """Later chunks launched on the device: the next steps decode a new stream's first chunk at
+    once, launch nothing more, and the worker polls (no spinning) until the launch is done."""
+    lanes = HeldLanes()
+    engine = GenerationStageEngine(OneUnitChunks(), OmniGenerationScheduler(8), stage_id=2, lanes=lanes)
+    _open(engine, "a", 3)
+    _open(engine, "b", 3)
+    assert sorted(o.request_id for o in engine.step()) == ["a", "b"]  # first chunks, decoded at once
+    assert lanes.launched == []  # nothing else in that step
+    assert engine.step() == [] and len(lanes.launched) == 1  # their second chunks are on the device
+    assert not engine.has_work() and engine.poll_ms() == 1
+    _open(engine, "new", 2)
+    assert [o.request_id for o in engine.step()] == ["new"]  # ahead of the launch, which is still held
+    assert not engine.has_work()  # new's second chunk is ready, but one launch at a time: no spinning
+    assert engine.step() == [] and len(lanes.launched) == 1
+    lanes.launched[0].released = True
+    assert engine.has_work()
+    assert sorted(o.request_id for o in engine.step()) == ["a", "b"]
+
+
+def test_a_launched_decode_ends_its_streams_properly():
+    """While a launch is on the device: an aborted stream gets nothing from it; a final push
+    that leaves nothing to decode finishes the stream with the launched chunk, not before it;
+    a failed step fails the launch's streams."""
+    lanes = HeldLanes()
+    engine = GenerationStageEngine(OneUnitChunks(), OmniGenerationScheduler(8), stage_id=2, lanes=lanes)
+    for rid in ("a", "b", "c"):
+        _open(engine, rid, 2)
+    engine.step()  # first chunks
+    assert engine.step() == []  # the three second chunks launched
+    engine.abort(["a"])
+    engine.add_input(StageInputChunk(request_id="b", additional_information={}, final=True))
+    assert engine.step() == []  # nothing yet for b: its last chunk is on the device
+    lanes.launched[0].released = True
+    assert sorted((o.request_id, o.finished) for o in engine.step()) == [("b", True), ("c", False)]
+    assert not engine.has_work()
+    engine.add_input(StageInputChunk(request_id="c", additional_information={"units": torch.zeros(1)},
+                                     final=True))
+    assert engine.step() == []  # launched
+    failed = engine.fail_all("stage 2: engine step failed: device error")
+    assert [(o.request_id, o.finished, o.error) for o in failed] == [("c", True, "stage 2: engine step failed: "
+                                                                                  "device error")]
+    assert engine.stats()["num_unfinished"] == 0
 
 
 def test_ar_stage_engine_sends_deltas_or_the_final_output_only(tiny_model):

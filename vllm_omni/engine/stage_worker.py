@@ -205,9 +205,11 @@ def _serve(engine: StageEngine, chan: WorkerChannel, spec: WorkerSpec, link: Mas
 def _loop(engine: StageEngine, chan: WorkerChannel, spec: WorkerSpec, link: MasterLink | None,
           profiler: StepProfiler) -> int:
     while True:
-        # Requests waiting for streamed input or paused are no work: block on the socket.
+        # Requests waiting for streamed input or paused are no work: block on the socket (for a
+        # short while only when the engine has work on the device to collect).
         busy = engine.has_work()
-        msg = chan.recv(0 if busy else _IDLE_WAIT_MS)
+        poll = getattr(engine, "poll_ms", None)
+        msg = chan.recv(0 if busy else (poll and poll()) or _IDLE_WAIT_MS)
         while msg is not None:  # drain everything queued before the next step
             if isinstance(msg, Shutdown):
                 return 0

@@ -6,19 +6,22 @@ alone. A whole request is `FINAL_ONLY` by nature: its one output is its whole re
 A request whose input streams in (`input_complete=False`, a streaming edge from a talker)
 gets a `StreamingDecoder` from the model; its units arrive with `add_input`, and each step
 decodes, in one batched call, a chunk of up to max_batch_size requests whose decoders are
-ready (round robin among them), sending each chunk on at once with how many units it has
+ready (round robin among them; new streams' first chunks in steps of their own; no more than
+the model's `streams_per_step` says), sending each chunk on at once with how many units it has
 consumed (flow control upstream).
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import torch
 
 from vllm_omni.core.sched.omni_generation_scheduler import OmniGenerationScheduler
+from vllm_omni.worker.decode_lanes import CudaLanes, HostLanes, Launched, decode_lanes
 
 from vllm_omni.stage_io import (
     STREAM_UNITS_KEY, GenerationModel, StageInputChunk, StageOutput, StageRequest, StreamingDecoder,
@@ -27,10 +30,20 @@ from vllm_omni.stage_io import (
 
 logger = logging.getLogger(__name__)
 
+_IN_FLIGHT_POLL_MS = 1
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    ids: list[str]
+    decoders: list[StreamingDecoder]
+    launched: Launched
+
 
 class GenerationStageEngine:
     def __init__(self, model: GenerationModel, scheduler: OmniGenerationScheduler, *, stage_id: int,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", lanes: HostLanes | CudaLanes | None = None) -> None:
+        """`lanes`: where stream decodes run (default: `decode_lanes` for the model and device)."""
         self.model = model
         self.scheduler = scheduler
         self.stage_id = stage_id
@@ -40,6 +53,8 @@ class GenerationStageEngine:
         self._no_units: dict[str, torch.Tensor] = {}  # per stream: zero units of its kind, for a bare final
         self._last_turn: dict[str, int] = {}  # per stream: the step that last decoded it (0: none yet)
         self._turns = 0
+        self._lanes = decode_lanes(device, model) if lanes is None else lanes
+        self._in_flight: _InFlight | None = None  # later chunks launched on the GPU, not yet collected
 
     def add_request(self, req: StageRequest) -> None:
         try:
@@ -84,7 +99,8 @@ class GenerationStageEngine:
             self._close_stream(chunk.request_id)
             self._ready.append(error_output(chunk.request_id, f"stage {self.stage_id}: {e}"))
             return
-        if decoder.finished:  # the final chunk brought nothing left to decode
+        in_flight = self._in_flight is not None and chunk.request_id in self._in_flight.ids
+        if decoder.finished and not in_flight:  # the final chunk brought nothing left to decode
             self._close_stream(chunk.request_id)
             self._ready.append(StageOutput(request_id=chunk.request_id, finished=True, finish_reason="stop",
                                            consumed_units=decoder.consumed))
@@ -104,35 +120,82 @@ class GenerationStageEngine:
 
     def step(self) -> list[StageOutput]:
         outputs, self._ready = self._ready, []
+        if self._in_flight is not None and self._in_flight.launched.done():
+            outputs.extend(self._collect())
         # Round robin: the streams decoded longest ago (or never) first, so a long stream that
         # always has a chunk ready cannot hold the batch's slots while the others wait.
-        ready = sorted((rid for rid, d in self._streams.items() if d.ready()), key=self._last_turn.__getitem__)
-        # First chunks first, in a step of their own: a new stream's first audio (a small window)
-        # goes out after one short decode, not after a batch of steady chunks (windows of up to
-        # 50 frames) that it would otherwise join. Steady streams still have audio playing.
-        first = [rid for rid in ready if self._last_turn[rid] == 0]
-        ready = (first or ready)[: self.scheduler.max_batch_size]
-        if ready:
-            self._turns += 1
-            self._last_turn.update(dict.fromkeys(ready, self._turns))
-            outputs.extend(self._decode_streams(ready))
+        ready = sorted(self._ready_streams(), key=self._last_turn.__getitem__)
+        # New streams' first chunks go first, in a call of their own: a first audio (a small
+        # window) goes out after one short decode, not after a batch of later chunks (windows of
+        # up to 50 frames) that it would otherwise join; those streams still have audio playing.
+        # Where the lanes overlap (decode_lanes.py), the later chunks run on the GPU meanwhile.
+        later = [rid for rid in ready if self._last_turn[rid] != 0]
+        first = self._plan([rid for rid in ready if self._last_turn[rid] == 0])
+        if later and self._in_flight is None and (self._lanes.overlapping or not first):
+            outputs.extend(self._launch(self._plan(later)))
+        if first:
+            outputs.extend(self._decode_now(first))
+        if self._in_flight is not None and self._in_flight.launched.done():
+            outputs.extend(self._collect())
         batch = self.scheduler.schedule()
         if batch:
             outputs.extend(self._run(batch))
         return outputs
 
-    def _decode_streams(self, ids: list[str]) -> list[StageOutput]:
+    def _ready_streams(self) -> list[str]:
+        busy = self._in_flight.ids if self._in_flight is not None else ()
+        return [rid for rid, d in self._streams.items() if d.ready() and rid not in busy]
+
+    def _plan(self, ids: list[str]) -> list[str]:
+        """The streams one call takes (up to max_batch_size, as many as the model runs well), now
+        the last ones decoded."""
+        ids = ids[: self.scheduler.max_batch_size]
+        plan = getattr(self.model, "streams_per_step", None)
+        if plan is not None and ids:
+            ids = ids[: max(1, plan([self._streams[rid] for rid in ids]))]
+        if ids:
+            self._turns += 1
+            self._last_turn.update(dict.fromkeys(ids, self._turns))
+        return ids
+
+    def _decode_now(self, ids: list[str]) -> list[StageOutput]:
         decoders = [self._streams[rid] for rid in ids]
         try:
-            results = self._check(ids, self._decode(decoders))
+            results = self._lanes.run_now(lambda: self._decode(ids, decoders))
         except Exception as e:  # noqa: BLE001 - isolate the request that broke the batch
-            if len(ids) == 1:
-                logger.warning("stage %d: request %s failed: %s", self.stage_id, ids[0], e)
-                self._close_stream(ids[0])
-                return [error_output(ids[0], f"stage {self.stage_id}: {type(e).__name__}: {e}")]
-            logger.warning("stage %d: a stream batch of %d failed (%s); retrying one by one", self.stage_id,
-                           len(ids), e)
-            return [out for rid in ids for out in self._decode_streams([rid])]
+            return self._isolate(ids, e)
+        return self._stream_outputs(ids, decoders, results)
+
+    def _launch(self, ids: list[str]) -> list[StageOutput]:
+        """Later chunks: on their way (nothing to send yet), or what their failure sends."""
+        decoders = [self._streams[rid] for rid in ids]
+        try:
+            launched = self._lanes.launch(lambda: self._decode(ids, decoders))
+        except Exception as e:  # noqa: BLE001 - isolate the request that broke the batch
+            return self._isolate(ids, e)
+        self._in_flight = _InFlight(ids, decoders, launched)
+        return []
+
+    def _collect(self) -> list[StageOutput]:
+        flight, self._in_flight = self._in_flight, None
+        # Streams aborted meanwhile get nothing; the others' state is as the launch left it.
+        live = [i for i, (rid, d) in enumerate(zip(flight.ids, flight.decoders)) if self._streams.get(rid) is d]
+        results = flight.launched.results()
+        return self._stream_outputs([flight.ids[i] for i in live], [flight.decoders[i] for i in live],
+                                    [results[i] for i in live])
+
+    def _isolate(self, ids: list[str], error: Exception) -> list[StageOutput]:
+        """A call failed: one stream fails alone; several are retried one by one."""
+        if len(ids) == 1:
+            logger.warning("stage %d: request %s failed: %s", self.stage_id, ids[0], error)
+            self._close_stream(ids[0])
+            return [error_output(ids[0], f"stage {self.stage_id}: {type(error).__name__}: {error}")]
+        logger.warning("stage %d: a stream batch of %d failed (%s); retrying one by one", self.stage_id,
+                       len(ids), error)
+        return [out for rid in ids for out in self._decode_now([rid])]
+
+    def _stream_outputs(self, ids: list[str], decoders: list[StreamingDecoder],
+                        results: list[dict[str, torch.Tensor]]) -> list[StageOutput]:
         outputs = []
         for rid, decoder, result in zip(ids, decoders, results):
             if decoder.finished:
@@ -143,8 +206,8 @@ class GenerationStageEngine:
         return outputs
 
     @torch.inference_mode()
-    def _decode(self, decoders: list[StreamingDecoder]) -> list[dict[str, torch.Tensor]]:
-        return self.model.decode_streams(decoders)
+    def _decode(self, ids: list[str], decoders: list[StreamingDecoder]) -> list[dict[str, torch.Tensor]]:
+        return self._check(ids, self.model.decode_streams(decoders))
 
     def _run(self, batch: list[StageRequest]) -> list[StageOutput]:
         try:
@@ -174,11 +237,25 @@ class GenerationStageEngine:
         return results
 
     def has_work(self) -> bool:
-        return bool(self._ready) or self.scheduler.has_unfinished() or any(d.ready() for d in self._streams.values())
+        if self._ready or self.scheduler.has_unfinished():
+            return True
+        if self._in_flight is not None:  # then only first chunks can go, or the launch's results
+            return self._in_flight.launched.done() or any(self._last_turn[rid] == 0 for rid in self._ready_streams())
+        return bool(self._ready_streams())
+
+    def poll_ms(self) -> int | None:
+        """A decode is on the GPU: the worker looks again this soon (nothing signals its end)."""
+        return _IN_FLIGHT_POLL_MS if self._in_flight is not None else None
 
     def fail_all(self, error: str) -> list[StageOutput]:
-        # _run reports every failure of the batch it ran; queued requests are untouched.
-        return []
+        # _run reports every failure of the batch it ran; queued requests are untouched. A
+        # decode on the GPU when the step failed (a device error) fails its streams.
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return []
+        for rid in flight.ids:
+            self._close_stream(rid)
+        return [error_output(rid, error) for rid in flight.ids]
 
     def stats(self) -> dict[str, int]:
         waiting = self.scheduler.num_waiting

@@ -6,6 +6,8 @@
 - `plan_padded_calls`: which rows of different lengths share one right-padded forward call.
 - `Precision` and `precision_scope`: float32 / TF32 / bfloat16 execution of a decoder.
 - `own_streams`, `chunk_output`: what both models' `decode_streams` do with their streams.
+- `CausalConvLayer`, `TransConvLayer`, `context_frames`: how many frames of left context a
+  causal convolution stack (the Qwen3 decoders' vocoders) reads, walked layer by layer.
 
 docs/streaming.md explains the choices.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -70,6 +73,43 @@ class RowBuffer:
         index = min(max(index, self.start), self.end)
         self.rows = self.rows[index - self.start:]
         self.start = index
+
+
+@dataclass(frozen=True)
+class CausalConvLayer:
+    """A convolution padded `left_pad` samples on the left (span - stride for a causal one):
+    output j reads inputs from j * stride - left_pad on."""
+
+    stride: int
+    left_pad: int
+
+
+@dataclass(frozen=True)
+class TransConvLayer:
+    """A transposed convolution whose first `left_trim` outputs are dropped: output u is raw
+    output u + left_trim, which reads the inputs i with i * stride <= u + left_trim < i * stride + kernel."""
+
+    kernel: int
+    stride: int
+    left_trim: int = 0
+
+
+def context_frames(layers: Sequence[CausalConvLayer | TransConvLayer], input_per_frame: int,
+                   output_reach: int = 0) -> int:
+    """Frames of input a causal convolution stack reads before a frame boundary, for its outputs
+    from `output_reach` samples before that boundary on (the wanted samples' start).
+
+    `layers` in the order they run, convolutions only (activations and residual skips add no
+    reach; a residual unit is its branch's convolutions). Walks back from the output: `reach`
+    counts the samples before the boundary (aligned, at each layer, with the input frames)
+    that the wanted outputs read."""
+    reach = output_reach
+    for layer in reversed(layers):
+        if isinstance(layer, CausalConvLayer):  # output B - R reads from (B - R) * s - left_pad
+            reach = reach * layer.stride + layer.left_pad
+        else:  # output B*s - R reads from ceil((B*s - R + left_trim - kernel + 1) / s)
+            reach = -(-(reach + layer.kernel - layer.left_trim) // layer.stride) - 1
+    return math.ceil(reach / input_per_frame)
 
 
 def plan_padded_calls(lengths: Sequence[int], call_cost: int) -> list[list[int]]:

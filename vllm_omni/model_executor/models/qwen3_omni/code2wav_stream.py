@@ -105,18 +105,31 @@ class Code2WavStream:
     def consumed(self) -> int:
         return self._decoded
 
+    @property
+    def decoded_chunks(self) -> int:
+        return self._chunks
+
     # ------------------------------------------------------------------ used by the model
     def next_window(self) -> Code2WavWindow:
         """The next chunk to decode (call only when `ready()`)."""
         if not self.ready():
             raise RuntimeError(f"request {self.request_id}: no chunk is ready to decode")
+        start, end, context = self._next_span()
+        return Code2WavWindow(codes=self._frames.get(start - context, end).T.contiguous(), context=context, end=end)
+
+    def next_window_frames(self) -> int:
+        """Frames of the next window (context and chunk), without building it."""
+        start, end, context = self._next_span()
+        return context + end - start
+
+    def _next_span(self) -> tuple[int, int, int]:
         start = self._decoded
         end = min(start + self._ramp.size(self._chunks), self._frames.end)
-        context = min(self.config.left_context_frames, start)
-        return Code2WavWindow(codes=self._frames.get(start - context, end).T.contiguous(), context=context, end=end)
+        return start, end, min(self.config.left_context_frames, start)
 
     def commit(self, window: Code2WavWindow) -> None:
         """The window was decoded: move on and forget frames no later window needs."""
         self._decoded = window.end
         self._chunks += 1
         self._frames.drop_before(self._decoded - self.config.left_context_frames)
+

@@ -9,6 +9,10 @@ A wrapper around transformers' `Qwen3OmniMoeCode2Wav` (loaded from the checkpoin
 - `open_stream` / `decode_streams` decode a request chunk by chunk as the talker produces it
   (code2wav_stream.py); each chunk re-decodes the unfinished samples of the one before, so
   the joined stream has no gap, and it equals the whole decode but for the context cut.
+  Nearly all of the work is the vocoder (the convolutions after the ConvNeXt upsampling), and
+  it reads only `vocoder_context_frames` frames back (5 of the released model's 25 frames of
+  context): a chunk runs the transformer over its whole window and the vocoder from there on
+  (`_decode_from`), like Qwen3-TTS's decoder (qwen3_tts/speech_decoder.py).
 
 Requests of any lengths share a call: the decoder is causal (causal convolutions, causal
 sliding-window attention), so frames past a request's end (right padding) cannot change its
@@ -17,15 +21,18 @@ samples; each waveform is cut at its own length. Calls group rows of similar len
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from vllm_omni.model_executor.models.codec_streaming import (
-    Precision, chunk_output, own_streams, plan_padded_calls, prompt_frames, resolve_precision,
+    CausalConvLayer, Precision, TransConvLayer, chunk_output, context_frames, own_streams, plan_padded_calls,
+    prompt_frames, resolve_precision,
 )
-from vllm_omni.model_executor.models.decoder_graphs import DecoderGraphs
+from vllm_omni.model_executor.models.decoder_graphs import StreamGraphs, streams_within_budget
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav import _prefixed_tensors
 from vllm_omni.model_executor.models.qwen3_omni.code2wav_stream import (
-    Code2WavStream, Code2WavStreamConfig, Code2WavWindow,
+    Code2WavStream, Code2WavStreamConfig,
 )
 from vllm_omni.stage_io import StageRequest, StreamingDecoder
 
@@ -59,21 +66,33 @@ class Qwen3OmniMoeCode2Wav:
         self.sample_rate = SAMPLE_RATE
         # A window of n frames decodes to n * samples_per_frame - unfinished_samples samples.
         self.unfinished_samples = _unfinished_samples(module.config.upsample_rates)
+        # The vocoder's input has this many samples per frame (the ConvNeXt upsampling's kernel =
+        # stride transposed convolutions trim nothing), and reads this many frames back for a
+        # chunk's new samples, which start `unfinished_samples` before the chunk's first frame.
+        self.vocoder_input_per_frame = math.prod(module.config.upsampling_ratios)
+        self.vocoder_context_frames = context_frames(_vocoder_layers(module.decoder), self.vocoder_input_per_frame,
+                                                     output_reach=self.unfinished_samples)
         if self.stream_config.left_context_frames * self.samples_per_frame < self.unfinished_samples:
             raise ValueError(f"code2wav: {self.stream_config.left_context_frames} frames of left context cannot "
                              f"re-decode the {self.unfinished_samples} samples a chunk leaves unfinished")
         # Benchmark option (GPU): torch.compile the decoder ("reduce-overhead" captures CUDA
         # graphs), static shapes: each new (rows, frames) compiles once; eager unless asked for.
         self._forward = module if compile_mode is None else torch.compile(module, mode=compile_mode, dynamic=False)
+        # Streams call `_decode_from(codes, skip_frames)`: the vocoder skips the context no row needs.
+        self._stream_forward = (self._decode_from if compile_mode is None
+                                else torch.compile(self._decode_from, mode=compile_mode, dynamic=False))
         # Streamed windows of a few requests replay CUDA graphs (decoder_graphs.py; the decoder is
-        # causal and the padded frames only reach the samples each window cuts anyway).
-        self._stream_forward = self._forward
+        # causal and the padded frames only reach the samples each window cuts anyway), first
+        # chunks from graphs of their own (StreamGraphs).
+        self.graphs: StreamGraphs | None = None
+        # Two calls may overlap (first chunks while later ones run, decode_lanes.py): nothing but
+        # the graphs is shared, and first chunks have their own. torch.compile's graphs are not ours.
+        self.overlaps_first_chunks = compile_mode is None
         if cuda_graphs and device.type == "cuda" and compile_mode is None:
-            longest_window = self.stream_config.left_context_frames + self.max_units_per_chunk
-            graphs = DecoderGraphs(module, self.num_quantizers, longest_window)
+            self.graphs = StreamGraphs(self._decode_from, self.num_quantizers, self.samples_per_frame,
+                                       self.stream_config, self.vocoder_context_frames)
             with precision.scope(device):
-                graphs.capture_all(device)
-            self._stream_forward = graphs
+                self.graphs.capture_all(device)
 
     @classmethod
     def load(cls, model_path: str, *, model_stage: str | None = None, device: torch.device | str = "cpu",
@@ -113,7 +132,7 @@ class Qwen3OmniMoeCode2Wav:
         # The rate travels with the audio, as Qwen2.5-Omni's does, so callers (CLI, server) can
         # encode it without knowing the model; a 0-dim tensor is metadata, never concatenated.
         rate = torch.tensor(self.sample_rate, dtype=torch.int32)
-        return [{"audio": torch.cat(p) if p else torch.zeros(0), "sample_rate": rate} for p in pieces]
+        return [{"audio": torch.cat(p).cpu() if p else torch.zeros(0), "sample_rate": rate} for p in pieces]
 
     def _codes(self, req: StageRequest) -> torch.Tensor:
         return prompt_frames(req, self.num_quantizers, self.codebook_size)
@@ -130,40 +149,74 @@ class Qwen3OmniMoeCode2Wav:
     def decode_streams(self, decoders: list[StreamingDecoder]) -> list[dict[str, torch.Tensor]]:
         streams = own_streams(decoders, Code2WavStream)
         windows = [s.next_window() for s in streams]
+        forward = self._stream_forward if self.graphs is None else self.graphs.for_streams(streams)
         outputs = []
-        wavs = self._decode_windows([w.codes for w in windows], self._stream_forward)
+        wavs = self._decode_windows([w.codes for w in windows], [w.context for w in windows], forward)
         for stream, window, wav in zip(streams, windows, wavs):
             stream.commit(window)
-            outputs.append(chunk_output(stream, wav[self._new_samples_from(window):], self.sample_rate))
+            outputs.append(chunk_output(stream, wav, self.sample_rate))
         return outputs
 
-    def _new_samples_from(self, window: Code2WavWindow) -> int:
-        """Where a window's new samples start: the previous chunk stopped `unfinished_samples`
-        short of its end, and this window's context frames decode those again, now with the
-        frame they were waiting for."""
-        return window.context * self.samples_per_frame - self.unfinished_samples if window.context else 0
+    def streams_per_step(self, decoders: list[StreamingDecoder]) -> int:
+        return streams_within_budget(self.graphs, own_streams(decoders, Code2WavStream))
+
+    def _new_samples_from(self, context: int, skip_frames: int) -> int:
+        """Where a window's new samples start in its decode from frame `skip_frames`: the previous
+        chunk stopped `unfinished_samples` short of its end, and this window's context frames
+        decode those again, now with the frame they were waiting for."""
+        return (context - skip_frames) * self.samples_per_frame - self.unfinished_samples if context else 0
 
     # ------------------------------------------------------------------ the decoder calls
-    def _decode_windows(self, windows: list[torch.Tensor], forward=None) -> list[torch.Tensor]:
-        """Waveforms of code windows [num_quantizers, n_i] (float32 on CPU, n_i * samples_per_frame
-        - unfinished_samples each), in as few right-padded calls as `plan_padded_calls` allows;
-        `forward` may pad a call further (DecoderGraphs)."""
-        forward = forward or self._forward
+    def _decode_windows(self, windows: list[torch.Tensor], contexts: list[int] | None = None,
+                        stream_forward=None) -> list[torch.Tensor]:
+        """Waveforms of code windows [num_quantizers, n_i] (float32 on the device, n_i *
+        samples_per_frame - unfinished_samples each), in as few right-padded calls as
+        `plan_padded_calls` allows.
+
+        With `contexts` (streams: each window's frames of left context), each waveform is only
+        its window's new samples, from `stream_forward(codes, skip_frames)`, which may pad a call
+        further (DecoderGraphs) and starts the vocoder where every row of the call has
+        `vocoder_context_frames` frames of context."""
         lengths = [w.shape[1] for w in windows]
+        spf, unfinished = self.samples_per_frame, self.unfinished_samples
         wavs: list[torch.Tensor] = [torch.zeros(0)] * len(windows)
         for rows in plan_padded_calls(lengths, CALL_COST_FRAMES):
             longest = lengths[rows[0]]
             batch = torch.zeros(len(rows), self.num_quantizers, longest, dtype=torch.long)
             for slot, i in enumerate(rows):
                 batch[slot, :, : lengths[i]] = windows[i]
+            skip = 0 if contexts is None else max(0, min(contexts[i] for i in rows) - self.vocoder_context_frames)
             with self.precision.scope(self.device):
-                out = forward(batch.to(self.device))[:, 0].float().cpu()  # [rows, samples]
-            if out.shape[1] < longest * self.samples_per_frame - self.unfinished_samples:
-                raise RuntimeError(f"code2wav: {out.shape[1]} samples for {longest} frames; expected at least "
-                                   f"{longest} * {self.samples_per_frame} - {self.unfinished_samples}")
+                codes = batch.to(self.device)
+                out = self._forward(codes) if contexts is None else stream_forward(codes, skip)
+                out = out[:, 0].float()  # [rows, samples of frames skip..]
+            if out.shape[1] < (longest - skip) * spf - unfinished:
+                raise RuntimeError(f"code2wav: {out.shape[1]} samples for {longest - skip} frames; expected at "
+                                   f"least {longest - skip} * {spf} - {unfinished}")
             for slot, i in enumerate(rows):
-                wavs[i] = out[slot, : lengths[i] * self.samples_per_frame - self.unfinished_samples].clone()
+                start = 0 if contexts is None else self._new_samples_from(contexts[i], skip)
+                # A copy: not a view of a graph's output buffer, which the next replay overwrites.
+                wavs[i] = out[slot, start: (lengths[i] - skip) * spf - unfinished].clone()
         return wavs
+
+    def _decode_from(self, codes: torch.Tensor, skip_frames: int = 0) -> torch.Tensor:
+        """transformers' `Qwen3OmniMoeCode2Wav.forward` with the vocoder starting at frame
+        `skip_frames`: codes [B, Q, T] -> [B, 1, (T - skip_frames) * samples_per_frame -
+        unfinished_samples], the samples of frames skip_frames.. . Those from `unfinished_samples`
+        before frame skip_frames + vocoder_context_frames on are the whole window's; earlier ones
+        read the vocoder's zero padding instead of earlier frames."""
+        m = self.module
+        if codes.shape[1] != self.num_quantizers:
+            raise ValueError(f"expected {self.num_quantizers} code groups, got {codes.shape[1]}")
+        hidden = m.code_embedding(codes + m.code_offset).mean(1)
+        hidden = m.pre_transformer(inputs_embeds=hidden).last_hidden_state.permute(0, 2, 1)
+        for blocks in m.upsample:  # transposed convolution (kernel = stride) + ConvNeXt block
+            for block in blocks:
+                hidden = block(hidden)
+        hidden = hidden[..., skip_frames * self.vocoder_input_per_frame:]
+        for block in m.decoder:  # the vocoder: 94% of a released 50-frame window's FLOPs
+            hidden = block(hidden)
+        return hidden.clamp(-1, 1)
 
 
 def _unfinished_samples(upsample_rates: list[int]) -> int:
@@ -177,3 +230,20 @@ def _unfinished_samples(upsample_rates: list[int]) -> int:
     for rate in upsample_rates:
         tail = (tail + 1) * rate
     return tail
+
+
+def _vocoder_layers(decoder: torch.nn.Module) -> list[CausalConvLayer | TransConvLayer]:
+    """The vocoder's convolutions in the order they run, for `context_frames`: transformers
+    registers each block's, and each residual unit's branch's, in that order (a residual skip
+    adds no reach). Its transposed convolutions trim kernel - stride samples on both sides."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeCausalConvNet, Qwen3OmniMoeCausalTransConvNet,
+    )
+
+    layers: list[CausalConvLayer | TransConvLayer] = []
+    for layer in decoder.modules():
+        if isinstance(layer, Qwen3OmniMoeCausalConvNet):
+            layers.append(CausalConvLayer(layer.stride, layer.padding))
+        elif isinstance(layer, Qwen3OmniMoeCausalTransConvNet):
+            layers.append(TransConvLayer(layer.conv.kernel_size[0], layer.conv.stride[0], layer.left_pad))
+    return layers

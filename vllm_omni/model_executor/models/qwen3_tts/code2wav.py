@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 from vllm_omni.model_executor.models.codec_streaming import (
     Precision, chunk_output, own_streams, prompt_frames, resolve_precision,
 )
-from vllm_omni.model_executor.models.decoder_graphs import DecoderGraphs
+from vllm_omni.model_executor.models.decoder_graphs import StreamGraphs, streams_within_budget
 from vllm_omni.model_executor.models.qwen3_omni.code2wav_stream import Code2WavStream, Code2WavStreamConfig
 from vllm_omni.model_executor.models.qwen3_tts.speech_decoder import SpeechDecoder
 from vllm_omni.stage_io import StageRequest, StreamingDecoder
@@ -47,6 +47,7 @@ class Qwen3TTSCode2Wav:
 
     stream_options_type = Code2WavStreamConfig  # load(stream_config=...) from the input connector's options
     supports_cuda_graphs = True  # load(cuda_graphs=not enforce_eager)
+    overlaps_first_chunks = True  # first chunks have graphs of their own; nothing else is shared
 
     def __init__(self, decoder: SpeechDecoder, device: torch.device, sample_rate: int,
                  stream_config: Code2WavStreamConfig | None = None, cuda_graphs: bool = False,
@@ -58,13 +59,13 @@ class Qwen3TTSCode2Wav:
         self.stream_config = stream_config or Code2WavStreamConfig()
         self.max_units_per_chunk = max(self.stream_config.initial_chunk_frames, self.stream_config.chunk_frames)
         # Streamed chunks of a few requests are launch-bound: replayed graphs (the decoder is causal,
-        # its rows independent).
-        self.decode_window = decoder
+        # its rows independent), first chunks from graphs of their own (StreamGraphs).
+        self.graphs: StreamGraphs | None = None
         if cuda_graphs:
-            longest_window = self.stream_config.left_context_frames + self.max_units_per_chunk
-            self.decode_window = DecoderGraphs(decoder, decoder.num_quantizers, longest_window)
+            self.graphs = StreamGraphs(decoder, decoder.num_quantizers, decoder.samples_per_frame, self.stream_config,
+                                       decoder.vocoder_context_frames)
             with self.precision.scope(self.device):
-                self.decode_window.capture_all(device)
+                self.graphs.capture_all(device)
 
     @classmethod
     def load(cls, model_path: str, *, model_stage: str | None = None, device: torch.device | str = "cpu",
@@ -121,6 +122,9 @@ class Qwen3TTSCode2Wav:
             stream.push(first.T, final=False)
         return stream
 
+    def streams_per_step(self, decoders: list[StreamingDecoder]) -> int:
+        return streams_within_budget(self.graphs, own_streams(decoders, Code2WavStream))
+
     @torch.inference_mode()
     def decode_streams(self, decoders: list[StreamingDecoder]) -> list[dict[str, torch.Tensor]]:
         streams = own_streams(decoders, Code2WavStream)
@@ -132,12 +136,14 @@ class Qwen3TTSCode2Wav:
             batch[row, :, : window.codes.shape[1]] = window.codes
         # The vocoder needs less context than the transformer: it starts where every row has enough.
         skip = max(0, min(w.context for w in windows) - self.decoder.vocoder_context_frames)
+        decode = self.decoder if self.graphs is None else self.graphs.for_streams(streams)
         with self.precision.scope(self.device):
-            wavs = self.decode_window(batch.to(self.device), skip)[:, 0].float().cpu()
+            wavs = decode(batch.to(self.device), skip)[:, 0].float()
         spf, outputs = self.decoder.samples_per_frame, []
         for stream, window, wav in zip(streams, windows, wavs):
             stream.commit(window)
             chunk = wav[(window.context - skip) * spf: (window.codes.shape[1] - skip) * spf]
+            # On the device (the engine copies it out), and not a view of a graph's output buffer.
             outputs.append(chunk_output(stream, chunk.clone(), self.sample_rate))
         return outputs
 

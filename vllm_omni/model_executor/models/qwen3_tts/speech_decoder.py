@@ -26,6 +26,7 @@ from torch import nn
 
 from vllm_omni.model_executor.layers.layernorm import rms_norm
 from vllm_omni.model_executor.layers.rotary import RotaryEmbedding, apply_rotary_emb
+from vllm_omni.model_executor.models.codec_streaming import CausalConvLayer, TransConvLayer, context_frames
 
 
 class CausalConv(nn.Module):
@@ -299,14 +300,10 @@ class SpeechDecoder(nn.Module):
     def vocoder_context_frames(self) -> int:
         """How many frames before a frame the vocoder reads for that frame's samples (its
         receptive field, walked from its output back to its input, rounded up to frames)."""
-        reach = 0  # samples before the first wanted one, at the current layer's output
-        for layer in reversed(list(_vocoder_layers(self.decoder))):
-            if isinstance(layer, CausalConv):  # output j reads inputs j*s - (span - s) .. j*s + s - 1
-                reach = reach * layer.stride + layer.span - layer.stride
-            elif isinstance(layer, CausalTransConv):  # output u reads inputs i with i*s <= u < i*s + kernel
-                stride, kernel = layer.conv.stride[0], layer.conv.kernel_size[0]
-                reach = -(-(reach + kernel) // stride) - 1
-        return -(-reach // self.vocoder_input_per_frame)
+        layers = [CausalConvLayer(layer.stride, layer.left) if isinstance(layer, CausalConv)
+                  else TransConvLayer(layer.conv.kernel_size[0], layer.conv.stride[0])  # trims the right only
+                  for layer in _vocoder_layers(self.decoder) if isinstance(layer, (CausalConv, CausalTransConv))]
+        return context_frames(layers, self.vocoder_input_per_frame)
 
     def decode_chunk(self, codes: torch.Tensor, start: int, end: int, left_context: int) -> torch.Tensor:
         """Samples of frames [start, end) of `codes` [B, G, T], decoded with up to
