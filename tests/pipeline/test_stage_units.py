@@ -294,6 +294,35 @@ def test_a_launched_decode_ends_its_streams_properly():
     assert engine.stats()["num_unfinished"] == 0
 
 
+class BreaksOnBad(OneUnitChunks):
+    """decode_streams fails any call with the stream opened as "bad" (after its first chunk)."""
+
+    def open_stream(self, req):
+        decoder = ChunkDecoder()
+        decoder.bad = req.request_id == "bad"
+        return decoder
+
+    def decode_streams(self, decoders):
+        if any(d.bad and d.consumed for d in decoders):
+            raise RuntimeError("boom")
+        return super().decode_streams(decoders)
+
+
+@pytest.mark.parametrize("lanes", [HostLanes, HeldLanes])
+def test_a_stream_that_breaks_a_launch_fails_alone(lanes):
+    """Later chunks of three streams, one of which breaks the call: retried one by one, the
+    culprit fails (and is closed), the others' chunks go out in the same step."""
+    engine = GenerationStageEngine(BreaksOnBad(), OmniGenerationScheduler(8), stage_id=2, lanes=lanes())
+    for rid in ("a", "bad", "c"):
+        _open(engine, rid, 2, final=True)
+    assert sorted(o.request_id for o in engine.step()) == ["a", "bad", "c"]  # first chunks
+    outs = {o.request_id: o for o in engine.step()}
+    assert sorted(outs) == ["a", "bad", "c"]
+    assert "boom" in outs["bad"].error and outs["bad"].finished
+    assert outs["a"].error is None and outs["a"].finished and outs["c"].finished
+    assert not engine.has_work() and engine.stats()["num_unfinished"] == 0
+
+
 def test_ar_stage_engine_sends_deltas_or_the_final_output_only(tiny_model):
     """DELTA: an output per step whose concatenation is the result; FINAL_ONLY: one output
     holding everything (the engine builds no intermediate outputs for it)."""

@@ -132,4 +132,3 @@ class Code2WavStream:
         self._decoded = window.end
         self._chunks += 1
         self._frames.drop_before(self._decoded - self.config.left_context_frames)
-
