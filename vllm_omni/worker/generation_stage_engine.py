@@ -52,6 +52,7 @@ class GenerationStageEngine:
         self._streams: dict[str, StreamingDecoder] = {}  # requests whose input streams in
         self._no_units: dict[str, torch.Tensor] = {}  # per stream: zero units of its kind, for a bare final
         self._last_turn: dict[str, int] = {}  # per stream: the step that last decoded it (0: none yet)
+        self._new: set[str] = set()  # streams whose first chunk no step has taken yet
         self._turns = 0
         self._lanes = decode_lanes(device, model) if lanes is None else lanes
         self._in_flight: _InFlight | None = None  # later chunks launched on the GPU, not yet collected
@@ -78,6 +79,7 @@ class GenerationStageEngine:
             self._no_units[req.request_id] = units[:0]
         self._streams[req.request_id] = decoder
         self._last_turn[req.request_id] = 0
+        self._new.add(req.request_id)
 
     def add_input(self, chunk: StageInputChunk) -> None:
         decoder = self._streams.get(chunk.request_id)
@@ -109,6 +111,7 @@ class GenerationStageEngine:
         self._streams.pop(request_id, None)
         self._no_units.pop(request_id, None)
         self._last_turn.pop(request_id, None)
+        self._new.discard(request_id)
 
     def pause(self, request_ids: Sequence[str], paused: bool) -> None:
         """Nothing to pause: this stage feeds no streaming edge."""
@@ -129,8 +132,8 @@ class GenerationStageEngine:
         # window) goes out after one short decode, not after a batch of later chunks (windows of
         # up to 50 frames) that it would otherwise join; those streams still have audio playing.
         # Where the lanes overlap (decode_lanes.py), the later chunks run on the GPU meanwhile.
-        later = [rid for rid in ready if self._last_turn[rid] != 0]
-        first = self._plan([rid for rid in ready if self._last_turn[rid] == 0])
+        later = [rid for rid in ready if rid not in self._new]
+        first = self._plan([rid for rid in ready if rid in self._new])
         if later and self._in_flight is None and (self._lanes.overlapping or not first):
             outputs.extend(self._launch(self._plan(later)))
         if first:
@@ -156,6 +159,7 @@ class GenerationStageEngine:
         if ids:
             self._turns += 1
             self._last_turn.update(dict.fromkeys(ids, self._turns))
+            self._new.difference_update(ids)
         return ids
 
     def _decode_now(self, ids: list[str]) -> list[StageOutput]:
@@ -240,7 +244,8 @@ class GenerationStageEngine:
         if self._ready or self.scheduler.has_unfinished():
             return True
         if self._in_flight is not None:  # then only first chunks can go, or the launch's results
-            return self._in_flight.launched.done() or any(self._last_turn[rid] == 0 for rid in self._ready_streams())
+            # (asked every poll while a launch is out: only the new streams are looked at)
+            return self._in_flight.launched.done() or any(self._streams[rid].ready() for rid in self._new)
         return bool(self._ready_streams())
 
     def poll_ms(self) -> int | None:
