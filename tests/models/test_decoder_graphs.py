@@ -9,6 +9,7 @@ from tests.models.codec_streams import open_empty
 from vllm_omni.model_executor.models.decoder_graphs import (
     BUCKETS, DecoderGraphs, StreamGraphs, bucket, graph_buckets, streams_within_budget,
 )
+from vllm_omni.model_executor.models.qwen3_omni.code2wav_stream import Code2WavStreamConfig
 from vllm_omni.model_executor.models.qwen3_tts.code2wav import Qwen3TTSCode2Wav
 
 
@@ -74,3 +75,7 @@ def test_steps_of_streamed_windows_fit_the_graphs(tiny_model):
     assert streams_within_budget(None, streams) == 8  # no graphs: one call for all
     assert streams_within_budget(StreamGraphs(decoder, decoder.num_quantizers, decoder.samples_per_frame,
                                               model.stream_config, vocoder_context_frames=25), streams) == 8
+    # No small first chunk (upstream's initial 0): first chunks are whole chunks, in first graphs too.
+    whole_first = Code2WavStreamConfig(initial_chunk_frames=0, chunk_frames=25, left_context_frames=4)
+    graphs = StreamGraphs(decoder, decoder.num_quantizers, decoder.samples_per_frame, whole_first, 5)
+    assert (4, 32, 0) in graphs.first.buckets and graphs.later.steady is None  # 4 frames: nothing to skip

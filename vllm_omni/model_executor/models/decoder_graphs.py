@@ -159,7 +159,7 @@ class StreamGraphs:
                                    steady=steady, steady_rows=rows)
         # A first chunk's context is a cloned voice's reference frames, if any. As many frame-rows
         # as the later graphs: a first step of every new stream at once stays one replay.
-        first = context + config.initial_chunk_frames
+        first = context + config.ramp.size(0)
         self.first = DecoderGraphs(decoder, num_quantizers, first, samples_per_frame=samples_per_frame,
                                    max_rows=MAX_ROWS * bucket(min(longest, BUCKETS[-1])) // bucket(min(first, BUCKETS[-1])))
 
