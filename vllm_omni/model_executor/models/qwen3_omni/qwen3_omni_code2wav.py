@@ -180,14 +180,15 @@ class Qwen3OmniMoeCode2Wav:
         lengths = [w.shape[1] for w in windows]
         spf, unfinished = self.samples_per_frame, self.unfinished_samples
         wavs: list[torch.Tensor] = [torch.zeros(0)] * len(windows)
-        for rows in plan_padded_calls(lengths, CALL_COST_FRAMES):
+        calls = plan_padded_calls(lengths, CALL_COST_FRAMES)
+        # Every call's codes go to the device before the first call runs: a blocking copy waits
+        # for its stream, so a copy between calls would hold the host until the calls before it
+        # are done (a launched decode, worker/decode_lanes.py, would block its step).
+        batches = [self._padded(windows, lengths, rows).to(self.device) for rows in calls]
+        for rows, codes in zip(calls, batches):
             longest = lengths[rows[0]]
-            batch = torch.zeros(len(rows), self.num_quantizers, longest, dtype=torch.long)
-            for slot, i in enumerate(rows):
-                batch[slot, :, : lengths[i]] = windows[i]
             skip = 0 if contexts is None else max(0, min(contexts[i] for i in rows) - self.vocoder_context_frames)
             with self.precision.scope(self.device):
-                codes = batch.to(self.device)
                 out = self._forward(codes) if contexts is None else stream_forward(codes, skip)
                 out = out[:, 0].float()  # [rows, samples of frames skip..]
             if out.shape[1] < (longest - skip) * spf - unfinished:
@@ -198,6 +199,13 @@ class Qwen3OmniMoeCode2Wav:
                 # A copy: not a view of a graph's output buffer, which the next replay overwrites.
                 wavs[i] = out[slot, start: (lengths[i] - skip) * spf - unfinished].clone()
         return wavs
+
+    def _padded(self, windows: list[torch.Tensor], lengths: list[int], rows: list[int]) -> torch.Tensor:
+        """The windows of these rows, right-padded with code 0 to the first (longest) one."""
+        batch = torch.zeros(len(rows), self.num_quantizers, lengths[rows[0]], dtype=torch.long)
+        for slot, i in enumerate(rows):
+            batch[slot, :, : lengths[i]] = windows[i]
+        return batch
 
     def _decode_from(self, codes: torch.Tensor, skip_frames: int = 0) -> torch.Tensor:
         """transformers' `Qwen3OmniMoeCode2Wav.forward` with the vocoder starting at frame
