@@ -31,9 +31,7 @@ from vllm_omni.model_executor.models.codec_streaming import (
 )
 from vllm_omni.model_executor.models.decoder_graphs import StreamGraphs, streams_within_budget
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav import _prefixed_tensors
-from vllm_omni.model_executor.models.qwen3_omni.code2wav_stream import (
-    Code2WavStream, Code2WavStreamConfig,
-)
+from vllm_omni.model_executor.models.qwen3_omni.code2wav_stream import Code2WavStream, Code2WavStreamConfig
 from vllm_omni.stage_io import StageRequest, StreamingDecoder
 
 SAMPLE_RATE = 24000
