@@ -1,9 +1,11 @@
 """Code2wav stages on their own: whole requests and streaming chunks at batch 1, 8, 32, for
-Qwen3-Omni code2wav and Qwen2.5-Omni token2wav, with random weights of the real architectures
-(`load_format="dummy"`, configs in benchmarks/configs), against each call's roofline.
+Qwen3-Omni code2wav, Qwen2.5-Omni token2wav and Qwen3-TTS code2wav (`qwen3_tts`), with random
+weights of the real architectures (`load_format="dummy"`, configs in benchmarks/configs),
+against each call's roofline.
 
     python benchmarks/bench_code2wav.py --families qwen2_5 --precision float32,tf32,bfloat16 --json t2w.json
     python benchmarks/bench_code2wav.py --families qwen3 --precision float32,tf32,bfloat16 --json c2w.json
+    python benchmarks/bench_code2wav.py --families qwen3_tts --precision tf32 --skip-hf --profile 25
     python benchmarks/bench_code2wav.py --tiny --device cpu --batches 1,2 --seconds 2   # CPU smoke test
 
 (One family per command keeps a run within minutes: Qwen2.5 at batch 32 in float32 decodes
@@ -18,7 +20,10 @@ spread +-20% so that rows differ):
 - roofline: the call's FLOPs (torch's FlopCounterMode) over the peak of its precision, or its
   bytes (each leaf module's weights per call + its output written and read once) over HBM
   bandwidth, whichever is longer; measured / roofline says how far from the floor it runs.
-- transformers at B=1 (whole request, its own decode) for comparison, unless --skip-hf.
+- transformers at B=1 (whole request, its own decode) for comparison, unless --skip-hf (Qwen3-TTS
+  has no transformers model);
+- --profile N: the N kernels with the most GPU time over one streamed run at each batch
+  (eager: every kernel by name).
 """
 from __future__ import annotations
 
@@ -36,8 +41,9 @@ from vllm_omni.sampling_params import SamplingParams
 from vllm_omni.stage_io import StageRequest
 
 CONFIGS = {"qwen3": "qwen3_omni_30b_a3b.json", "qwen2_5": "qwen2_5_omni_7b.json"}
-TINY = {"qwen3": "qwen3_omni_moe", "qwen2_5": "qwen2_5_omni"}
-UNITS_PER_SECOND = {"qwen3": 12.5, "qwen2_5": 50.0}  # codec frames / codes per second of audio
+TINY = {"qwen3": "qwen3_omni_moe", "qwen2_5": "qwen2_5_omni", "qwen3_tts": "qwen3_tts"}
+UNITS_PER_SECOND = {"qwen3": 12.5, "qwen2_5": 50.0, "qwen3_tts": 12.5}  # codec frames / codes per audio second
+FRAMED = ("qwen3", "qwen3_tts")  # codes come in frames of num_quantizers
 # H200 ceilings: HBM and bf16 dense measured (../shared/notes/gpu.md); TF32 and plain float32
 # scaled from the spec sheet's ratios to bf16 (1/2 and about 1/15).
 HBM_BYTES_PER_S = 4.27e12
@@ -57,6 +63,7 @@ def parse_args():
     p.add_argument("--model-configs", default=str(Path(__file__).resolve().parent / "configs"))
     p.add_argument("--tiny", action="store_true", help="tiny random checkpoints (CPU smoke test)")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--profile", type=int, default=0, help="print the N kernels with the most GPU time per batch")
     p.add_argument("--json", default="bench_code2wav.json")
     return p.parse_args()
 
@@ -68,6 +75,10 @@ def checkpoint(family: str, args) -> tuple[str, str]:
         from vllm_omni.testing.tiny_models import make_tiny_model
 
         return str(make_tiny_model(TINY[family], out)), "auto"
+    if family == "qwen3_tts":
+        from bench_tts import real_arch_checkpoint  # benchmarks/ (the script's folder)
+
+        return str(real_arch_checkpoint(out)), "dummy"
     from vllm_omni.testing.dummy_checkpoints import make_dummy_omni_checkpoint
 
     return str(make_dummy_omni_checkpoint(Path(args.model_configs) / CONFIGS[family], out)), "dummy"
@@ -80,6 +91,10 @@ def load(family: str, path: str, load_format: str, precision: str, args):
 
         return Qwen3OmniMoeCode2Wav.load(path, device=device, load_format=load_format, precision=precision,
                                          compile_mode=args.compile_mode)
+    if family == "qwen3_tts":
+        from vllm_omni.model_executor.models.qwen3_tts.code2wav import Qwen3TTSCode2Wav
+
+        return Qwen3TTSCode2Wav.load(path, device=device, load_format=load_format, precision=precision)
     from vllm_omni.model_executor.models.qwen2_5_omni.token2wav import Qwen2_5OmniToken2Wav
 
     return Qwen2_5OmniToken2Wav.load(path, device=device, load_format=load_format, precision=precision,
@@ -91,7 +106,7 @@ def requests(family: str, model, batch: int, seconds: float) -> list[StageReques
     out = []
     for i in range(batch):
         units = max(1, round(seconds * UNITS_PER_SECOND[family] * (0.8 + 0.4 * i / max(1, batch - 1))))
-        if family == "qwen3":
+        if family in FRAMED:
             codes = torch.randint(0, model.codebook_size, (model.num_quantizers * units,), generator=g)
         else:
             codes = torch.randint(0, model.dit.config.num_embeds, (units,), generator=g)
@@ -146,7 +161,7 @@ def open_streams(family: str, model, reqs) -> list:
         stream = model.open_stream(StageRequest(request_id=req.request_id, prompt_token_ids=[],
                                                 sampling_params=req.sampling_params))
         units = torch.tensor(req.prompt_token_ids)
-        stream.push(units.view(model.num_quantizers, -1).T if family == "qwen3" else units, final=True)
+        stream.push(units.view(model.num_quantizers, -1).T if family in FRAMED else units, final=True)
         streams.append(stream)
     return streams
 
@@ -170,6 +185,19 @@ def bench_stream(family: str, model, reqs, precision, sync) -> dict:
             "ms_per_chunk": sum(steps) * 1e3 / chunks, "steps": len(steps),
             "gpu_s_per_10s_audio": sum(steps) / seconds * 10, "x_roofline": sum(steps) * 1e3 / floor["roofline_ms"],
             **floor}
+
+
+def print_kernels(family: str, model, reqs, sync, top: int) -> None:
+    """The kernels, and the torch ops that launch them, with the most GPU time over one streamed
+    run of the requests (CPU: ops by CPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = model.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        drain(model, open_streams(family, model, reqs), sync)
+    print(f"--- {family}, {len(reqs)} streams: top {top} kernels and ops by {'GPU' if cuda else 'CPU'} time")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=top,
+                                    max_name_column_width=110))
 
 
 def bench_hf(family: str, model, req, sync) -> dict:
@@ -207,7 +235,9 @@ def main():
                        "stream": bench_stream(family, model, reqs, precision, sync)}
                 rows.append(row)
                 print(json.dumps(row))
-            if not args.skip_hf and precision == "float32":
+                if args.profile:
+                    print_kernels(family, model, reqs, sync, args.profile)
+            if not args.skip_hf and precision == "float32" and family != "qwen3_tts":
                 rows.append({"family": family, "precision": precision, "batch": 1, "transformers":
                              bench_hf(family, model, requests(family, model, 1, args.seconds)[0], sync)})
                 print(json.dumps(rows[-1]))

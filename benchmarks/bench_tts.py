@@ -4,7 +4,8 @@ Requests go through `AsyncOmni` (real stage processes: talker with code predicto
 streaming (output_partial) so the first audio is timed when the pipeline hands it on. Each
 request speaks one sentence with a named voice (or clones a voice with --task Base) and
 generates exactly --frames codec frames (12.5 per audio second; EOS ignored, so every run does
-the same work).
+the same work), or, with --frames LO-HI, a number drawn per request (uniform, seeded by the
+request's index: every run and mode gets the same lengths).
 
 - closed loop: for each C in --concurrency, --num-requests requests with at most C in flight;
 - open loop: --rate R sends --num-requests requests at Poisson arrivals of R requests/s.
@@ -60,7 +61,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,16", help="comma-separated in-flight limits (closed loop)")
     p.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (open loop)")
     p.add_argument("--num-requests", type=int, default=16, help="requests per run (at least C)")
-    p.add_argument("--frames", type=int, default=24, help="codec frames per request (12.5 per second)")
+    p.add_argument("--frames", type=frame_range, default=(24, 24),
+                   help="codec frames per request (12.5 per second): N, or LO-HI drawn per request")
     p.add_argument("--dtype", default=None, help="talker dtype (default: bfloat16 on GPU, the config's on CPU)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--code2wav-eager", action="store_true", help="code2wav without its CUDA graphs (enforce_eager)")
@@ -73,6 +75,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--qwen-tts-python", default=None, help="python of the qwen-tts venv: also run it at c=1")
     p.add_argument("--json", default=None, help="write the results here")
     return p.parse_args()
+
+
+def frame_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    bounds = (int(lo), int(hi or lo))
+    if not 0 < bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: N or LO-HI with 0 < LO <= HI")
+    return bounds
 
 
 def tiny_checkpoint(task: str, out: Path) -> Path:
@@ -131,9 +141,11 @@ def prompt(i: int, task: str, voice: int = 0) -> dict[str, Any]:
 class Workload:
     """What each request asks for. Base: the talker keeps each reference's encodings
     (reference_cache.py), so only a reference it has not seen runs its two encoders: `voices`
-    distinct references are cloned in turn, 0 = every request a new one (the cold path)."""
+    distinct references are cloned in turn, 0 = every request a new one (the cold path).
+    Request i makes frames(i) codec frames: the talker's defaults with that many tokens."""
     task: str
-    params: list
+    talker: Any  # the talker's StageConfig
+    frames: tuple[int, int]
     voices: int = 1
     _sent: itertools.count = field(default_factory=itertools.count)
 
@@ -141,10 +153,17 @@ class Workload:
         k = next(self._sent)
         return prompt(i, self.task, k % self.voices if self.voices else k)
 
+    def frames_of(self, i: int) -> int:
+        return random.Random(i).randint(*self.frames)
+
+    def params(self, i: int) -> list:
+        n = self.frames_of(i)
+        return [self.talker.new_sampling_params(max_tokens=n, min_tokens=n), None]
+
 
 async def one(engine, i: int, work: Workload) -> Result:
     start, first, samples = time.perf_counter(), None, 0
-    async for out in engine.generate(work.prompt(i), work.params, request_id=f"bench-{i}-{start}", modalities=["audio"],
+    async for out in engine.generate(work.prompt(i), work.params(i), request_id=f"bench-{i}-{start}", modalities=["audio"],
                                      output_partial=True):
         if out.error is not None:
             raise RuntimeError(out.error)
@@ -201,8 +220,7 @@ def stage_overrides(args: argparse.Namespace, max_c: int) -> dict[str, Any]:
 
     cuda = torch.cuda.is_available()
     talker: dict[str, Any] = {"max_num_seqs": max_c, "enforce_eager": args.eager or not cuda,
-                              "default_sampling_params": {"max_tokens": args.frames, "min_tokens": args.frames,
-                                                          "ignore_eos": True}}
+                              "default_sampling_params": {"max_tokens": args.frames[1], "ignore_eos": True}}
     code2wav: dict[str, Any] = {"max_num_seqs": max_c, "enforce_eager": args.code2wav_eager}
     dtype = args.dtype or ("bfloat16" if cuda else None)
     if dtype:
@@ -226,7 +244,7 @@ m = Qwen3TTSModel.from_pretrained({str(model)!r}, dtype=torch.bfloat16 if torch.
 lat, audio = [], []
 for i, text in enumerate({SENTENCES!r} * 2):
     t = time.perf_counter()
-    wavs, sr = m.generate_custom_voice(text, speaker="vivian", max_new_tokens={args.frames + 1})
+    wavs, sr = m.generate_custom_voice(text, speaker="vivian", max_new_tokens={args.frames[1] + 1})
     lat.append(time.perf_counter() - t); audio.append(len(wavs[0]) / sr)
 print(json.dumps({{"latency": lat[1:], "audio": audio[1:]}}))
 """
@@ -252,9 +270,9 @@ def main() -> None:
         else:
             model = tiny_checkpoint(args.task, Path(tmp) / "tiny")
         rows: list[dict[str, Any]] = []
-        work = Workload(args.task, [None, None], args.voices)
         with AsyncOmni(model=str(model), deploy_config=args.deploy_config,
                        stage_overrides=stage_overrides(args, max_c)) as engine:
+            work = Workload(args.task, engine.pipeline.stages[0], args.frames, args.voices)
             loop = asyncio.new_event_loop()
             loop.run_until_complete(closed_loop(engine, 2, 1, work))  # warm-up
             for c in concurrency:

@@ -16,6 +16,8 @@
 #   benchmarks/h200_round.sh tts_lanes  # its code2wav's steady-chunk graphs and first-chunk lane, A/B/C
 #   benchmarks/h200_round.sh tts_poisson_timeline  # Qwen3-TTS under Poisson arrivals: both stages' step timelines
 #   benchmarks/h200_round.sh code2wav_precision  # Qwen3 / TTS code2wav: TF32 and bfloat16 tolerances and speed
+#   benchmarks/h200_round.sh vocoder   # codec vocoders: fused layers or torch's (kernel tables), their GPU tests
+#   benchmarks/h200_round.sh vocoder_tts  # Qwen3-TTS end to end, vocoder layers fused or not (RUNS, MODES), short requests
 #   benchmarks/h200_round.sh tts_code2wav  # the TTS code2wav stage's steps at 64 in flight under the torch profiler
 #   benchmarks/h200_round.sh tts_batches  # the TTS talker's decode step at batch 1..64 (profiled)
 #   benchmarks/h200_round.sh tts_ab    # its code2wav decoder graphs vs the eager decoder, two runs each
@@ -139,6 +141,27 @@ case "${1:-}" in
       -k "not qwen2_5 and not dit" -s -p no:cacheprovider
     step code2wav_qwen3 150 $PY benchmarks/bench_code2wav.py --families qwen3 --precision float32,tf32,bfloat16 \
       --skip-hf --json "$OUT/code2wav_qwen3.json" ;;
+  vocoder)  # codec vocoders, fused layers (layers/vocoder.py) or torch's: each stage alone, where its GPU time goes
+    step vocoder_tests 240 $PY -m pytest -q tests/gpu/test_cuda_ops.py tests/gpu/test_code2wav_precision.py \
+      tests/gpu/test_decoder_graphs.py tests/gpu/test_decode_lanes.py -k "snake or fused or streams or chunks" \
+      -p no:cacheprovider
+    tail -3 "$OUT/vocoder_tests.log"
+    for fused in 0 1; do
+      step code2wav_tts_fused$fused 120 env VLLM_OMNI_FUSED_VOCODER=$fused $PY benchmarks/bench_code2wav.py \
+        --families qwen3_tts --precision tf32 --skip-hf --profile 25 --json /tmp/code2wav_tts.json
+      grep -A 24 "32 streams: top" "$OUT/code2wav_tts_fused$fused.log" | cut -c1-100,175-200
+      step code2wav_qwen3_fused$fused 120 env VLLM_OMNI_FUSED_VOCODER=$fused $PY benchmarks/bench_code2wav.py \
+        --families qwen3 --precision tf32 --batches 8,32 --skip-hf --json /tmp/code2wav_qwen3.json
+    done ;;
+  vocoder_tts)  # bench_tts with the vocoder layers fused or not (9.6 s requests), then fused on 3-8 s requests
+    for run in ${RUNS:-1}; do
+      for fused in ${MODES:-0 1}; do
+        step tts_fused${fused}_$run 150 env VLLM_OMNI_FUSED_VOCODER=$fused $PY benchmarks/bench_tts.py --real-arch \
+          --concurrency 1,64 --num-requests 32 --frames 120 --rate 20 --json "/tmp/tts_fused${fused}_$run.json"
+      done
+    done
+    step tts_short 150 $PY benchmarks/bench_tts.py --real-arch --concurrency 1,64 --num-requests 64 --frames 38-100 \
+      --rate 20 --json /tmp/tts_short.json ;;
   tts_code2wav)  # skip the warm-up and the ramp: 40 steps of steady decoding under the torch profiler
     step tts_code2wav 200 env VLLM_OMNI_PROFILE_DIR="$OUT/tts_code2wav" VLLM_OMNI_PROFILE_STAGES=0,1 \
       VLLM_OMNI_PROFILE_SKIP=300 VLLM_OMNI_PROFILE_STEPS=40 \

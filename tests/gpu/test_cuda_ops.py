@@ -76,3 +76,46 @@ def test_grouped_moe_matches_reference_loop(tokens):
     ref = moe.moe_forward_reference(x.float(), w13.float(), w2.float(), weights.float(), ids)
     got = moe.moe_forward_grouped(x, w13, w2, weights, ids).float()
     assert ((got - ref).norm() / ref.norm()).item() < 2e-2
+
+
+def _snake_module(channels: int, dtype, fused: bool) -> activation.SnakeBeta:
+    torch.manual_seed(0)
+    snake = activation.SnakeBeta(channels).cuda()
+    with torch.no_grad():  # trained vocoders' alphas and betas lie around +-2 in log scale
+        snake.alpha.copy_(torch.randn(channels) * 1.5)
+        snake.beta.copy_(torch.randn(channels) * 1.5)
+    snake.fused = fused
+    return snake.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_snake_beta_equals_torch_bit_for_bit(dtype):
+    fused, eager = _snake_module(96, dtype, True), _snake_module(96, dtype, False)
+    wide = torch.randn(3, 96, 5000, device="cuda", dtype=dtype) * 4
+    bias = torch.randn(96, device="cuda", dtype=dtype)
+    for x in (wide, wide[..., 7:4321]):  # contiguous, and strided rows (a transposed conv's trim)
+        for left_pad in (0, 54):  # none, and a dilation-9 kernel-7 causal conv's
+            for b in (None, bias):  # a conv's bias added first
+                got = fused(x, left_pad, b)
+                assert got.is_contiguous() and torch.equal(got, eager(x, left_pad, b))
+                assert not got[..., :left_pad].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bias_residual_add_equals_torch_bit_for_bit(dtype):
+    wide = torch.randn(3, 96, 5000, device="cuda", dtype=dtype)
+    y = torch.randn(3, 96, 4000, device="cuda", dtype=dtype)
+    bias = torch.randn(96, device="cuda", dtype=dtype)
+    for x in (wide[..., :4000], wide[..., 1000:].contiguous()):
+        got = cuda_ops.bias_residual_add(x, y, bias)
+        assert got.is_contiguous() and torch.equal(got, x + (y + bias[:, None]))
+
+
+def test_snake_beta_equals_transformers():
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeSnakeBeta
+
+    ours = _snake_module(64, torch.float32, True)
+    theirs = Qwen3OmniMoeSnakeBeta(64).cuda()
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 64, 3000, device="cuda") * 4
+    assert torch.equal(ours(x), theirs(x))

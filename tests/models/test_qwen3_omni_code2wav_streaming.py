@@ -282,3 +282,22 @@ def test_stream_errors(ckpt):
                        ({"codec_chunk_frames": "25"}, "must be an integer"), ({"codec_chunk_frames": True}, "integer")]:
         with pytest.raises(ValueError, match=match):
             Code2WavStreamConfig.from_options(bad)
+
+
+def test_vocoder_runs_our_layers_with_the_checkpoint_weights(ckpt, hf_code2wav):
+    """transformers' vocoder layers are replaced by ours (layers/vocoder.py) with the same
+    parameters; the exactness tests above compare the result with transformers' own module."""
+    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
+
+    from vllm_omni.model_executor.layers.activation import SnakeBeta
+
+    module = load(ckpt).module
+    replaced = (hf.Qwen3OmniMoeSnakeBeta, hf.Qwen3OmniMoeCausalConvNet, hf.Qwen3OmniMoeCausalTransConvNet,
+                hf.Qwen3OmniMoeCode2WavDecoderResidualUnit)
+    assert not any(isinstance(m, replaced) for m in module.modules())
+    assert sum(isinstance(m, SnakeBeta) for m in module.modules()) == sum(
+        isinstance(m, hf.Qwen3OmniMoeSnakeBeta) for m in hf_code2wav.modules()) > 0
+    theirs = hf_code2wav.state_dict()
+    assert module.state_dict().keys() == theirs.keys()
+    assert all(torch.equal(v, theirs[k]) for k, v in module.state_dict().items())
+    assert not any(m.training for m in module.modules())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 @triton.jit
@@ -183,3 +184,71 @@ def rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots) -> None:
         num_heads, num_kv_heads, HALF=head_dim // 2, HEADS_PAD=triton.next_power_of_2(num_heads),
         KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), num_warps=4,
     )
+
+
+@triton.jit
+def _snake_beta_kernel(x_ptr, alpha_ptr, beta_ptr, bias_ptr, out_ptr, channels, length, left_pad, stride_b,
+                       stride_c, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)  # b * channels + c
+    b, c = row // channels, row % channels
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # output columns: left_pad zeros, then x's
+    src = cols - left_pad
+    inside = (src >= 0) & (src < length)
+    x = tl.load(x_ptr + b * stride_b + c * stride_c + src, mask=inside, other=0.0)
+    dt = x.dtype
+    if HAS_BIAS:  # the previous conv's bias, added as torch adds it after a cuDNN conv
+        x = (x.to(tl.float32) + tl.load(bias_ptr + c).to(tl.float32)).to(dt)
+    # The per-channel factors as torch makes them: exp, + 1e-9, reciprocal, each rounded to the dtype.
+    alpha = libdevice.exp(tl.load(alpha_ptr + c).to(tl.float32)).to(dt).to(tl.float32)
+    beta = (libdevice.exp(tl.load(beta_ptr + c).to(tl.float32)).to(dt).to(tl.float32) + 1e-9).to(dt)
+    inv_beta = tl.math.div_rn(1.0, beta.to(tl.float32)).to(dt).to(tl.float32)
+    xf = x.to(tl.float32)
+    s = libdevice.sin((xf * alpha).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    s2 = (s * s).to(dt).to(tl.float32)
+    y = tl.where(src >= 0, xf + (inv_beta * s2).to(dt).to(tl.float32), 0.0)  # the padding stays 0
+    tl.store(out_ptr + row * (left_pad + length) + cols, y.to(dt), mask=cols < left_pad + length)
+
+
+def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, left_pad: int = 0,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """SnakeBeta(x + bias) = y + sin(y * e^alpha)^2 / (e^beta + 1e-9), y = x + bias, in one pass:
+    x [B, C, T] (rows may be strided, time contiguous), alpha/beta/bias [C] in x's dtype ->
+    [B, C, left_pad + T], contiguous, with left_pad zeros first. Every op rounds to the dtype
+    where torch's unfused ops do, and no multiply-add is fused, so the result equals theirs bit
+    for bit."""
+    batch, channels, length = x.shape
+    out = torch.empty(batch, channels, left_pad + length, dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(left_pad + length))
+    bias_or_unused = alpha if bias is None else bias  # HAS_BIAS=False never reads it
+    _snake_beta_kernel[(batch * channels, triton.cdiv(left_pad + length, block))](
+        x, alpha, beta, bias_or_unused, out, channels, length, left_pad, x.stride(0), x.stride(1),
+        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, enable_fp_fusion=False,
+    )
+    return out
+
+
+@triton.jit
+def _bias_residual_add_kernel(x_ptr, y_ptr, bias_ptr, out_ptr, channels, length, sx_b, sx_c, sy_b, sy_c,
+                              BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    b, c = row // channels, row % channels
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < length
+    x = tl.load(x_ptr + b * sx_b + c * sx_c + cols, mask=mask, other=0.0)
+    y = tl.load(y_ptr + b * sy_b + c * sy_c + cols, mask=mask, other=0.0)
+    dt = y.dtype
+    y = (y.to(tl.float32) + tl.load(bias_ptr + c).to(tl.float32)).to(dt)  # conv + bias, rounded as torch's
+    tl.store(out_ptr + row * length + cols, (x.to(tl.float32) + y.to(tl.float32)).to(dt), mask=mask)
+
+
+def bias_residual_add(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """x + (y + bias) in one pass, rounded as torch's two adds: x, y [B, C, T] (rows may be
+    strided, time contiguous), bias [C] -> a contiguous [B, C, T]."""
+    batch, channels, length = y.shape
+    out = torch.empty(batch, channels, length, dtype=y.dtype, device=y.device)
+    block = min(1024, triton.next_power_of_2(length))
+    _bias_residual_add_kernel[(batch * channels, triton.cdiv(length, block))](
+        x, y, bias, out, channels, length, x.stride(0), x.stride(1), y.stride(0), y.stride(1), BLOCK=block,
+        num_warps=4, enable_fp_fusion=False,
+    )
+    return out

@@ -1,7 +1,8 @@
 """Qwen3-Omni code2wav stage: RVQ codec frames -> 24 kHz waveform, as a generation-stage model.
 
 A wrapper around transformers' `Qwen3OmniMoeCode2Wav` (loaded from the checkpoint's
-`code2wav.*` tensors), driven as `stage_io.StreamingGenerationModel`:
+`code2wav.*` tensors) whose vocoder layers are replaced by ours (layers/vocoder.py: the same
+parameters and math, fused on CUDA), driven as `stage_io.StreamingGenerationModel`:
 
 - `generate_batch` decodes whole requests like transformers' `generate`: `chunked_decode`
   with chunks of 300 frames and 25 frames of left context (and, like it, without the few
@@ -25,6 +26,8 @@ import math
 
 import torch
 
+from vllm_omni.model_executor.layers.activation import SnakeBeta
+from vllm_omni.model_executor.layers.vocoder import CausalConv, CausalTransConv, ResidualUnit, run_layers
 from vllm_omni.model_executor.models.codec_streaming import (
     CausalConvLayer, Precision, TransConvLayer, chunk_output, context_frames, own_streams, plan_padded_calls,
     prompt_frames, resolve_precision,
@@ -53,6 +56,7 @@ class Qwen3OmniMoeCode2Wav:
     def __init__(self, module: torch.nn.Module, device: torch.device, precision: Precision = Precision.FLOAT32,
                  stream_config: Code2WavStreamConfig | None = None, compile_mode: str | None = None,
                  cuda_graphs: bool = False) -> None:
+        _own_vocoder_layers(module)
         self.module = module
         self.device = device
         self.precision = precision
@@ -220,9 +224,7 @@ class Qwen3OmniMoeCode2Wav:
             for block in blocks:
                 hidden = block(hidden)
         hidden = hidden[..., skip_frames * self.vocoder_input_per_frame:]
-        for block in m.decoder:  # the vocoder: 94% of a released 50-frame window's FLOPs
-            hidden = block(hidden)
-        return hidden.clamp(-1, 1)
+        return run_layers(m.decoder, hidden).clamp(-1, 1)  # the vocoder: 94% of a 50-frame window's FLOPs
 
 
 def _unfinished_samples(upsample_rates: list[int]) -> int:
@@ -239,17 +241,41 @@ def _unfinished_samples(upsample_rates: list[int]) -> int:
 
 
 def _vocoder_layers(decoder: torch.nn.Module) -> list[CausalConvLayer | TransConvLayer]:
-    """The vocoder's convolutions in the order they run, for `context_frames`: transformers
-    registers each block's, and each residual unit's branch's, in that order (a residual skip
+    """The vocoder's convolutions in the order they run, for `context_frames`: the modules
+    register each block's, and each residual unit's branch's, in that order (a residual skip
     adds no reach). Its transposed convolutions trim kernel - stride samples on both sides."""
-    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
-        Qwen3OmniMoeCausalConvNet, Qwen3OmniMoeCausalTransConvNet,
-    )
-
     layers: list[CausalConvLayer | TransConvLayer] = []
     for layer in decoder.modules():
-        if isinstance(layer, Qwen3OmniMoeCausalConvNet):
-            layers.append(CausalConvLayer(layer.stride, layer.padding))
-        elif isinstance(layer, Qwen3OmniMoeCausalTransConvNet):
-            layers.append(TransConvLayer(layer.conv.kernel_size[0], layer.conv.stride[0], layer.left_pad))
+        if isinstance(layer, CausalConv):
+            layers.append(CausalConvLayer(layer.stride, layer.left))
+        elif isinstance(layer, CausalTransConv):
+            layers.append(TransConvLayer(layer.conv.kernel_size[0], layer.conv.stride[0], layer.trim_left))
     return layers
+
+
+def _own_vocoder_layers(module: torch.nn.Module) -> None:
+    """Our vocoder layers (layers/vocoder.py: the same parameters and math, fewer passes over the
+    signal, SnakeBeta one fused kernel on CUDA) in place of transformers' in the module, each
+    with the parameters, dtype, device and mode of the one it replaces."""
+    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
+
+    def ours(layer: torch.nn.Module) -> torch.nn.Module | None:
+        if isinstance(layer, hf.Qwen3OmniMoeSnakeBeta):
+            return SnakeBeta(layer.in_features)
+        if isinstance(layer, hf.Qwen3OmniMoeCode2WavDecoderResidualUnit):
+            return ResidualUnit(layer.conv1.conv.in_channels, layer.conv1.dilation)
+        if isinstance(layer, hf.Qwen3OmniMoeCausalConvNet):
+            c = layer.conv
+            return CausalConv(c.in_channels, c.out_channels, c.kernel_size[0], c.dilation[0], c.stride[0], c.groups)
+        if isinstance(layer, hf.Qwen3OmniMoeCausalTransConvNet):
+            c = layer.conv
+            return CausalTransConv(c.in_channels, c.out_channels, c.kernel_size[0], c.stride[0], layer.left_pad)
+        return None
+
+    swaps = [(parent, name, child, new) for parent in module.modules() for name, child in parent.named_children()
+             if (new := ours(child)) is not None]
+    for parent, name, child, new in swaps:
+        weight = next(child.parameters())
+        new = new.to(device=weight.device, dtype=weight.dtype).train(child.training)
+        new.load_state_dict(child.state_dict())
+        parent.add_module(name, new)

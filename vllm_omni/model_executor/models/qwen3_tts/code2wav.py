@@ -112,6 +112,14 @@ class Qwen3TTSCode2Wav:
         rate = torch.tensor(self.sample_rate, dtype=torch.int32)
         return [{"audio": wav, "sample_rate": rate} for wav in wavs]
 
+    @property
+    def num_quantizers(self) -> int:
+        return self.decoder.num_quantizers
+
+    @property
+    def codebook_size(self) -> int:
+        return self.decoder.codebook_size
+
     # ------------------------------------------------------------------ streaming
     def open_stream(self, req: StageRequest) -> Code2WavStream:
         # A cloned voice's reference frames are the first chunk's left context, not chunks of their own.

@@ -24,53 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_omni.model_executor.layers.activation import SnakeBeta
 from vllm_omni.model_executor.layers.layernorm import rms_norm
 from vllm_omni.model_executor.layers.rotary import RotaryEmbedding, apply_rotary_emb
+from vllm_omni.model_executor.layers.vocoder import CausalConv, CausalTransConv, ResidualUnit, run_layers
 from vllm_omni.model_executor.models.codec_streaming import CausalConvLayer, TransConvLayer, context_frames
-
-
-class CausalConv(nn.Module):
-    """Conv1d padded on the left (and right up to a whole number of strides)."""
-
-    def __init__(self, in_ch: int, out_ch: int, kernel: int, dilation: int = 1, stride: int = 1, groups: int = 1):
-        super().__init__()
-        self.conv = nn.Conv1d(in_ch, out_ch, kernel, stride=stride, dilation=dilation, groups=groups)
-        self.stride = stride
-        self.span = (kernel - 1) * dilation + 1
-        self.left = self.span - stride
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        length = x.shape[-1]
-        frames = math.ceil((length - self.span + self.left) / self.stride + 1)
-        right = (frames - 1) * self.stride + self.span - self.left - length
-        return self.conv(F.pad(x, (self.left, right)))
-
-
-class CausalTransConv(nn.Module):
-    """ConvTranspose1d whose last kernel - stride samples (the look-ahead) are dropped."""
-
-    def __init__(self, in_ch: int, out_ch: int, kernel: int, stride: int):
-        super().__init__()
-        self.conv = nn.ConvTranspose1d(in_ch, out_ch, kernel, stride=stride)
-        self.trim = kernel - stride
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.conv(x)
-        return x[..., : x.shape[-1] - self.trim] if self.trim else x
-
-
-class SnakeBeta(nn.Module):
-    """x + sin(x * e^alpha)^2 / e^beta, per channel."""
-
-    def __init__(self, channels: int):
-        super().__init__()
-        self.alpha = nn.Parameter(torch.zeros(channels))
-        self.beta = nn.Parameter(torch.zeros(channels))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        alpha = self.alpha.exp()[None, :, None]
-        beta = self.beta.exp()[None, :, None]
-        return x + (1.0 / (beta + 1e-9)) * torch.sin(x * alpha).pow(2)
 
 
 class ConvNeXtBlock(nn.Module):
@@ -88,18 +46,6 @@ class ConvNeXtBlock(nn.Module):
         return x + (self.gamma * h).transpose(1, 2)
 
 
-class ResidualUnit(nn.Module):
-    def __init__(self, dim: int, dilation: int):
-        super().__init__()
-        self.act1 = SnakeBeta(dim)
-        self.conv1 = CausalConv(dim, dim, 7, dilation=dilation)
-        self.act2 = SnakeBeta(dim)
-        self.conv2 = CausalConv(dim, dim, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.conv2(self.act2(self.conv1(self.act1(x))))
-
-
 class UpsampleBlock(nn.Module):
     def __init__(self, in_dim: int, out_dim: int, rate: int):
         super().__init__()
@@ -107,9 +53,7 @@ class UpsampleBlock(nn.Module):
                                     *(ResidualUnit(out_dim, d) for d in (1, 3, 9))])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.block:
-            x = layer(x)
-        return x
+        return run_layers(self.block, x)
 
 
 class Codebook(nn.Module):
@@ -288,9 +232,7 @@ class SpeechDecoder(nn.Module):
         for trans_conv, convnext in self.upsample:
             h = convnext(trans_conv(h))
         h = h[..., skip_frames * self.vocoder_input_per_frame:]
-        for layer in self.decoder:
-            h = layer(h)
-        return h.clamp(-1, 1)
+        return run_layers(self.decoder, h).clamp(-1, 1)
 
     @property
     def vocoder_input_per_frame(self) -> int:
@@ -301,7 +243,7 @@ class SpeechDecoder(nn.Module):
         """How many frames before a frame the vocoder reads for that frame's samples (its
         receptive field, walked from its output back to its input, rounded up to frames)."""
         layers = [CausalConvLayer(layer.stride, layer.left) if isinstance(layer, CausalConv)
-                  else TransConvLayer(layer.conv.kernel_size[0], layer.conv.stride[0])  # trims the right only
+                  else TransConvLayer(layer.conv.kernel_size[0], layer.conv.stride[0], layer.trim_left)
                   for layer in _vocoder_layers(self.decoder) if isinstance(layer, (CausalConv, CausalTransConv))]
         return context_frames(layers, self.vocoder_input_per_frame)
 
