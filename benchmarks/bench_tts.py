@@ -142,7 +142,7 @@ class Workload:
     """What each request asks for. Base: the talker keeps each reference's encodings
     (reference_cache.py), so only a reference it has not seen runs its two encoders: `voices`
     distinct references are cloned in turn, 0 = every request a new one (the cold path).
-    Request i makes frames(i) codec frames: the talker's defaults with that many tokens."""
+    Request i makes frames_of(i) codec frames: the talker's defaults with that many tokens."""
     task: str
     talker: Any  # the talker's StageConfig
     frames: tuple[int, int]
