@@ -96,7 +96,9 @@ def make_prompts(n: int, words: int) -> list[dict[str, Any]]:
 
 
 def fixed_length_params(args: argparse.Namespace) -> list[dict[str, Any]]:
-    talker = {"temperature": 0.0, "max_tokens": args.codec_tokens, "ignore_eos": True}
+    # min_tokens masks the codec EOS (as transformers' talker_min_new_tokens does): ignored, a
+    # sampled EOS would still be a code, which code2wav rejects (the tiny models sample it).
+    talker = {"temperature": 0.0, "max_tokens": args.codec_tokens, "min_tokens": args.codec_tokens, "ignore_eos": True}
     if NUM_CODES is not None:
         talker["allowed_token_ids"] = list(range(NUM_CODES))
     return [{"temperature": 0.0, "max_tokens": args.text_tokens, "ignore_eos": True}, talker, {"seed": 0}]
