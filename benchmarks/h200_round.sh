@@ -131,9 +131,10 @@ case "${1:-}" in
       done
     done ;;
   tts_poisson_timeline)  # each request's submission and first audio (JSON each[]) on the timelines' clock
+    # FRAMES=38-100 NUM=64: the short requests of round 10's unexplained tail
     step tts_poisson_timeline 200 env VLLM_OMNI_PROFILE_DIR="$OUT/tts_poisson" VLLM_OMNI_PROFILE_STAGES=0,1 \
       VLLM_OMNI_PROFILE_SKIP=0 VLLM_OMNI_PROFILE_STEPS=1000000 VLLM_OMNI_PROFILE_OPS=0 \
-      $PY benchmarks/bench_tts.py --real-arch --concurrency "" --num-requests 32 --frames 120 --rate 20 \
+      $PY benchmarks/bench_tts.py --real-arch --concurrency "" --num-requests ${NUM:-32} --frames ${FRAMES:-120} --rate 20 \
       --json "$OUT/tts_poisson.json"
     tar -C "$OUT" -czf "$OUT/tts_poisson.tgz" tts_poisson && rm -r "$OUT/tts_poisson" ;;
   code2wav_precision)  # Qwen3 / TTS code2wav: waveform tolerances of TF32 and bfloat16, then their speed
