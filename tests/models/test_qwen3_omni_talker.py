@@ -182,6 +182,21 @@ def test_talker_codes_match_transformers(ckpt, text_refs):
     assert logits[:, 64:].isinf().sum() == 2 * (1088 - 64 - 1) and logits[:, CODEC_EOS].isfinite().all()
 
 
+def test_talker_lays_out_each_prompt_once(ckpt, text_refs, monkeypatch):
+    """Admitting a request lays its talker prompt out once (host work a burst of arrivals pays
+    per request before the talker's first step), and its state reuses that layout."""
+    from vllm_omni.model_executor.models.qwen3_omni import qwen3_omni_moe_talker as talker_module
+
+    refs, inputs = text_refs
+    calls = []
+    layout = talker_module.talker_prompt
+    monkeypatch.setattr(talker_module, "talker_prompt", lambda *a, **k: (calls.append(1), layout(*a, **k))[1])
+    outs = run_talker(talker_engine(ckpt), inputs)
+    assert len(calls) == len(inputs)
+    for name, ref in refs.items():
+        check_against_reference(name, outs[name], ref)
+
+
 def test_talker_survives_preemption(ckpt, text_refs, monkeypatch):
     """Frames live in the request's model_state: recomputed requests keep their codes."""
     from vllm_omni.core.request import Request
