@@ -12,7 +12,9 @@ config's talker sampling.
 After every request is past its prefill, `--steps` decode steps are timed one by one (each step
 returns host-side codes, so it is synchronous). Also reported: the decode CUDA graph replayed
 alone (device time, no host work) and the floor (weights + KV read once per step at the HBM
-bandwidth). ms/step minus graph replay is what the host adds.
+bandwidth). ms/step minus graph replay is what the host adds. `admit ms` is the host time of
+one `add_request` (the talker prompt laid out, its rows projected: what a burst of arrivals
+pays per request before the talker's next step), the mean over the batch's requests.
 """
 from __future__ import annotations
 
@@ -114,9 +116,11 @@ def main() -> None:
     rows = []
     for b in batches:
         ids = [f"b{b}-{i}" for i in range(b)]
-        for i, rid in enumerate(ids):
-            prompt = talker_prompt(engine.model, args.family, prompt_ids, args.reply_rows, i)
+        prompts = [talker_prompt(engine.model, args.family, prompt_ids, args.reply_rows, i) for i in range(b)]
+        admit = time.perf_counter()
+        for rid, prompt in zip(ids, prompts):
             engine.add_request(rid, prompt["prompt_token_ids"], params, model_inputs=prompt["additional_information"])
+        admit_ms = (time.perf_counter() - admit) * 1e3 / b
         decode_until(engine, args.context)
         profile_path = Path(args.profile) / f"talker_b{b}.txt" if args.profile else None
         if profile_path is not None:
@@ -127,10 +131,10 @@ def main() -> None:
         context = len(prompt_ids) + 2 + args.context + args.steps // 2
         floor_ms = (weight_bytes + b * context * kv_per_token) / HBM_BYTES_PER_S * 1e3
         row = {"batch": b, "ms_per_step": ms, "graph_replay_ms": graph_replay_ms(engine, b) if gpu else None,
-               "roofline_ms": floor_ms, "codes_per_s": b / ms * 1e3}
+               "roofline_ms": floor_ms, "codes_per_s": b / ms * 1e3, "admit_ms": admit_ms}
         rows.append(row)
         print(f"batch {b}: {ms:.3f} ms/step, graph alone {row['graph_replay_ms'] or float('nan'):.3f} ms, "
-              f"floor {floor_ms:.3f} ms, {row['codes_per_s']:.0f} codes/s", flush=True)
+              f"floor {floor_ms:.3f} ms, {row['codes_per_s']:.0f} codes/s, admit {admit_ms:.2f} ms a request", flush=True)
     Path(args.json).write_text(json.dumps({"args": vars(args), "device": torch.cuda.get_device_name() if gpu
                                            else "cpu", "rows": rows}, indent=1))
 
