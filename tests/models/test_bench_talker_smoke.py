@@ -21,4 +21,4 @@ def test_bench_talker_step_smoke(tmp_path, family):
                     "--json", str(out)], check=True, cwd=tmp_path, timeout=300)
     result = json.loads(out.read_text())
     assert [row["batch"] for row in result["rows"]] == [1, 3]
-    assert all(row["ms_per_step"] > 0 for row in result["rows"])
+    assert all(row["ms_per_step"] > 0 and row["admit_ms"] > 0 for row in result["rows"])
