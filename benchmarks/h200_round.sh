@@ -131,12 +131,14 @@ case "${1:-}" in
       done
     done ;;
   tts_poisson_timeline)  # each request's submission and first audio (JSON each[]) on the timelines' clock
-    # FRAMES=38-100 NUM=64: the short requests of round 10's unexplained tail
-    step tts_poisson_timeline 200 env VLLM_OMNI_PROFILE_DIR="$OUT/tts_poisson" VLLM_OMNI_PROFILE_STAGES=0,1 \
+    # FRAMES=38-100 NUM=64: the short requests of round 10's unexplained tail. Limits fit a cold
+    # machine (its first bench_tts start-up, Triton kernels compiled, takes ~2 min).
+    tag=${FRAMES:-120}
+    step tts_poisson_timeline_$tag 300 env VLLM_OMNI_PROFILE_DIR="$OUT/tts_poisson_$tag" VLLM_OMNI_PROFILE_STAGES=0,1 \
       VLLM_OMNI_PROFILE_SKIP=0 VLLM_OMNI_PROFILE_STEPS=1000000 VLLM_OMNI_PROFILE_OPS=0 \
       $PY benchmarks/bench_tts.py --real-arch --concurrency "" --num-requests ${NUM:-32} --frames ${FRAMES:-120} --rate 20 \
-      --json "$OUT/tts_poisson.json"
-    tar -C "$OUT" -czf "$OUT/tts_poisson.tgz" tts_poisson && rm -r "$OUT/tts_poisson" ;;
+      --json "$OUT/tts_poisson_$tag.json"
+    tar -C "$OUT" -czf "$OUT/tts_poisson_$tag.tgz" tts_poisson_$tag && rm -r "$OUT/tts_poisson_$tag" ;;
   code2wav_precision)  # Qwen3 / TTS code2wav: waveform tolerances of TF32 and bfloat16, then their speed
     step code2wav_tests 200 $PY -m pytest -q tests/gpu/test_code2wav_precision.py tests/gpu/test_decoder_graphs.py \
       -k "not qwen2_5 and not dit" -s -p no:cacheprovider
@@ -157,11 +159,11 @@ case "${1:-}" in
   vocoder_tts)  # bench_tts with the vocoder layers fused or not (9.6 s requests), then fused on 3-8 s requests
     for run in ${RUNS:-1}; do
       for fused in ${MODES:-0 1}; do
-        step tts_fused${fused}_$run 150 env VLLM_OMNI_FUSED_VOCODER=$fused $PY benchmarks/bench_tts.py --real-arch \
+        step tts_fused${fused}_$run 240 env VLLM_OMNI_FUSED_VOCODER=$fused $PY benchmarks/bench_tts.py --real-arch \
           --concurrency 1,64 --num-requests 32 --frames 120 --rate 20 --json "/tmp/tts_fused${fused}_$run.json"
       done
     done
-    step tts_short 150 $PY benchmarks/bench_tts.py --real-arch --concurrency 1,64 --num-requests 64 --frames 38-100 \
+    step tts_short 240 $PY benchmarks/bench_tts.py --real-arch --concurrency 1,64 --num-requests 64 --frames 38-100 \
       --rate 20 --json /tmp/tts_short.json ;;
   tts_code2wav)  # skip the warm-up and the ramp: 40 steps of steady decoding under the torch profiler
     step tts_code2wav 200 env VLLM_OMNI_PROFILE_DIR="$OUT/tts_code2wav" VLLM_OMNI_PROFILE_STAGES=0,1 \

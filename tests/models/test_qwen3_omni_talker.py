@@ -197,6 +197,41 @@ def test_talker_lays_out_each_prompt_once(ckpt, text_refs, monkeypatch):
         check_against_reference(name, outs[name], ref)
 
 
+def test_streamed_reply_rows_are_projected_together_at_the_next_step(ckpt, text_refs, monkeypatch):
+    """The thinker's reply rows stream in a row per request per thinker step (as over a
+    streaming edge); the talker projects every request's new rows in one call at its next step,
+    none as they arrive (at 32 in flight, a projection per chunk kept the talker from stepping),
+    and its codes are still transformers'."""
+    refs, inputs = text_refs
+    engine = talker_engine(ckpt)
+    projection, rows_per_call = engine.model.text_projection, []
+    forward = projection.forward
+    monkeypatch.setattr(projection, "forward", lambda x: (rows_per_call.append(x.shape[0]), forward(x))[1])
+    params = SamplingParams(temperature=0.0, max_tokens=TALKER_TOKENS, repetition_penalty=1.05, detokenize=False)
+    chunks = {}
+    for rid, p in inputs.items():
+        info = dict(p["additional_information"])
+        start = len(info["thinker_prompt_token_ids"]) + 1  # the talker's prompt ends with the first reply row
+        reply = {key: info[key][start:] for key in ("thinker_embeds", "thinker_hidden")}
+        info.update({key: info[key][:start] for key in reply})
+        chunks[rid] = [{key: rows[i : i + 1] for key, rows in reply.items()} for i in range(len(reply["thinker_embeds"]))]
+        assert len(chunks[rid]) >= 3
+        engine.add_request(rid, p["prompt_token_ids"], params, model_inputs=info, input_complete=False)
+    done = {}
+    while engine.has_unfinished_requests():
+        sent = 0
+        for rid in chunks:
+            if chunks[rid]:
+                chunk = chunks[rid].pop(0)
+                engine.append_inputs(rid, chunk, final=not chunks[rid])
+                sent += rid not in done
+        rows_per_call.clear()  # (a final chunk projects the constant tts_eos row as it arrives)
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+        assert rows_per_call == ([sent] if sent else []), "one projection of every request's new rows a step"
+    for name, ref in refs.items():
+        check_against_reference(name, done[name], ref)
+
+
 def test_talker_survives_preemption(ckpt, text_refs, monkeypatch):
     """Frames live in the request's model_state: recomputed requests keep their codes."""
     from vllm_omni.core.request import Request

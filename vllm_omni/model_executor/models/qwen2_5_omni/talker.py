@@ -36,7 +36,7 @@ from vllm_omni.model_executor.models.qwen2 import make_qwen2_layer
 from vllm_omni.model_executor.models.qwen2_5_omni.positions import MRopeTokenConfig, omni_rope_index
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav import load_speakers, select_speaker
 from vllm_omni.growing_tensor import GrowingTensor
-from vllm_omni.model_executor.models.bridge_utils import rows_like, streamed_rows
+from vllm_omni.model_executor.models.bridge_utils import StreamedRowsQueue, rows_like, streamed_rows
 from vllm_omni.model_executor.models.stage_model import StageModel
 from vllm_omni.model_executor.models.utils import load_weights_strict, map_stacked_name
 from vllm_omni.model_executor.models.qwen2_5_omni.bridges import TalkerInputs
@@ -103,6 +103,7 @@ class Qwen2_5OmniTalkerForConditionalGeneration(StageModel):
         self.text_row = {token: row for row, token in enumerate(text_ids)}
         self.thinker_text_embeds = nn.Parameter(torch.empty(len(text_ids), tc.embedding_size), requires_grad=False)
         set_loader(self.thinker_text_embeds, self._text_rows_loader(text_ids))
+        self._streamed = StreamedRowsQueue()  # the thinker's reply rows, added at the next step
 
     # --- weights ----------------------------------------------------------------
     @staticmethod
@@ -160,6 +161,7 @@ class Qwen2_5OmniTalkerForConditionalGeneration(StageModel):
     def embed_request_span(self, request, start: int, end: int, token_ids: torch.Tensor) -> torch.Tensor:
         """[end - start, hidden] projected input rows of talker positions start..end-1."""
         st = self._state(request)
+        self._add_streamed_rows()
         idx = torch.arange(start, end, device=token_ids.device)
         # Positions P and P+1 carry codec pad / bos whatever the prompt ids say; earlier
         # prompt positions have no codec part (HF never embeds its mask placeholders).
@@ -177,6 +179,7 @@ class Qwen2_5OmniTalkerForConditionalGeneration(StageModel):
         """A decode step's rows in four kernels for the whole batch: each row is the thinker row
         of its position (the last repeats once complete) + its code's embedding, projected."""
         states = [self._state(request) for request, _, _ in spans]
+        self._add_streamed_rows()
         if not all(end == start + 1 and start >= st.num_prompt + 2 for (_, start, end), st in zip(spans, states)):
             return super().embed_request_spans(spans, token_ids)
         conditioning = torch.stack([st.conditioning.view[min(start, len(st.conditioning) - 1)]
@@ -229,15 +232,15 @@ class Qwen2_5OmniTalkerForConditionalGeneration(StageModel):
         positions, delta = self._prompt_positions(inputs)
         st = _RequestState(conditioning, False, positions, delta, num_prompt)
         if request.input_complete:
-            self._complete(st)
+            self._complete(request, st)
         return st
 
-    def _complete(self, st: _RequestState) -> None:
+    def _complete(self, request, st: _RequestState) -> None:
         # With R = 0 (a one-token reply, which transformers cannot handle) the stream simply
         # starts with the text eos.
         weight = self.thinker_text_embeds
         eos, pad = self.text_row[self.config.tts_text_end_token_id], self.text_row[self.config.tts_text_pad_token_id]
-        st.conditioning.append(torch.cat([weight[eos : eos + 1], weight[pad : pad + 1]]))
+        self._streamed.put_ready(request, st.conditioning, torch.cat([weight[eos : eos + 1], weight[pad : pad + 1]]))
         st.complete = True
 
     # --- streamed input: the thinker's reply rows as it generates them ---------------------
@@ -246,15 +249,17 @@ class Qwen2_5OmniTalkerForConditionalGeneration(StageModel):
         st = self._state(request)
         if info:
             embeds, hidden = streamed_rows(info, ("thinker_embeds", "thinker_hidden"), st.conditioning.view.shape[1])
-        if info and embeds.shape[0]:
-            weight = self.thinker_text_embeds
-            st.conditioning.append(rows_like(hidden, weight) + rows_like(embeds, weight))
+        if info and embeds.shape[0]:  # hidden + embeds at the next step, with every request's new rows
+            self._streamed.put(request, st.conditioning, (hidden, embeds))
         if final:
-            self._complete(st)
+            self._complete(request, st)
 
     def available_positions(self, request) -> int | None:
         st = self._state(request)
-        return None if st.complete else len(st.conditioning)
+        return None if st.complete else len(st.conditioning) + self._streamed.num_rows(request)
+
+    def _add_streamed_rows(self) -> None:
+        self._streamed.flush(self.thinker_text_embeds, torch.add)
 
     def _check_layout(self, inputs: TalkerInputs) -> None:
         has_vision = bool(torch.isin(torch.tensor(inputs.thinker_prompt_token_ids), self.vision_ids).any())

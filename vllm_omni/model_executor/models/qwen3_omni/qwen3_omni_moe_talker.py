@@ -37,7 +37,7 @@ from vllm_omni.model_executor.models.qwen3_omni.rope_index import GeneratedPosit
 from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_talker_prompt import TalkerPrompt, talker_prompt
 from vllm_omni.growing_tensor import GrowingTensor
 from vllm_omni.model_executor.device_copy import to_device_nowait
-from vllm_omni.model_executor.models.bridge_utils import rows_like, streamed_rows
+from vllm_omni.model_executor.models.bridge_utils import StreamedRowsQueue, rows_like, streamed_rows
 from vllm_omni.model_executor.models.stage_model import StageModel
 from vllm_omni.model_executor.models.predictor_graphs import GraphedPredictor
 from vllm_omni.model_executor.models.utils import load_weights_strict, map_stacked_name
@@ -154,6 +154,7 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
         self.register_buffer("suppressed", suppressed, persistent=False)
         self.graphed_predictor = GraphedPredictor(self.code_predictor, text.hidden_size,
                                                   tc.code_predictor_config.vocab_size, PREDICTOR_SAMPLING)
+        self._streamed = StreamedRowsQueue()  # the thinker's reply rows, projected at the next step
 
     # --- weights ----------------------------------------------------------------
     def _special_rows_loader(self, param: torch.Tensor, table: torch.Tensor, shard_id: Any = None) -> None:
@@ -240,6 +241,7 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
         is its frame's codec row + the text stream's row k (transformers'
         prepare_inputs_for_generation)."""
         st = self._state(request)
+        self._project_streamed_rows()
         num_prompt = st.prompt.num_tokens
         rows = [st.prompt_embeds[start:min(end, num_prompt)]]
         text = st.text_stream.view
@@ -254,27 +256,29 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
         st = self._state(request)
         if info:
             embeds, _ = streamed_rows(info, ("thinker_embeds", "thinker_hidden"), self.config.thinker_hidden_size)
-        weight = self.thinker_special_embeds
         if info and embeds.shape[0]:
-            # Projected as they arrive; transformers projects the whole reply at once, which
-            # rounds differently in the last bits (docs/streaming.md).
-            st.text_stream.append(self.text_projection(rows_like(embeds, weight)))
+            # Projected at the next step with every request's new rows (transformers projects
+            # the whole reply at once, which rounds differently in the last bits: docs/streaming.md).
+            self._streamed.put(request, st.text_stream, (embeds,))
         if final:
-            self._complete(st)
+            self._streamed.put_ready(request, st.text_stream, self._eos_row())
+            st.complete = True
 
     def available_positions(self, request) -> int | None:
         st = self._state(request)
-        return None if st.complete else st.prompt.num_tokens + len(st.text_stream)
+        return None if st.complete else st.prompt.num_tokens + len(st.text_stream) + self._streamed.num_rows(request)
 
-    def _complete(self, st: _RequestState) -> None:
-        eos = self.text_projection(self.thinker_special_embeds)[1]
-        st.text_stream.append(eos[None])
-        st.complete = True
+    def _project_streamed_rows(self) -> None:
+        self._streamed.flush(self.thinker_special_embeds, self.text_projection)
+
+    def _eos_row(self) -> torch.Tensor:
+        return self.text_projection(self.thinker_special_embeds)[1:2]
 
     def embed_request_spans(self, spans, token_ids: torch.Tensor) -> torch.Tensor:
         """A decode step's rows in three kernels for the whole batch (the rows of
         embed_request_span: each output token's codec row + its text row)."""
         states = [self._state(request) for request, _, _ in spans]
+        self._project_streamed_rows()
         if not all(end == start + 1 and start >= st.prompt.num_tokens for (_, start, end), st in zip(spans, states)):
             return super().embed_request_spans(spans, token_ids)
         codec, text = [], []
