@@ -91,7 +91,7 @@ case "${1:-}" in
       --stage-overrides '{"0":{"max_num_seqs":8},"1":{"max_num_seqs":8},"2":{"max_num_seqs":8}}' \
       --log-requests --json "$OUT/qwen3_timeline.json" ;;
   qwen3_load)  # issue 11's load levels; the timelines (one tar, few files) say where first audio goes
-    step qwen3_load 300 env VLLM_OMNI_PROFILE_DIR="$OUT/qwen3_load" VLLM_OMNI_PROFILE_STAGES=0,1,2 \
+    step qwen3_load 420 env VLLM_OMNI_PROFILE_DIR="$OUT/qwen3_load" VLLM_OMNI_PROFILE_STAGES=0,1,2 \
       VLLM_OMNI_PROFILE_SKIP=0 VLLM_OMNI_PROFILE_STEPS=1000000 VLLM_OMNI_PROFILE_OPS=0 \
       $PY benchmarks/bench_omni_e2e.py --dummy-config benchmarks/configs/qwen3_omni_30b_a3b.json --concurrency 1,8,32 \
       --num-requests 32 --prompt-words 74 --text-tokens 64 --codec-tokens 100 --skip-hf --async-chunk on \
