@@ -111,6 +111,34 @@ def test_bias_residual_add_equals_torch_bit_for_bit(dtype):
         assert got.is_contiguous() and torch.equal(got, x + (y + bias[:, None]))
 
 
+def _compiled_variants(kernel) -> int:
+    """Variants Triton has compiled of `kernel` on this GPU (its per-device kernel cache)."""
+    return len(kernel.device_caches[torch.cuda.current_device()][0])
+
+
+def test_new_chunk_lengths_compile_no_new_kernel_variant():
+    """First and last chunks bring lengths never seen before while the stage serves: they must
+    reuse the compiled kernels (a compile stalls the stage for ~0.1-0.3 s), and stay exact."""
+    dtype = torch.bfloat16
+    fused, eager = _snake_module(32, dtype, True), _snake_module(32, dtype, False)
+    bias = torch.randn(32, device="cuda", dtype=dtype)
+
+    def run(length: int) -> None:
+        wide = torch.randn(2, 32, length + 9, device="cuda", dtype=dtype) * 4
+        for x in (wide[..., :length], wide[..., 9:]):  # odd row strides, unaligned starts
+            for left_pad in (0, 6):
+                assert torch.equal(fused(x, left_pad, bias), eager(x, left_pad, bias))
+            y = torch.randn(2, 32, length, device="cuda", dtype=dtype)
+            assert torch.equal(cuda_ops.bias_residual_add(x, y, bias), x + (y + bias[:, None]))
+
+    run(48)
+    before = _compiled_variants(cuda_ops._snake_beta_kernel), _compiled_variants(cuda_ops._bias_residual_add_kernel)
+    for length in (1, 4, 16, 37, 100, 255, 256, 1000, 3001, 5760):
+        run(length)
+    after = _compiled_variants(cuda_ops._snake_beta_kernel), _compiled_variants(cuda_ops._bias_residual_add_kernel)
+    assert after == before
+
+
 def test_snake_beta_equals_transformers():
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeSnakeBeta
 

@@ -186,7 +186,16 @@ def rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots) -> None:
     )
 
 
-@triton.jit
+# The vocoder kernels run eagerly on every new chunk length (first and last chunks of each
+# request): Triton would compile a variant for each new power-of-two block and each new
+# divisibility by 16 of a length or stride, ~0.1-0.3 s on the stage's host in the middle of
+# serving (GPU round 11: 3-8 s requests under Poisson arrivals, first audio p95 148 ms in clusters
+# behind such stalls). So one block size, and the length-derived arguments unspecialized: one
+# variant per dtype and bias flag, compiled at the first chunk.
+_VOCODER_BLOCK = 1024
+
+
+@triton.jit(do_not_specialize=["length", "left_pad", "stride_b", "stride_c"])
 def _snake_beta_kernel(x_ptr, alpha_ptr, beta_ptr, bias_ptr, out_ptr, channels, length, left_pad, stride_b,
                        stride_c, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)  # b * channels + c
@@ -218,16 +227,15 @@ def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, left_pa
     for bit."""
     batch, channels, length = x.shape
     out = torch.empty(batch, channels, left_pad + length, dtype=x.dtype, device=x.device)
-    block = min(1024, triton.next_power_of_2(left_pad + length))
     bias_or_unused = alpha if bias is None else bias  # HAS_BIAS=False never reads it
-    _snake_beta_kernel[(batch * channels, triton.cdiv(left_pad + length, block))](
+    _snake_beta_kernel[(batch * channels, triton.cdiv(left_pad + length, _VOCODER_BLOCK))](
         x, alpha, beta, bias_or_unused, out, channels, length, left_pad, x.stride(0), x.stride(1),
-        HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, enable_fp_fusion=False,
+        HAS_BIAS=bias is not None, BLOCK=_VOCODER_BLOCK, num_warps=4, enable_fp_fusion=False,
     )
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["length", "sx_b", "sx_c", "sy_b", "sy_c"])
 def _bias_residual_add_kernel(x_ptr, y_ptr, bias_ptr, out_ptr, channels, length, sx_b, sx_c, sy_b, sy_c,
                               BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -246,9 +254,8 @@ def bias_residual_add(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor) -> t
     strided, time contiguous), bias [C] -> a contiguous [B, C, T]."""
     batch, channels, length = y.shape
     out = torch.empty(batch, channels, length, dtype=y.dtype, device=y.device)
-    block = min(1024, triton.next_power_of_2(length))
-    _bias_residual_add_kernel[(batch * channels, triton.cdiv(length, block))](
-        x, y, bias, out, channels, length, x.stride(0), x.stride(1), y.stride(0), y.stride(1), BLOCK=block,
+    _bias_residual_add_kernel[(batch * channels, triton.cdiv(length, _VOCODER_BLOCK))](
+        x, y, bias, out, channels, length, x.stride(0), x.stride(1), y.stride(0), y.stride(1), BLOCK=_VOCODER_BLOCK,
         num_warps=4, enable_fp_fusion=False,
     )
     return out
