@@ -15,9 +15,12 @@ on the H200. The noise is drawn before each replay, from a request's own generat
 a seed, so seeded requests are reproducible; the draws differ from the eager path's, the
 distribution does not (tests/models/test_predictor_sampling.py).
 
-`GraphedPredictor.predict` is what a talker calls: the graphs on CUDA, else the predictor run
-eagerly with our Sampler. `PredictorFrame.__call__` is the captured function run eagerly (what
-the CPU tests compare with the eager predictor). On by default on CUDA;
+`GraphedPredictor.predict` is what a talker calls: the graphs when the talker captured them at
+load (its `capture_graphs`: on CUDA, unless enforce_eager), else the predictor run eagerly with
+our Sampler. A capture synchronizes the device, so it never happens while serving (captured
+on the first frame instead, the first request paid it: step 0 of a Qwen3-Omni talker under
+the profiler took 7.3 s on the H200). `PredictorFrame.__call__` is the captured function run
+eagerly (what the CPU tests compare with the eager predictor).
 VLLM_OMNI_PREDICTOR_CUDA_GRAPHS=0 runs the predictor eagerly (stage processes inherit it).
 """
 from __future__ import annotations
@@ -129,27 +132,28 @@ _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 
 class GraphedPredictor:
     """A talker's code predictor at its fixed sampling settings (greedy rows stay greedy): its
-    frame graphs, captured on the first CUDA frame, or the predictor run eagerly."""
+    frame graphs once `capture` ran, else the predictor run eagerly."""
 
     def __init__(self, predictor: nn.Module, width: int, vocab: int, sampling: SamplingParams) -> None:
         self.predictor, self.width, self.vocab, self.sampling = predictor, width, vocab, sampling
         self.graphs: PredictorGraphs | None = None
         self.sampler = Sampler()
 
+    def capture(self, like: torch.Tensor) -> None:
+        """The frame graphs on `like`'s device and dtype (the talker's, at load)."""
+        if os.environ.get(PREDICTOR_GRAPHS_ENV) == "0":
+            return
+        frame = PredictorFrame(self.predictor, MAX_GRAPH_BATCH, self.width, self.vocab, self.sampling,
+                               like.device, like.dtype)
+        self.graphs = PredictorGraphs(frame, MAX_GRAPH_BATCH)
+        self.graphs.capture()
+
     def predict(self, requests: list, hidden: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes [B, G-1], their embeddings) of the frames whose group-0 codes embed to `first`."""
-        if hidden.is_cuda and hidden.shape[0] <= MAX_GRAPH_BATCH and os.environ.get(PREDICTOR_GRAPHS_ENV) != "0":
-            return self._replay(requests, hidden, first)
+        if self.graphs is not None and hidden.shape[0] <= MAX_GRAPH_BATCH:
+            return self.graphs.run(hidden, first, [r.sampling_params.greedy for r in requests],
+                                   [r.generator for r in requests])
         return self.predictor(hidden, first, self._sample_fn(requests))
-
-    def _replay(self, requests: list, hidden: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.graphs is None:
-            frame = PredictorFrame(self.predictor, MAX_GRAPH_BATCH, self.width, self.vocab, self.sampling,
-                                   hidden.device, hidden.dtype)
-            self.graphs = PredictorGraphs(frame, MAX_GRAPH_BATCH)
-            self.graphs.capture()
-        return self.graphs.run(hidden, first, [r.sampling_params.greedy for r in requests],
-                               [r.generator for r in requests])
 
     def _sample_fn(self, requests: list):
         if all(r.sampling_params.greedy for r in requests):

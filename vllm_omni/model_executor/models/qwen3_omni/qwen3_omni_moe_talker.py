@@ -226,6 +226,9 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
             return {CODES_KEY: torch.stack(new)}
         return {CODES_KEY: torch.zeros(0, self.config.num_code_groups, dtype=torch.long)} if finished else {}
 
+    def capture_graphs(self) -> None:
+        self.graphed_predictor.capture(self.model.embed_tokens.weight)
+
     # --- per-request inputs (model runner / engine hooks) ------------------------
     def parse_request_inputs(self, info: Mapping[str, Any]) -> ParsedTalkerInputs:
         inputs = TalkerInputs.from_info(info)

@@ -139,6 +139,7 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
         return loaded
 
     def capture_graphs(self) -> None:
+        self.graphed_predictor.capture(self.model.embed_tokens.weight)
         if self.speech_encoder is not None and self.speech_encoder.supports_padding() \
                 and os.environ.get(REFERENCE_GRAPHS_ENV) != "0":
             self.reference_graphs = ReferenceGraphs(self.speaker_encoder, self.speech_encoder)
