@@ -125,6 +125,23 @@ def test_min_tokens_mask_does_not_wait_for_the_gpu():
     assert torch.isneginf(masked[:, [7, 8]]).all() and not torch.isneginf(logits).any()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_allowed_token_ids_mask_does_not_wait_for_the_gpu():
+    params = [SamplingParams(temperature=0.9, allowed_token_ids=[3, 17, 42, 10**6]), SamplingParams(temperature=0.9),
+              SamplingParams(temperature=0.9, allowed_token_ids=[5])]
+    batch = make_batch(params)
+    logits = rand_logits(3, device="cuda")
+    Sampler._apply_allowed_tokens(logits, batch)  # warm-up: the pinned staging memory
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        masked = Sampler._apply_allowed_tokens(logits, batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    finite = torch.isfinite(masked).cpu()
+    assert finite[0].nonzero().flatten().tolist() == [3, 17, 42] and finite[1].all()
+    assert finite[2].nonzero().flatten().tolist() == [5]
+
+
 @on_devices
 def test_top_k_1_equals_greedy(device):
     logits = rand_logits(6, device=device)

@@ -134,16 +134,18 @@ class Sampler:
 
     @staticmethod
     def _apply_allowed_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """-inf outside each row's allowed_token_ids: every row's ids in one upload and one
+        kernel, the 0 a device value (a Python float per row waited for the step's forward each:
+        ~7 ms a step at 32 rows of 2048 allowed ids, H200 profile of the Qwen3-Omni talker)."""
         rows = [i for i, p in enumerate(batch.params) if p.allowed_token_ids is not None]
         if not rows:
             return logits
-        vocab = logits.shape[1]
-        mask = torch.full((len(rows), vocab), float("-inf"), device=logits.device)
-        for j, i in enumerate(rows):
-            ids = [t for t in batch.params[i].allowed_token_ids if t < vocab]
-            mask[j, _to_device(ids, torch.long, logits.device)] = 0.0
+        device = logits.device
+        mask_rows, ids = _flat_ids([batch.params[i].allowed_token_ids for i in rows], logits.shape[1], device)
+        mask = torch.full((len(rows), logits.shape[1]), _NEG_INF, device=device)
+        mask.index_put_((mask_rows, ids), torch.zeros((), device=device))
         logits = logits.clone()
-        logits[_to_device(rows, torch.long, logits.device)] += mask
+        logits[_to_device(rows, torch.long, device)] += mask
         return logits
 
     @staticmethod
