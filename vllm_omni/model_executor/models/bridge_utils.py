@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from vllm_omni.growing_tensor import GrowingTensor
 from vllm_omni.model_executor.device_copy import to_device_nowait
 from vllm_omni.outputs import RequestOutput
 from vllm_omni.stage_io import STREAM_UNITS_KEY, StageOutput
@@ -140,13 +141,13 @@ class StreamedRowsQueue:
 
     def __init__(self) -> None:
         # id(request) -> (request, its sink, its items in order: a tuple of host rows, or device rows)
-        self._queued: dict[int, tuple[Any, Any, list[tuple[torch.Tensor, ...] | torch.Tensor]]] = {}
+        self._queued: dict[int, tuple[Any, GrowingTensor, list[tuple[torch.Tensor, ...] | torch.Tensor]]] = {}
 
-    def put(self, request: Any, sink: Any, rows: tuple[torch.Tensor, ...]) -> None:
+    def put(self, request: Any, sink: GrowingTensor, rows: tuple[torch.Tensor, ...]) -> None:
         """Host rows (one tensor per key, equal row counts) to be transformed, then appended."""
         self._queued.setdefault(id(request), (request, sink, []))[2].append(rows)
 
-    def put_ready(self, request: Any, sink: Any, rows: torch.Tensor) -> None:
+    def put_ready(self, request: Any, sink: GrowingTensor, rows: torch.Tensor) -> None:
         """Rows appended as they are, after the rows queued before them."""
         if id(request) in self._queued:
             self._queued[id(request)][2].append(rows)

@@ -17,9 +17,9 @@ distribution does not (tests/models/test_predictor_sampling.py).
 
 `GraphedPredictor.predict` is what a talker calls: the graphs when the talker captured them at
 load (its `capture_graphs`: on CUDA, unless enforce_eager), else the predictor run eagerly with
-our Sampler. A capture synchronizes the device, so it never happens while serving (captured
-on the first frame instead, the first request paid it: step 0 of a Qwen3-Omni talker under
-the profiler took 7.3 s on the H200). `PredictorFrame.__call__` is the captured function run
+our Sampler. A capture synchronizes the device, so it happens at load and never while serving
+(captured at the first frame, it cost the first request seconds: 7.3 s of a Qwen3-Omni talker's
+first step under the profiler on the H200). `PredictorFrame.__call__` is the captured function run
 eagerly (what the CPU tests compare with the eager predictor).
 VLLM_OMNI_PREDICTOR_CUDA_GRAPHS=0 runs the predictor eagerly (stage processes inherit it).
 """
