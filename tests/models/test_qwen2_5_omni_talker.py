@@ -172,6 +172,51 @@ def test_talker_codes_match_transformers(omni_dir, hf_model):
     assert endings == {CODEC_PAD, CODEC_END, "length"}  # every way a talker request ends was covered
 
 
+def test_streamed_reply_rows_go_to_the_talker_together_at_the_next_step(omni_dir, hf_model, monkeypatch):
+    """The thinker's reply rows stream in a row per request per thinker step (as over a
+    streaming edge); the talker moves every request's new rows in one transfer per key at its
+    next step, none as they arrive, and its codes are still transformers'."""
+    from vllm_omni.model_executor.models import bridge_utils
+    from vllm_omni.model_executor.models.qwen2_5_omni import talker as talker_module
+
+    uploads = []
+    for module in (bridge_utils, talker_module):
+        monkeypatch.setattr(module, "rows_like", lambda rows, like, real=module.rows_like: (
+            uploads.append(rows.shape[0]), real(rows, like))[1])
+    engine = talker_engine(omni_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=TALKER_TOKENS, repetition_penalty=1.05, detokenize=False)
+    refs, chunks = {}, {}
+    for name in ("length", "ethan"):
+        seed, length, speaker = TEXT_CASES[name]
+        ids = text_prompt(seed, length)
+        refs[name] = hf_reference(hf_model, ids, speaker)
+        user_prompt = {"prompt_token_ids": ids.tolist(), "additional_information": {"speaker": speaker}}
+        [prompt] = thinker2talker([StageView(0, [thinker_output(name, ids, refs[name]["thinker"])])], [0],
+                                  user_prompt, False)
+        info = dict(prompt["additional_information"])
+        start = ids.numel() + 1  # the talker's prompt ends with the first reply row
+        reply = {key: info[key][start:] for key in ("thinker_embeds", "thinker_hidden")}
+        info.update({key: info[key][:start] for key in reply})
+        chunks[name] = [{key: rows[i : i + 1] for key, rows in reply.items()} for i in range(len(reply["thinker_hidden"]))]
+        assert len(chunks[name]) >= 3
+        engine.add_request(name, prompt["prompt_token_ids"], params, model_inputs=info, input_complete=False)
+    done = {}
+    while engine.has_unfinished_requests():
+        uploads.clear()
+        sent = 0
+        for name in chunks:
+            if chunks[name]:
+                chunk = chunks[name].pop(0)
+                engine.append_inputs(name, chunk, final=not chunks[name])
+                sent += name not in done
+        assert uploads == [], "nothing moves to the device as a chunk arrives"
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+        assert uploads == ([sent, sent] if sent else []), "one transfer per key of every request's new rows"
+    for name, ref in refs.items():
+        hf_codes = ref["talker"][0, len(done[name].prompt_token_ids):].tolist()  # after HF's talker prompt
+        assert done[name].outputs[0].token_ids == hf_codes, name
+
+
 def test_talker_multimodal_prompt_matches_transformers(omni_dir, hf_model):
     from vllm_omni.testing.tokenizer import make_tiny_tokenizer
 
