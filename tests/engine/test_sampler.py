@@ -109,6 +109,17 @@ def test_min_tokens_masks_eos_and_stop_ids(device):
     assert sampler(logits, make_batch([ignore], outputs=[[1]])).token_ids == [7]
 
 
+def without_gpu_waits(mask_fn, logits, batch) -> torch.Tensor:
+    """mask_fn(logits, batch) once to warm up (the pinned staging memory), then again where any
+    wait for the GPU is an error."""
+    mask_fn(logits, batch)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return mask_fn(logits, batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_min_tokens_mask_does_not_wait_for_the_gpu():
     # A TTS step of 64 rows spent ~2 ms here when the mask's value came from host memory: the
@@ -116,12 +127,7 @@ def test_min_tokens_mask_does_not_wait_for_the_gpu():
     params = SamplingParams(temperature=0.9, min_tokens=5, stop_token_ids=[8], _eos_token_ids=(7,))
     batch = make_batch([params] * 4, outputs=[[1]] * 4)
     logits = rand_logits(4, device="cuda")
-    Sampler._apply_min_tokens(logits, batch)  # warm-up: the pinned staging memory
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        masked = Sampler._apply_min_tokens(logits, batch)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    masked = without_gpu_waits(Sampler._apply_min_tokens, logits, batch)
     assert torch.isneginf(masked[:, [7, 8]]).all() and not torch.isneginf(logits).any()
 
 
@@ -131,13 +137,7 @@ def test_allowed_token_ids_mask_does_not_wait_for_the_gpu():
               SamplingParams(temperature=0.9, allowed_token_ids=[5])]
     batch = make_batch(params)
     logits = rand_logits(3, device="cuda")
-    Sampler._apply_allowed_tokens(logits, batch)  # warm-up: the pinned staging memory
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        masked = Sampler._apply_allowed_tokens(logits, batch)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    finite = torch.isfinite(masked).cpu()
+    finite = torch.isfinite(without_gpu_waits(Sampler._apply_allowed_tokens, logits, batch)).cpu()
     assert finite[0].nonzero().flatten().tolist() == [3, 17, 42] and finite[1].all()
     assert finite[2].nonzero().flatten().tolist() == [5]
 

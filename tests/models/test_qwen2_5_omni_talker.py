@@ -21,6 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.models.streamed_replies import append_next_rows, split_reply  # noqa: E402
 from tests.reference.hf_talker import give_talker_a_mask  # noqa: E402
 from vllm_omni.core.engine_config import EngineConfig  # noqa: E402
 from vllm_omni.core.llm_engine import LLMEngine  # noqa: E402
@@ -193,22 +194,14 @@ def test_streamed_reply_rows_go_to_the_talker_together_at_the_next_step(omni_dir
         user_prompt = {"prompt_token_ids": ids.tolist(), "additional_information": {"speaker": speaker}}
         [prompt] = thinker2talker([StageView(0, [thinker_output(name, ids, refs[name]["thinker"])])], [0],
                                   user_prompt, False)
-        info = dict(prompt["additional_information"])
-        start = ids.numel() + 1  # the talker's prompt ends with the first reply row
-        reply = {key: info[key][start:] for key in ("thinker_embeds", "thinker_hidden")}
-        info.update({key: info[key][:start] for key in reply})
-        chunks[name] = [{key: rows[i : i + 1] for key, rows in reply.items()} for i in range(len(reply["thinker_hidden"]))]
+        # the talker's prompt ends with the first reply row
+        first, chunks[name] = split_reply(prompt["additional_information"], ids.numel() + 1)
         assert len(chunks[name]) >= 3
-        engine.add_request(name, prompt["prompt_token_ids"], params, model_inputs=info, input_complete=False)
+        engine.add_request(name, prompt["prompt_token_ids"], params, model_inputs=first, input_complete=False)
     done = {}
     while engine.has_unfinished_requests():
         uploads.clear()
-        sent = 0
-        for name in chunks:
-            if chunks[name]:
-                chunk = chunks[name].pop(0)
-                engine.append_inputs(name, chunk, final=not chunks[name])
-                sent += name not in done
+        sent = append_next_rows(engine, chunks, done)
         assert uploads == [], "nothing moves to the device as a chunk arrives"
         done.update((o.request_id, o) for o in engine.step() if o.finished)
         assert uploads == ([sent, sent] if sent else []), "one transfer per key of every request's new rows"

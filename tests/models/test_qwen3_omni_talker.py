@@ -39,6 +39,7 @@ from vllm_omni.model_executor.models.qwen3_omni.bridges import (  # noqa: E402
 from vllm_omni.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from vllm_omni.sampling_params import SamplingParams  # noqa: E402
 from tests.models.predictor_frames import check_frame_matches_eager_predictor  # noqa: E402
+from tests.models.streamed_replies import append_next_rows, split_reply  # noqa: E402
 
 ARCH = "Qwen3OmniMoeForConditionalGeneration"
 ACCEPT_LAYER = 1  # the tiny talker's accept_hidden_layer
@@ -210,21 +211,14 @@ def test_streamed_reply_rows_are_projected_together_at_the_next_step(ckpt, text_
     params = SamplingParams(temperature=0.0, max_tokens=TALKER_TOKENS, repetition_penalty=1.05, detokenize=False)
     chunks = {}
     for rid, p in inputs.items():
-        info = dict(p["additional_information"])
+        info = p["additional_information"]
         start = len(info["thinker_prompt_token_ids"]) + 1  # the talker's prompt ends with the first reply row
-        reply = {key: info[key][start:] for key in ("thinker_embeds", "thinker_hidden")}
-        info.update({key: info[key][:start] for key in reply})
-        chunks[rid] = [{key: rows[i : i + 1] for key, rows in reply.items()} for i in range(len(reply["thinker_embeds"]))]
+        first, chunks[rid] = split_reply(info, start)
         assert len(chunks[rid]) >= 3
-        engine.add_request(rid, p["prompt_token_ids"], params, model_inputs=info, input_complete=False)
+        engine.add_request(rid, p["prompt_token_ids"], params, model_inputs=first, input_complete=False)
     done = {}
     while engine.has_unfinished_requests():
-        sent = 0
-        for rid in chunks:
-            if chunks[rid]:
-                chunk = chunks[rid].pop(0)
-                engine.append_inputs(rid, chunk, final=not chunks[rid])
-                sent += rid not in done
+        sent = append_next_rows(engine, chunks, done)
         rows_per_call.clear()  # (a final chunk projects the constant tts_eos row as it arrives)
         done.update((o.request_id, o) for o in engine.step() if o.finished)
         assert rows_per_call == ([sent] if sent else []), "one projection of every request's new rows a step"
