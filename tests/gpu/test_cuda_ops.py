@@ -111,6 +111,31 @@ def test_bias_residual_add_equals_torch_bit_for_bit(dtype):
         assert got.is_contiguous() and torch.equal(got, x + (y + bias[:, None]))
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_dit_modulated_norm_and_gated_residual_match_torch(autocast):
+    """The token2wav DiT's fused norm + modulation and gated residual against its torch ops,
+    float32 and under bfloat16 autocast (the `bfloat16` precision: modulations from the
+    autocast projection in bfloat16), with scale / shift / gate as strided chunks."""
+    from vllm_omni.model_executor.models.qwen2_5_omni import token2wav_dit
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(3, 77, 1024, device="cuda", generator=gen)
+    y = torch.randn(3, 77, 1024, device="cuda", generator=gen)
+    modulation = torch.randn(3, 6 * 1024, device="cuda", generator=gen) * 0.3
+    norm = torch.nn.LayerNorm(1024, elementwise_affine=False, eps=1e-6)
+    if autocast:
+        modulation, y = modulation.bfloat16(), y.bfloat16()
+    shift, scale, gate = modulation.chunk(6, dim=1)[:3]
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        got_norm = token2wav_dit._modulated_norm(norm, x, scale, shift)
+        ref_norm = norm(x) * (1 + scale[:, None]) + shift[:, None]
+        got_add = token2wav_dit._gated_residual(x, gate, y)
+        ref_add = x + gate.unsqueeze(1) * y
+    assert got_norm.dtype == ref_norm.dtype and got_add.dtype == ref_add.dtype
+    torch.testing.assert_close(got_norm, ref_norm, atol=2e-5, rtol=1e-5)
+    assert torch.equal(got_add, ref_add)
+
+
 def _compiled_variants(kernel) -> int:
     """Variants Triton has compiled of `kernel` on this GPU (its per-device kernel cache)."""
     return len(kernel.device_caches[torch.cuda.current_device()][0])

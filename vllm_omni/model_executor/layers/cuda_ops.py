@@ -259,3 +259,61 @@ def bias_residual_add(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor) -> t
         num_warps=4, enable_fp_fusion=False,
     )
     return out
+
+
+@triton.jit
+def _ada_layer_norm_kernel(x_ptr, scale_ptr, shift_ptr, out_ptr, n_cols, frames, stride_mod, eps,
+                           BLOCK: tl.constexpr):
+    row = tl.program_id(0)  # batch row * frames + frame
+    mod = (row // frames) * stride_mod
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, 0) / n_cols
+    centered = tl.where(mask, x - mean, 0.0)
+    normed = centered * tl.rsqrt(tl.sum(centered * centered, 0) / n_cols + eps)
+    scale = tl.load(scale_ptr + mod + cols, mask=mask, other=0.0)
+    one_plus = (1.0 + scale.to(tl.float32)).to(scale.dtype).to(tl.float32)  # rounded as torch's `1 + scale`
+    shift = tl.load(shift_ptr + mod + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, (normed * one_plus + shift).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def ada_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float,
+                   norm_dtype: torch.dtype) -> torch.Tensor:
+    """LayerNorm(x) * (1 + scale) + shift (no affine weights; DiT adaptive norm) in one pass:
+    x [B, T, D] contiguous, scale / shift [B, D] (rows may be strided: chunks of one
+    projection) -> [B, T, D] in promote(norm_dtype, scale), norm_dtype being the dtype torch's
+    layer_norm returns (float32 under autocast). Within float32 rounding of torch's ops (the
+    mean and variance are summed in another order)."""
+    batch, frames, dim = x.shape
+    out = torch.empty(x.shape, dtype=torch.promote_types(norm_dtype, scale.dtype), device=x.device)
+    _ada_layer_norm_kernel[(batch * frames,)](
+        x, scale, shift, out, dim, frames, scale.stride(0), eps,
+        BLOCK=triton.next_power_of_2(dim), num_warps=4 if dim <= 4096 else 8, enable_fp_fusion=False,
+    )
+    return out
+
+
+@triton.jit
+def _gated_residual_kernel(x_ptr, gate_ptr, y_ptr, out_ptr, n_cols, frames, stride_gate, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    gate = tl.load(gate_ptr + (row // frames) * stride_gate + cols, mask=mask, other=0.0)
+    y = tl.load(y_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    gated = (gate.to(tl.float32) * y.to(tl.float32)).to(y.dtype)  # torch's `gate * y`, rounded
+    tl.store(out_ptr + row * n_cols + cols, (x.to(tl.float32) + gated.to(tl.float32)).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x + gate[:, None] * y in one pass, rounded as torch's two ops: x, y [B, T, D]
+    contiguous, gate [B, D] (rows may be strided) of y's dtype."""
+    batch, frames, dim = x.shape
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, y.dtype), device=x.device)
+    _gated_residual_kernel[(batch * frames,)](
+        x, gate, y, out, dim, frames, gate.stride(0),
+        BLOCK=triton.next_power_of_2(dim), num_warps=4 if dim <= 4096 else 8, enable_fp_fusion=False,
+    )
+    return out

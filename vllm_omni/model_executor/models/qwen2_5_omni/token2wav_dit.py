@@ -123,13 +123,37 @@ def forward_cfg(dit, x, time, codes, speaker, feats, lengths) -> torch.Tensor:
 
 
 def _decoder_layer(layer, hidden, time_embedding, rope, mask, block_size: int) -> torch.Tensor:
-    """transformers' `DiTDecoderLayer.forward` with the attention of `_window_attention`."""
-    norm, gate_msa, shift_mlp, scale_mlp, gate_mlp = layer.attn_norm(hidden, emb=time_embedding)
+    """transformers' `DiTDecoderLayer.forward` with the attention of `_window_attention` and,
+    on CUDA, its norms, modulations and gated residuals in fused kernels (elementwise kernels
+    were a quarter of the GPU time of streamed windows)."""
+    ada = layer.attn_norm
+    modulation = ada.linear(ada.silu(time_embedding))
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = torch.chunk(modulation, 6, dim=1)
+    norm = _modulated_norm(ada.norm, hidden, scale_msa, shift_msa)
     attn = _window_attention(layer.attn, norm, rope, mask, block_size, layer.look_backward_block,
                              layer.look_ahead_block)
-    hidden = hidden + gate_msa.unsqueeze(1) * attn
-    norm = layer.ff_norm(hidden) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
-    return hidden + gate_mlp.unsqueeze(1) * layer.ff(norm)
+    hidden = _gated_residual(hidden, gate_msa, attn)
+    norm = _modulated_norm(layer.ff_norm, hidden, scale_mlp, shift_mlp)
+    return _gated_residual(hidden, gate_mlp, layer.ff(norm))
+
+
+def _modulated_norm(norm: torch.nn.LayerNorm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor):
+    """norm(x) * (1 + scale) + shift, scale and shift per batch row."""
+    if x.is_cuda and x.is_contiguous():
+        from vllm_omni.model_executor.layers import cuda_ops
+
+        autocast = torch.is_autocast_enabled(x.device.type)  # torch's layer_norm then returns float32
+        return cuda_ops.ada_layer_norm(x, scale, shift, norm.eps, torch.float32 if autocast else x.dtype)
+    return norm(x) * (1 + scale[:, None]) + shift[:, None]
+
+
+def _gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x + gate * y, gate per batch row."""
+    if x.is_cuda and x.is_contiguous() and y.is_contiguous() and gate.dtype == y.dtype:
+        from vllm_omni.model_executor.layers import cuda_ops
+
+        return cuda_ops.gated_residual(x, gate, y)
+    return x + gate.unsqueeze(1) * y
 
 
 def _window_attention(attn, hidden, rope, mask, block_size: int, back: int, ahead: int) -> torch.Tensor:
