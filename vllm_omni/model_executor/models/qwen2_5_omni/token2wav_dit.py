@@ -174,11 +174,14 @@ def _window_attention(attn, hidden, rope, mask, block_size: int, back: int, ahea
     tail = blocks * block_size - frames  # the last block's padding: masked like any padding
 
     def windows(t: torch.Tensor, before: int, after: int) -> torch.Tensor:
-        """[rows * blocks, heads, (before + 1 + after) * block_size, head_dim]: each block's window."""
-        padded = F.pad(t, (0, 0, 0, 0, before * block_size, tail + after * block_size))
-        padded = padded.view(rows, blocks + before + after, block_size, heads, head_dim)
-        window = torch.cat([padded[:, i:i + blocks] for i in range(before + after + 1)], dim=2)
-        return window.transpose(2, 3).reshape(rows * blocks, heads, -1, head_dim)
+        """[rows * blocks, heads, (before + 1 + after) * block_size, head_dim]: each block's
+        window; a strided view of `t` (no copy) for a layer that sees only its own block."""
+        if before or after or tail:
+            t = F.pad(t, (0, 0, 0, 0, before * block_size, tail + after * block_size))
+        blocked = t.view(rows, blocks + before + after, block_size, heads, head_dim)
+        if before or after:
+            blocked = torch.cat([blocked[:, i:i + blocks] for i in range(before + after + 1)], dim=2)
+        return blocked.transpose(2, 3).flatten(0, 1)
 
     out = F.scaled_dot_product_attention(windows(query, 0, 0), windows(key, back, ahead),
                                          windows(value, back, ahead), attn_mask=mask)
