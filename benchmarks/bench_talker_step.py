@@ -11,8 +11,8 @@ hidden states) handed over by the family's own thinker2talker bridge, with the b
 config's talker sampling.
 After every request is past its prefill, `--steps` decode steps are timed one by one (each step
 returns host-side codes, so it is synchronous). Also reported: the decode CUDA graph replayed
-alone (device time, no host work) and the floor (weights + KV read once per step at the HBM
-bandwidth). ms/step minus graph replay is what the host adds. `admit ms` is the host time of
+alone (device time, no host work), for Qwen3-Omni its code predictor's frame graph alone, and
+the floor (weights + KV read once per step at the HBM bandwidth). ms/step minus graph replay is what the host adds. `admit ms` is the host time of
 one `add_request` (the talker prompt laid out, its rows projected: what a burst of arrivals
 pays per request before the talker's next step), the mean over the batch's requests.
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from graph_timing import graph_replay_ms  # benchmarks/ (the script's folder)
+from graph_timing import graph_replay_ms, predictor_replay_ms  # benchmarks/ (the script's folder)
 from vllm_omni.core.engine_config import EngineConfig
 from vllm_omni.core.llm_engine import LLMEngine
 from vllm_omni.sampling_params import SamplingParams
@@ -131,9 +131,11 @@ def main() -> None:
         context = len(prompt_ids) + 2 + args.context + args.steps // 2
         floor_ms = (weight_bytes + b * context * kv_per_token) / HBM_BYTES_PER_S * 1e3
         row = {"batch": b, "ms_per_step": ms, "graph_replay_ms": graph_replay_ms(engine, b) if gpu else None,
+               "predictor_replay_ms": predictor_replay_ms(engine, b) if gpu else None,
                "roofline_ms": floor_ms, "codes_per_s": b / ms * 1e3, "admit_ms": admit_ms}
         rows.append(row)
-        print(f"batch {b}: {ms:.3f} ms/step, graph alone {row['graph_replay_ms'] or float('nan'):.3f} ms, "
+        predictor = f", predictor graph {row['predictor_replay_ms']:.3f} ms" if row["predictor_replay_ms"] else ""
+        print(f"batch {b}: {ms:.3f} ms/step, graph alone {row['graph_replay_ms'] or float('nan'):.3f} ms{predictor}, "
               f"floor {floor_ms:.3f} ms, {row['codes_per_s']:.0f} codes/s, admit {admit_ms:.2f} ms a request", flush=True)
     Path(args.json).write_text(json.dumps({"args": vars(args), "device": torch.cuda.get_device_name() if gpu
                                            else "cpu", "rows": rows}, indent=1))

@@ -1,4 +1,4 @@
-"""The decode CUDA graph of an engine replayed alone: device time without host work."""
+"""CUDA graphs of an engine replayed alone: device time without host work."""
 from __future__ import annotations
 
 import torch
@@ -7,8 +7,18 @@ import torch
 def graph_replay_ms(engine, batch: int, iters: int = 50) -> float | None:
     """GPU time of the decode graph alone (no scheduling, input preparation or sampling):
     the difference to ms/step is host overhead."""
-    graphs = engine.runner.graphs
-    if graphs is None:
+    return _replay_ms(engine.runner.graphs, batch, iters)
+
+
+def predictor_replay_ms(engine, batch: int, iters: int = 50) -> float | None:
+    """GPU time of a talker's code predictor frame graph alone (Qwen3-Omni, Qwen3-TTS), else None."""
+    predictor = getattr(engine.model, "graphed_predictor", None)
+    return _replay_ms(predictor.graphs if predictor is not None else None, batch, iters)
+
+
+def _replay_ms(graphs, batch: int, iters: int) -> float | None:
+    """Mean ms of the smallest captured bucket that holds `batch` (`graphs.sizes`, `graphs.graphs`)."""
+    if graphs is None or not graphs.graphs:
         return None
     size = next(s for s in graphs.sizes if s >= batch)
     graph = graphs.graphs[size]

@@ -1,6 +1,8 @@
 """Fused CUDA kernels against the torch implementations they replace."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -9,6 +11,9 @@ if not torch.cuda.is_available():
 
 from vllm_omni.model_executor.layers import activation, cuda_ops, layernorm, rotary  # noqa: E402
 from vllm_omni.model_executor.layers.attention import store_kv  # noqa: E402
+from vllm_omni.model_executor.layers.rotary import get_rope  # noqa: E402
+from vllm_omni.model_executor.models.decoder import DecoderAttention  # noqa: E402
+from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_code_predictor import FrameCacheAttention  # noqa: E402
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -48,6 +53,37 @@ def test_rotary_in_place_on_strided_view(dtype):
 def test_silu_and_mul(dtype):
     x = torch.randn(13, 2 * 1000, device="cuda", dtype=dtype)
     ulp_close(cuda_ops.silu_and_mul(x), activation.silu_and_mul(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, qk_norm", [(16, 8, 128, True), (4, 2, 48, True), (6, 6, 64, False)])
+def test_frame_attention_kernel_matches_the_torch_path(dtype, heads, kv_heads, head_dim, qk_norm):
+    """A code predictor layer's fused attention (norms, rotary, cache write, causal attention in
+    one kernel) against the same layer's torch ops, over a whole frame: a 2-token prefill, then
+    single tokens up to the cache's end (a head_dim of 48 pads its halves to 32 lanes)."""
+    config = SimpleNamespace(hidden_size=192, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                             head_dim=head_dim, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        layer = DecoderAttention(config, qkv_bias=False, o_bias=False, qk_norm=qk_norm).to(dtype)
+        rope = get_rope(head_dim, {"rope_type": "default", "rope_theta": 1e6}, 17)
+    for p in layer.parameters():
+        p.data.normal_(1.0 if p.dim() == 1 else 0.0, 0.2 if p.dim() == 1 else 0.08)
+    fused, ref = FrameCacheAttention(layer, 17), FrameCacheAttention(layer, 17)
+    ref._attend_fused = ref._attend  # the torch ops on the same device
+    batch = 3
+    fused.reset(batch)
+    ref.reset(batch)
+    positions = torch.arange(2, device="cuda").repeat(batch)
+    tol = {torch.bfloat16: 2e-2, torch.float32: 1e-5}[dtype]
+    with torch.inference_mode():
+        for step in range(16):
+            x = torch.randn(positions.shape[0], 192, device="cuda", dtype=dtype)
+            cos, sin = rope.cos_sin(positions, dtype)
+            torch.testing.assert_close(fused(x, cos, sin), ref(x, cos, sin), atol=tol, rtol=tol, msg=f"step {step}")
+            positions = torch.full((batch,), step + 2, device="cuda")
+        torch.testing.assert_close(fused.k_cache, ref.k_cache, atol=tol, rtol=tol)
+        assert torch.equal(fused.v_cache, ref.v_cache)
 
 
 def test_store_kv_writes_the_right_slots():

@@ -1,6 +1,7 @@
 """Qwen3-Omni's fast paths on CUDA against their eager paths (runs only where CUDA is):
 the MoE thinker's decode in CUDA graphs (bf16: the grouped-GEMM experts are what makes it
-capturable), and the code predictor's frame graphs of both talkers (float32: identical codes)."""
+capturable), and the code predictor's frame graphs of both talkers and its fused attention
+kernel (float32: identical codes)."""
 from __future__ import annotations
 
 import pytest
@@ -67,5 +68,10 @@ def test_predictor_frame_graphs_give_the_eager_codes(tiny_model, family, archite
                                                 graphed.sampling, hidden.device, hidden.dtype), 4)
         graphs.capture()
         codes, embeds = graphs.run(hidden, first, [True] * rows, [None] * rows)
+        for attn in graphed.predictor.attention:  # each layer's torch ops instead of its fused kernel
+            attn._attend_fused = attn._attend
+        torch_codes, torch_embeds = graphed.predictor(hidden, first, lambda logits, group: logits.argmax(dim=-1))
     assert torch.equal(codes, eager_codes)
     torch.testing.assert_close(embeds, eager_embeds)
+    assert torch.equal(eager_codes, torch_codes)
+    torch.testing.assert_close(eager_embeds, torch_embeds)

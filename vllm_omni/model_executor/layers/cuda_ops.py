@@ -186,6 +186,111 @@ def rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots) -> None:
     )
 
 
+@triton.jit
+def _head_norm_rotary(ptr, w1, w2, cos1, cos2, sin1, sin2, d, mask, eps, head_dim, HAS_NORM: tl.constexpr):
+    """One head's vector at ptr (its two halves), RMS-normed over the head (Qwen3's q/k norm,
+    `rms_norm`'s rounding) and rotated (`_rotate_tile`'s rounding): float32 halves in the dtype's values."""
+    x1 = tl.load(ptr + d, mask=mask, other=0.0)
+    x2 = tl.load(ptr + head_dim // 2 + d, mask=mask, other=0.0)
+    dt = x1.dtype
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    if HAS_NORM:
+        inv = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / head_dim + eps)
+        x1 = (w1 * (x1 * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        x2 = (w2 * (x2 * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    o1 = ((x1 * cos1).to(dt).to(tl.float32) + (-x2 * sin1).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2 * cos2).to(dt).to(tl.float32) + (x1 * sin2).to(dt).to(tl.float32)).to(dt)
+    return o1, o2
+
+
+@triton.jit
+def _frame_attention_kernel(q_ptr, k_ptr, v_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
+                            out_ptr, start, stride_q, stride_k, stride_v, stride_c, eps, scale,
+                            head_dim, cache_len, num_heads, num_kv_heads,
+                            TOKENS: tl.constexpr, GROUP: tl.constexpr, HAS_NORM: tl.constexpr,
+                            HALF: tl.constexpr, CACHE_PAD: tl.constexpr):
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    d = tl.arange(0, HALF)
+    dmask = d < head_dim // 2
+    half = head_dim // 2
+    # Without norms the weights are loaded and never used (the kernel is then rotary only).
+    q_w1 = tl.load(q_w_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+    q_w2 = tl.load(q_w_ptr + half + d, mask=dmask, other=0.0).to(tl.float32)
+    k_w1 = tl.load(k_w_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+    k_w2 = tl.load(k_w_ptr + half + d, mask=dmask, other=0.0).to(tl.float32)
+    cache_row = (b * num_kv_heads + g) * cache_len
+    # 1) This call's keys (normed, rotated) and values into the cache at positions start...
+    for i in tl.static_range(TOKENS):
+        row = b * TOKENS + i
+        cos1 = tl.load(cos_ptr + row * stride_c + d, mask=dmask, other=0.0).to(tl.float32)
+        cos2 = tl.load(cos_ptr + row * stride_c + half + d, mask=dmask, other=0.0).to(tl.float32)
+        sin1 = tl.load(sin_ptr + row * stride_c + d, mask=dmask, other=0.0).to(tl.float32)
+        sin2 = tl.load(sin_ptr + row * stride_c + half + d, mask=dmask, other=0.0).to(tl.float32)
+        k1, k2 = _head_norm_rotary(k_ptr + row * stride_k + g * head_dim, k_w1, k_w2, cos1, cos2, sin1, sin2,
+                                   d, dmask, eps, head_dim, HAS_NORM)
+        slot = k_cache_ptr + (cache_row + start + i) * head_dim
+        tl.store(slot + d, k1, mask=dmask)
+        tl.store(slot + half + d, k2, mask=dmask)
+        v_src = v_ptr + row * stride_v + g * head_dim
+        v_slot = v_cache_ptr + (cache_row + start + i) * head_dim
+        tl.store(v_slot + d, tl.load(v_src + d, mask=dmask), mask=dmask)
+        tl.store(v_slot + half + d, tl.load(v_src + half + d, mask=dmask), mask=dmask)
+    # The stores above are read back below by other threads of this program: a block-wide barrier
+    # makes a block's global writes visible to the whole block (no other program reads them).
+    tl.debug_barrier()
+    # 2) Every query head of this KV head's group, causally over positions 0..start+i.
+    s = tl.arange(0, CACHE_PAD)
+    filled = s < start + TOKENS
+    kv_off = (cache_row + s[:, None]) * head_dim + d[None, :]
+    kv_mask = filled[:, None] & dmask[None, :]
+    kc1 = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+    kc2 = tl.load(k_cache_ptr + kv_off + half, mask=kv_mask, other=0.0).to(tl.float32)
+    vc1 = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+    vc2 = tl.load(v_cache_ptr + kv_off + half, mask=kv_mask, other=0.0).to(tl.float32)
+    for i in tl.static_range(TOKENS):
+        row = b * TOKENS + i
+        cos1 = tl.load(cos_ptr + row * stride_c + d, mask=dmask, other=0.0).to(tl.float32)
+        cos2 = tl.load(cos_ptr + row * stride_c + half + d, mask=dmask, other=0.0).to(tl.float32)
+        sin1 = tl.load(sin_ptr + row * stride_c + d, mask=dmask, other=0.0).to(tl.float32)
+        sin2 = tl.load(sin_ptr + row * stride_c + half + d, mask=dmask, other=0.0).to(tl.float32)
+        for r in tl.static_range(GROUP):
+            h = g * GROUP + r
+            q1, q2 = _head_norm_rotary(q_ptr + row * stride_q + h * head_dim, q_w1, q_w2, cos1, cos2, sin1, sin2,
+                                       d, dmask, eps, head_dim, HAS_NORM)
+            dt = q1.dtype
+            scores = tl.sum(q1.to(tl.float32)[None, :] * kc1 + q2.to(tl.float32)[None, :] * kc2, 1) * scale
+            scores = tl.where(s <= start + i, scores, float("-inf"))
+            p = tl.exp(scores - tl.max(scores, 0))
+            p = p / tl.sum(p, 0)
+            out = out_ptr + row * num_heads * head_dim + h * head_dim
+            tl.store(out + d, tl.sum(p[:, None] * vc1, 0).to(dt), mask=dmask)
+            tl.store(out + half + d, tl.sum(p[:, None] * vc2, 0).to(dt), mask=dmask)
+
+
+def frame_attention(q, k, v, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, start: int, scale: float):
+    """A code predictor layer's attention in one launch: each sequence's T = q.shape[0] / B new
+    tokens (positions start..start+T-1) attend causally to its dense cache.
+
+    q [B*T, H*D], k/v [B*T, Hkv*D] (sequence-major rows, which may be strided views of the
+    fused QKV output); q_norm/k_norm [D] per-head RMSNorm weights or None; cos/sin [B*T, D] in
+    q's dtype; caches [B, Hkv, S, D] contiguous, written at start..start+T-1. Returns [B*T, H*D].
+    The norms and the rotary round as `rms_norm` and `rotary_` do; scores and softmax in float32.
+    """
+    batch, num_kv_heads, cache_len, head_dim = k_cache.shape
+    tokens = q.shape[0] // batch
+    num_heads = q.shape[1] // head_dim
+    out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype, device=q.device)
+    has_norm = q_norm is not None
+    _frame_attention_kernel[(batch, num_kv_heads)](
+        q, k, v, q_norm if has_norm else q, k_norm if has_norm else k, cos, sin, k_cache, v_cache, out,
+        start, q.stride(0), k.stride(0), v.stride(0), cos.stride(0), eps, scale, head_dim, cache_len,
+        num_heads, num_kv_heads, TOKENS=tokens, GROUP=num_heads // num_kv_heads, HAS_NORM=has_norm,
+        HALF=triton.next_power_of_2(head_dim // 2), CACHE_PAD=triton.next_power_of_2(cache_len), num_warps=4,
+    )
+    return out
+
+
 # The vocoder kernels run eagerly on every new chunk length (first and last chunks of each
 # request): Triton would compile a variant for each new power-of-two block and each new
 # divisibility by 16 of a length or stride, ~0.1-0.3 s on the stage's host in the middle of

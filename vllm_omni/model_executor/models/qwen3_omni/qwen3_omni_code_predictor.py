@@ -21,7 +21,7 @@ from transformers import PretrainedConfig
 
 from vllm_omni.model_executor.layers.linear import Linear, VocabEmbedding
 from vllm_omni.model_executor.layers.rotary import apply_rotary_emb, get_rope
-from vllm_omni.model_executor.models.decoder import DecoderModel, config_head_dim
+from vllm_omni.model_executor.models.decoder import DecoderAttention, DecoderModel, config_head_dim
 from vllm_omni.model_executor.models.qwen3 import make_qwen3_layer
 
 # logits [B, vocab] (float32) -> codes [B]: the talker's sampling of its requests.
@@ -29,46 +29,108 @@ SampleFn = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 class FrameCacheAttention(nn.Module):
-    """Causal attention of B equally long sequences over a dense cache kept for one call.
+    """A code predictor layer's self-attention: B equally long sequences, causal, over a dense
+    cache kept for one call.
 
-    Replaces the decoder's paged `Attention` (which the model runner would find and give KV
-    blocks). Tokens arrive packed sequence-major ([b0 t0, b0 t1, b1 t0, ...]) like the
-    decoder's other inputs.
+    Replaces the decoder layer's `self_attn` (whose paged `Attention` the model runner would
+    find and give KV blocks) and keeps its projections and per-head norms, so the parameter
+    names stay. Tokens arrive packed sequence-major ([b0 t0, b0 t1, b1 t0, ...]) like the
+    decoder's other inputs. On CUDA the norms, rotary, cache write and attention are one kernel
+    (`cuda_ops.frame_attention`): a frame runs G passes of a few layers at a handful of rows,
+    where each launch costs more than its work.
     """
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int):
+    def __init__(self, attn: DecoderAttention, capacity: int):
         super().__init__()
-        self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
-        self.scale = head_dim**-0.5
-        self.batch = 0
-        self.k: torch.Tensor | None = None  # [B, Hkv, S, D]
-        self.v: torch.Tensor | None = None
+        self.qkv_proj, self.o_proj, self.q_norm, self.k_norm = attn.qkv_proj, attn.o_proj, attn.q_norm, attn.k_norm
+        self.num_heads, self.head_dim, self.num_kv_heads = attn.num_heads, attn.head_dim, attn.num_kv_heads
+        self.scale = self.head_dim**-0.5
+        self.capacity = capacity  # positions per sequence: a whole frame
+        self.batch = self.length = 0
+        self.k_cache: torch.Tensor | None = None  # [B, Hkv, capacity, D]
+        self.v_cache: torch.Tensor | None = None
 
     def reset(self, batch: int) -> None:
-        self.batch, self.k, self.v = batch, None, None
+        """Start B new sequences (0: free the cache)."""
+        self.batch, self.length, self.k_cache, self.v_cache = batch, 0, None, None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """`Attention`'s interface: q [T, H*D], k/v [T, Hkv*D], rotary = (cos, sin) [T, D]."""
-        b, n = self.batch, q.shape[0]
-        t = n // b
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B*T, hidden], cos/sin [B*T, D] -> [B*T, hidden]."""
+        q, k, v = self.qkv_proj(x)
+        if self.k_cache is None:
+            self.k_cache = k.new_empty(self.batch, self.num_kv_heads, self.capacity, self.head_dim)
+            self.v_cache = torch.empty_like(self.k_cache)
+        start, tokens = self.length, x.shape[0] // self.batch
+        self.length += tokens
+        attend = self._attend_fused if x.is_cuda else self._attend
+        return self.o_proj(attend(q, k, v, cos, sin, start, tokens))
+
+    def _attend_fused(self, q, k, v, cos, sin, start: int, tokens: int) -> torch.Tensor:
+        from vllm_omni.model_executor.layers import cuda_ops
+
+        norms = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        eps = 0.0 if self.q_norm is None else self.q_norm.eps
+        return cuda_ops.frame_attention(q, k, v, *norms, eps, cos, sin, self.k_cache, self.v_cache, start, self.scale)
+
+    def _attend(self, q, k, v, cos, sin, start: int, tokens: int) -> torch.Tensor:
+        n, b = q.shape[0], self.batch
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
-        if rotary is not None:
-            q, k = apply_rotary_emb(q, *rotary), apply_rotary_emb(k, *rotary)
-        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        end = start + tokens
+        self.k_cache[:, :, start:end] = k.view(b, tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        self.v_cache[:, :, start:end] = v.view(b, tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
         # A multi-token chunk only ever comes first (the prefill): SDPA's causal mask is
         # top-left aligned, which is right only without earlier keys.
-        causal = t > 1
-        if self.k is not None:
-            assert not causal, "only single-token steps may follow the prefill"
-            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
-        self.k, self.v = k, v
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.scale,
-                                             enable_gqa=self.num_kv_heads != self.num_heads)
-        return out.transpose(1, 2).reshape(b * t, self.num_heads * self.head_dim)
+        causal = tokens > 1
+        assert not (causal and start), "only single-token steps may follow the prefill"
+        q = q.view(b, tokens, self.num_heads, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, self.k_cache[:, :, :end], self.v_cache[:, :, :end], is_causal=causal,
+                                             scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
+        return out.transpose(1, 2).reshape(n, self.num_heads * self.head_dim)
+
+
+def frame_decoder(config: PretrainedConfig) -> tuple[DecoderModel, list[FrameCacheAttention]]:
+    """A code predictor's decoder stack (Qwen3 layers, plain RoPE over the G+1 positions of a
+    frame, no token embedding: each group has its own table) and its layers' frame attentions."""
+    model = DecoderModel(config, lambda i: make_qwen3_layer(config, i))
+    del model.embed_tokens
+    frame_len = config.num_code_groups + 1
+    # Positions never exceed the frame length; no table of max_position_embeddings rows.
+    model.rotary_emb = get_rope(config_head_dim(config), config.rope_parameters, frame_len)
+    attention = []
+    for layer in model.layers:
+        layer.self_attn = FrameCacheAttention(layer.self_attn, frame_len)
+        attention.append(layer.self_attn)
+    return model, attention
+
+
+def predict_frame(model: DecoderModel, attention: list[FrameCacheAttention], lm_head: nn.ModuleList,
+                  embed: Callable[[int, torch.Tensor], torch.Tensor], x: torch.Tensor, batch: int,
+                  sample: SampleFn) -> tuple[torch.Tensor, torch.Tensor]:
+    """The G-1 residual groups of B frames from their 2-token prefill `x` [2B, hidden]:
+    `embed(group, codes)` -> (embedding kept for the talker, the predictor's next input row).
+    Returns (codes [B, G-1], embeddings [B, G-1, ...])."""
+    for attn in attention:
+        attn.reset(batch)
+    positions = torch.arange(2, device=x.device).repeat(batch)
+    codes, embeds = [], []
+    try:
+        for group in range(len(lm_head)):
+            hidden, _ = model(None, positions, x)
+            last = hidden.view(batch, -1, hidden.shape[-1])[:, -1]
+            # Matmul in the model dtype like HF's lm_head; transformers samples in float32.
+            code = sample(F.linear(last, lm_head[group].weight).float(), group)
+            embed_row, x = embed(group, code)
+            codes.append(code)
+            embeds.append(embed_row)
+            positions = torch.full((batch,), group + 2, device=x.device, dtype=torch.long)
+    finally:
+        for attn in attention:
+            attn.reset(0)  # frees the per-call cache
+    return torch.stack(codes, dim=1), torch.stack(embeds, dim=1)
 
 
 class Qwen3OmniMoeCodePredictor(nn.Module):
@@ -77,16 +139,7 @@ class Qwen3OmniMoeCodePredictor(nn.Module):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         self.num_code_groups = config.num_code_groups
-        head_dim = config_head_dim(config)
-        model = DecoderModel(config, lambda i: make_qwen3_layer(config, i))
-        del model.embed_tokens  # each group has its own table (codec_embedding below)
-        # Positions never exceed the frame length; no table of max_position_embeddings rows.
-        model.rotary_emb = get_rope(head_dim, config.rope_parameters, self.num_code_groups + 1)
-        self.attention = []
-        for layer in model.layers:
-            attn = layer.self_attn
-            attn.attn = FrameCacheAttention(attn.num_heads, attn.head_dim, attn.num_kv_heads)
-            self.attention.append(attn.attn)
+        model, self.attention = frame_decoder(config)
         num_residual = self.num_code_groups - 1
         model.codec_embedding = nn.ModuleList(
             VocabEmbedding(config.vocab_size, config.hidden_size) for _ in range(num_residual))
@@ -102,23 +155,10 @@ class Qwen3OmniMoeCodePredictor(nn.Module):
         next input sums the group-0 embedding and these (transformers' `codec_hiddens`).
         """
         batch, hidden_size = frame_hidden.shape
-        for attn in self.attention:
-            attn.reset(batch)
-        device = frame_hidden.device
         x = torch.stack([frame_hidden, first_embeds], dim=1).reshape(-1, hidden_size)
-        positions = torch.arange(2, device=device).repeat(batch)
-        codes, embeds = [], []
-        try:
-            for group in range(self.num_code_groups - 1):
-                hidden, _ = self.model(None, positions, x)
-                last = hidden.view(batch, -1, hidden_size)[:, -1]
-                # Matmul in the model dtype like HF's lm_head; transformers samples in float32.
-                code = sample(F.linear(last, self.lm_head[group].weight).float(), group)
-                x = self.model.codec_embedding[group](code)
-                codes.append(code)
-                embeds.append(x)
-                positions = torch.full((batch,), group + 2, device=device, dtype=torch.long)
-        finally:
-            for attn in self.attention:
-                attn.reset(0)  # frees the per-call cache
-        return torch.stack(codes, dim=1), torch.stack(embeds, dim=1)
+
+        def embed(group: int, code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            row = self.model.codec_embedding[group](code)
+            return row, row
+
+        return predict_frame(self.model, self.attention, self.lm_head, embed, x, batch, sample)

@@ -7,24 +7,15 @@ token per group; group j comes from `lm_head[j-1]` and is fed back through
 `small_to_mtp_projection` maps every input row to the predictor's width.
 
 Every frame is exactly G+1 tokens, so a batch of frames runs densely with a cache that lives
-for one call (Qwen3-Omni's `FrameCacheAttention`).
+for one call (Qwen3-Omni's `frame_decoder` and `predict_frame`).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vllm_omni.model_executor.layers.linear import Linear, VocabEmbedding
-from vllm_omni.model_executor.layers.rotary import get_rope
-from vllm_omni.model_executor.models.decoder import DecoderModel, config_head_dim
-from vllm_omni.model_executor.models.qwen3 import make_qwen3_layer
-from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_code_predictor import FrameCacheAttention
-
-# (logits [B, vocab] float32, group index) -> codes [B]
-SampleFn = Callable[[torch.Tensor, int], torch.Tensor]
+from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_code_predictor import SampleFn, frame_decoder, predict_frame
 
 
 class Qwen3TTSCodePredictor(nn.Module):
@@ -33,14 +24,7 @@ class Qwen3TTSCodePredictor(nn.Module):
     def __init__(self, config, talker_hidden: int):
         super().__init__()
         self.num_code_groups = config.num_code_groups
-        model = DecoderModel(config, lambda i: make_qwen3_layer(config, i))
-        del model.embed_tokens  # each group has its own table (codec_embedding below)
-        model.rotary_emb = get_rope(config_head_dim(config), config.rope_parameters, self.num_code_groups + 1)
-        self.attention = []
-        for layer in model.layers:
-            attn = layer.self_attn
-            attn.attn = FrameCacheAttention(attn.num_heads, attn.head_dim, attn.num_kv_heads)
-            self.attention.append(attn.attn)
+        model, self.attention = frame_decoder(config)
         num_residual = self.num_code_groups - 1
         model.codec_embedding = nn.ModuleList(VocabEmbedding(config.vocab_size, talker_hidden)
                                               for _ in range(num_residual))
@@ -57,26 +41,13 @@ class Qwen3TTSCodePredictor(nn.Module):
         """frame_hidden, first_embeds: [B, H_talker]. Returns (codes [B, G-1] of groups
         1..G-1, their talker-wide embeddings [B, G-1, H_talker])."""
         batch, width = frame_hidden.shape
-        for attn in self.attention:
-            attn.reset(batch)
-        device = frame_hidden.device
         x = self._project(torch.stack([frame_hidden, first_embeds], dim=1).reshape(-1, width))
-        positions = torch.arange(2, device=device).repeat(batch)
-        codes, embeds = [], []
-        try:
-            for group in range(self.num_code_groups - 1):
-                hidden, _ = self.model(None, positions, x)
-                last = hidden.view(batch, -1, hidden.shape[-1])[:, -1]
-                code = sample(F.linear(last, self.lm_head[group].weight).float(), group)
-                embed = self.model.codec_embedding[group](code)
-                codes.append(code)
-                embeds.append(embed)
-                x = self._project(embed)
-                positions = torch.full((batch,), group + 2, device=device, dtype=torch.long)
-        finally:
-            for attn in self.attention:
-                attn.reset(0)
-        return torch.stack(codes, dim=1), torch.stack(embeds, dim=1)
+
+        def embed(group: int, code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            row = self.model.codec_embedding[group](code)
+            return row, self._project(row)
+
+        return predict_frame(self.model, self.attention, self.lm_head, embed, x, batch, sample)
 
     def embed_codes(self, codes: torch.Tensor, first_table: nn.Module) -> torch.Tensor:
         """codes [T, G] -> [T, H_talker]: the sum of every group's embedding (group 0 through the
