@@ -291,6 +291,54 @@ def frame_attention(q, k, v, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, st
     return out
 
 
+@triton.jit
+def _small_m_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, m_rows, n_cols, k_dim, stride_x, stride_out,
+                           HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, M_PAD)
+    k = tl.arange(0, BLOCK_K)
+    n_mask, m_mask = n < n_cols, m < m_rows
+    acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in tl.range(0, k_dim, BLOCK_K):
+        kk = k0 + k
+        k_mask = kk < k_dim
+        w = tl.load(w_ptr + n[:, None] * k_dim + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    out = tl.sum(acc, 2)
+    if HAS_BIAS:
+        out += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + m[:, None] * stride_out + n[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+SMALL_M_MAX_ROWS = 4
+
+
+def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                   tile: int = 4096, block_k: int = 512, num_warps: int = 4) -> torch.Tensor:
+    """x [M, K] (rows may be strided, M <= SMALL_M_MAX_ROWS) @ weight [N, K].T (+ bias) -> [M, N].
+
+    A matrix-vector product streams the weight once; at M <= 4 cuBLAS's kernels reach 11-25%
+    of the HBM bandwidth on a decode layer's small projections and ~60% on its long-K one (H200,
+    docs/benchmarks.md round 13). Here each program owns a few output columns and walks K with
+    float32 products summed per lane, reduced once at the end: many programs, each a short
+    contiguous stream of the weight. float32 accumulation, rounded once to the output dtype.
+    """
+    m_rows, k_dim = x.shape
+    n_cols = weight.shape[0]
+    m_pad = triton.next_power_of_2(m_rows)
+    block_k = min(block_k, triton.next_power_of_2(k_dim))
+    block_n = max(1, tile // (m_pad * block_k))
+    out = torch.empty(m_rows, n_cols, dtype=x.dtype, device=x.device)
+    _small_m_linear_kernel[(triton.cdiv(n_cols, block_n),)](
+        x, weight, bias if bias is not None else weight, out, m_rows, n_cols, k_dim, x.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+    )
+    return out
+
+
 # The vocoder kernels run eagerly on every new chunk length (first and last chunks of each
 # request): Triton would compile a variant for each new power-of-two block and each new
 # divisibility by 16 of a length or stride, ~0.1-0.3 s on the stage's host in the middle of
