@@ -86,6 +86,21 @@ def test_frame_attention_kernel_matches_the_torch_path(dtype, heads, kv_heads, h
         assert torch.equal(fused.v_cache, ref.v_cache)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows, n, k", [(1, 896, 1536), (2, 4096, 1024), (1, 37, 300), (2, 1000, 4096)])
+def test_small_m_linear_matches_float32_matmul(dtype, rows, n, k):
+    """Decode-time x @ W^T (+ bias) on strided rows, both program shapes (few or many column
+    tiles), against the float32 product: one rounding to the dtype (float32 accumulation)."""
+    x = torch.randn(rows, 2 * k, device="cuda", dtype=dtype)[:, :k]
+    w = (torch.randn(n, k, device="cuda") * k**-0.5).to(dtype)
+    b = torch.randn(n, device="cuda", dtype=dtype)
+    for bias in (None, b):
+        ref = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float())
+        got = cuda_ops.small_m_linear(x, w, bias)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        ulp_close(got, ref.to(dtype), dtype)
+
+
 def test_store_kv_writes_the_right_slots():
     k_cache = torch.zeros(10, 16, 4, 64, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.zeros_like(k_cache)

@@ -313,22 +313,20 @@ def _small_m_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, m_rows, n_cols, k_dim, 
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-SMALL_M_MAX_ROWS = 4
+def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (a few rows, which may be strided) @ weight [N, K].T (+ bias) -> [M, N].
 
-
-def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                   tile: int = 4096, block_k: int = 512, num_warps: int = 4) -> torch.Tensor:
-    """x [M, K] (rows may be strided, M <= SMALL_M_MAX_ROWS) @ weight [N, K].T (+ bias) -> [M, N].
-
-    A matrix-vector product streams the weight once; at M <= 4 cuBLAS's kernels reach 11-25%
-    of the HBM bandwidth on a decode layer's small projections and ~60% on its long-K one (H200,
-    docs/benchmarks.md round 13). Here each program owns a few output columns and walks K with
-    float32 products summed per lane, reduced once at the end: many programs, each a short
-    contiguous stream of the weight. float32 accumulation, rounded once to the output dtype.
+    Each program owns a few output columns and walks K with float32 products summed per lane,
+    reduced once at the end (float32 accumulation, rounded once to the output dtype): many
+    programs, each a short contiguous stream of the weight. `linear` in layers/linear.py says
+    where it beats cuBLAS. Few column tiles (a short N) get wider programs: more of the weight
+    in flight each.
     """
     m_rows, k_dim = x.shape
     n_cols = weight.shape[0]
     m_pad = triton.next_power_of_2(m_rows)
+    wide = triton.cdiv(n_cols * m_pad, 8) < 256  # column tiles at 8 columns for one row
+    tile, block_k, num_warps = (8192, 1024, 8) if wide else (4096, 512, 4)
     block_k = min(block_k, triton.next_power_of_2(k_dim))
     block_n = max(1, tile // (m_pad * block_k))
     out = torch.empty(m_rows, n_cols, dtype=x.dtype, device=x.device)

@@ -29,6 +29,24 @@ from vllm_omni.model_executor.parallel_state import current_tp_group
 # A parameter's shard set when it is loaded from exactly one checkpoint tensor.
 WHOLE = (None,)
 
+# `cuda_ops.small_m_linear` takes x @ W^T for decode rows up to this many and weights up to this
+# size in each dimension: there cuBLAS's kernels are latency-bound (4-13 us for a 1-4 MB weight on
+# the H200, 8-38% of the HBM bandwidth), ours take 3.7-5 us; for larger weights or more rows
+# cuBLAS is as fast or faster (docs/benchmarks.md, round 13).
+SMALL_M_ROWS = 2
+SMALL_M_MAX_DIM = 4096
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`; on CUDA in half precision, small decode-time products through our kernel."""
+    if (x.is_cuda and x.dim() == 2 and x.shape[0] <= SMALL_M_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and max(weight.shape) <= SMALL_M_MAX_DIM and x.stride(-1) == 1
+            and weight.is_contiguous()):
+        from vllm_omni.model_executor.layers import cuda_ops
+
+        return cuda_ops.small_m_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
 
 def check_shape(param_name: str, expected: Sequence[int], loaded: torch.Tensor) -> None:
     if tuple(expected) != tuple(loaded.shape):
@@ -123,7 +141,7 @@ class Linear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
@@ -166,7 +184,7 @@ class QKVLinear(_StackedLinear):
         super().__init__(hidden_size, shards, bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = F.linear(x, self.weight, self.bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = linear(x, self.weight, self.bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return q, k, v
 
 
@@ -206,8 +224,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        out = self.tp.all_reduce(linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
 

@@ -22,14 +22,13 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from vllm_omni.model_executor.layers.activation import get_gated_act
 from vllm_omni.model_executor.layers.attention import Attention
 from vllm_omni.model_executor.layers.layernorm import RMSNorm
-from vllm_omni.model_executor.layers.linear import MergedGateUpLinear, QKVLinear, RowParallelLinear
+from vllm_omni.model_executor.layers.linear import MergedGateUpLinear, QKVLinear, RowParallelLinear, linear
 from vllm_omni.model_executor.layers.rotary import get_rope
 from vllm_omni.model_executor.layers.moe import map_expert_weight_name
 from vllm_omni.model_executor.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
@@ -184,7 +183,7 @@ class DecoderForCausalLM(StageModel):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """[B, V] float32 logits; with tensor parallelism on rank 0 only (the others get None)."""
         # Matmul in the model dtype like HF's lm_head, then float32 for sampling.
-        logits = self.lm_head.gather_logits(F.linear(hidden_states, self.lm_head.weight))
+        logits = self.lm_head.gather_logits(linear(hidden_states, self.lm_head.weight))
         return None if logits is None else logits.float()
 
     def map_weight_name(self, name: str) -> tuple[str, object] | None:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from vllm_omni.model_executor.layers.linear import Linear, VocabEmbedding
+from vllm_omni.model_executor.layers.linear import Linear, VocabEmbedding, linear
 from vllm_omni.model_executor.layers.rotary import apply_rotary_emb, get_rope
 from vllm_omni.model_executor.models.decoder import DecoderAttention, DecoderModel, config_head_dim
 from vllm_omni.model_executor.models.qwen3 import make_qwen3_layer
@@ -122,7 +122,7 @@ def predict_frame(model: DecoderModel, attention: list[FrameCacheAttention], lm_
             hidden, _ = model(None, positions, x)
             last = hidden.view(batch, -1, hidden.shape[-1])[:, -1]
             # Matmul in the model dtype like HF's lm_head; transformers samples in float32.
-            code = sample(F.linear(last, lm_head[group].weight).float(), group)
+            code = sample(linear(last, lm_head[group].weight).float(), group)
             embed_row, x = embed(group, code)
             codes.append(code)
             embeds.append(embed_row)
