@@ -108,7 +108,7 @@ def frame_decoder(config: PretrainedConfig) -> tuple[DecoderModel, list[FrameCac
 
 
 def predict_frame(model: DecoderModel, attention: list[FrameCacheAttention], lm_head: nn.ModuleList,
-                  embed: Callable[[int, torch.Tensor], torch.Tensor], x: torch.Tensor, batch: int,
+                  embed: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor, batch: int,
                   sample: SampleFn) -> tuple[torch.Tensor, torch.Tensor]:
     """The G-1 residual groups of B frames from their 2-token prefill `x` [2B, hidden]:
     `embed(group, codes)` -> (embedding kept for the talker, the predictor's next input row).
