@@ -13,6 +13,7 @@ from vllm_omni.model_executor.layers import activation, cuda_ops, layernorm, rot
 from vllm_omni.model_executor.layers.attention import store_kv  # noqa: E402
 from vllm_omni.model_executor.layers.rotary import get_rope  # noqa: E402
 from vllm_omni.model_executor.models.decoder import DecoderAttention  # noqa: E402
+from vllm_omni.model_executor.models.predictor_graphs import sample_codes  # noqa: E402
 from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_code_predictor import FrameCacheAttention  # noqa: E402
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -99,6 +100,22 @@ def test_small_m_linear_matches_float32_matmul(dtype, rows, n, k):
         got = cuda_ops.small_m_linear(x, w, bias)
         assert got.dtype == dtype and got.shape == (rows, n)
         ulp_close(got, ref.to(dtype), dtype)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.9, 50, 1.0), (1.0, 50, 0.8), (0.7, 0, 0.9), (1.0, 0, 1.0)])
+def test_sample_codes_kernel_draws_the_torch_rule(temperature, top_k, top_p):
+    """The predictor's in-graph sampling as one kernel gives the codes of its torch ops (CPU) for
+    the same noise: float32 logits and bf16-rounded ones (ties at the top-k boundary, kept as the
+    Sampler keeps them), strided rows, greedy rows taking the argmax."""
+    g = torch.Generator().manual_seed(0)
+    for bf16 in (False, True):
+        logits = torch.randn(9, 2 * 2048, generator=g)[:, :2048] * 3
+        logits = logits.bfloat16() if bf16 else logits
+        gumbel = -torch.empty(9, 15, 2048).exponential_(generator=g).log()
+        greedy = torch.tensor([i % 4 == 0 for i in range(9)])
+        want = sample_codes(logits, greedy, gumbel[:, 3], temperature, top_k, top_p)
+        got = cuda_ops.sample_codes(logits.cuda(), greedy.cuda(), gumbel.cuda()[:, 3], temperature, top_k, top_p)
+        assert got.tolist() == want.tolist(), bf16
 
 
 def test_store_kv_writes_the_right_slots():

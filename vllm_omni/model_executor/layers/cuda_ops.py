@@ -325,7 +325,8 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     m_rows, k_dim = x.shape
     n_cols = weight.shape[0]
     m_pad = triton.next_power_of_2(m_rows)
-    wide = triton.cdiv(n_cols * m_pad, 8) < 256  # column tiles at 8 columns for one row
+    # Under 256 programs at the narrow tile (8 columns per row) the GPU is underfilled: wide tiles.
+    wide = triton.cdiv(n_cols * m_pad, 8) < 256
     tile, block_k, num_warps = (8192, 1024, 8) if wide else (4096, 512, 4)
     block_k = min(block_k, triton.next_power_of_2(k_dim))
     block_n = max(1, tile // (m_pad * block_k))
@@ -333,6 +334,49 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     _small_m_linear_kernel[(triton.cdiv(n_cols, block_n),)](
         x, weight, bias if bias is not None else weight, out, m_rows, n_cols, k_dim, x.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+    )
+    return out
+
+
+@triton.jit
+def _sample_codes_kernel(logits_ptr, greedy_ptr, gumbel_ptr, out_ptr, vocab, stride_logits, stride_gumbel,
+                         inv_temperature, top_k, top_p, TOP_K: tl.constexpr, TOP_P: tl.constexpr,
+                         VOCAB_PAD: tl.constexpr):
+    row = tl.program_id(0)
+    ids = tl.arange(0, VOCAB_PAD)
+    valid = ids < vocab
+    logits = tl.load(logits_ptr + row * stride_logits + ids, mask=valid, other=float("-inf")).to(tl.float32)
+    best = tl.argmax(logits, 0, tie_break_left=True)
+    scaled = logits * inv_temperature
+    if TOP_K:
+        ordered = tl.sort(scaled, 0, descending=True)
+        kth = tl.max(tl.where(ids == top_k - 1, ordered, float("-inf")), 0)
+        scaled = tl.where(scaled >= kth, scaled, float("-inf"))
+    if TOP_P:
+        ordered = tl.sort(scaled, 0, descending=True)
+        probs = tl.exp(ordered - tl.max(ordered, 0))
+        probs = probs / tl.sum(probs, 0)
+        above = tl.cumsum(probs, 0) - probs
+        last = tl.min(tl.where(above < top_p, ordered, float("inf")), 0)
+        scaled = tl.where(scaled >= last, scaled, float("-inf"))
+    noise = tl.load(gumbel_ptr + row * stride_gumbel + ids, mask=valid, other=0.0)
+    drawn = tl.argmax(scaled + noise, 0, tie_break_left=True)
+    code = tl.where(tl.load(greedy_ptr + row) != 0, best, drawn)
+    tl.store(out_ptr + row, code.to(tl.int64))
+
+
+def sample_codes(logits: torch.Tensor, greedy: torch.Tensor, gumbel: torch.Tensor, temperature: float,
+                 top_k: int, top_p: float) -> torch.Tensor:
+    """`predictor_graphs.sample_codes` in one launch, one program per row: logits [B, V] (rows may be
+    strided, any float dtype), greedy [B] bool, gumbel [B, >= V] float32 (rows may be strided).
+    The row's argmax, its top-k and nucleus thresholds by an in-register sort, the Gumbel argmax."""
+    batch, vocab = logits.shape
+    out = torch.empty(batch, dtype=torch.long, device=logits.device)
+    use_top_k = 0 < top_k < vocab
+    _sample_codes_kernel[(batch,)](
+        logits, greedy, gumbel, out, vocab, logits.stride(0), gumbel.stride(0), 1.0 / temperature,
+        top_k if use_top_k else vocab, top_p, TOP_K=use_top_k, TOP_P=top_p < 1.0,
+        VOCAB_PAD=triton.next_power_of_2(vocab), num_warps=4,
     )
     return out
 

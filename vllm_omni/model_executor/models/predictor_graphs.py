@@ -9,11 +9,12 @@ a fixed-shape function of static buffers, sampling included (`sample_codes`):
     code = argmax(top_k_top_p(logits / T) + g)                    sampled rows, g ~ Gumbel(0, 1)
 
 the Gumbel-max form of our Sampler's exponential race (argmax p / q = argmax log p - log q),
-at the predictor's fixed sampling settings, over the top-k candidates only: no softmax over
-the vocabulary and no sort of it, which took 0.8 ms of a Qwen3-TTS frame's 5.2 ms of GPU time
-on the H200. The noise is drawn before each replay, from a request's own generator when it has
-a seed, so seeded requests are reproducible; the draws differ from the eager path's, the
-distribution does not (tests/models/test_predictor_sampling.py).
+at the predictor's fixed sampling settings. On CUDA it is one kernel per group
+(`cuda_ops.sample_codes`: each row sorted in one program's registers), where torch's ops took a
+dozen launches per group, ~3-5 us each at a handful of rows. The noise is drawn before each
+replay, from a request's own generator when it has a seed, so seeded requests are
+reproducible; the draws differ from the eager path's, the distribution does not
+(tests/models/test_predictor_sampling.py).
 
 `GraphedPredictor.predict` is what a talker calls: the graphs when the talker captured them at
 load (its `capture_graphs`: on CUDA, unless enforce_eager), else the predictor run eagerly with
@@ -39,27 +40,35 @@ logger = logging.getLogger(__name__)
 
 PREDICTOR_GRAPHS_ENV = "VLLM_OMNI_PREDICTOR_CUDA_GRAPHS"
 MAX_GRAPH_BATCH = 64  # larger batches run eagerly (launch overhead is amortised there)
+MAX_FUSED_VOCAB = 4096  # a row's sort stays in one program's registers
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
 
 def sample_codes(logits: torch.Tensor, greedy: torch.Tensor, gumbel: torch.Tensor, temperature: float,
                  top_k: int, top_p: float) -> torch.Tensor:
-    """Codes [B] from logits [B, V]: argmax where `greedy` [B], else a draw from softmax(logits / T)
-    restricted to the top-k and then to the top-p nucleus (the Sampler's rule: a token stays while
-    the tokens above it hold less than p; at exact ties on the k-th value, topk keeps k of them),
-    by the Gumbel-max trick with noise `gumbel` [B, >= V]. top_k <= 0 or >= V: no top-k."""
-    best = logits.argmax(dim=-1)
+    """Codes [B] from logits [B, V] (any float dtype): argmax where `greedy` [B], else a draw from
+    softmax(logits / T) restricted to the top-k and then to the top-p nucleus (the Sampler's rule,
+    `apply_top_k_top_p`: top-k keeps every value >= the k-th largest; the nucleus keeps a token
+    while the tokens above it hold less than p), by the Gumbel-max trick with noise `gumbel`
+    [B, >= V]. top_k <= 0 or >= V: no top-k. On CUDA one kernel per call (`cuda_ops.sample_codes`)."""
     vocab = logits.shape[-1]
+    if logits.is_cuda and vocab <= MAX_FUSED_VOCAB:
+        from vllm_omni.model_executor.layers import cuda_ops
+
+        return cuda_ops.sample_codes(logits, greedy, gumbel, temperature, top_k, top_p)
+    logits = logits.float()
+    best = logits.argmax(dim=-1)
     scaled = logits / temperature
-    if top_p >= 1.0 and not 0 < top_k < vocab:
-        drawn = (scaled + gumbel[:, :vocab]).argmax(dim=-1)
-    else:
-        k = top_k if 0 < top_k < vocab else vocab
-        values, ids = scaled.topk(k, dim=-1)  # descending
-        if top_p < 1.0:
-            probs = values.softmax(dim=-1)
-            values = values.masked_fill(probs.cumsum(dim=-1) - probs >= top_p, float("-inf"))
-        drawn = ids.gather(1, (values + gumbel[:, :k]).argmax(dim=-1, keepdim=True)).squeeze(1)
+    if 0 < top_k < vocab:
+        kth = scaled.topk(top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered = scaled.sort(dim=-1, descending=True).values
+        probs = ordered.softmax(dim=-1)
+        # The smallest value still in the nucleus; every token at or above it stays.
+        last = ordered.masked_fill(probs.cumsum(dim=-1) - probs >= top_p, float("inf")).amin(dim=-1, keepdim=True)
+        scaled = scaled.masked_fill(scaled < last, float("-inf"))
+    drawn = (scaled + gumbel[:, :vocab]).argmax(dim=-1)
     return torch.where(greedy, best, drawn)
 
 

@@ -24,7 +24,7 @@ from vllm_omni.model_executor.layers.rotary import apply_rotary_emb, get_rope
 from vllm_omni.model_executor.models.decoder import DecoderAttention, DecoderModel, config_head_dim
 from vllm_omni.model_executor.models.qwen3 import make_qwen3_layer
 
-# logits [B, vocab] (float32) -> codes [B]: the talker's sampling of its requests.
+# (logits [B, vocab] in the model dtype, group) -> codes [B]: the talker's sampling of its requests.
 SampleFn = Callable[[torch.Tensor, int], torch.Tensor]
 
 
@@ -121,8 +121,8 @@ def predict_frame(model: DecoderModel, attention: list[FrameCacheAttention], lm_
         for group in range(len(lm_head)):
             hidden, _ = model(None, positions, x)
             last = hidden.view(batch, -1, hidden.shape[-1])[:, -1]
-            # Matmul in the model dtype like HF's lm_head; transformers samples in float32.
-            code = sample(linear(last, lm_head[group].weight).float(), group)
+            # Matmul in the model dtype like HF's lm_head; the samplers read it in float32.
+            code = sample(linear(last, lm_head[group].weight), group)
             embed_row, x = embed(group, code)
             codes.append(code)
             embeds.append(embed_row)
