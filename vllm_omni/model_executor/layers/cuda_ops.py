@@ -348,12 +348,13 @@ def _sample_codes_kernel(logits_ptr, greedy_ptr, gumbel_ptr, out_ptr, vocab, str
     logits = tl.load(logits_ptr + row * stride_logits + ids, mask=valid, other=float("-inf")).to(tl.float32)
     best = tl.argmax(logits, 0, tie_break_left=True)
     scaled = logits * inv_temperature
+    if TOP_K or TOP_P:
+        ordered = tl.sort(scaled, 0, descending=True)  # the one sort: the nucleus reuses it
     if TOP_K:
-        ordered = tl.sort(scaled, 0, descending=True)
         kth = tl.max(tl.where(ids == top_k - 1, ordered, float("-inf")), 0)
         scaled = tl.where(scaled >= kth, scaled, float("-inf"))
+        ordered = tl.where(ordered >= kth, ordered, float("-inf"))
     if TOP_P:
-        ordered = tl.sort(scaled, 0, descending=True)
         probs = tl.exp(ordered - tl.max(ordered, 0))
         probs = probs / tl.sum(probs, 0)
         above = tl.cumsum(probs, 0) - probs
