@@ -204,8 +204,8 @@ def test_a_head_of_one_stage_needs_a_master(omni_model):
     head = Orchestrator(pipeline, omni_model, RuntimeOptions(local_stage=0, master_address="127.0.0.1",
                                                              master_port=1))
     assert [p.num_replicas for p in head.pools.values()] == [1, 0, 0]  # the rest come from registrations
-    assert head.health()[1].state == StageState.STARTING
-    assert "none has registered yet" in head.health()[1].reason
+    assert head.fleet.health()[1].state == StageState.STARTING
+    assert "none has registered yet" in head.fleet.health()[1].reason
 
 
 @pytest.mark.parametrize("argv, message", [

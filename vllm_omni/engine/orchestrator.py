@@ -12,43 +12,28 @@ A stage may run several replicas (`runtime.num_replicas`): its `StagePool` (repl
 routes each request's first message there by `--omni-lb-policy` and its later messages to the
 same replica. A replica that dies moves the requests it had not answered yet to another
 replica (once); the rest fail, and the supervisor restarts the replica (docs/deployment.md).
+Launching, restarting, health and shutdown of the replicas are the `StageFleet`'s
+(stage_fleet.py); this module is about the requests.
 """
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import functools
 import itertools
 import logging
-import os
-import shutil
-import time
-import uuid
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-import zmq
-
 from vllm_omni.config.stage_config import PipelineConfig, StageConfig
-from vllm_omni.engine.messages import AbortRequests, PauseRequests, StageOutputBatch, StageStats
-from vllm_omni.engine.load_balancer import DEFAULT_LB_POLICY, make_policy
-from vllm_omni.engine.replica_pool import ReplicaRef, StagePool, replica_configs
+from vllm_omni.engine.messages import AbortRequests, PauseRequests, StageOutputBatch
+from vllm_omni.engine.load_balancer import DEFAULT_LB_POLICY
 from vllm_omni.engine.streaming import EdgeFlow, StreamingEdge, resolve_streaming_edges
 from vllm_omni.stage_io import OutputKind, StageInputChunk, StageOutput, StageRequest
 from vllm_omni.engine.request_plan import RequestPlan
 from vllm_omni.engine.request_state import RequestDone, RequestSink, RequestState
-from vllm_omni.engine.stage_client import StageClient, StageDownError, StageHealth, StageState
-from vllm_omni.engine.ray_cluster import RayCluster, worker_backend_problem
+from vllm_omni.engine.stage_client import StageDownError, StageState
+from vllm_omni.engine.ray_cluster import worker_backend_problem
+from vllm_omni.engine.stage_fleet import StageFleet
 from vllm_omni.engine.stage_input import build_stage_input, resolve_input_processor
-from vllm_omni.engine.registration import pipeline_summary
-from vllm_omni.engine.stage_launcher import (
-    ProcessLauncher, StageLauncher, ThreadLauncher, limit_own_torch_threads, torch_threads_for,
-)
-from vllm_omni.engine.stage_master import StageMaster
-from vllm_omni.engine.stage_worker import WorkerSpec
-from vllm_omni.engine.supervisor import StageSupervisor
-from vllm_omni.engine.transport import OrchestratorChannel, make_ipc_dir, stage_addresses, sweep_shared_memory
 from vllm_omni.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -106,194 +91,30 @@ class Orchestrator:
                             for sid in self.stages}
         self._bridges = {s.stage_id: resolve_input_processor(s, model) for s in pipeline.stages
                          if s.engine_input_source}
-        self._check_stage_cli()
-        # Every replica's own stage config (its devices, its replica id), checked before anything starts.
-        self._replica_stages = {s.stage_id: replica_configs(s) for s in pipeline.stages}
-        self.pools = {s.stage_id: StagePool(s.stage_id, s.model_stage, self._local_replicas(s),
-                                            make_policy(options.lb_policy)) for s in pipeline.stages}
+        self.fleet = StageFleet(pipeline, model, options, self._on_message, self._on_stage_down)
+        self.pools = self.fleet.pools  # routing goes through each stage's replica pool
         self._streaming: dict[int, StreamingEdge] = {}  # by downstream stage, once the stages are up
         self._requests: dict[str, RequestState] = {}  # internal key -> state
         self._keys: dict[str, str] = {}  # user request id -> internal key
         self._counter = itertools.count()
-        # Names every shared memory segment this pipeline creates, so close() can sweep leftovers.
-        self._shm_prefix = f"vomni-{os.getpid()}-{uuid.uuid4().hex[:6]}-"
-        self._ipc_dir: str | None = None
-        self._ctx: zmq.Context | None = None
-        self._threads_before: int | None = None  # the orchestrator thread's torch threads before start()
         self.stage_counters: dict[int, Counter[str]] = {sid: Counter() for sid in self.stages}
-        self.supervisor = StageSupervisor(self.restart_replica, options.max_stage_restarts)
-        self._launches: Counter[ReplicaRef] = Counter()  # per replica: a restart gets fresh socket addresses
-        self._down_reasons: dict[ReplicaRef, str] = {}  # why a replica last went down
-        self._closing = False
-        self._ray: RayCluster | None = None  # worker_backend "ray": the cluster the stage actors run on
-        self._master: StageMaster | None = None  # the stage-based CLI's registration socket
-
-    def _check_stage_cli(self) -> None:
-        local = self.options.local_stage
-        if local is not None and local not in self.stages:
-            raise ValueError(f"--stage-id {local}: the pipeline has no such stage (stages {sorted(self.stages)})")
-        others = [sid for sid in self.stages if local is not None and sid != local]
-        if others and self.options.master_address is None:
-            raise ValueError(f"--stage-id {local} runs only stage {local} here; stages {others} must register as "
-                             "headless stages, which needs --omni-master-address and --omni-master-port")
-
-    def _local_replicas(self, stage: StageConfig) -> int:
-        """Replicas this process launches: none of a stage that headless processes run."""
-        local = self.options.local_stage
-        return stage.runtime.num_replicas if local is None or local == stage.stage_id else 0
 
     # --- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
-        """Launch every stage at once and wait until all are UP; on any failure, stop them all."""
-        self._ipc_dir = make_ipc_dir()
-        self._ctx = zmq.Context()
-        self._threads_before = limit_own_torch_threads(self.pipeline)
-        t0 = time.monotonic()
+        """Every stage up (else the fleet stops them all and raises), then the streaming edges."""
+        await self.fleet.start()
         try:
-            if self.options.worker_backend == "ray":
-                self._ray = RayCluster.connect(self.options.ray_address, self.pipeline)
-            if self.options.master_address is not None:
-                await self._start_master()
-            for stage in self.pipeline.stages:
-                for replica in range(self._local_replicas(stage)):
-                    self._launch(stage, replica)
-            opts = self.options
-            stage_deadline, overall = t0 + opts.stage_init_timeout_s, t0 + opts.init_timeout_s
-            what = (f"stage_init_timeout={opts.stage_init_timeout_s}s" if stage_deadline <= overall
-                    else f"init_timeout={opts.init_timeout_s}s")
-            waits = [asyncio.ensure_future(c.wait_ready(min(stage_deadline, overall), what))
-                     for c in self.all_clients()]
-            remote = [s.stage_id for s in self.pipeline.stages if not self._local_replicas(s)]
-            if remote:
-                assert self._master is not None
-                waits.append(asyncio.ensure_future(self._master.wait_for_stages(
-                    remote, overall, f"init_timeout={opts.init_timeout_s}s")))
-            # The first stage that fails (or times out) fails the start: waiting for the others
-            # to finish loading their models would only delay the error.
-            done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
-            for task in pending:
-                task.cancel()
-            errors = [t.exception() for t in done if t.exception() is not None]
-            if errors:
-                kind = TimeoutError if any(isinstance(e, TimeoutError) for e in errors) else RuntimeError
-                raise kind("pipeline failed to start: " + "; ".join(str(e) for e in errors))
             self._streaming = resolve_streaming_edges(self.pipeline, self.model,
                                                       {sid: p.info for sid, p in self.pools.items()},
                                                       self.options.stream_max_pending_units)
         except BaseException:
             await self.close()
             raise
-        logger.info("pipeline of %d stages is up in %.1fs", len(self.pools), time.monotonic() - t0)
-        for stage in self.pipeline.stages:
-            for replica in range(self._local_replicas(stage)):
-                self.supervisor.started(self.pools[stage.stage_id].ref(replica), time.monotonic() - t0)
-
-    def all_clients(self) -> list[StageClient]:
-        """Every replica of every stage."""
-        return [c for pool in self.pools.values() for c in pool.clients()]
-
-    def _launch(self, stage: StageConfig, replica: int) -> StageClient:
-        assert self._ipc_dir is not None and self._ctx is not None
-        pool = self.pools[stage.stage_id]
-        ref = pool.ref(replica)
-        stage = self._replica_stages[stage.stage_id][replica]
-        self._launches[ref] += 1
-        # A restarted replica gets addresses of its own: the old sockets' files may still be
-        # unlinked by their (asynchronous) close.
-        ipc_dir = os.path.join(self._ipc_dir, f"replica{replica}-launch{self._launches[ref]}")
-        os.makedirs(ipc_dir, exist_ok=True)
-        in_addr, out_addr = stage_addresses(ipc_dir, stage.stage_id)
-        opts = self.options
-        spec = WorkerSpec(
-            stage=stage, model=self.model, in_addr=in_addr, out_addr=out_addr,
-            shm_threshold_bytes=opts.shm_threshold_bytes, shm_prefix=self._shm_prefix,
-            heartbeat_interval_s=min(opts.heartbeat_interval_s, opts.heartbeat_timeout_s / 4),
-            stage_init_timeout_s=opts.stage_init_timeout_s,
-            parent_pid=os.getpid(), in_process=not stage.runtime.process,
-            torch_threads=torch_threads_for(stage, self.pipeline), log_level=logging.getLogger().getEffectiveLevel(),
-        )
-        launcher: StageLauncher
-        if not stage.runtime.process:
-            launcher = ThreadLauncher(spec)
-        elif self._ray is not None:
-            launcher = self._ray.launcher(spec)
-        else:
-            launcher = ProcessLauncher(spec)
-        channel = OrchestratorChannel(self._ctx, in_addr, out_addr, opts.shm_threshold_bytes, self._shm_prefix)
-        client = self._client(stage.stage_id, replica, launcher, channel, ref.name)
-        client.start()
-        return client
-
-    def _client(self, stage_id: int, replica: int, launcher: StageLauncher, channel: OrchestratorChannel,
-                name: str) -> StageClient:
-        """A replica's client, wired to this orchestrator and put in its pool's slot (not started)."""
-        client = StageClient(stage_id, self.stages[stage_id].model_stage, launcher, channel,
-                             on_message=functools.partial(self._on_message, replica=replica),
-                             on_down=functools.partial(self._on_stage_down, replica=replica),
-                             heartbeat_timeout_s=self.options.heartbeat_timeout_s, name=name)
-        self.pools[stage_id].replicas[replica] = client
-        return client
-
-    async def _start_master(self) -> None:
-        assert self._ctx is not None and self.options.master_address is not None
-        opts = self.options
-        summary = pipeline_summary(self.pipeline, self.model)
-
-        def remote_client(stage_id: int, replica: int, launcher: StageLauncher,
-                          channel: OrchestratorChannel) -> StageClient:
-            return self._client(stage_id, replica, launcher, channel, f"{self.pools[stage_id].name} replica {replica}")
-
-        self._master = StageMaster(
-            self._ctx, opts.master_address, opts.master_port, self.model, summary, self.pools, remote_client,
-            heartbeat_interval_s=min(opts.heartbeat_interval_s, opts.heartbeat_timeout_s / 4),
-            heartbeat_timeout_s=opts.heartbeat_timeout_s, stage_init_timeout_s=opts.stage_init_timeout_s)
-        await self._master.start()
-
-    async def restart_replica(self, ref: ReplicaRef) -> None:
-        """Replace a replica that went down with a fresh process (called by the supervisor);
-        raises when the new one does not come up within stage_init_timeout."""
-        pool = self.pools[ref.stage_id]
-        old = pool.replicas[ref.replica]
-        assert old is not None
-        await old.close(self.options.shutdown_timeout_s)  # its process is already killed
-        t0 = time.monotonic()
-        client = self._launch(self.stages[ref.stage_id], ref.replica)
-        limit = self.options.stage_init_timeout_s
-        try:
-            await client.wait_ready(t0 + limit, f"stage_init_timeout={limit}s")
-        except TimeoutError as e:
-            client.mark_down(str(e))  # kills what is left of it
-            raise
-        self.supervisor.started(ref, time.monotonic() - t0)
 
     async def close(self) -> None:
-        self._closing = True
-        await self.supervisor.close()
         for state in list(self._requests.values()):
             self._fail(state, "the pipeline is shutting down", None)
-        # In pipeline order: nothing flows into a stage after its sources have stopped.
-        for sid in self.pipeline.topo_order():
-            await asyncio.gather(*(c.close(self.options.shutdown_timeout_s) for c in self.pools[sid].clients()))
-        if self._master is not None:  # after the clients: headless replicas say goodbye through it
-            await self._master.close()
-            self._master = None
-        if self._ray is not None:  # every actor is gone; a Ray we started stops here
-            self._ray.close()
-            self._ray = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
-        if self._ipc_dir is not None:
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
-            self._ipc_dir = None
-        if self._threads_before is not None:
-            import torch
-
-            torch.set_num_threads(self._threads_before)
-            self._threads_before = None
-        leaked = sweep_shared_memory(self._shm_prefix)
-        if leaked:
-            logger.warning("removed %d shared memory segment(s) that were never received", leaked)
+        await self.fleet.close()
         if self.options.log_stats:
             for sid, counters in self.stage_counters.items():
                 logger.info("%s: %s", self.pools[sid].name, dict(counters))
@@ -310,7 +131,7 @@ class Orchestrator:
             sub.sink.put(RequestDone(sub.request_id, error=f"request id {sub.request_id!r} is already in flight"))
             return
         # Only the stages this request runs must be up (a text-only request survives a dead talker).
-        down = [self._health(sid) for sid, p in self.pools.items() if sid in sub.plan.stages and not p.is_up]
+        down = [self.fleet.stage_health(sid) for sid, p in self.pools.items() if sid in sub.plan.stages and not p.is_up]
         if down:
             reason = "; ".join(f"{self.pools[h.stage_id].name} is {h.state.value}: {h.reason or 'not ready'}"
                                for h in down)
@@ -337,29 +158,6 @@ class Orchestrator:
         state = self._requests[key]
         self._drop(state)
         state.sink.put(RequestDone(request_id, aborted=True))
-
-    def health(self) -> list[StageHealth]:
-        return [self._health(sid) for sid in self.pools]
-
-    def _health(self, stage_id: int) -> StageHealth:
-        pool = self.pools[stage_id]
-        return pool.health([self._replica_health(pool.ref(r), c) for r, c in enumerate(pool.replicas)
-                            if c is not None])
-
-    def _replica_health(self, ref: ReplicaRef, client: StageClient) -> StageHealth:
-        health = client.health()
-        if self.supervisor.restarting(ref):  # down (or starting again): when to retry
-            return dataclasses.replace(health, state=StageState.RESTARTING, reason=self._down_reasons.get(ref),
-                                       retry_after_s=self.supervisor.retry_after(ref))
-        gave_up = self.supervisor.gave_up(ref)
-        if health.state == StageState.DOWN and gave_up is not None:
-            return dataclasses.replace(health, reason=gave_up)
-        return health
-
-    async def stage_stats(self, stage_id: int, timeout_s: float) -> StageStats:
-        if stage_id not in self.pools:
-            raise KeyError(f"no stage {stage_id}; stages: {sorted(self.pools)}")
-        return await self.pools[stage_id].stats(timeout_s)
 
     # --- routing --------------------------------------------------------------
     def _send(self, state: RequestState, stage_id: int, ids: list[int], text: str | None,
@@ -602,9 +400,9 @@ class Orchestrator:
             self.pools[sid].release(state.key)
 
     def _on_stage_down(self, stage_id: int, reason: str, *, replica: int) -> None:
+        """A replica went DOWN: its requests move to another replica or fail (the fleet restarts it)."""
         pool = self.pools[stage_id]
         ref = pool.ref(replica)
-        self._down_reasons[ref] = reason
         for key in pool.keys_on(replica):
             state = self._requests[key]
             if not self._move_to_another_replica(state, stage_id):
@@ -615,9 +413,6 @@ class Orchestrator:
                 # running beside a dead talker goes on.
                 if stage_id in state.stages and stage_id not in state.finished_stages:
                     self._fail(state, f"{ref.name} is down: {reason}", stage_id)
-        # A headless replica is restarted by whoever started it; it registers again.
-        if not self._closing and not (self._master is not None and self._master.is_remote(pool.replicas[replica])):
-            self.supervisor.on_down(ref, reason)
 
     def _move_to_another_replica(self, state: RequestState, stage_id: int) -> bool:
         """Replay what the stage got for a request that lost its replica before that replica

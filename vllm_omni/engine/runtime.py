@@ -194,15 +194,15 @@ class OmniRuntime:
     def health(self) -> list[StageHealth]:
         # A snapshot of plain attributes that only the loop thread writes: no round trip needed,
         # so /health answers even when the loop is busy.
-        return self.orchestrator.health()
+        return self.orchestrator.fleet.health()
 
     def stage_stats(self, stage_id: int) -> StageStats:
         timeout = self.options.heartbeat_timeout_s
-        return self._run(self.orchestrator.stage_stats(stage_id, timeout), timeout + 1.0)
+        return self._run(self.orchestrator.fleet.stage_stats(stage_id, timeout), timeout + 1.0)
 
     async def stage_stats_async(self, stage_id: int) -> StageStats:
         timeout = self.options.heartbeat_timeout_s
-        future = asyncio.run_coroutine_threadsafe(self.orchestrator.stage_stats(stage_id, timeout), self._loop)
+        future = asyncio.run_coroutine_threadsafe(self.orchestrator.fleet.stage_stats(stage_id, timeout), self._loop)
         return await asyncio.wait_for(asyncio.wrap_future(future), timeout + 1.0)
 
     def _run(self, coro: Any, timeout_s: float) -> Any:
@@ -237,7 +237,7 @@ class OmniRuntime:
                 logger.exception("shutting the pipeline down failed; killing its stages")
         self._stop_loop()
         # If the loop died or timed out, make sure no stage process outlives us.
-        for client in self.orchestrator.all_clients():
+        for client in self.orchestrator.fleet.all_clients():
             client.launcher.stop_blocking(self.options.shutdown_timeout_s)
 
 

@@ -1,6 +1,6 @@
 """Restart stages that die or hang: exponential backoff, a bounded number of attempts.
 
-    supervisor = StageSupervisor(restart=orchestrator.restart_stage, max_restarts=3)
+    supervisor = StageSupervisor(restart=fleet.restart_replica, max_restarts=3)
     supervisor.on_down(stage_id, reason)     # from the stage client; schedules a restart
     supervisor.retry_after(stage_id)         # seconds until the stage should be back, or None
 
@@ -11,7 +11,7 @@ failure. After `max_restarts` consecutive failures the stage stays down and `/he
 why. A stage that has served for `stable_after_s` since its last restart starts with a clean
 count, so an occasional crash over days never exhausts the budget.
 
-The supervisor keys what it restarts by any hashable that prints as its name: the orchestrator
+The supervisor keys what it restarts by any hashable that prints as its name: the stage fleet
 passes one `replica_pool.ReplicaRef` per replica, so each replica of a stage is restarted (and
 counted) on its own.
 
