@@ -12,9 +12,10 @@ config's talker sampling.
 After every request is past its prefill, `--steps` decode steps are timed one by one (each step
 returns host-side codes, so it is synchronous). Also reported: the decode CUDA graph replayed
 alone (device time, no host work), for Qwen3-Omni its code predictor's frame graph alone, and
-the floor (weights + KV read once per step at the HBM bandwidth). ms/step minus graph replay is what the host adds. `admit ms` is the host time of
-one `add_request` (the talker prompt laid out, its rows projected: what a burst of arrivals
-pays per request before the talker's next step), the mean over the batch's requests.
+the floor (weights + KV read once per step at the HBM bandwidth). ms/step minus graph replay is
+what the host adds. `admit ms` is the host time of one `add_request` (the talker prompt laid
+out, its rows projected: what a burst of arrivals pays per request before the talker's next
+step), the mean over the batch's requests.
 """
 from __future__ import annotations
 
@@ -135,7 +136,8 @@ def main() -> None:
                "roofline_ms": floor_ms, "codes_per_s": b / ms * 1e3, "admit_ms": admit_ms}
         rows.append(row)
         predictor = f", predictor graph {row['predictor_replay_ms']:.3f} ms" if row["predictor_replay_ms"] else ""
-        print(f"batch {b}: {ms:.3f} ms/step, graph alone {row['graph_replay_ms'] or float('nan'):.3f} ms{predictor}, "
+        graph = row["graph_replay_ms"] or float("nan")
+        print(f"batch {b}: {ms:.3f} ms/step, graph alone {graph:.3f} ms{predictor}, "
               f"floor {floor_ms:.3f} ms, {row['codes_per_s']:.0f} codes/s, admit {admit_ms:.2f} ms a request", flush=True)
     Path(args.json).write_text(json.dumps({"args": vars(args), "device": torch.cuda.get_device_name() if gpu
                                            else "cpu", "rows": rows}, indent=1))

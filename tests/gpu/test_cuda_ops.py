@@ -57,7 +57,8 @@ def test_silu_and_mul(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("heads, kv_heads, head_dim, qk_norm", [(16, 8, 128, True), (8, 2, 64, True), (6, 6, 64, False)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, qk_norm",
+                         [(16, 8, 128, True), (8, 2, 64, True), (6, 6, 64, False)])
 def test_frame_attention_kernel_matches_the_torch_path(dtype, heads, kv_heads, head_dim, qk_norm):
     """A code predictor layer's fused attention (norms, rotary, cache write, causal attention in
     one kernel) against the same layer's torch ops, over a whole frame: a 2-token prefill, then
