@@ -241,3 +241,63 @@ def test_snake_beta_equals_transformers():
     theirs.load_state_dict(ours.state_dict())
     x = torch.randn(2, 64, 3000, device="cuda") * 4
     assert torch.equal(ours(x), theirs(x))
+
+
+def test_anti_aliased_snake_beta_matches_transformers():
+    """Qwen2.5-Omni BigVGAN's anti-aliased SnakeBeta (upsample, snake, low-pass) in one kernel
+    against transformers' module in float32 (TF32 off): row lengths from 1 (every output at a
+    replicated edge) to several tiles, strided rows; new lengths compile no new variant."""
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+        Qwen2_5OmniAntiAliasedActivation1d, Qwen2_5OmniSnakeBeta,
+    )
+
+    torch.manual_seed(0)
+    act = Qwen2_5OmniAntiAliasedActivation1d(Qwen2_5OmniSnakeBeta(24)).cuda()
+    with torch.no_grad():
+        act.act.alpha.normal_(0, 0.5)
+        act.act.beta.normal_(0, 0.5)
+    kernel = cuda_ops._anti_aliased_snake_kernel
+    for i, length in enumerate((1, 2, 7, 255, 256, 1000, 5761)):
+        wide = torch.randn(3, 25, length, device="cuda") * 3
+        x = wide[:, 1:]  # rows strided
+        with torch.no_grad():
+            got = cuda_ops.anti_aliased_snake_beta(x, act.act.alpha, act.act.beta, act.upsample.filter.view(-1),
+                                                   act.downsample.filter.view(-1))
+            torch.backends.cudnn.allow_tf32 = False
+            try:
+                ref = act(x)
+            finally:
+                torch.backends.cudnn.allow_tf32 = True
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        if i == 0:
+            variants = _compiled_variants(kernel)
+    assert _compiled_variants(kernel) == variants
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dit_window_attention_matches_the_torch_path(dtype):
+    """The token2wav DiT's attention kernel (first-head RoPE, block windows, padding kept apart)
+    against its torch ops at the released shapes (16 heads of 64, 24-frame blocks), rows of
+    different lengths, q / k / v as views of one joined projection."""
+    from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5OmniDiTConfig
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniDiTRotaryEmbedding
+
+    from vllm_omni.model_executor.models.qwen2_5_omni import token2wav_dit
+
+    rows, frames, heads, head_dim, block = 4, 200, 16, 64, 24
+    lengths = torch.tensor([200, 131, 24, 1], device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(rows, frames, 3 * heads * head_dim, device="cuda", generator=gen).to(dtype)
+    rope = Qwen2_5OmniDiTRotaryEmbedding(Qwen2_5OmniDiTConfig(head_dim=head_dim)).cuda()(
+        qkv, torch.arange(frames, device="cuda")[None].repeat(rows, 1))
+    attn = SimpleNamespace(heads=heads)
+    real = (torch.arange(frames, device="cuda")[None] < lengths[:, None])[..., None]
+    for back, ahead in [(0, 0), (1, 0), (0, 1), (1, 1)]:
+        got = cuda_ops.dit_window_attention(*qkv.chunk(3, dim=-1), rope[0][0], rope[1][0], lengths, heads, block,
+                                            back, ahead)
+        mask = token2wav_dit._window_mask(lengths, frames, block, back, ahead)
+        ref = token2wav_dit._torch_window_attention(attn, *qkv.clone().chunk(3, dim=-1), rope, mask, block, back,
+                                                    ahead)
+        tol = 2e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(torch.where(real, got, 0).float(), torch.where(real, ref, 0).float(),
+                                   atol=tol, rtol=tol)

@@ -457,6 +457,149 @@ def bias_residual_add(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor) -> t
     return out
 
 
+
+
+@triton.jit
+def _dit_head_tile(ptr, pos, pos_stride, frames, cos_ptr, sin_ptr, rotate, D: tl.constexpr):
+    """A head's [BLOCK, D] tile at positions `pos`, its dimensions in the order transformers'
+    `deinterleave_head_dim` gives them (even ones, then odd ones: the checkpoint's RoPE pairs
+    (2i, 2i + 1)); with `rotate`, after `apply_rotary_pos_emb`, rounded to the input's dtype.
+    q and k in the same order give the same dot products."""
+    c = tl.arange(0, D)
+    first_half = c < D // 2
+    rows = ptr + pos[:, None] * pos_stride
+    inside = (pos < frames)[:, None]
+    x = tl.load(rows + tl.where(first_half, 2 * c, 2 * c - D + 1)[None, :], mask=inside, other=0.0)
+    if rotate:  # x * cos + rotate_half(x) * sin; rotate_half pairs dimension c with c +- D/2
+        partner = tl.load(rows + tl.where(first_half, 2 * c + 1, 2 * c - D)[None, :], mask=inside, other=0.0)
+        at = pos[:, None] * D + c[None, :]
+        cos = tl.load(cos_ptr + at, mask=inside, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + at, mask=inside, other=0.0).to(tl.float32)
+        signed = tl.where(first_half, -1.0, 1.0)[None, :] * partner.to(tl.float32)
+        x = (x.to(tl.float32) * cos + signed * sin).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _dit_window_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, lengths_ptr, out_ptr, frames, blocks,
+                                 block_size, heads, row_stride, pos_stride, scale,
+                                 BACK: tl.constexpr, AHEAD: tl.constexpr, BLOCK: tl.constexpr,
+                                 D: tl.constexpr, PRECISION: tl.constexpr):
+    row_block, head = tl.program_id(0), tl.program_id(1)
+    row, block = row_block // blocks, row_block % blocks
+    length = tl.load(lengths_ptr + row)
+    i = tl.arange(0, BLOCK)
+    q_pos = tl.where(i < block_size, block * block_size + i, frames)  # the tile's spare rows: outside
+    head_off = row * row_stride + head * D
+    rotate = head == 0  # the checkpoint's RoPE is on its first head only
+    q = _dit_head_tile(q_ptr + head_off, q_pos, pos_stride, frames, cos_ptr, sin_ptr, rotate, D)
+    q_real = (q_pos < length)[:, None]
+    d = tl.arange(0, D)
+    m = tl.full([BLOCK], -1e30, tl.float32)
+    l = tl.zeros([BLOCK], tl.float32)
+    acc = tl.zeros([BLOCK, D], tl.float32)
+    for w in tl.static_range(BACK + 1 + AHEAD):
+        key_block = block - BACK + w
+        k_pos = tl.where((i < block_size) & (key_block >= 0) & (key_block < blocks), key_block * block_size + i,
+                         blocks * block_size)  # past every window: never attended
+        k = _dit_head_tile(k_ptr + head_off, k_pos, pos_stride, frames, cos_ptr, sin_ptr, rotate, D)
+        # A real query sees the window's real keys, a padding query its padding keys (the last
+        # block's tail past `frames` included, zeros like torch's padding), never both.
+        seen = (k_pos < blocks * block_size)[None, :] & ((k_pos < length)[None, :] == q_real)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        scores = tl.where(seen, scores * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        p = tl.exp(scores - m_new[:, None])
+        correction = tl.exp(m - m_new)
+        l = l * correction + tl.sum(p, 1)
+        v = tl.load(v_ptr + head_off + k_pos[:, None] * pos_stride + d[None, :], mask=(k_pos < frames)[:, None],
+                    other=0.0)
+        acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    out = out_ptr + (row * frames + q_pos[:, None]) * (heads * D) + head * D + d[None, :]
+    tl.store(out, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=(q_pos < frames)[:, None])
+
+
+def dit_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         lengths: torch.Tensor, heads: int, block_size: int, back: int, ahead: int) -> torch.Tensor:
+    """The Qwen2.5-Omni token2wav DiT's attention in one kernel: RoPE on the first head
+    (interleaved pairs, as transformers' `deinterleave_head_dim` + `apply_rotary_pos_emb`), then
+    each block of `block_size` query frames against its window of `back` blocks before, itself
+    and `ahead` after, real queries against real keys and padding against padding (see
+    token2wav_dit._window_mask). q, k, v [rows, frames, heads * head_dim] (frames contiguous in
+    heads x dims; the three may be views of one fused projection with equal strides), cos / sin
+    [frames, head_dim] float32, lengths [rows] -> [rows, frames, heads * head_dim] in q's dtype.
+    Float32 inputs are multiplied in IEEE float32 unless TF32 matmuls are on."""
+    rows, frames, inner = q.shape
+    head_dim = inner // heads
+    assert k.stride() == q.stride() == v.stride() and q.stride(2) == 1, "q, k, v: one layout, dims contiguous"
+    blocks = triton.cdiv(frames, block_size)
+    out = torch.empty(rows, frames, inner, dtype=q.dtype, device=q.device)
+    tf32 = q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+    _dit_window_attention_kernel[(rows * blocks, heads)](
+        q, k, v, cos, sin, lengths, out, frames, blocks, block_size, heads, q.stride(0), q.stride(1),
+        head_dim ** -0.5, BACK=back, AHEAD=ahead, BLOCK=max(16, triton.next_power_of_2(block_size)),
+        D=head_dim, PRECISION="tf32" if tf32 or q.dtype != torch.float32 else "ieee", num_warps=4,
+    )
+    return out
+
+
+_ANTI_ALIAS_BLOCK = 256  # outputs per program
+
+
+@triton.jit
+def _upsampled_snake(row_ptr, n, length, up_ptr, alpha, inv_beta, ODD: tl.constexpr):
+    """SnakeBeta of sample 2n + ODD of the 2x upsampled row (transformers' UpSample1d: replicate
+    padding by 5, a 12-tap transposed filter, times 2): even samples take the filter's odd
+    taps against x[n+2] .. x[n-3], odd samples its even taps against x[n+3] .. x[n-2]."""
+    acc = 0.0
+    for r in tl.static_range(6):
+        src = tl.minimum(tl.maximum(n + 2 + ODD - r, 0), length - 1)  # replicate padding
+        acc += tl.load(up_ptr + 1 - ODD + 2 * r) * tl.load(row_ptr + src)
+    up = 2.0 * acc
+    sine = libdevice.sin(up * alpha)
+    return up + inv_beta * (sine * sine)
+
+
+@triton.jit(do_not_specialize=["length", "stride_b", "stride_c"])
+def _anti_aliased_snake_kernel(x_ptr, alpha_ptr, beta_ptr, up_ptr, down_ptr, out_ptr, channels, length,
+                               stride_b, stride_c, BLOCK: tl.constexpr):
+    row = tl.program_id(0)  # b * channels + c
+    b, c = row // channels, row % channels
+    t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row_ptr = x_ptr + b * stride_b + c * stride_c
+    alpha = libdevice.exp(tl.load(alpha_ptr + c))
+    inv_beta = 1.0 / (libdevice.exp(tl.load(beta_ptr + c)) + 1e-9)
+    # DownSample1d pads the snake's 2L samples by replication: s[0] on the left, s[2L-1] on the right.
+    first = _upsampled_snake(row_ptr, length * 0, length, up_ptr, alpha, inv_beta, 0)
+    last = _upsampled_snake(row_ptr, length - 1, length, up_ptr, alpha, inv_beta, 1)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(12):  # y[t] = sum_j down[j] * s[2t + j - 5]; 2t + j - 5 = 2n + odd
+        n = t + (j + 1) // 2 - 3
+        s = _upsampled_snake(row_ptr, n, length, up_ptr, alpha, inv_beta, (j + 1) % 2)
+        s = tl.where(n < 0, first, tl.where(n >= length, last, s))
+        acc += tl.load(down_ptr + j) * s
+    tl.store(out_ptr + row * length + t, acc, mask=t < length)
+
+
+def anti_aliased_snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, up_filter: torch.Tensor,
+                            down_filter: torch.Tensor) -> torch.Tensor:
+    """transformers' anti-aliased SnakeBeta of BigVGAN (ratio 2, 12-tap filters) in one pass:
+    upsample 2x, x + sin(x e^alpha)^2 / (e^beta + 1e-9), low-pass and take every other sample.
+    torch runs it as ~10 kernels (two replicate pads, a depthwise transposed conv, five
+    elementwise ops, a depthwise conv), each over the 2x signal; here every output reads its 11
+    input neighbours and recomputes the 12 upsampled samples it filters. x [B, C, T] float32
+    (rows may be strided, time contiguous), alpha/beta [C], filters [12] -> [B, C, T]. Within
+    float32 rounding of torch's ops (sums in another order)."""
+    batch, channels, length = x.shape
+    out = torch.empty(batch, channels, length, dtype=x.dtype, device=x.device)
+    _anti_aliased_snake_kernel[(batch * channels, triton.cdiv(length, _ANTI_ALIAS_BLOCK))](
+        x, alpha, beta, up_filter, down_filter, out, channels, length, x.stride(0), x.stride(1),
+        BLOCK=_ANTI_ALIAS_BLOCK, num_warps=4,
+    )
+    return out
+
+
 @triton.jit
 def _ada_layer_norm_kernel(x_ptr, scale_ptr, shift_ptr, out_ptr, n_cols, frames, stride_mod, eps,
                            BLOCK: tl.constexpr):

@@ -29,13 +29,15 @@ from vllm_omni.model_executor.models.codec_streaming import (
 )
 from vllm_omni.model_executor.models.qwen2_5_omni.bridges import Code2WavInputs
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_dit import (
-    DiTRow, draw_noise, forward_cfg, new_generator, sample_mel, speaker_features,
+    DiTRow, draw_noise, forward_cfg, new_generator, prepare_for_cuda, sample_mel, speaker_features,
 )
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_graphs import DiTGraphs, dit_graphs_enabled
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_stream import (
     StreamGeometry, Token2WavStream, Token2WavStreamConfig,
 )
-from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_vocoder import receptive_field, vocode, vocode_windows
+from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_vocoder import (
+    fuse_activations, receptive_field, vocode, vocode_windows,
+)
 from vllm_omni.stage_io import StageRequest, StreamingDecoder
 
 
@@ -95,6 +97,9 @@ class Qwen2_5OmniToken2Wav:
         blocks = max(geo.config.initial_chunk_blocks, geo.config.chunk_blocks) + geo.config.future_blocks
         self.max_units_per_chunk = -(-blocks * geo.block_frames // geo.repeats) + 1
         self._speaker_features: dict[str, torch.Tensor] = {}
+        if device.type == "cuda":
+            prepare_for_cuda(self.dit, bf16=precision is Precision.BFLOAT16)
+            fuse_activations(self.bigvgan)
         # On CUDA the DiT evaluation replays CUDA graphs, one per shape (token2wav_graphs.py).
         # Benchmark option: torch.compile it instead (static shapes: each new one compiles once).
         self._dit_forward = DiTGraphs() if dit_graphs_enabled(device) else forward_cfg

@@ -113,16 +113,14 @@ def forward_cfg(dit, x, time, codes, speaker, feats, lengths) -> torch.Tensor:
     hidden = dit.input_embed.proj(torch.cat([x.repeat(2, 1, 1), feats, code_embed, speaker], dim=-1))
     positions = torch.arange(frames, device=x.device)[None, :].repeat(2 * rows, 1)
     rope = dit.rotary_embed(hidden, positions)
-    masks: dict[tuple[int, int], torch.Tensor] = {}  # one per (look-back, look-ahead) reach
+    lengths = lengths.repeat(2)
+    masks: dict[tuple[int, int], torch.Tensor] = {}  # the torch path's, one per (look-back, look-ahead) reach
     for layer in dit.transformer_blocks:
-        reach = (layer.look_backward_block, layer.look_ahead_block)
-        if reach not in masks:
-            masks[reach] = _window_mask(lengths.repeat(2), frames, dit.block_size, *reach)
-        hidden = _decoder_layer(layer, hidden, time_embedding, rope, masks[reach], dit.block_size)
+        hidden = _decoder_layer(layer, hidden, time_embedding, rope, lengths, masks, dit.block_size)
     return dit.proj_out(dit.norm_out(hidden, time_embedding))
 
 
-def _decoder_layer(layer, hidden, time_embedding, rope, mask, block_size: int) -> torch.Tensor:
+def _decoder_layer(layer, hidden, time_embedding, rope, lengths, masks, block_size: int) -> torch.Tensor:
     """transformers' `DiTDecoderLayer.forward` with the attention of `_window_attention` and,
     on CUDA, its norms, modulations and gated residuals in fused kernels (elementwise kernels
     were a quarter of the GPU time of streamed windows)."""
@@ -130,7 +128,7 @@ def _decoder_layer(layer, hidden, time_embedding, rope, mask, block_size: int) -
     modulation = ada.linear(ada.silu(time_embedding))
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = torch.chunk(modulation, 6, dim=1)
     norm = _modulated_norm(ada.norm, hidden, scale_msa, shift_msa)
-    attn = _window_attention(layer.attn, norm, rope, mask, block_size, layer.look_backward_block,
+    attn = _window_attention(layer.attn, norm, rope, lengths, masks, block_size, layer.look_backward_block,
                              layer.look_ahead_block)
     hidden = _gated_residual(hidden, gate_msa, attn)
     norm = _modulated_norm(layer.ff_norm, hidden, scale_mlp, shift_mlp)
@@ -156,15 +154,74 @@ def _gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> tor
     return x + gate.unsqueeze(1) * y
 
 
-def _window_attention(attn, hidden, rope, mask, block_size: int, back: int, ahead: int) -> torch.Tensor:
+def _window_attention(attn, hidden, rope, lengths, masks, block_size: int, back: int, ahead: int) -> torch.Tensor:
     """transformers' `DiTAttention.forward`, each query block attending only to its window:
     `back` blocks before it, its own, `ahead` blocks after (the keys its layer's mask allows).
-    `mask` is `_window_mask`'s for this reach."""
+    On CUDA one kernel (cuda_ops.dit_window_attention) does the rotary, the windows and the
+    softmax; the torch path builds `_window_mask` once per reach into `masks`."""
+    rows, frames, _ = hidden.shape
+    query, key, value = _projections(attn, hidden)
+    head_dim = query.shape[-1] // attn.heads
+    if hidden.is_cuda and head_dim >= 16 and head_dim & (head_dim - 1) == 0:  # tl.dot: a power of 2, >= 16
+        from vllm_omni.model_executor.layers import cuda_ops
+
+        cos, sin = rope
+        out = cuda_ops.dit_window_attention(query, key, value, cos[0], sin[0], lengths, attn.heads, block_size,
+                                            back, ahead)
+        return attn.to_out[0](out)
+    if (back, ahead) not in masks:
+        masks[back, ahead] = _window_mask(lengths, frames, block_size, back, ahead)
+    return attn.to_out[0](_torch_window_attention(attn, query, key, value, rope, masks[back, ahead], block_size,
+                                                  back, ahead))
+
+
+def _projections(attn, hidden) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [rows, frames, heads * head_dim]: one product when `fuse_projections` joined
+    the three weights (views of one column block each), else three."""
+    joined = getattr(attn, _JOINED_QKV, None)
+    if joined is None:
+        return attn.to_q(hidden), attn.to_k(hidden), attn.to_v(hidden)
+    return F.linear(hidden, *joined).chunk(3, dim=-1)
+
+
+_JOINED_QKV = "joined_qkv"
+
+
+def prepare_for_cuda(dit, bf16: bool) -> None:
+    """The DiT's layers as the CUDA path runs them: with `bf16` their Linear weights in bfloat16
+    once (autocast would cast every weight again in each of a chunk's 36 evaluations: 15% of
+    the GPU time of 8 streamed windows; the products are the same), then q, k, v joined."""
+    if bf16:
+        for module in dit.transformer_blocks.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.to(torch.bfloat16)
+    fuse_projections(dit)
+
+
+def fuse_projections(dit) -> None:
+    """Join each layer's q, k, v weights into one [3 x inner, dim] tensor (and the biases), the
+    three Linear modules keeping views of it: one GEMM instead of three per layer, with the
+    same parameters and state-dict names."""
+    for layer in dit.transformer_blocks:
+        attn = layer.attn
+        projections = (attn.to_q, attn.to_k, attn.to_v)
+        weight = torch.cat([p.weight.detach() for p in projections])
+        bias = torch.cat([p.bias.detach() for p in projections])
+        inner = attn.to_q.out_features
+        for i, p in enumerate(projections):
+            p.weight = torch.nn.Parameter(weight[i * inner:(i + 1) * inner], requires_grad=False)
+            p.bias = torch.nn.Parameter(bias[i * inner:(i + 1) * inner], requires_grad=False)
+        setattr(attn, _JOINED_QKV, (weight, bias))
+
+
+def _torch_window_attention(attn, query, key, value, rope, mask, block_size: int, back: int,
+                            ahead: int) -> torch.Tensor:
+    """The window attention in torch's ops: [rows, frames, heads * head_dim]."""
     from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import apply_rotary_pos_emb, deinterleave_head_dim
 
-    rows, frames, _ = hidden.shape
+    rows, frames, _ = query.shape
     heads = attn.heads
-    query, key, value = (proj(hidden).view(rows, frames, heads, -1) for proj in (attn.to_q, attn.to_k, attn.to_v))
+    query, key, value = (t.reshape(rows, frames, heads, -1) for t in (query, key, value))
     head_dim = query.shape[-1]
     # Rotary embedding on the first head only (the checkpoint was trained so), as transformers.
     cos, sin = rope
@@ -186,7 +243,7 @@ def _window_attention(attn, hidden, rope, mask, block_size: int, back: int, ahea
     out = F.scaled_dot_product_attention(windows(query, 0, 0), windows(key, back, ahead),
                                          windows(value, back, ahead), attn_mask=mask)
     out = out.view(rows, blocks, heads, block_size, head_dim).transpose(2, 3).reshape(rows, -1, heads * head_dim)
-    return attn.to_out[0](out[:, :frames].to(query.dtype))
+    return out[:, :frames].to(query.dtype)
 
 
 def _window_mask(lengths: torch.Tensor, frames: int, block_size: int, back: int, ahead: int) -> torch.Tensor:

@@ -7,12 +7,19 @@ frames of context on each side of the frames it emits gives exactly the samples 
 signal (overlap-save; no crossfade is needed, and none would be exact). Streaming uses it to
 emit each chunk's audio, and the frames a window emits never depend on right padding, so
 windows of different lengths share a call.
+
+On CUDA each anti-aliased SnakeBeta (upsample 2x, SnakeBeta, low-pass and decimate: ~10 torch
+kernels over the 2x signal, 3/4 of the vocoder's GPU time) runs as one kernel
+(`fuse_activations`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-import torch
 
+import torch
+from torch import nn
+
+from vllm_omni.model_executor.layers.activation import fused_vocoder
 from vllm_omni.model_executor.models.codec_streaming import plan_padded_calls
 
 # Padding a window by this many mel frames costs about one more vocoder call (its ~1000
@@ -35,6 +42,41 @@ def vocode(bigvgan, mel: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(f"vocoder: {wav.shape[1]} samples for {mel.shape[2]} mel frames; expected "
                            f"{hop_length(bigvgan)} per frame (odd upsample kernel - stride?)")
     return wav
+
+
+class _FusedAntiAliasedSnakeBeta(nn.Module):
+    """transformers' `Qwen2_5OmniAntiAliasedActivation1d` around a SnakeBeta, with its children
+    (so its parameter names), as `cuda_ops.anti_aliased_snake_beta` on CUDA float32 input."""
+
+    def __init__(self, original: nn.Module) -> None:
+        super().__init__()
+        self.act, self.upsample, self.downsample = original.act, original.upsample, original.downsample
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dtype == torch.float32 and x.stride(-1) == 1:
+            from vllm_omni.model_executor.layers import cuda_ops
+
+            return cuda_ops.anti_aliased_snake_beta(x, self.act.alpha, self.act.beta, self.upsample.filter.view(-1),
+                                                    self.downsample.filter.view(-1))
+        return self.downsample(self.act(self.upsample(x)))
+
+
+def fuse_activations(bigvgan) -> None:
+    """Replace every anti-aliased SnakeBeta of the kernel's geometry (ratio 2, 12-tap filters:
+    how transformers' BigVGAN builds all of them) by `_FusedAntiAliasedSnakeBeta`.
+    VLLM_OMNI_FUSED_VOCODER=0 keeps torch's ops (A/B runs)."""
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+        Qwen2_5OmniAntiAliasedActivation1d, Qwen2_5OmniSnakeBeta,
+    )
+
+    if not fused_vocoder():
+        return
+    for name, module in list(bigvgan.named_modules()):
+        up, down = getattr(module, "upsample", None), getattr(module, "downsample", None)
+        if (isinstance(module, Qwen2_5OmniAntiAliasedActivation1d) and isinstance(module.act, Qwen2_5OmniSnakeBeta)
+                and up.ratio == down.stride == 2 and up.kernel_size == down.kernel_size == 12):
+            parent, _, attr = name.rpartition(".")
+            setattr(bigvgan.get_submodule(parent), attr, _FusedAntiAliasedSnakeBeta(module))
 
 
 def receptive_field(bigvgan) -> int:
