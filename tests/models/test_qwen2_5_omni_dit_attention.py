@@ -35,7 +35,8 @@ def ours(dit, device, hidden, time_embedding, rope, lengths):
     layer = dit.transformer_blocks[0].to(device)
     try:
         hidden, time_embedding, rope, lengths = on(device, hidden, time_embedding, rope, torch.tensor(lengths))
-        return _decoder_layer(layer, hidden, time_embedding, rope, lengths, {}, BLOCK).cpu()
+        modulation = layer.attn_norm.linear(layer.attn_norm.silu(time_embedding))
+        return _decoder_layer(layer, hidden, modulation, rope, lengths, {}, BLOCK).cpu()
     finally:
         layer.cpu()
 

@@ -461,22 +461,21 @@ def bias_residual_add(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor) -> t
 
 @triton.jit
 def _dit_head_tile(ptr, pos, pos_stride, frames, cos_ptr, sin_ptr, rotate, D: tl.constexpr):
-    """A head's [BLOCK, D] tile at positions `pos`, its dimensions in the order transformers'
-    `deinterleave_head_dim` gives them (even ones, then odd ones: the checkpoint's RoPE pairs
-    (2i, 2i + 1)); with `rotate`, after `apply_rotary_pos_emb`, rounded to the input's dtype.
-    q and k in the same order give the same dot products."""
+    """A head's [BLOCK, D] tile at positions `pos`; with `rotate`, after the checkpoint's RoPE
+    (transformers' `apply_rotary_pos_emb(deinterleave_head_dim(x))`: pairs (2i, 2i + 1) rotate by
+    angle i, the odd one with the table's second half), rounded to the input's dtype and kept
+    interleaved, which gives q . k the same terms."""
     c = tl.arange(0, D)
-    first_half = c < D // 2
     rows = ptr + pos[:, None] * pos_stride
     inside = (pos < frames)[:, None]
-    x = tl.load(rows + tl.where(first_half, 2 * c, 2 * c - D + 1)[None, :], mask=inside, other=0.0)
-    if rotate:  # x * cos + rotate_half(x) * sin; rotate_half pairs dimension c with c +- D/2
-        partner = tl.load(rows + tl.where(first_half, 2 * c + 1, 2 * c - D)[None, :], mask=inside, other=0.0)
-        at = pos[:, None] * D + c[None, :]
+    x = tl.load(rows + c[None, :], mask=inside, other=0.0)
+    if rotate:  # even c: x cos - x[c + 1] sin; odd c: x cos + x[c - 1] sin
+        odd = c % 2
+        partner = tl.load(rows + (c ^ 1)[None, :], mask=inside, other=0.0).to(tl.float32)
+        at = pos[:, None] * D + (c // 2 + odd * (D // 2))[None, :]
         cos = tl.load(cos_ptr + at, mask=inside, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + at, mask=inside, other=0.0).to(tl.float32)
-        signed = tl.where(first_half, -1.0, 1.0)[None, :] * partner.to(tl.float32)
-        x = (x.to(tl.float32) * cos + signed * sin).to(x.dtype)
+        x = (x.to(tl.float32) * cos + tl.where(odd == 1, 1.0, -1.0)[None, :] * partner * sin).to(x.dtype)
     return x
 
 
@@ -545,6 +544,7 @@ def dit_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
 
 
 _ANTI_ALIAS_BLOCK = 256  # outputs per program
+_ANTI_ALIAS_WIDTH: tl.constexpr = _ANTI_ALIAS_BLOCK + 8  # its snake pairs: the block and a 3 + 5 halo
 
 
 @triton.jit
@@ -561,24 +561,44 @@ def _upsampled_snake(row_ptr, n, length, up_ptr, alpha, inv_beta, ODD: tl.conste
     return up + inv_beta * (sine * sine)
 
 
+@triton.jit
+def _snake_pair_to_scratch(row_ptr, n, length, up_ptr, alpha, inv_beta, first, last, scratch, at):
+    """Both snake samples of positions n (2n, 2n + 1) into scratch[at] and scratch[W + at]
+    (W = the tile's width); past either end, DownSample1d's replicate padding: s[0] / s[2L-1]."""
+    even = _upsampled_snake(row_ptr, n, length, up_ptr, alpha, inv_beta, 0)
+    odd = _upsampled_snake(row_ptr, n, length, up_ptr, alpha, inv_beta, 1)
+    edge = tl.where(n < 0, first, last)
+    outside = (n < 0) | (n >= length)
+    tl.store(scratch + at, tl.where(outside, edge, even))
+    tl.store(scratch + _ANTI_ALIAS_WIDTH + at, tl.where(outside, edge, odd))
+
+
 @triton.jit(do_not_specialize=["length", "stride_b", "stride_c"])
-def _anti_aliased_snake_kernel(x_ptr, alpha_ptr, beta_ptr, up_ptr, down_ptr, out_ptr, channels, length,
-                               stride_b, stride_c, BLOCK: tl.constexpr):
-    row = tl.program_id(0)  # b * channels + c
+def _anti_aliased_snake_kernel(x_ptr, alpha_ptr, beta_ptr, up_ptr, down_ptr, scratch_ptr, out_ptr, channels,
+                               length, stride_b, stride_c, BLOCK: tl.constexpr):
+    row, tile = tl.program_id(0), tl.program_id(1)  # row: b * channels + c
     b, c = row // channels, row % channels
-    t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     row_ptr = x_ptr + b * stride_b + c * stride_c
     alpha = libdevice.exp(tl.load(alpha_ptr + c))
     inv_beta = 1.0 / (libdevice.exp(tl.load(beta_ptr + c)) + 1e-9)
-    # DownSample1d pads the snake's 2L samples by replication: s[0] on the left, s[2L-1] on the right.
-    first = _upsampled_snake(row_ptr, length * 0, length, up_ptr, alpha, inv_beta, 0)
-    last = _upsampled_snake(row_ptr, length - 1, length, up_ptr, alpha, inv_beta, 1)
+    first = _upsampled_snake(row_ptr, length * 0, length, up_ptr, alpha, inv_beta, 0)  # s[0]
+    last = _upsampled_snake(row_ptr, length - 1, length, up_ptr, alpha, inv_beta, 1)  # s[2L-1]
+    # Each output t filters s[2t-5] .. s[2t+6]: the tile's outputs [t0, t0 + BLOCK) need the
+    # snake pairs of n in [t0 - 3, t0 + BLOCK + 3), computed once each into this program's
+    # scratch (BLOCK + 8 of them), then read back shifted.
+    t0 = tile * BLOCK
+    scratch = scratch_ptr + (row * tl.num_programs(1) + tile) * 2 * _ANTI_ALIAS_WIDTH
+    i = tl.arange(0, BLOCK)
+    halo = tl.arange(0, 8)
+    _snake_pair_to_scratch(row_ptr, t0 - 3 + i, length, up_ptr, alpha, inv_beta, first, last, scratch, i)
+    _snake_pair_to_scratch(row_ptr, t0 - 3 + BLOCK + halo, length, up_ptr, alpha, inv_beta, first, last, scratch,
+                           BLOCK + halo)
+    tl.debug_barrier()  # the scratch written by every thread of the program, before any reads it
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(12):  # y[t] = sum_j down[j] * s[2t + j - 5]; 2t + j - 5 = 2n + odd
-        n = t + (j + 1) // 2 - 3
-        s = _upsampled_snake(row_ptr, n, length, up_ptr, alpha, inv_beta, (j + 1) % 2)
-        s = tl.where(n < 0, first, tl.where(n >= length, last, s))
-        acc += tl.load(down_ptr + j) * s
+        n_at = i + (j + 1) // 2  # n - (t0 - 3)
+        acc += tl.load(down_ptr + j) * tl.load(scratch + ((j + 1) % 2) * _ANTI_ALIAS_WIDTH + n_at)
+    t = t0 + i
     tl.store(out_ptr + row * length + t, acc, mask=t < length)
 
 
@@ -587,14 +607,15 @@ def anti_aliased_snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Te
     """transformers' anti-aliased SnakeBeta of BigVGAN (ratio 2, 12-tap filters) in one pass:
     upsample 2x, x + sin(x e^alpha)^2 / (e^beta + 1e-9), low-pass and take every other sample.
     torch runs it as ~10 kernels (two replicate pads, a depthwise transposed conv, five
-    elementwise ops, a depthwise conv), each over the 2x signal; here every output reads its 11
-    input neighbours and recomputes the 12 upsampled samples it filters. x [B, C, T] float32
-    (rows may be strided, time contiguous), alpha/beta [C], filters [12] -> [B, C, T]. Within
-    float32 rounding of torch's ops (sums in another order)."""
+    elementwise ops, a depthwise conv), each over the 2x signal. x [B, C, T] float32 (rows may
+    be strided, time contiguous), alpha/beta [C], filters [12] -> [B, C, T]. Within float32
+    rounding of torch's ops (sums in another order)."""
     batch, channels, length = x.shape
     out = torch.empty(batch, channels, length, dtype=x.dtype, device=x.device)
-    _anti_aliased_snake_kernel[(batch * channels, triton.cdiv(length, _ANTI_ALIAS_BLOCK))](
-        x, alpha, beta, up_filter, down_filter, out, channels, length, x.stride(0), x.stride(1),
+    tiles = triton.cdiv(length, _ANTI_ALIAS_BLOCK)
+    scratch = torch.empty(batch * channels * tiles * 2 * _ANTI_ALIAS_WIDTH, dtype=torch.float32, device=x.device)
+    _anti_aliased_snake_kernel[(batch * channels, tiles)](
+        x, alpha, beta, up_filter, down_filter, scratch, out, channels, length, x.stride(0), x.stride(1),
         BLOCK=_ANTI_ALIAS_BLOCK, num_warps=4,
     )
     return out

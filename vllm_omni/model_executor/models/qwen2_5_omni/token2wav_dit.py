@@ -16,7 +16,10 @@ the same submodules (the checkpoint's weights) with:
   block see only its own block and at most one block behind or ahead, so transformers' full
   [T, T] masked attention spends nearly all its work on pairs it then masks (20% of the GPU
   time of 8 streamed windows on the H200). Same pairs, same softmax: the outputs differ from
-  the full attention only by float summation order.
+  the full attention only by float summation order. On CUDA one kernel per layer does it;
+- the time's conditioning (the time embedding and every layer's adaptive-norm modulation, the
+  same for all rows) computed once per ODE schedule (`_ode_steps`) rather than in each of a
+  chunk's 36 evaluations for each row: 22 products and their ~0.5 GB of weights per evaluation.
 """
 from __future__ import annotations
 
@@ -86,27 +89,63 @@ def sample_mel(dit, rows: list[DiTRow], num_steps: int, device: torch.device, bf
     feats = torch.cat([feats[:, 0], feats[:, 1]])  # guided rows, then unguided rows (transformers' order)
     lengths_on_device = torch.tensor(lengths, device=device)
 
-    def velocity(time: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        out = forward(dit, x, time, codes, speaker, feats, lengths_on_device)
+    def velocity(conditioning: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        out = forward(dit, x, conditioning, codes, speaker, feats, lengths_on_device)
         guided, unguided = torch.chunk(out.float(), 2, dim=0)
         return guided + (guided - unguided) * GUIDANCE_SCALE
 
-    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
-
-    times = torch.linspace(0, 1, num_steps, device=device, dtype=torch.float32)
-    times += SWAY_COEFFICIENT * (torch.cos(torch.pi / 2 * times) - 1 + times)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     with autocast:
-        mel = RungeKutta4ODESolver(function=velocity, initial_value=noise.to(device)).integrate(times)[-1]
+        steps = _ode_steps(dit, num_steps, device, bf16)
+        mel = noise.to(device)
+        for step, conditionings in steps:  # transformers' RungeKutta4ODESolver, its arithmetic in order
+            k1 = velocity(conditionings[0], mel)
+            k2 = velocity(conditionings[1], mel + step * k1 * (1 / 3))
+            k3 = velocity(conditionings[2], mel + step * (k2 - k1 * (1 / 3)))
+            k4 = velocity(conditionings[3], mel + step * (k1 - k2 + k3))
+            mel = mel + (k1 + 3 * (k2 + k3) + k4) * step / 8
     mel = mel.float().cpu()
     return [mel[i, :n] for i, n in enumerate(lengths)]
 
 
-def forward_cfg(dit, x, time, codes, speaker, feats, lengths) -> torch.Tensor:
+_MAX_CACHED_SCHEDULES = 8  # per DiT: distinct (num_steps, device, bf16); a request may choose num_steps
+
+
+def _ode_steps(dit, num_steps: int, device: torch.device, bf16: bool) -> list[tuple[torch.Tensor, tuple]]:
+    """Each RK4 interval's step and the time conditioning of its four evaluations (at its start,
+    1/3, 2/3, end), with the times computed as transformers' `sample` and solver compute them.
+    The conditioning depends only on the time, so it is computed once per schedule and kept."""
+    cache = dit.__dict__.setdefault("_ode_schedules", {})
+    key = (num_steps, str(device), bf16)
+    if key not in cache:
+        times = torch.linspace(0, 1, num_steps, device=device, dtype=torch.float32)
+        times += SWAY_COEFFICIENT * (torch.cos(torch.pi / 2 * times) - 1 + times)
+        steps = []
+        for start, end in zip(times[:-1], times[1:]):
+            step = end - start
+            at = (start, start + step * (1 / 3), start + step * (2 / 3), end)
+            steps.append((step, tuple(time_conditioning(dit, t) for t in at)))
+        if len(cache) >= _MAX_CACHED_SCHEDULES:
+            cache.pop(next(iter(cache)))
+        cache[key] = steps
+    return cache[key]
+
+
+def time_conditioning(dit, time: torch.Tensor) -> torch.Tensor:
+    """[1, layers * 6 * dim + 2 * dim]: every layer's adaptive-norm modulation and the final
+    norm's, from the ODE time (what transformers' DiT computes from the time in each evaluation,
+    identical for every row)."""
+    embedding = dit.time_embed(time.reshape(1))
+    parts = [layer.attn_norm.linear(layer.attn_norm.silu(embedding)) for layer in dit.transformer_blocks]
+    parts.append(dit.norm_out.linear(dit.norm_out.silu(embedding)))
+    return torch.cat(parts, dim=1)
+
+
+def forward_cfg(dit, x, conditioning, codes, speaker, feats, lengths) -> torch.Tensor:
     """transformers' DiT forward with apply_cfg=True ([guided rows; unguided rows]), given the
-    speaker features and each row's real length (`lengths` [B]: frames past it are padding)."""
+    speaker features, the time's conditioning (`time_conditioning`) and each row's real length
+    (`lengths` [B]: frames past it are padding)."""
     rows, frames = x.shape[0], x.shape[1]
-    time_embedding = dit.time_embed(time.repeat(2 * rows))
     code_embed = torch.cat([dit.text_embed(codes), dit.text_embed(codes, drop_code=True)])
     speaker = torch.cat([speaker, torch.zeros_like(speaker)]).unsqueeze(1).expand(-1, frames, -1)
     feats = feats.unsqueeze(1).expand(-1, frames, -1)
@@ -115,19 +154,21 @@ def forward_cfg(dit, x, time, codes, speaker, feats, lengths) -> torch.Tensor:
     rope = dit.rotary_embed(hidden, positions)
     lengths = lengths.repeat(2)
     masks: dict[tuple[int, int], torch.Tensor] = {}  # the torch path's, one per (look-back, look-ahead) reach
-    for layer in dit.transformer_blocks:
-        hidden = _decoder_layer(layer, hidden, time_embedding, rope, lengths, masks, dit.block_size)
-    return dit.proj_out(dit.norm_out(hidden, time_embedding))
+    width = 6 * hidden.shape[-1]
+    for i, layer in enumerate(dit.transformer_blocks):
+        modulation = conditioning[:, i * width:(i + 1) * width].expand(2 * rows, -1)
+        hidden = _decoder_layer(layer, hidden, modulation, rope, lengths, masks, dit.block_size)
+    scale, shift = conditioning[:, len(dit.transformer_blocks) * width:].expand(2 * rows, -1).chunk(2, dim=1)
+    return dit.proj_out(_modulated_norm(dit.norm_out.norm, hidden, scale, shift))
 
 
-def _decoder_layer(layer, hidden, time_embedding, rope, lengths, masks, block_size: int) -> torch.Tensor:
-    """transformers' `DiTDecoderLayer.forward` with the attention of `_window_attention` and,
-    on CUDA, its norms, modulations and gated residuals in fused kernels (elementwise kernels
-    were a quarter of the GPU time of streamed windows)."""
-    ada = layer.attn_norm
-    modulation = ada.linear(ada.silu(time_embedding))
+def _decoder_layer(layer, hidden, modulation, rope, lengths, masks, block_size: int) -> torch.Tensor:
+    """transformers' `DiTDecoderLayer.forward`, given its modulation [rows, 6 * dim] (its
+    `attn_norm.linear` of the time embedding), with the attention of `_window_attention` and, on
+    CUDA, its norms, modulations and gated residuals in fused kernels (elementwise kernels were a
+    quarter of the GPU time of streamed windows)."""
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = torch.chunk(modulation, 6, dim=1)
-    norm = _modulated_norm(ada.norm, hidden, scale_msa, shift_msa)
+    norm = _modulated_norm(layer.attn_norm.norm, hidden, scale_msa, shift_msa)
     attn = _window_attention(layer.attn, norm, rope, lengths, masks, block_size, layer.look_backward_block,
                              layer.look_ahead_block)
     hidden = _gated_residual(hidden, gate_msa, attn)

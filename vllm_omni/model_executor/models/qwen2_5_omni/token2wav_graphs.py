@@ -33,12 +33,12 @@ def dit_graphs_enabled(device: torch.device) -> bool:
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    inputs: tuple[torch.Tensor, ...]  # static x, time, codes, speaker, feats, lengths
+    inputs: tuple[torch.Tensor, ...]  # static x, conditioning, codes, speaker, feats, lengths
     output: torch.Tensor
 
 
 class DiTGraphs:
-    """Callable like `forward_cfg(dit, x, time, codes, speaker, feats, lengths)`."""
+    """Callable like `forward_cfg(dit, x, conditioning, codes, speaker, feats, lengths)`."""
 
     def __init__(self) -> None:
         self.captured: dict[tuple, _Captured] = {}
