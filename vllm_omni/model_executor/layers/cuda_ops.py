@@ -544,7 +544,6 @@ def dit_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
 
 
 _ANTI_ALIAS_BLOCK = 256  # outputs per program
-_ANTI_ALIAS_WIDTH: tl.constexpr = _ANTI_ALIAS_BLOCK + 8  # its snake pairs: the block and a 3 + 5 halo
 
 
 @triton.jit
@@ -562,15 +561,16 @@ def _upsampled_snake(row_ptr, n, length, up_ptr, alpha, inv_beta, ODD: tl.conste
 
 
 @triton.jit
-def _snake_pair_to_scratch(row_ptr, n, length, up_ptr, alpha, inv_beta, first, last, scratch, at):
-    """Both snake samples of positions n (2n, 2n + 1) into scratch[at] and scratch[W + at]
-    (W = the tile's width); past either end, DownSample1d's replicate padding: s[0] / s[2L-1]."""
+def _snake_pair_to_scratch(row_ptr, n, length, up_ptr, alpha, inv_beta, first, last, scratch, at,
+                           WIDTH: tl.constexpr):
+    """Both snake samples of positions n (2n, 2n + 1) into scratch[at] and scratch[WIDTH + at];
+    past either end, DownSample1d's replicate padding: s[0] / s[2L-1]."""
     even = _upsampled_snake(row_ptr, n, length, up_ptr, alpha, inv_beta, 0)
     odd = _upsampled_snake(row_ptr, n, length, up_ptr, alpha, inv_beta, 1)
     edge = tl.where(n < 0, first, last)
     outside = (n < 0) | (n >= length)
     tl.store(scratch + at, tl.where(outside, edge, even))
-    tl.store(scratch + _ANTI_ALIAS_WIDTH + at, tl.where(outside, edge, odd))
+    tl.store(scratch + WIDTH + at, tl.where(outside, edge, odd))
 
 
 @triton.jit(do_not_specialize=["length", "stride_b", "stride_c"])
@@ -585,19 +585,20 @@ def _anti_aliased_snake_kernel(x_ptr, alpha_ptr, beta_ptr, up_ptr, down_ptr, scr
     last = _upsampled_snake(row_ptr, length - 1, length, up_ptr, alpha, inv_beta, 1)  # s[2L-1]
     # Each output t filters s[2t-5] .. s[2t+6]: the tile's outputs [t0, t0 + BLOCK) need the
     # snake pairs of n in [t0 - 3, t0 + BLOCK + 3), computed once each into this program's
-    # scratch (BLOCK + 8 of them), then read back shifted.
+    # scratch (WIDTH = BLOCK + 8 of them), then read back shifted.
     t0 = tile * BLOCK
-    scratch = scratch_ptr + (row * tl.num_programs(1) + tile) * 2 * _ANTI_ALIAS_WIDTH
+    WIDTH = BLOCK + 8
+    scratch = scratch_ptr + (row * tl.num_programs(1) + tile) * 2 * WIDTH
     i = tl.arange(0, BLOCK)
     halo = tl.arange(0, 8)
-    _snake_pair_to_scratch(row_ptr, t0 - 3 + i, length, up_ptr, alpha, inv_beta, first, last, scratch, i)
+    _snake_pair_to_scratch(row_ptr, t0 - 3 + i, length, up_ptr, alpha, inv_beta, first, last, scratch, i, WIDTH)
     _snake_pair_to_scratch(row_ptr, t0 - 3 + BLOCK + halo, length, up_ptr, alpha, inv_beta, first, last, scratch,
-                           BLOCK + halo)
+                           BLOCK + halo, WIDTH)
     tl.debug_barrier()  # the scratch written by every thread of the program, before any reads it
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(12):  # y[t] = sum_j down[j] * s[2t + j - 5]; 2t + j - 5 = 2n + odd
         n_at = i + (j + 1) // 2  # n - (t0 - 3)
-        acc += tl.load(down_ptr + j) * tl.load(scratch + ((j + 1) % 2) * _ANTI_ALIAS_WIDTH + n_at)
+        acc += tl.load(down_ptr + j) * tl.load(scratch + ((j + 1) % 2) * WIDTH + n_at)
     t = t0 + i
     tl.store(out_ptr + row * length + t, acc, mask=t < length)
 
@@ -613,7 +614,8 @@ def anti_aliased_snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Te
     batch, channels, length = x.shape
     out = torch.empty(batch, channels, length, dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(length, _ANTI_ALIAS_BLOCK)
-    scratch = torch.empty(batch * channels * tiles * 2 * _ANTI_ALIAS_WIDTH, dtype=torch.float32, device=x.device)
+    scratch = torch.empty(batch * channels * tiles * 2 * (_ANTI_ALIAS_BLOCK + 8), dtype=torch.float32,
+                          device=x.device)
     _anti_aliased_snake_kernel[(batch * channels, tiles)](
         x, alpha, beta, up_filter, down_filter, scratch, out, channels, length, x.stride(0), x.stride(1),
         BLOCK=_ANTI_ALIAS_BLOCK, num_warps=4,
