@@ -641,14 +641,14 @@ def _ada_layer_norm_kernel(x_ptr, scale_ptr, shift_ptr, out_ptr, n_cols, frames,
 
 
 def ada_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float,
-                   norm_dtype: torch.dtype) -> torch.Tensor:
+                   out_dtype: torch.dtype) -> torch.Tensor:
     """LayerNorm(x) * (1 + scale) + shift (no affine weights; DiT adaptive norm) in one pass:
     x [B, T, D] contiguous, scale / shift [B, D] (rows may be strided: chunks of one
-    projection) -> [B, T, D] in promote(norm_dtype, scale), norm_dtype being the dtype torch's
-    layer_norm returns (float32 under autocast). Within float32 rounding of torch's ops (the
-    mean and variance are summed in another order)."""
+    projection) -> [B, T, D] in out_dtype, computed in float32 (`1 + scale` rounded to scale's
+    dtype, as torch rounds it). Within float32 rounding of torch's ops (the mean and variance are
+    summed in another order), then rounded once to out_dtype."""
     batch, frames, dim = x.shape
-    out = torch.empty(x.shape, dtype=torch.promote_types(norm_dtype, scale.dtype), device=x.device)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     _ada_layer_norm_kernel[(batch * frames,)](
         x, scale, shift, out, dim, frames, scale.stride(0), eps,
         BLOCK=triton.next_power_of_2(dim), num_warps=4 if dim <= 4096 else 8, enable_fp_fusion=False,

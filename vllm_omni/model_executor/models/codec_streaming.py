@@ -143,18 +143,19 @@ class Precision(str, enum.Enum):
         return precision_scope(device, tf32=self is Precision.TF32)
 
 
-def resolve_precision(dtype: str, precision: str | None, device: torch.device | str = "cpu") -> Precision:
+def resolve_precision(dtype: str, precision: str | None, device: torch.device | str = "cpu",
+                      cuda_auto: Precision = Precision.TF32) -> Precision:
     """The precision a stage asked for: an explicit `precision`, else from its dtype: bfloat16 ->
-    BFLOAT16; "auto" -> TF32 on CUDA (float32 weights on tensor cores: 2-4x faster than the
-    float32 units, within the SNR floors of tests/gpu/test_code2wav_precision.py) and FLOAT32
-    elsewhere; anything else, float16 included, -> FLOAT32 (a pipeline-wide float16 must not push
-    audio through half precision, where the vocoders overflow; `dtype: float32` asks for the
-    reference math on the GPU too)."""
+    BFLOAT16; "auto" -> the model's `cuda_auto` on CUDA (TF32 unless the model says otherwise:
+    float32 weights on tensor cores, 2-4x faster than the float32 units, within the SNR floors of
+    tests/gpu/test_code2wav_precision.py) and FLOAT32 elsewhere; anything else, float16 included,
+    -> FLOAT32 (a pipeline-wide float16 must not push audio through half precision, where the
+    vocoders overflow; `dtype: float32` asks for the reference math on the GPU too)."""
     if precision is None:
         dtype = canonical_dtype(dtype)
         if dtype == "bfloat16":
             return Precision.BFLOAT16
-        return Precision.TF32 if dtype == "auto" and torch.device(device).type == "cuda" else Precision.FLOAT32
+        return cuda_auto if dtype == "auto" and torch.device(device).type == "cuda" else Precision.FLOAT32
     try:
         return Precision(precision)
     except ValueError:

@@ -117,8 +117,10 @@ class Qwen2_5OmniToken2Wav:
         # Weights stay float32 (transformers casts token2wav to float32 too: the ODE and the
         # vocoder lose too much in half precision); bfloat16 / tf32 change only how it computes.
         device = torch.device(device)
-        # In float32 the DiT is compute-bound at the FP32 peak (13x over its target): TF32 on CUDA.
-        mode = resolve_precision(dtype, precision, device)
+        # In float32 the DiT is compute-bound at the FP32 peak (13x over its target). On CUDA the
+        # default runs its evaluations in bfloat16 (the ODE state and the vocoder stay float32 /
+        # TF32): 1.5x faster than TF32 at 8 streams, 52 dB against float32 (TF32: 55 dB).
+        mode = resolve_precision(dtype, precision, device, cuda_auto=Precision.BFLOAT16)
         config = AutoConfig.from_pretrained(model_path)
         t2w_config = getattr(config, "token2wav_config", None)
         if t2w_config is None:
