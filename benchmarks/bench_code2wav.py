@@ -22,12 +22,15 @@ spread +-20% so that rows differ):
   bandwidth, whichever is longer; measured / roofline says how far from the floor it runs.
 - transformers at B=1 (whole request, its own decode) for comparison, unless --skip-hf (Qwen3-TTS
   has no transformers model);
+- DiT %: for Qwen2.5, the share of the streamed steps spent in the DiT's ODE solve (the rest is
+  the vocoder and host work);
 - --profile N: the N kernels with the most GPU time over one streamed run at each batch
   (eager: every kernel by name).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
@@ -177,14 +180,39 @@ def drain(model, streams, sync) -> tuple[list[float], int, float]:
     return steps, chunks, seconds
 
 
+@contextlib.contextmanager
+def time_spent_in(obj, method: str, sync):
+    """Seconds of each call of obj.method (synchronized on both sides) while the block runs."""
+    spent: list[float] = []
+    original = getattr(obj, method)
+
+    def timed_call(*args, **kwargs):
+        sync()
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            sync()
+            spent.append(time.perf_counter() - start)
+
+    setattr(obj, method, timed_call)
+    try:
+        yield spent
+    finally:
+        delattr(obj, method)
+
+
 def bench_stream(family: str, model, reqs, precision, sync) -> dict:
     _, floor = counted(lambda: drain(model, open_streams(family, model, reqs), sync), precision)
-    steps, chunks, seconds = drain(model, open_streams(family, model, reqs), sync)
+    # Qwen2.5: how much of each step is the DiT's ODE solve (the rest: the vocoder, host work).
+    solve = time_spent_in(model, "_sample_mels", sync) if family == "qwen2_5" else contextlib.nullcontext([])
+    with solve as dit:
+        steps, chunks, seconds = drain(model, open_streams(family, model, reqs), sync)
     later = steps[1:] or steps
     return {"first_step_ms": steps[0] * 1e3, "later_step_ms": statistics.mean(later) * 1e3,
             "ms_per_chunk": sum(steps) * 1e3 / chunks, "steps": len(steps),
             "gpu_s_per_10s_audio": sum(steps) / seconds * 10, "x_roofline": sum(steps) * 1e3 / floor["roofline_ms"],
-            **floor}
+            "dit_share": sum(dit) / sum(steps) if dit else None, **floor}
 
 
 def print_kernels(family: str, model, reqs, sync, top: int) -> None:
@@ -247,17 +275,18 @@ def main():
 
 def print_table(rows):
     print(f"\n{'family':8} {'prec':9} {'B':>3} | {'whole ms':>9} {'s/10s':>6} {'roof ms':>8} {'x roof':>6} | "
-          f"{'1st step':>8} {'step ms':>8} {'ms/chunk':>8} {'s/10s':>6} {'x roof':>6}")
+          f"{'1st step':>8} {'step ms':>8} {'ms/chunk':>8} {'s/10s':>6} {'x roof':>6} {'DiT %':>5}")
     for r in rows:
         if "transformers" in r:
             t = r["transformers"]
             print(f"{r['family']:8} {'HF fp32':9} {1:>3} | {t['ms_per_call']:9.1f} {t['gpu_s_per_10s_audio']:6.3f}")
             continue
         w, s = r["whole"], r["stream"]
+        dit_share = "" if s["dit_share"] is None else f"{100 * s['dit_share']:5.0f}"
         print(f"{r['family']:8} {r['precision']:9} {r['batch']:>3} | {w['ms_per_call']:9.1f} "
               f"{w['gpu_s_per_10s_audio']:6.3f} {w['roofline_ms']:8.2f} {w['x_roofline']:6.1f} | "
               f"{s['first_step_ms']:8.1f} {s['later_step_ms']:8.1f} {s['ms_per_chunk']:8.1f} "
-              f"{s['gpu_s_per_10s_audio']:6.3f} {s['x_roofline']:6.1f}")
+              f"{s['gpu_s_per_10s_audio']:6.3f} {s['x_roofline']:6.1f} {dit_share:>5}")
 
 
 if __name__ == "__main__":
