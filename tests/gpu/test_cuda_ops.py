@@ -181,31 +181,35 @@ def test_bias_residual_add_equals_torch_bit_for_bit(dtype):
 
 
 @pytest.mark.parametrize("autocast", [False, True])
-def test_dit_modulated_norm_and_gated_residual_match_torch(autocast):
-    """The token2wav DiT's fused norm + modulation and gated residual against its torch ops,
-    float32 and under bfloat16 autocast (the `bfloat16` precision: modulations from the
-    autocast projection in bfloat16, and the norm written in bfloat16, as the next product
-    would cast torch's float32), with scale / shift / gate as strided chunks."""
+def test_dit_modulated_norms_and_gated_residual_match_torch(autocast):
+    """The token2wav DiT's fused norm + modulation, alone and after a gated residual in the same
+    kernel, against its torch ops, float32 and under bfloat16 autocast (the `bfloat16` precision:
+    modulations from the autocast projection in bfloat16, and the norm written in bfloat16, as the
+    next product would cast torch's float32), with scale / shift / gate as strided chunks and as
+    one row broadcast to all (the time conditioning)."""
     from vllm_omni.model_executor.models.qwen2_5_omni import token2wav_dit
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(3, 77, 1024, device="cuda", generator=gen)
     y = torch.randn(3, 77, 1024, device="cuda", generator=gen)
-    modulation = torch.randn(3, 6 * 1024, device="cuda", generator=gen) * 0.3
     norm = torch.nn.LayerNorm(1024, elementwise_affine=False, eps=1e-6)
-    if autocast:
-        modulation, y = modulation.bfloat16(), y.bfloat16()
-    shift, scale, gate = modulation.chunk(6, dim=1)[:3]
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-        got_norm = token2wav_dit._modulated_norm(norm, x, scale, shift)
-        ref_norm = norm(x) * (1 + scale[:, None]) + shift[:, None]
-        got_add = token2wav_dit._gated_residual(x, gate, y)
-        ref_add = x + gate.unsqueeze(1) * y
-    if autocast:
-        ref_norm = ref_norm.bfloat16()
-    assert got_norm.dtype == ref_norm.dtype and got_add.dtype == ref_add.dtype
-    torch.testing.assert_close(got_norm.float(), ref_norm.float(), atol=2e-5, rtol=1e-5 if not autocast else 8e-3)
-    assert torch.equal(got_add, ref_add)
+    for modulation in (torch.randn(3, 6 * 1024, device="cuda", generator=gen) * 0.3,
+                       (torch.randn(1, 6 * 1024, device="cuda", generator=gen) * 0.3).expand(3, -1)):
+        if autocast:
+            modulation, y = modulation.bfloat16(), y.bfloat16()
+        shift, scale, gate = modulation.chunk(6, dim=1)[:3]
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            got_norm = token2wav_dit._modulated_norm(norm, x, scale, shift)
+            got_sum, got_sum_norm = token2wav_dit._residual_and_norm(x, gate, y, norm, scale, shift)
+            ref_norm = norm(x) * (1 + scale[:, None]) + shift[:, None]
+            ref_sum = x + gate.unsqueeze(1) * y
+            ref_sum_norm = norm(ref_sum) * (1 + scale[:, None]) + shift[:, None]
+        assert torch.equal(got_sum, ref_sum)
+        for got, ref in ((got_norm, ref_norm), (got_sum_norm, ref_sum_norm)):
+            if autocast:
+                ref = ref.bfloat16()
+            assert got.dtype == ref.dtype
+            torch.testing.assert_close(got.float(), ref.float(), atol=2e-5, rtol=8e-3 if autocast else 1e-5)
 
 
 def _compiled_variants(kernel) -> int:

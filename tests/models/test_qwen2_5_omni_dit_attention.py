@@ -12,7 +12,7 @@ import torch
 from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5OmniDiTConfig
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavDiTModel
 
-from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_dit import _decoder_layer
+from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_dit import _decoder_layer, _modulated_norm
 
 BLOCK = 8
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -35,8 +35,12 @@ def ours(dit, device, hidden, time_embedding, rope, lengths):
     layer = dit.transformer_blocks[0].to(device)
     try:
         hidden, time_embedding, rope, lengths = on(device, hidden, time_embedding, rope, torch.tensor(lengths))
-        modulation = layer.attn_norm.linear(layer.attn_norm.silu(time_embedding))
-        return _decoder_layer(layer, hidden, modulation, rope, lengths, {}, BLOCK).cpu()
+        modulation = layer.attn_norm.linear(layer.attn_norm.silu(time_embedding)).chunk(6, dim=1)
+        shift, scale = modulation[:2]
+        normed = _modulated_norm(layer.attn_norm.norm, hidden, scale, shift)
+        out, _ = _decoder_layer(layer, hidden, normed, modulation, (layer.ff_norm, scale, shift), rope, lengths, {},
+                                BLOCK)
+        return out.cpu()
     finally:
         layer.cpu()
 

@@ -624,13 +624,8 @@ def anti_aliased_snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Te
 
 
 @triton.jit
-def _ada_layer_norm_kernel(x_ptr, scale_ptr, shift_ptr, out_ptr, n_cols, frames, stride_mod, eps,
-                           BLOCK: tl.constexpr):
-    row = tl.program_id(0)  # batch row * frames + frame
-    mod = (row // frames) * stride_mod
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+def _store_modulated_norm(x, scale_ptr, shift_ptr, mod, out_ptr, row, cols, mask, n_cols, eps):
+    """LayerNorm of the float32 row x, times (1 + scale) plus shift, stored to out_ptr's row."""
     mean = tl.sum(x, 0) / n_cols
     centered = tl.where(mask, x - mean, 0.0)
     normed = centered * tl.rsqrt(tl.sum(centered * centered, 0) / n_cols + eps)
@@ -638,6 +633,17 @@ def _ada_layer_norm_kernel(x_ptr, scale_ptr, shift_ptr, out_ptr, n_cols, frames,
     one_plus = (1.0 + scale.to(tl.float32)).to(scale.dtype).to(tl.float32)  # rounded as torch's `1 + scale`
     shift = tl.load(shift_ptr + mod + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * n_cols + cols, (normed * one_plus + shift).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ada_layer_norm_kernel(x_ptr, scale_ptr, shift_ptr, out_ptr, n_cols, frames, stride_mod, eps,
+                           BLOCK: tl.constexpr):
+    row = tl.program_id(0)  # batch row * frames + frame
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    _store_modulated_norm(x, scale_ptr, shift_ptr, (row // frames) * stride_mod, out_ptr, row, cols, mask, n_cols,
+                          eps)
 
 
 def ada_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float,
@@ -657,25 +663,33 @@ def ada_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, ep
 
 
 @triton.jit
-def _gated_residual_kernel(x_ptr, gate_ptr, y_ptr, out_ptr, n_cols, frames, stride_gate, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _gated_residual_norm_kernel(x_ptr, gate_ptr, y_ptr, scale_ptr, shift_ptr, sum_ptr, out_ptr, n_cols, frames,
+                                stride_gate, stride_mod, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)  # batch row * frames + frame
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    at = row * n_cols + cols
+    x = tl.load(x_ptr + at, mask=mask, other=0.0)
     gate = tl.load(gate_ptr + (row // frames) * stride_gate + cols, mask=mask, other=0.0)
-    y = tl.load(y_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    y = tl.load(y_ptr + at, mask=mask, other=0.0)
     gated = (gate.to(tl.float32) * y.to(tl.float32)).to(y.dtype)  # torch's `gate * y`, rounded
-    tl.store(out_ptr + row * n_cols + cols, (x.to(tl.float32) + gated.to(tl.float32)).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    total = (x.to(tl.float32) + gated.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+    tl.store(sum_ptr + at, total, mask=mask)
+    _store_modulated_norm(total.to(tl.float32), scale_ptr, shift_ptr, (row // frames) * stride_mod, out_ptr, row,
+                          cols, mask, n_cols, eps)
 
 
-def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x + gate[:, None] * y in one pass, rounded as torch's two ops: x, y [B, T, D]
-    contiguous, gate [B, D] (rows may be strided) of y's dtype."""
+def gated_residual_norm(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, scale: torch.Tensor,
+                        shift: torch.Tensor, eps: float, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x + gate[:, None] * y, rounded as torch's two ops, and `ada_layer_norm` of that sum in one
+    pass (a DiT layer's gated residual and the norm that reads it): x, y [B, T, D] contiguous,
+    gate / scale / shift [B, D] (rows may be strided; gate of y's dtype) -> (the sum in
+    promote(x, y), its modulated norm in out_dtype)."""
     batch, frames, dim = x.shape
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, y.dtype), device=x.device)
-    _gated_residual_kernel[(batch * frames,)](
-        x, gate, y, out, dim, frames, gate.stride(0),
+    total = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, y.dtype), device=x.device)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    _gated_residual_norm_kernel[(batch * frames,)](
+        x, gate, y, scale, shift, total, out, dim, frames, gate.stride(0), scale.stride(0), eps,
         BLOCK=triton.next_power_of_2(dim), num_warps=4 if dim <= 4096 else 8, enable_fp_fusion=False,
     )
-    return out
+    return total, out

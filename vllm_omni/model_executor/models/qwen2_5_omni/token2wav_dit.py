@@ -154,48 +154,67 @@ def forward_cfg(dit, x, conditioning, codes, speaker, feats, lengths) -> torch.T
     rope = dit.rotary_embed(hidden, positions)
     lengths = lengths.repeat(2)
     masks: dict[tuple[int, int], torch.Tensor] = {}  # the torch path's, one per (look-back, look-ahead) reach
-    width = 6 * hidden.shape[-1]
-    for i, layer in enumerate(dit.transformer_blocks):
-        modulation = conditioning[:, i * width:(i + 1) * width].expand(2 * rows, -1)
-        hidden = _decoder_layer(layer, hidden, modulation, rope, lengths, masks, dit.block_size)
-    scale, shift = conditioning[:, len(dit.transformer_blocks) * width:].expand(2 * rows, -1).chunk(2, dim=1)
-    return dit.proj_out(_modulated_norm(dit.norm_out.norm, hidden, scale, shift))
+    width, layers = 6 * hidden.shape[-1], dit.transformer_blocks
+    # Per layer: shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp [2B, dim] each.
+    modulations = [conditioning[:, i * width:(i + 1) * width].expand(2 * rows, -1).chunk(6, dim=1)
+                   for i in range(len(layers))]
+    final_scale, final_shift = conditioning[:, len(layers) * width:].expand(2 * rows, -1).chunk(2, dim=1)
+    # Each layer's input norm is computed with the residual sum before it (the previous layer's
+    # last one), so a layer takes `normed` and hands the next layer its own.
+    shift, scale = modulations[0][:2]
+    normed = _modulated_norm(layers[0].attn_norm.norm, hidden, scale, shift)
+    for i, layer in enumerate(layers):
+        if i + 1 < len(layers):
+            next_norm = (layers[i + 1].attn_norm.norm, modulations[i + 1][1], modulations[i + 1][0])
+        else:
+            next_norm = (dit.norm_out.norm, final_scale, final_shift)
+        hidden, normed = _decoder_layer(layer, hidden, normed, modulations[i], next_norm, rope, lengths, masks,
+                                        dit.block_size)
+    return dit.proj_out(normed)
 
 
-def _decoder_layer(layer, hidden, modulation, rope, lengths, masks, block_size: int) -> torch.Tensor:
-    """transformers' `DiTDecoderLayer.forward`, given its modulation [rows, 6 * dim] (its
-    `attn_norm.linear` of the time embedding), with the attention of `_window_attention` and, on
-    CUDA, its norms, modulations and gated residuals in fused kernels (elementwise kernels were a
+def _decoder_layer(layer, hidden, normed, modulation, next_norm, rope, lengths, masks,
+                   block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' `DiTDecoderLayer.forward` from its modulated input norm `normed`, given its
+    modulation chunks (its `attn_norm.linear` of the time embedding), with the attention of
+    `_window_attention`; returns the layer's output and `next_norm` (norm, scale, shift) of it.
+    On CUDA each residual and the norm after it are one kernel (elementwise kernels were a
     quarter of the GPU time of streamed windows)."""
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = torch.chunk(modulation, 6, dim=1)
-    norm = _modulated_norm(layer.attn_norm.norm, hidden, scale_msa, shift_msa)
-    attn = _window_attention(layer.attn, norm, rope, lengths, masks, block_size, layer.look_backward_block,
+    _, _, gate_msa, shift_mlp, scale_mlp, gate_mlp = modulation
+    attn = _window_attention(layer.attn, normed, rope, lengths, masks, block_size, layer.look_backward_block,
                              layer.look_ahead_block)
-    hidden = _gated_residual(hidden, gate_msa, attn)
-    norm = _modulated_norm(layer.ff_norm, hidden, scale_mlp, shift_mlp)
-    return _gated_residual(hidden, gate_mlp, layer.ff(norm))
+    hidden, normed = _residual_and_norm(hidden, gate_msa, attn, layer.ff_norm, scale_mlp, shift_mlp)
+    return _residual_and_norm(hidden, gate_mlp, layer.ff(normed), *next_norm)
 
 
-def _modulated_norm(norm: torch.nn.LayerNorm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor):
-    """norm(x) * (1 + scale) + shift, scale and shift per batch row. Under autocast the CUDA
-    kernel writes the autocast dtype: its only readers are products, which would cast torch's
-    float32 result to it (the same rounding, one pass less)."""
-    if x.is_cuda and x.is_contiguous():
-        from vllm_omni.model_executor.layers import cuda_ops
-
-        if torch.is_autocast_enabled(x.device.type):
-            return cuda_ops.ada_layer_norm(x, scale, shift, norm.eps, torch.get_autocast_dtype(x.device.type))
-        return cuda_ops.ada_layer_norm(x, scale, shift, norm.eps, x.dtype)
-    return norm(x) * (1 + scale[:, None]) + shift[:, None]
-
-
-def _gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x + gate * y, gate per batch row."""
+def _residual_and_norm(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, norm: torch.nn.LayerNorm,
+                       scale: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + gate * y, norm(that) * (1 + scale) + shift): a gated residual and the norm that
+    reads it, one kernel on CUDA (see `_modulated_norm` for its output dtype)."""
     if x.is_cuda and x.is_contiguous() and y.is_contiguous() and gate.dtype == y.dtype:
         from vllm_omni.model_executor.layers import cuda_ops
 
-        return cuda_ops.gated_residual(x, gate, y)
-    return x + gate.unsqueeze(1) * y
+        return cuda_ops.gated_residual_norm(x, gate, y, scale, shift, norm.eps, _norm_dtype(x))
+    total = x + gate.unsqueeze(1) * y
+    return total, _modulated_norm(norm, total, scale, shift)
+
+
+def _modulated_norm(norm: torch.nn.LayerNorm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor):
+    """norm(x) * (1 + scale) + shift, scale and shift per batch row."""
+    if x.is_cuda and x.is_contiguous():
+        from vllm_omni.model_executor.layers import cuda_ops
+
+        return cuda_ops.ada_layer_norm(x, scale, shift, norm.eps, _norm_dtype(x))
+    return norm(x) * (1 + scale[:, None]) + shift[:, None]
+
+
+def _norm_dtype(x: torch.Tensor) -> torch.dtype:
+    """What the CUDA norm kernels write: x's dtype, or under autocast the autocast dtype, since
+    only products read a norm and they would cast torch's float32 result to it (same rounding,
+    one pass less)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 def _window_attention(attn, hidden, rope, lengths, masks, block_size: int, back: int, ahead: int) -> torch.Tensor:
