@@ -98,8 +98,9 @@ def test_compiled_matches_eager(tiny_model, family):
     path = str(tiny_model(tiny))
     reqs = requests_tiny(family)
     # TF32: Inductor's fused elementwise kernels would round apart from eager ones in bfloat16.
-    eager = cls.load(path, device="cuda", precision="tf32").generate_batch(reqs)
-    compiled = cls.load(path, device="cuda", precision="tf32", compile_mode="default").generate_batch(reqs)
+    eager = cls.load(path, device="cuda", precision="tf32")
+    compiled = cls.load(path, device="cuda", precision="tf32", compile_mode="default")
+    eager, compiled = eager.generate_batch(reqs), compiled.generate_batch(reqs)
     for a, b in zip(eager, compiled):
         torch.testing.assert_close(b["audio"], a["audio"], atol=1e-4, rtol=0)
 

@@ -527,7 +527,8 @@ def dit_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
     and `ahead` after, real queries against real keys and padding against padding (see
     token2wav_dit._window_mask). q, k, v [rows, frames, heads * head_dim] (frames contiguous in
     heads x dims; the three may be views of one fused projection with equal strides), cos / sin
-    [frames, head_dim] float32, lengths [rows] -> [rows, frames, heads * head_dim] in q's dtype.
+    [frames, head_dim] (the rotary table in its dtype), lengths [rows] -> [rows, frames, heads * head_dim] in
+    q's dtype.
     Float32 inputs are multiplied in IEEE float32 unless TF32 matmuls are on."""
     rows, frames, inner = q.shape
     head_dim = inner // heads

@@ -114,7 +114,9 @@ _MAX_CACHED_SCHEDULES = 8  # per DiT: distinct (num_steps, device, bf16); a requ
 def _ode_steps(dit, num_steps: int, device: torch.device, bf16: bool) -> list[tuple[torch.Tensor, tuple]]:
     """Each RK4 interval's step and the time conditioning of its four evaluations (at its start,
     1/3, 2/3, end), with the times computed as transformers' `sample` and solver compute them.
-    The conditioning depends only on the time, so it is computed once per schedule and kept."""
+    The conditioning depends only on the time (and the weights: they must not change after
+    the first call), so it is computed once per schedule and kept on the module (in its
+    __dict__: plain tensors, no buffers, nothing in its state dict)."""
     cache = dit.__dict__.setdefault("_ode_schedules", {})
     key = (num_steps, str(device), bf16)
     if key not in cache:
@@ -222,7 +224,7 @@ def _window_attention(attn, hidden, rope, lengths, masks, block_size: int, back:
     `back` blocks before it, its own, `ahead` blocks after (the keys its layer's mask allows).
     On CUDA one kernel (cuda_ops.dit_window_attention) does the rotary, the windows and the
     softmax; the torch path builds `_window_mask` once per reach into `masks`."""
-    rows, frames, _ = hidden.shape
+    frames = hidden.shape[1]
     query, key, value = _projections(attn, hidden)
     head_dim = query.shape[-1] // attn.heads
     if hidden.is_cuda and head_dim >= 16 and head_dim & (head_dim - 1) == 0:  # tl.dot: a power of 2, >= 16

@@ -22,8 +22,8 @@ from torch import nn
 from vllm_omni.model_executor.layers.activation import fused_vocoder
 from vllm_omni.model_executor.models.codec_streaming import plan_padded_calls
 
-# Padding a window by this many mel frames costs about one more vocoder call (its ~1000
-# small kernels): rows further apart in length get separate calls.
+# Padding a window by this many mel frames costs about one more vocoder call (its hundreds
+# of small kernels): rows further apart in length get separate calls.
 CALL_COST_FRAMES = 256
 
 
