@@ -9,7 +9,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from vllm_omni.model_executor.layers import activation, cuda_ops, layernorm, rotary  # noqa: E402
+from vllm_omni.model_executor.layers import activation, code2wav_ops, cuda_ops, layernorm, rotary  # noqa: E402
 from vllm_omni.model_executor.layers.attention import store_kv  # noqa: E402
 from vllm_omni.model_executor.layers.rotary import get_rope  # noqa: E402
 from vllm_omni.model_executor.models.decoder import DecoderAttention  # noqa: E402
@@ -176,7 +176,7 @@ def test_bias_residual_add_equals_torch_bit_for_bit(dtype):
     y = torch.randn(3, 96, 4000, device="cuda", dtype=dtype)
     bias = torch.randn(96, device="cuda", dtype=dtype)
     for x in (wide[..., :4000], wide[..., 1000:].contiguous()):
-        got = cuda_ops.bias_residual_add(x, y, bias)
+        got = code2wav_ops.bias_residual_add(x, y, bias)
         assert got.is_contiguous() and torch.equal(got, x + (y + bias[:, None]))
 
 
@@ -230,13 +230,13 @@ def test_new_chunk_lengths_compile_no_new_kernel_variant():
             for left_pad in (0, 6):
                 assert torch.equal(fused(x, left_pad, bias), eager(x, left_pad, bias))
             y = torch.randn(2, 32, length, device="cuda", dtype=dtype)
-            assert torch.equal(cuda_ops.bias_residual_add(x, y, bias), x + (y + bias[:, None]))
+            assert torch.equal(code2wav_ops.bias_residual_add(x, y, bias), x + (y + bias[:, None]))
 
     run(48)
-    before = _compiled_variants(cuda_ops._snake_beta_kernel), _compiled_variants(cuda_ops._bias_residual_add_kernel)
+    before = _compiled_variants(code2wav_ops._snake_beta_kernel), _compiled_variants(code2wav_ops._bias_residual_add_kernel)
     for length in (1, 4, 16, 37, 100, 255, 256, 1000, 3001, 5760):
         run(length)
-    after = _compiled_variants(cuda_ops._snake_beta_kernel), _compiled_variants(cuda_ops._bias_residual_add_kernel)
+    after = _compiled_variants(code2wav_ops._snake_beta_kernel), _compiled_variants(code2wav_ops._bias_residual_add_kernel)
     assert after == before
 
 
@@ -263,12 +263,12 @@ def test_anti_aliased_snake_beta_matches_transformers():
     with torch.no_grad():
         act.act.alpha.normal_(0, 0.5)
         act.act.beta.normal_(0, 0.5)
-    kernel = cuda_ops._anti_aliased_snake_kernel
+    kernel = code2wav_ops._anti_aliased_snake_kernel
     for i, length in enumerate((1, 4, 2, 7, 255, 256, 1000, 5761)):  # rows start unaligned, then aligned
         wide = torch.randn(3, 25, length, device="cuda") * 3
         x = wide[:, 1:]  # rows strided
         with torch.no_grad():
-            got = cuda_ops.anti_aliased_snake_beta(x, act.act.alpha, act.act.beta, act.upsample.filter.view(-1),
+            got = code2wav_ops.anti_aliased_snake_beta(x, act.act.alpha, act.act.beta, act.upsample.filter.view(-1),
                                                    act.downsample.filter.view(-1))
             torch.backends.cudnn.allow_tf32 = False
             try:
@@ -300,7 +300,7 @@ def test_dit_window_attention_matches_the_torch_path(dtype):
     attn = SimpleNamespace(heads=heads)
     real = (torch.arange(frames, device="cuda")[None] < lengths[:, None])[..., None]
     for back, ahead in [(0, 0), (1, 0), (0, 1), (1, 1)]:
-        got = cuda_ops.dit_window_attention(*qkv.chunk(3, dim=-1), rope[0][0], rope[1][0], lengths, heads, block,
+        got = code2wav_ops.dit_window_attention(*qkv.chunk(3, dim=-1), rope[0][0], rope[1][0], lengths, heads, block,
                                             back, ahead)
         mask = token2wav_dit._window_mask(lengths, frames, block, back, ahead)
         ref = token2wav_dit._torch_window_attention(attn, *qkv.clone().chunk(3, dim=-1), rope, mask, block, back,

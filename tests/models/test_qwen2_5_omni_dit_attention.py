@@ -3,7 +3,7 @@
 transformers' `DiTDecoderLayer` masks a [T, T] attention by block distance; ours computes each
 query block against its window only (token2wav_dit.py). One layer of a small random DiT, for
 every look-back / look-ahead reach and lengths that end inside a block; on a GPU also through
-the CUDA kernel (cuda_ops.dit_window_attention), against transformers on the CPU.
+the CUDA kernel (code2wav_ops.dit_window_attention), against transformers on the CPU.
 """
 from __future__ import annotations
 

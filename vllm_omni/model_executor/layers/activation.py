@@ -54,9 +54,9 @@ class SnakeBeta(nn.Module):
 
     def forward(self, x: torch.Tensor, left_pad: int = 0, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.runs_fused(x):
-            from vllm_omni.model_executor.layers import cuda_ops
+            from vllm_omni.model_executor.layers import code2wav_ops
 
-            return cuda_ops.snake_beta(x, self.alpha, self.beta, left_pad, bias)
+            return code2wav_ops.snake_beta(x, self.alpha, self.beta, left_pad, bias)
         if bias is not None:
             x = x + bias[None, :, None]
         alpha = self.alpha.exp()[None, :, None]

@@ -97,11 +97,11 @@ class ResidualUnit(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.act1.runs_fused(x):  # the convolutions add their bias (on the CPU inside the conv)
             return x + self.conv2(self.conv1(x, self.act1), self.act2)
-        from vllm_omni.model_executor.layers import cuda_ops
+        from vllm_omni.model_executor.layers import code2wav_ops
 
         h = self.conv1(x, self.act1, bias=False)
         h = self.conv2(self.act2(h, bias=self.conv1.conv.bias), bias=False)
-        return cuda_ops.bias_residual_add(x, h, self.conv2.conv.bias)
+        return code2wav_ops.bias_residual_add(x, h, self.conv2.conv.bias)
 
 
 def run_layers(layers: Iterable[nn.Module], x: torch.Tensor) -> torch.Tensor:

@@ -194,9 +194,9 @@ def _residual_and_norm(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, nor
     """(x + gate * y, norm(that) * (1 + scale) + shift): a gated residual and the norm that
     reads it, one kernel on CUDA (see `_modulated_norm` for its output dtype)."""
     if x.is_cuda and x.is_contiguous() and y.is_contiguous() and gate.dtype == y.dtype:
-        from vllm_omni.model_executor.layers import cuda_ops
+        from vllm_omni.model_executor.layers import code2wav_ops
 
-        return cuda_ops.gated_residual_norm(x, gate, y, scale, shift, norm.eps, _norm_dtype(x))
+        return code2wav_ops.gated_residual_norm(x, gate, y, scale, shift, norm.eps, _norm_dtype(x))
     total = x + gate.unsqueeze(1) * y
     return total, _modulated_norm(norm, total, scale, shift)
 
@@ -204,9 +204,9 @@ def _residual_and_norm(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, nor
 def _modulated_norm(norm: torch.nn.LayerNorm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor):
     """norm(x) * (1 + scale) + shift, scale and shift per batch row."""
     if x.is_cuda and x.is_contiguous():
-        from vllm_omni.model_executor.layers import cuda_ops
+        from vllm_omni.model_executor.layers import code2wav_ops
 
-        return cuda_ops.ada_layer_norm(x, scale, shift, norm.eps, _norm_dtype(x))
+        return code2wav_ops.ada_layer_norm(x, scale, shift, norm.eps, _norm_dtype(x))
     return norm(x) * (1 + scale[:, None]) + shift[:, None]
 
 
@@ -222,16 +222,16 @@ def _norm_dtype(x: torch.Tensor) -> torch.dtype:
 def _window_attention(attn, hidden, rope, lengths, masks, block_size: int, back: int, ahead: int) -> torch.Tensor:
     """transformers' `DiTAttention.forward`, each query block attending only to its window:
     `back` blocks before it, its own, `ahead` blocks after (the keys its layer's mask allows).
-    On CUDA one kernel (cuda_ops.dit_window_attention) does the rotary, the windows and the
+    On CUDA one kernel (code2wav_ops.dit_window_attention) does the rotary, the windows and the
     softmax; the torch path builds `_window_mask` once per reach into `masks`."""
     frames = hidden.shape[1]
     query, key, value = _projections(attn, hidden)
     head_dim = query.shape[-1] // attn.heads
     if hidden.is_cuda and head_dim >= 16 and head_dim & (head_dim - 1) == 0:  # tl.dot: a power of 2, >= 16
-        from vllm_omni.model_executor.layers import cuda_ops
+        from vllm_omni.model_executor.layers import code2wav_ops
 
         cos, sin = rope
-        out = cuda_ops.dit_window_attention(query, key, value, cos[0], sin[0], lengths, attn.heads, block_size,
+        out = code2wav_ops.dit_window_attention(query, key, value, cos[0], sin[0], lengths, attn.heads, block_size,
                                             back, ahead)
         return attn.to_out[0](out)
     if (back, ahead) not in masks:

@@ -46,7 +46,7 @@ def vocode(bigvgan, mel: torch.Tensor) -> torch.Tensor:
 
 class _FusedAntiAliasedSnakeBeta(nn.Module):
     """transformers' `Qwen2_5OmniAntiAliasedActivation1d` around a SnakeBeta, with its children
-    (so its parameter names), as `cuda_ops.anti_aliased_snake_beta` on CUDA float32 input."""
+    (so its parameter names), as `code2wav_ops.anti_aliased_snake_beta` on CUDA float32 input."""
 
     def __init__(self, original: nn.Module) -> None:
         super().__init__()
@@ -54,9 +54,9 @@ class _FusedAntiAliasedSnakeBeta(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.dtype == torch.float32 and x.stride(-1) == 1:
-            from vllm_omni.model_executor.layers import cuda_ops
+            from vllm_omni.model_executor.layers import code2wav_ops
 
-            return cuda_ops.anti_aliased_snake_beta(x, self.act.alpha, self.act.beta, self.upsample.filter.view(-1),
+            return code2wav_ops.anti_aliased_snake_beta(x, self.act.alpha, self.act.beta, self.upsample.filter.view(-1),
                                                     self.downsample.filter.view(-1))
         return self.downsample(self.act(self.upsample(x)))
 
