@@ -39,7 +39,8 @@ PER_STAGE_STREAMING = ("streaming between stages is set for the whole pipeline (
 # entries and the deploy file's top level).
 IGNORED_ENGINE_ARGS: dict[str, str] = {
     "distributed_executor_backend": "stage workers are always separate processes here",
-    "async_scheduling": "the scheduler has a single mode",
+    "async_scheduling": "AR stages schedule asynchronously wherever the model allows "
+                        "(VLLM_OMNI_ASYNC_SCHEDULING=0 turns it off)",
     "mm_processor_cache_gb": "there is no multimodal processor cache",
     "skip_mm_profiling": "the KV cache is sized without a multimodal profiling run",
     "enable_flashinfer_autotune": "flashinfer is not used",

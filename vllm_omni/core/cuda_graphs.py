@@ -12,6 +12,7 @@ import logging
 import torch
 from torch import nn
 
+from vllm_omni.model_executor.device_copy import PinnedStaging
 from vllm_omni.model_executor.forward_context import AttentionMetadata, set_forward_context
 from vllm_omni.model_executor.graph_capture import capture_buckets
 from vllm_omni.model_executor.layers.triton_attention import TritonAttentionState
@@ -52,15 +53,11 @@ class DecodeGraphs:
         # row 0 ids, 1 slots, 2 KV lengths, 3 (or 3..5 for M-RoPE) positions.
         self.mrope = mrope
         self.token_rows = torch.zeros(6 if mrope else 4, n, dtype=torch.long, device=device)
-        self.staging = torch.zeros(self.token_rows.shape, dtype=torch.long, pin_memory=True)
+        self.staging = PinnedStaging(tuple(self.token_rows.shape), torch.long)
         self.input_ids, self.slot_mapping, self.seq_lens = self.token_rows[0], self.token_rows[1], self.token_rows[2]
         self.positions = self.token_rows[3:6] if mrope else self.token_rows[3]
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.long, device=device)
-        self.block_staging = torch.zeros(self.block_tables.shape, dtype=torch.long, pin_memory=True)
-        # numpy views of the pinned buffers: filling rows from Python lists through numpy
-        # costs ~1 us a row, through torch.tensor ~15 us.
-        self.staging_np = self.staging.numpy()
-        self.block_staging_np = self.block_staging.numpy()
+        self.block_staging = PinnedStaging(tuple(self.block_tables.shape), torch.long)
         dtype = next(model.parameters()).dtype
         self.inputs_embeds = torch.zeros(n, model.hidden_size, dtype=dtype, device=device) if embeds else None
         self.query_start_loc = torch.arange(n + 1, dtype=torch.long, device=device)
@@ -114,7 +111,7 @@ class DecodeGraphs:
         own rows before `replay`)."""
         b = len(input_ids)
         size = self._bucket(b)
-        staging = self.staging_np
+        staging_t, staging = self.staging.next()
         staging[:, b:size] = 0
         staging[1, b:size] = self.scratch_block * self.block_size
         staging[2, b:size] = 1
@@ -125,12 +122,12 @@ class DecodeGraphs:
             staging[3:6, :b] = list(zip(*positions))
         else:
             staging[3, :b] = positions
-        blocks = self.block_staging_np
+        blocks_t, blocks = self.block_staging.next()
         blocks[b:size] = self.scratch_block
         for i, row in enumerate(block_rows):
             blocks[i, : len(row)] = row
-        self.token_rows[:, :size].copy_(self.staging[:, :size], non_blocking=True)
-        self.block_tables[:size].copy_(self.block_staging[:size], non_blocking=True)
+        self.token_rows[:, :size].copy_(staging_t[:, :size], non_blocking=True)
+        self.block_tables[:size].copy_(blocks_t[:size], non_blocking=True)
         return self.input_ids[:b]
 
     def replay(self, b: int, inputs_embeds: torch.Tensor | None):

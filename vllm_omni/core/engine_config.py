@@ -1,9 +1,12 @@
 """Engine arguments, validated once (DESIGN section 6)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from vllm_omni.model_executor.dtypes import DTYPE_SPELLINGS
+
+ASYNC_SCHEDULING_ENV = "VLLM_OMNI_ASYNC_SCHEDULING"
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,11 @@ class EngineConfig:
     load_format: str = "auto"  # "dummy": random weights of the real shapes (benchmarks)
     # Ranks that split the model (one process each, rank 0 in this one; core/tp_executor.py).
     tensor_parallel_size: int = 1
+    # vLLM's async scheduling: the next step is scheduled and launched before the host reads the
+    # tokens of the step in flight (outputs come one step later); off where the model reads its
+    # sampled tokens on the host (the Qwen3 talkers' code predictors) and under tensor parallelism.
+    # VLLM_OMNI_ASYNC_SCHEDULING=0 turns it off in every engine of the process and its children.
+    async_scheduling: bool = field(default_factory=lambda: os.environ.get(ASYNC_SCHEDULING_ENV, "1") != "0")
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:

@@ -7,6 +7,7 @@ finished. Everything here runs in the caller's thread; stage workers and the
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -25,7 +26,7 @@ from vllm_omni.model_executor.model_loader import load_hf_config, load_model
 from vllm_omni.model_executor.models.stage_model import StageModel, hidden_state_name
 from vllm_omni.outputs import CompletionOutput, RequestOutput
 from vllm_omni.sampling_params import SamplingParams
-from vllm_omni.core.model_runner import ARModelRunner, RunnerOutput
+from vllm_omni.core.model_runner import ARModelRunner, PendingTokens, RunnerOutput
 from vllm_omni.core.tp_executor import TPExecutor
 from vllm_omni.core.isolated_step import execute_isolating_failures
 
@@ -73,6 +74,9 @@ class LLMEngine:
             enforce_eager=config.enforce_eager,
         )
         self.block_manager = BlockManager(plan.num_blocks, config.block_size, config.enable_prefix_caching)
+        # Async scheduling (config.async_scheduling): the step whose tokens are still on the device.
+        self._async = config.async_scheduling and getattr(self.runner, "can_defer", False)
+        self._pending: PendingTokens | None = None
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                             config.enable_chunked_prefill),
@@ -204,7 +208,7 @@ class LLMEngine:
     def has_work(self) -> bool:
         """A step now would compute something (requests waiting for streamed input do not)."""
         self.runner.check_health()  # a dead tensor-parallel rank fails the engine even when idle
-        return self.scheduler.has_work()
+        return self._pending is not None or self.scheduler.has_work()
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -212,25 +216,70 @@ class LLMEngine:
 
     # --- stepping -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step. Under async scheduling a step's sampled tokens stay on the device until the
+        next step is launched: that step reads them there, and only then does the host read them
+        (stop rules, outputs). Outputs lag one step; the host's scheduling and input preparation
+        run while the GPU computes the step before."""
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            if self.scheduler.has_work():
+            if self._pending is None and self.scheduler.has_work():
                 # Cannot happen while the pool holds one max_model_len request (checked at start).
                 raise RuntimeError("scheduler made no progress with computable requests")
-            return []
-        result, failures = execute_isolating_failures(self.runner, sched)
+            return self._settle_pending()
+        # A step that exports hidden states copies them to the host, which waits for its forward
+        # anyway: deferring its tokens would only delay its outputs.
+        defer = self._async and not any(item.request.return_hidden_states for item in sched.scheduled)
+        try:
+            result, failures = execute_isolating_failures(self.runner, sched, self._pending, defer)
+        except Exception:
+            with contextlib.suppress(Exception):  # no placeholder outlives its step (the error goes on)
+                self._settle_pending()
+            raise
         outputs = self._fail_requests(sched, failures) if failures else []
+        # The tokens of the step before (they may end requests that this step computed for nothing).
+        outputs += self._settle_pending()
+        sched.scheduled = [item for item in sched.scheduled if not item.request.status.finished]
         self.scheduler.advance(sched)
         for item in sched.scheduled:
+            self._collect_hidden_states(item.request, item.num_new_tokens, result)
+        if result.pending is not None:
+            for request in result.pending.requests:
+                if request.status.finished:
+                    continue
+                if not self._ends_by_length_with_next_token(request):
+                    request.append_placeholder()  # the next step computes it (read from the device)
+            self._pending = result.pending
+            return outputs
+        for item in sched.scheduled:
             request = item.request
-            self._collect_hidden_states(request, item.num_new_tokens, result)
             token = result.sampled.get(request.request_id)
             if token is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            self._append_token(request, token, result)
+            self._append_token(request, token, result.logprobs.get(request.request_id))
             if request.stream or request.status.finished:
                 outputs.append(self._make_output(request))
         return outputs
+
+    def _settle_pending(self) -> list[RequestOutput]:
+        """Read the deferred step's tokens: each takes its placeholder's place, then the stop rules."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return []
+        result = pending.result()
+        outputs = []
+        for request, token, logprobs in zip(pending.requests, result.token_ids, result.logprobs):
+            if request.status.finished:
+                continue  # aborted or failed meanwhile
+            self._append_token(request, token, logprobs)
+            if request.stream or request.status.finished:
+                outputs.append(self._make_output(request))
+        return outputs
+
+    def _ends_by_length_with_next_token(self, request: Request) -> bool:
+        """Its next token ends it by length (_stop_by_token's rule): no step is scheduled for it."""
+        max_tokens = request.sampling_params.max_tokens
+        return request.num_tokens + 1 >= self.max_model_len or (
+            max_tokens is not None and request.num_output_tokens + 1 >= max_tokens)
 
     def _fail_requests(self, sched: SchedulerOutput, failures: dict[str, str]) -> list[RequestOutput]:
         """End the requests that broke the step; the rest of `sched` goes on as scheduled."""
@@ -257,9 +306,8 @@ class LLMEngine:
             request.hidden_chunks.setdefault(key, []).append(chunk[skip:])
         request.num_hidden_rows = end
 
-    def _append_token(self, request: Request, token: int, result: RunnerOutput) -> None:
+    def _append_token(self, request: Request, token: int, logprobs: dict[int, float] | None) -> None:
         request.append_output_token(token)
-        logprobs = result.logprobs.get(request.request_id)
         if logprobs is not None:
             request.logprobs.append(logprobs)
             request.cumulative_logprob += logprobs[token]
@@ -293,7 +341,7 @@ class LLMEngine:
         completion = CompletionOutput(
             index=0,
             text=request.detokenizer.output_text if request.detokenizer is not None else "",
-            token_ids=list(request.output_token_ids),
+            token_ids=request.settled_output_token_ids,
             cumulative_logprob=request.cumulative_logprob if params.logprobs is not None else None,
             logprobs=list(request.logprobs) if params.logprobs is not None else None,
             finish_reason=request.status.value if finished else None,

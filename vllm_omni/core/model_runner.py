@@ -13,13 +13,45 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from vllm_omni.core.request import Request
 from vllm_omni.core.scheduler import ScheduledRequest, SchedulerOutput
+from vllm_omni.model_executor.device_copy import to_device_nowait
 from vllm_omni.model_executor.forward_context import AttentionMetadata, set_forward_context
 from vllm_omni.model_executor.layers.attention import Attention, TorchAttentionBackend
-from vllm_omni.model_executor.layers.sampler import Sampler, SamplingBatch
+from vllm_omni.model_executor.layers.sampler import PendingSample, Sampler, SamplerOutput, SamplingBatch
 from vllm_omni.model_executor.models.stage_model import LAST, HiddenStateKey, StageModel
 
 logger = logging.getLogger(__name__)
+
+
+class PendingTokens:
+    """A step's sampled tokens still on the device (async scheduling): `sample.tokens[i]` is the
+    token of `requests[i]`. The next step reads its inputs from here; `result()` waits for the
+    host copy of this step's tokens alone."""
+
+    def __init__(self, requests: list[Request], sample: PendingSample) -> None:
+        self.requests = requests
+        self.sample = sample
+        self._row = {r.request_id: i for i, r in enumerate(requests)}
+
+    def value_of(self, request: Request) -> torch.Tensor:
+        """[1] long on the device: the token this step sampled for `request`."""
+        i = self._row[request.request_id]
+        return self.sample.tokens[i : i + 1]
+
+    def copy_into(self, ids: torch.Tensor, rows: list[int], requests: list[Request]) -> None:
+        """ids[rows[j]] = the token sampled for requests[j], on the device."""
+        src = [self._row[r.request_id] for r in requests]
+        tokens = self.sample.tokens
+        if rows == src == list(range(len(rows))):  # the steady state: same batch, same order
+            ids[: len(rows)].copy_(tokens[: len(rows)])
+            return
+        device = ids.device
+        ids.index_copy_(0, to_device_nowait(torch.tensor(rows), device),
+                        tokens.index_select(0, to_device_nowait(torch.tensor(src), device)))
+
+    def result(self) -> SamplerOutput:
+        return self.sample.result()
 
 
 @dataclass
@@ -28,6 +60,8 @@ class RunnerOutput:
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     # request id -> key -> hidden states of the tokens computed this step, on CPU
     hidden_states: dict[str, dict[HiddenStateKey, torch.Tensor]] = field(default_factory=dict)
+    # A deferred step (`execute(defer=True)`): its tokens, not read yet (`sampled` stays empty).
+    pending: PendingTokens | None = None
 
 
 @dataclass
@@ -154,17 +188,27 @@ class ARModelRunner:
             2 * block_size * m.num_kv_heads * m.head_dim * element for m in model.modules() if isinstance(m, Attention)
         )
 
+    @property
+    def can_defer(self) -> bool:
+        """Whether `execute(defer=True)` may leave the sampled tokens on the device: not when the
+        model reads them on the host right after sampling (`on_tokens_sampled`)."""
+        return type(self.model).on_tokens_sampled is StageModel.on_tokens_sampled
+
     # --- one step -----------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def execute(self, sched: SchedulerOutput, previous: PendingTokens | None = None,
+                defer: bool = False) -> RunnerOutput:
+        """Run a step. `previous`: the step before, deferred: requests whose last token is still a
+        placeholder take it from there. `defer`: leave this step's tokens on the device
+        (`RunnerOutput.pending`), so the host can schedule and launch the next step first."""
         items = sched.scheduled
         self.model.begin_step()
         want_hidden = any(item.request.return_hidden_states for item in items)
-        replayed = self._replay_graphs(items) if self.graphs is not None else None
+        replayed = self._replay_graphs(items, previous) if self.graphs is not None else None
         if replayed is not None:
             items, query_start, hidden, captured, row_logits = replayed
         else:
-            inputs = self._prepare(items)
+            inputs = self._prepare(items, previous)
             query_start = inputs.query_start
             inputs.meta.backend_state = self.backend.prepare(inputs.meta)
             capture = self.hidden_state_layers if want_hidden else ()
@@ -187,11 +231,19 @@ class ARModelRunner:
             if not self.samples:
                 return out
             reqs = [items[i].request for i in sample_rows]
-            self._sample(reqs, logits, out)
-            self.model.on_tokens_sampled(reqs, sampled_hidden, [out.sampled[r.request_id] for r in reqs])
+            pending = self._sample(reqs, logits, previous)
+            if defer:
+                out.pending = PendingTokens(reqs, pending)
+                return out
+            result = pending.result()
+            for r, token, lp in zip(reqs, result.token_ids, result.logprobs):
+                out.sampled[r.request_id] = token
+                if lp is not None:
+                    out.logprobs[r.request_id] = lp
+            self.model.on_tokens_sampled(reqs, sampled_hidden, result.token_ids)
         return out
 
-    def _replay_graphs(self, items: list[ScheduledRequest]):
+    def _replay_graphs(self, items: list[ScheduledRequest], previous: PendingTokens | None):
         """The step through captured graphs: its decode rows through the decode graph, the prefill
         spans of up to `max_spans` requests packed through a prefill graph. Returns (items
         reordered: decode rows first, query_start, hidden, captured layers, logits of each item's
@@ -210,7 +262,7 @@ class ARModelRunner:
         staged = self.prefill_graphs.stage(spans) if spans else None
         parts = []
         if decode:
-            part = self._replay_decode_graph(decode)
+            part = self._replay_decode_graph(decode, previous)
             if part is None:
                 return None
             parts.append(part)
@@ -230,7 +282,7 @@ class ARModelRunner:
             captured = {k: torch.cat([part[2][k] for part in parts]) for k in parts[0][2]}
         return items, query_start, hidden, captured, logits
 
-    def _replay_decode_graph(self, items: list[ScheduledRequest]):
+    def _replay_decode_graph(self, items: list[ScheduledRequest], previous: PendingTokens | None):
         """A step's single-token rows through the decode graph: (hidden, logits, captured), or None
         when it cannot take them (fractional M-RoPE positions: the graph's position buffer holds
         integers)."""
@@ -245,6 +297,7 @@ class ARModelRunner:
         ids = self.graphs.stage_inputs([r.token_ids[p] for r, p in zip(reqs, steps)], positions,
                                        [r.block_ids[p // bs] * bs + p % bs for r, p in zip(reqs, steps)],
                                        [r.block_ids for r in reqs], [p + 1 for p in steps])
+        _fill_placeholders(ids, list(range(len(reqs))), reqs, previous)
         embeds = None
         if self.model.embeds_requests:
             embeds = self.model.embed_request_spans([(r, p, p + 1) for r, p in zip(reqs, steps)], ids)
@@ -269,7 +322,7 @@ class ARModelRunner:
         kv_slots = [blocks[p // bs] * bs + p % bs for p in range(end)]
         return req.token_ids[start:end], positions, kv_slots[start:], kv_slots
 
-    def _prepare(self, items: list[ScheduledRequest]) -> StepInputs:
+    def _prepare(self, items: list[ScheduledRequest], previous: PendingTokens | None) -> StepInputs:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -307,6 +360,8 @@ class ARModelRunner:
             seq_lens_cpu=seq_lens,
         )
         ids = torch.tensor(input_ids, dtype=torch.long).to(device, non_blocking=True)
+        _fill_placeholders(ids, [query_start[i + 1] - 1 for i in range(len(items))], [item.request for item in items],
+                           previous)
         return StepInputs(
             input_ids=ids,
             positions=self._positions(items, positions),
@@ -315,19 +370,16 @@ class ARModelRunner:
             query_start=query_start,
         )
 
-    def _sample(self, reqs, logits: torch.Tensor, out: RunnerOutput) -> None:
+    def _sample(self, reqs: list[Request], logits: torch.Tensor, previous: PendingTokens | None) -> PendingSample:
         batch = SamplingBatch(
             params=[r.sampling_params for r in reqs],
             prompt_token_ids=[r.prompt_token_ids for r in reqs],
             output_token_ids=[r.output_token_ids for r in reqs],
             generators=[r.generator for r in reqs],
             owners=reqs,
+            placeholder_value=None if previous is None else lambda i: previous.value_of(reqs[i]),
         )
-        result = self.sampler(logits, batch)
-        for r, token, lp in zip(reqs, result.token_ids, result.logprobs):
-            out.sampled[r.request_id] = token
-            if lp is not None:
-                out.logprobs[r.request_id] = lp
+        return self.sampler.sample(logits, batch)
 
     def _positions(self, items, positions: list[int]) -> torch.Tensor:
         """[T] token positions, or [3, T] for models with multimodal rotary (M-RoPE), whose
@@ -376,3 +428,12 @@ class ARModelRunner:
             states: dict[HiddenStateKey, torch.Tensor] = {layer: t[span].cpu() for layer, t in captured.items()}
             states[LAST] = hidden[span].cpu()
             out.hidden_states[req.request_id] = states
+
+
+def _fill_placeholders(ids: torch.Tensor, last_rows: list[int], requests: list[Request],
+                       previous: PendingTokens | None) -> None:
+    """ids[last_rows[i]] is the last input token of requests[i]: where that token is a placeholder,
+    its value comes from the previous step's tokens on the device."""
+    rows = [row for row, r in zip(last_rows, requests) if r.has_placeholder]
+    if rows:
+        previous.copy_into(ids, rows, [r for r in requests if r.has_placeholder])

@@ -28,6 +28,7 @@ import logging
 import torch
 from torch import nn
 
+from vllm_omni.model_executor.device_copy import PinnedStaging
 from vllm_omni.model_executor.forward_context import AttentionMetadata, set_forward_context
 from vllm_omni.model_executor.graph_capture import capture_buckets
 from vllm_omni.model_executor.layers.triton_attention import TritonAttentionState
@@ -68,8 +69,7 @@ class PrefillGraphs:
         n = self.sizes[-1]
         # One buffer (one host-to-device copy per step) for every per-token input.
         self.token_rows = torch.zeros(_POSITIONS + (3 if mrope else 1), n, dtype=torch.long, device=device)
-        self.staging = torch.zeros(self.token_rows.shape, dtype=torch.long, pin_memory=True)
-        self.staging_np = self.staging.numpy()
+        self.staging = PinnedStaging(tuple(self.token_rows.shape), torch.long)
         dtype = next(model.parameters()).dtype
         self.inputs_embeds = torch.zeros(n, model.hidden_size, dtype=dtype, device=device) if embeds else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -98,14 +98,14 @@ class PrefillGraphs:
         return hidden, self.model.compute_logits(hidden[lengths[_LAST]]), captured
 
     def capture(self) -> None:
-        staging = self.staging_np
+        staging_t, staging = self.staging.next()
         staging[:] = 0
         staging[_SLOTS] = staging[_KV_SLOTS] = self.scratch_slot
 
         def whole_bucket(size: int) -> None:  # one span filling the bucket, on the scratch block
             staging[_LENGTHS, _CU_Q] = staging[_LENGTHS, _CU_K] = [0] + [size] * MAX_SPANS
             staging[_LENGTHS, _LAST] = size - 1
-            self.token_rows.copy_(self.staging)
+            self.token_rows.copy_(staging_t)
 
         self.graphs, self.outputs = capture_buckets(self.sizes, self._run, before=whole_bucket)
         logger.info("captured prefill CUDA graphs for spans of up to %s tokens", self.sizes)
@@ -116,7 +116,7 @@ class PrefillGraphs:
         slots [end]: its cached prefix, then the span). Returns the spans' ids on the device."""
         ends = [len(kv_slots) for _, _, _, kv_slots in spans]
         size = self.bucket(sum(ends))
-        staging = self.staging_np
+        staging_t, staging = self.staging.next()
         staging[:, :size] = 0  # padding: id 0 at position 0, written to and read from the scratch block
         staging[_SLOTS, :size] = staging[_KV_SLOTS, :size] = self.scratch_slot
         q = k = 0
@@ -135,7 +135,7 @@ class PrefillGraphs:
         staging[_LENGTHS, _CU_Q] = cu_q + [q] * unused
         staging[_LENGTHS, _CU_K] = cu_k + [k] * unused
         staging[_LENGTHS, _LAST] = last + [0] * unused
-        self.token_rows[:, :size].copy_(self.staging[:, :size], non_blocking=True)
+        self.token_rows[:, :size].copy_(staging_t[:, :size], non_blocking=True)
         return self.token_rows[_IDS, :q]
 
     def replay(self, spans: int, rows: int, keys: int, inputs_embeds: torch.Tensor | None):

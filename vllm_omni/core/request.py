@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 
 _arrival_counter = itertools.count()
 
+# Stands in `token_ids` for a sampled token still on the device (async scheduling, llm_engine.py):
+# the next step reads it there; the engine writes the real id in before anything else reads it.
+PLACEHOLDER_TOKEN = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -99,6 +103,8 @@ class Request:
         self.hidden_chunks: dict[HiddenStateKey, list[torch.Tensor]] = {}
         self.num_hidden_rows = 0
         self.detokenizer: IncrementalDetokenizer | None = None
+        # The last entry of token_ids is PLACEHOLDER_TOKEN: sampled by the step in flight.
+        self.has_placeholder = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -134,7 +140,24 @@ class Request:
         return self.prompt_embeds is None and self.model_inputs is None and not self.return_hidden_states
 
     def append_output_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
+        """The next token; it takes the place of the placeholder when there is one."""
+        if self.has_placeholder:
+            self.token_ids[-1] = token_id
+            self.has_placeholder = False
+        else:
+            self.token_ids.append(token_id)
+
+    def append_placeholder(self) -> None:
+        """A token sampled on the device that the host has not read yet: the next step can be
+        scheduled (and compute it) before it is known."""
+        assert not self.has_placeholder, f"request {self.request_id}: two tokens in flight"
+        self.token_ids.append(PLACEHOLDER_TOKEN)
+        self.has_placeholder = True
+
+    @property
+    def settled_output_token_ids(self) -> list[int]:
+        """The output tokens the host knows (without a placeholder)."""
+        return self.token_ids[self.num_prompt_tokens : len(self.token_ids) - self.has_placeholder]
 
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: drop the KV cache, keep the tokens generated so far."""

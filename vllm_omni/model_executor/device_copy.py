@@ -1,6 +1,7 @@
 """Host tensors onto the device without making the host wait."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -10,3 +11,21 @@ def to_device_nowait(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda" and t.device.type == "cpu":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+class PinnedStaging:
+    """Pinned host buffers for a step's queued host-to-device input copies, used in turn.
+
+    Under async scheduling the host fills the next step's inputs while the copy of the step
+    before may still wait in the stream; by the time a buffer comes round again, the host has
+    read the tokens of the step that used it, which the stream computed after that copy."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, count: int = 2) -> None:
+        self._buffers = [torch.zeros(shape, dtype=dtype, pin_memory=True) for _ in range(count)]
+        self._arrays = [b.numpy() for b in self._buffers]  # rows filled through numpy: ~1 us a row
+        self._turn = 0
+
+    def next(self) -> tuple[torch.Tensor, np.ndarray]:
+        """The next buffer, as a tensor (the copy's source) and a numpy view of it (to fill)."""
+        self._turn = (self._turn + 1) % len(self._buffers)
+        return self._buffers[self._turn], self._arrays[self._turn]

@@ -18,11 +18,13 @@ more is penalized from the lists (`fits`).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from vllm_omni.core.request import PLACEHOLDER_TOKEN
 from vllm_omni.model_executor.device_copy import to_device_nowait
 
 
@@ -57,17 +59,22 @@ class PenaltyState:
         return 0 if self.counts is None or self.counts.shape[1] != vocab_size else self.counts.shape[0]
 
     def gather(self, owners: list[object], prompts: list[list[int]], outputs: list[list[int]],
-               vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(row indices [B] on the device, output counts [B, V] int32, prompt mask [B, V] bool)."""
+               vocab_size: int, device: torch.device, placeholder_value: Callable[[int], torch.Tensor] | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(row indices [B] on the device, output counts [B, V] int32, prompt mask [B, V] bool).
+        An output list may end in a placeholder (SamplingBatch.placeholder_value has its value)."""
         self._step += 1
         self._ensure(vocab_size, device, len(owners))
         indices = []
         in_batch: set[int] = set()
-        for owner, prompt, output in zip(owners, prompts, outputs):
+        for i, (owner, prompt, output) in enumerate(zip(owners, prompts, outputs)):
             row = self._rows.get(owner)
             if row is None or self._ticket[row.index] != row.ticket or self._counted[row.index] != len(output):
                 row = self._lend(owner, in_batch)
                 self._build(row.index, prompt, output, vocab_size, device)
+                if output and output[-1] == PLACEHOLDER_TOKEN:  # out of vocab: counted from the device
+                    self.counts[row.index].index_add_(0, placeholder_value(i),
+                                                      torch.ones(1, dtype=torch.int32, device=device))
             self._last_used[row.index] = self._step
             in_batch.add(row.index)
             indices.append(row.index)

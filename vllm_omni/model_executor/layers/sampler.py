@@ -15,12 +15,14 @@ Work that no request in the batch needs is skipped entirely.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from vllm_omni.model_executor.device_copy import to_device_nowait
+from vllm_omni.core.request import PLACEHOLDER_TOKEN
 from vllm_omni.model_executor.layers.penalty_state import PenaltyState
 from vllm_omni.sampling_params import SamplingParams
 
@@ -41,6 +43,67 @@ class SamplingBatch:
     # The objects whose outputs the rows continue (the engine's requests): penalty state is kept
     # on the device for them across steps (penalty_state.py). None: rebuilt from the lists.
     owners: list[object] | None = None
+    # Async scheduling: a row whose output list ends in PLACEHOLDER_TOKEN (a token sampled by the
+    # step before, not read by the host yet) finds its value here, on the device: [1] long.
+    placeholder_value: Callable[[int], torch.Tensor] | None = None
+
+
+class PendingSample:
+    """Sampled tokens [B] on the device, and (when rows asked for logprobs) their logprobs, with
+    one copy to the host queued behind the sampling: `result()` waits for that copy alone, not
+    for work queued after it (the next step's forward, under async scheduling)."""
+
+    def __init__(self, tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, lp_rows: list[int],
+                 params: list[SamplingParams]) -> None:
+        self.tokens = tokens
+        self._lp_rows, self._params = lp_rows, params
+        self._top_n = 0
+        flat = tokens
+        if raw_logprobs is not None:
+            device = tokens.device
+            rows = tokens if len(lp_rows) == tokens.shape[0] else tokens[_to_device(lp_rows, torch.long, device)]
+            parts = [tokens.double(), raw_logprobs.gather(1, rows.unsqueeze(1)).squeeze(1).double()]
+            top_n = max(params[i].logprobs for i in lp_rows)
+            if top_n > 0:
+                top_lp, top_ids = raw_logprobs.topk(min(top_n, raw_logprobs.shape[1]), dim=-1)
+                self._top_n = top_ids.shape[1]
+                parts += [top_ids.double().flatten(), top_lp.double().flatten()]
+            # float64 holds every token id and float32 logprob exactly: one transfer for all.
+            flat = torch.cat(parts)
+        self._event = None
+        self._result: SamplerOutput | None = None
+        if flat.is_cuda:
+            self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self._host.copy_(flat, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = flat
+
+    def result(self) -> SamplerOutput:
+        if self._result is None:
+            self._result = self._read()
+        return self._result
+
+    def _read(self) -> SamplerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        flat = self._host.tolist()
+        num_rows = self.tokens.shape[0]
+        token_ids = [int(t) for t in flat[:num_rows]]
+        logprobs: list[dict[int, float] | None] = [None] * num_rows
+        lp_rows, top_n = self._lp_rows, self._top_n
+        pos = num_rows
+        sampled_lps = flat[pos : pos + len(lp_rows)]
+        pos += len(lp_rows)
+        top_ids = flat[pos : pos + len(lp_rows) * top_n]
+        top_lps = flat[pos + len(lp_rows) * top_n : pos + 2 * len(lp_rows) * top_n]
+        for j, i in enumerate(lp_rows):
+            entry = {token_ids[i]: sampled_lps[j]}
+            for k in range(min(self._params[i].logprobs, top_n)):
+                entry.setdefault(int(top_ids[j * top_n + k]), top_lps[j * top_n + k])
+            logprobs[i] = entry
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
 
 @dataclass
@@ -79,6 +142,9 @@ def _penalty_inputs(batch: SamplingBatch, vocab_size: int, device: torch.device)
     rows, ids = _flat_ids(batch.output_token_ids, vocab_size, device)
     counts = torch.zeros(num_rows, vocab_size, dtype=torch.int32, device=device)
     counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
+    for i, out in enumerate(batch.output_token_ids):  # placeholders are out of vocab: counted here
+        if out and out[-1] == PLACEHOLDER_TOKEN:
+            counts[i].index_add_(0, batch.placeholder_value(i), torch.ones(1, dtype=torch.int32, device=device))
     rows, ids = _flat_ids(batch.prompt_token_ids, vocab_size, device)
     prompt_seen = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device)
     prompt_seen[rows, ids] = True
@@ -90,6 +156,11 @@ class Sampler:
         self.penalty_state = PenaltyState()
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        return self.sample(logits, batch).result()
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> PendingSample:
+        """The rows' tokens, still on the device (`PendingSample.tokens`); their host copy is
+        queued behind the sampling and read by `result()`, so the host may launch more work first."""
         params = batch.params
         num_rows, vocab_size = logits.shape
         assert len(params) == num_rows, f"{len(params)} sampling params for {num_rows} logits rows"
@@ -125,10 +196,8 @@ class Sampler:
         if penalty_rows is not None:
             self.penalty_state.record(penalty_rows, sampled)
 
-        # 5) One device -> host transfer for everything the host needs.
-        if raw_logprobs is None:
-            return SamplerOutput(token_ids=sampled.tolist(), logprobs=[None] * num_rows)
-        return self._with_logprobs(sampled, raw_logprobs, lp_rows, params)
+        # 5) One device -> host transfer for everything the host needs, read when asked for.
+        return PendingSample(sampled, raw_logprobs, lp_rows, params)
 
     # ------------------------------------------------------------------ processors
 
@@ -184,7 +253,8 @@ class Sampler:
         state_rows = None
         if batch.owners is not None and self.penalty_state.fits(num_rows, vocab_size):
             state_rows, counts, prompt_seen = self.penalty_state.gather(
-                batch.owners, batch.prompt_token_ids, batch.output_token_ids, vocab_size, device)
+                batch.owners, batch.prompt_token_ids, batch.output_token_ids, vocab_size, device,
+                batch.placeholder_value)
         else:
             counts, prompt_seen = _penalty_inputs(batch, vocab_size, device)
         output_mask = counts > 0
@@ -243,43 +313,6 @@ class Sampler:
         for i, g in seeded:
             q[i] = torch.empty(vocab_size, device=device).exponential_(generator=g)
         return probs.div_(q).argmax(dim=-1)
-
-    # ------------------------------------------------------------------ output
-
-    @staticmethod
-    def _with_logprobs(
-        sampled: torch.Tensor, raw_logprobs: torch.Tensor, lp_rows: list[int], params: list[SamplingParams]
-    ) -> SamplerOutput:
-        num_rows = sampled.shape[0]
-        device = sampled.device
-        sampled_rows = sampled if len(lp_rows) == num_rows else sampled[_to_device(lp_rows, torch.long, device)]
-        sampled_lp = raw_logprobs.gather(1, sampled_rows.unsqueeze(1)).squeeze(1)
-        top_n = max(params[i].logprobs for i in lp_rows)
-        parts = [sampled.double(), sampled_lp.double()]
-        if top_n > 0:
-            top_lp, top_ids = raw_logprobs.topk(min(top_n, raw_logprobs.shape[1]), dim=-1)
-            top_n = top_ids.shape[1]
-            parts += [top_ids.double().flatten(), top_lp.double().flatten()]
-        # float64 holds every token id and float32 logprob exactly: one transfer for all.
-        flat = torch.cat(parts).tolist()
-
-        token_ids = [int(t) for t in flat[:num_rows]]
-        pos = num_rows
-        sampled_lps = flat[pos : pos + len(lp_rows)]
-        pos += len(lp_rows)
-        top_id_vals = flat[pos : pos + len(lp_rows) * top_n]
-        pos += len(lp_rows) * top_n
-        top_lp_vals = flat[pos : pos + len(lp_rows) * top_n]
-
-        logprobs: list[dict[int, float] | None] = [None] * num_rows
-        for j, i in enumerate(lp_rows):
-            entry = {token_ids[i]: sampled_lps[j]}
-            base = j * top_n
-            for k in range(min(params[i].logprobs, top_n)):
-                entry.setdefault(int(top_id_vals[base + k]), top_lp_vals[base + k])
-            logprobs[i] = entry
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
-
 
 def _apply_top_k_only(logits: torch.Tensor, top_k: list[int], k: torch.Tensor) -> torch.Tensor:
     """Top-k without top-p: a partial topk (k is small) is much cheaper than a full sort.

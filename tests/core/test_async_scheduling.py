@@ -1,0 +1,127 @@
+"""Async scheduling (LLMEngine.step): the next step is launched before the host reads the tokens
+of the step in flight. Whatever the requests do (stop rules, penalties, logprobs, preemption,
+abort, streamed outputs), every request gets the outputs the synchronous engine gives it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_omni.core.engine_config import EngineConfig
+from vllm_omni.core.llm_engine import LLMEngine
+from vllm_omni.core.request import PLACEHOLDER_TOKEN
+from vllm_omni.sampling_params import SamplingParams
+
+
+def make_engine(model_dir, async_scheduling: bool, device: str = "cpu", **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model_dir), device=device, async_scheduling=async_scheduling,
+                                  enable_prefix_caching=True, **kw))
+
+
+def request_mix(stop_token: int) -> list[SamplingParams]:
+    """Every sampling feature whose host work the async step moves: random rows are seeded (their
+    draws then do not depend on batch mates, whose rows differ when a stopped request's next step
+    was already launched)."""
+    rand = dict(temperature=0.8, top_k=20, top_p=0.9)
+    return [
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        SamplingParams(**rand, seed=1, max_tokens=15, repetition_penalty=1.3, frequency_penalty=0.2,
+                       presence_penalty=0.1, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_token], ignore_eos=True),
+        SamplingParams(**rand, seed=2, max_tokens=10, min_tokens=6, logprobs=3, repetition_penalty=1.2),
+        SamplingParams(temperature=0.0, max_tokens=1),
+        SamplingParams(**rand, seed=3, max_tokens=9, stop_token_ids=[stop_token], ignore_eos=True, logprobs=0),
+        SamplingParams(temperature=0.0, max_tokens=14, stop=["ab"], ignore_eos=True),
+    ]
+
+
+def run(engine: LLMEngine, params: list[SamplingParams], prompts: list[list[int]], stream: bool,
+        abort_after: int | None = None) -> tuple[dict, dict, dict]:
+    """Final outputs by request id, streamed token ids by request id, and what the run saw:
+    steps, steps that left tokens on the device, preemptions."""
+    for i, (p, ids) in enumerate(zip(params, prompts)):
+        engine.add_request(str(i), ids, p, stream=stream)
+    finals, streamed = {}, {str(i): [] for i in range(len(params))}
+    seen = {"steps": 0, "deferred": 0, "preempted": 0}
+    schedule = engine.scheduler.schedule
+
+    def counting_schedule():
+        out = schedule()
+        seen["preempted"] += len(out.preempted)
+        return out
+
+    engine.scheduler.schedule = counting_schedule
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        seen["steps"] += 1
+        seen["deferred"] += engine._pending is not None
+        if abort_after is not None and seen["steps"] == abort_after:
+            outputs += engine.abort_request("1")
+        for out in outputs:
+            streamed[out.request_id] = list(out.outputs[0].token_ids)
+            if out.finished:
+                finals[out.request_id] = out.outputs[0]
+    return finals, streamed, seen
+
+
+def prompts_for(n: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, vocab, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def assert_same(sync: dict, fast: dict) -> None:
+    assert sorted(sync) == sorted(fast)
+    for rid in sync:
+        a, b = sync[rid], fast[rid]
+        assert b.token_ids == a.token_ids, rid
+        assert PLACEHOLDER_TOKEN not in b.token_ids
+        assert (b.finish_reason, b.stop_reason, b.text) == (a.finish_reason, a.stop_reason, a.text), rid
+        # A launched step of a request that had stopped makes a batch one row larger than the
+        # synchronous engine's: the products' blocking, hence the last float bits, may differ.
+        assert (b.logprobs is None) == (a.logprobs is None), rid
+        for x, y in zip(a.logprobs or [], b.logprobs or []):
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x), rid
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_async_steps_give_the_synchronous_outputs(tiny_model, stream):
+    model = tiny_model("qwen3")
+    # A pool of 14 blocks of 4 tokens for 7 requests of up to ~30 tokens: requests are preempted.
+    kw = dict(block_size=4, num_kv_blocks=14, max_num_seqs=5)
+    sync_engine = make_engine(model, False, **kw)
+    prompts = prompts_for(7, sync_engine.vocab_size)
+    probe = run(make_engine(model, False), [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)],
+                prompts[2:3], stream=False)[0]["0"].token_ids
+    params = request_mix(stop_token=probe[5])
+    sync, sync_streamed, sync_seen = run(sync_engine, params, prompts, stream)
+    fast, fast_streamed, fast_seen = run(make_engine(model, True, **kw), params, prompts, stream)
+    assert_same(sync, fast)
+    assert sync["2"].finish_reason == "stop" and sync["4"].token_ids and len(sync["4"].token_ids) == 1
+    assert sync_seen["deferred"] == 0 and fast_seen["deferred"] > 0.5 * fast_seen["steps"]
+    assert sync_seen["preempted"] > 0 and fast_seen["preempted"] > 0
+    if stream:
+        assert fast_streamed == sync_streamed
+
+
+def test_abort_with_a_token_in_flight(tiny_model):
+    """An aborted request's output holds only the tokens the host read; its batch mates go on as if
+    it had been aborted in a synchronous engine."""
+    model = tiny_model("qwen3")
+    engine = make_engine(model, True)
+    prompts = prompts_for(3, engine.vocab_size)
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)] * 3
+    for i, (p, ids) in enumerate(zip(params, prompts)):
+        engine.add_request(str(i), ids, p)
+    for _ in range(4):
+        engine.step()
+    request = engine.scheduler.requests["1"]
+    assert request.has_placeholder and request.token_ids[-1] == PLACEHOLDER_TOKEN
+    aborted = engine.abort_request("1")[0].outputs[0]
+    assert aborted.finish_reason == "abort" and PLACEHOLDER_TOKEN not in aborted.token_ids
+    assert len(aborted.token_ids) == 3  # 4 steps sampled 4 tokens: the last is still in flight
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            finals[out.request_id] = out.outputs[0].token_ids
+    sync = run(make_engine(model, False), [params[0], params[2]], [prompts[0], prompts[2]], stream=False)[0]
+    assert finals == {"0": sync["0"].token_ids, "2": sync["1"].token_ids}

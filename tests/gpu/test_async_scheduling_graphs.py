@@ -1,0 +1,61 @@
+"""Async scheduling on CUDA (runs only where CUDA is): the decode graphs read the tokens of the
+step in flight on the device, the staging buffers alternate while a copy may still be queued, and
+the host reads a step's tokens behind its own copy only. Every request's outputs equal the
+synchronous engine's: a plain LLM (every sampling feature, preemption, streamed outputs) and
+Qwen2.5-Omni's talker (its rows embedded on the device from the in-flight codes)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from tests.core.test_async_scheduling import assert_same, make_engine, prompts_for, request_mix, run  # noqa: E402
+from vllm_omni.core.engine_config import EngineConfig  # noqa: E402
+from vllm_omni.core.llm_engine import LLMEngine  # noqa: E402
+from vllm_omni.sampling_params import SamplingParams  # noqa: E402
+from vllm_omni.testing.talker_inputs import chat_prompt_ids, talker_prompt  # noqa: E402
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_graph_steps_in_flight_give_the_synchronous_outputs(tiny_model, stream):
+    model = tiny_model("qwen3")
+    kw = dict(device="cuda", dtype="float32", block_size=4, num_kv_blocks=14, max_num_seqs=5)
+    sync_engine = make_engine(model, False, **kw)
+    assert sync_engine.runner.graphs is not None
+    prompts = prompts_for(7, sync_engine.vocab_size)
+    probe = run(make_engine(model, False, **kw), [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)],
+                prompts[2:3], stream=False)[0]["0"].token_ids
+    params = request_mix(stop_token=probe[5])
+    sync, sync_streamed, _ = run(sync_engine, params, prompts, stream)
+    fast, fast_streamed, seen = run(make_engine(model, True, **kw), params, prompts, stream)
+    assert_same(sync, fast)
+    assert seen["deferred"] > 0.5 * seen["steps"] and seen["preempted"] > 0
+    if stream:
+        assert fast_streamed == sync_streamed
+
+
+def talker_codes(path, async_scheduling: bool, eager: bool) -> dict:
+    eng = LLMEngine(EngineConfig(model=str(path), model_stage="talker", device="cuda", dtype="float32",
+                                 enforce_eager=eager, enable_prefix_caching=False, max_num_seqs=8,
+                                 async_scheduling=async_scheduling))
+    assert eng._async == async_scheduling
+    sampled = SamplingParams(temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05, max_tokens=40,
+                             ignore_eos=True, detokenize=False)
+    for i, (words, reply) in enumerate([(3, 4), (9, 12), (20, 30)]):  # three lengths in one batch
+        prompt = talker_prompt(eng.model, "qwen2_5_omni", chat_prompt_ids(str(path), words), reply, seed=i)
+        eng.add_request(str(i), prompt["prompt_token_ids"], sampled.clone(seed=i, max_tokens=30 + 5 * i),
+                        model_inputs=prompt["additional_information"])
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update((o.request_id, o.outputs[0].token_ids) for o in eng.step() if o.finished)
+    return done
+
+
+def test_qwen2_5_talker_in_flight_codes_are_the_synchronous_codes(tiny_model):
+    path = tiny_model("qwen2_5_omni")
+    want = talker_codes(path, async_scheduling=False, eager=True)
+    assert [len(want[k]) for k in "012"] == [30, 35, 40]
+    assert talker_codes(path, async_scheduling=True, eager=False) == want
+    assert talker_codes(path, async_scheduling=True, eager=True) == want
