@@ -55,8 +55,8 @@ def run(path, prompts, monkeypatch, graphs: bool, arrival: str, **config) -> tup
     prefill_steps = []
     replay_graphs = eng.runner._replay_graphs
 
-    def recorded(items):
-        replayed = replay_graphs(items)
+    def recorded(items, previous):
+        replayed = replay_graphs(items, previous)
         spans = sum(item.num_new_tokens > 1 for item in items)
         if replayed is not None and spans:
             prefill_steps.append((len(items) - spans, spans))
