@@ -36,8 +36,7 @@ class EngineConfig:
     # Ranks that split the model (one process each, rank 0 in this one; core/tp_executor.py).
     tensor_parallel_size: int = 1
     # vLLM's async scheduling: the next step is scheduled and launched before the host reads the
-    # tokens of the step in flight (outputs come one step later); off where the model reads its
-    # sampled tokens on the host (the Qwen3 talkers' code predictors) and under tensor parallelism.
+    # tokens of the step in flight (outputs come one step later); off under tensor parallelism.
     # VLLM_OMNI_ASYNC_SCHEDULING=0 turns it off in every engine of the process and its children.
     async_scheduling: bool = field(default_factory=lambda: os.environ.get(ASYNC_SCHEDULING_ENV, "1") != "0")
 

@@ -75,7 +75,7 @@ class LLMEngine:
         )
         self.block_manager = BlockManager(plan.num_blocks, config.block_size, config.enable_prefix_caching)
         # Async scheduling (config.async_scheduling): the step whose tokens are still on the device.
-        self._async = config.async_scheduling and getattr(self.runner, "can_defer", False)
+        self._async = config.async_scheduling and isinstance(self.runner, ARModelRunner)
         self._pending: PendingTokens | None = None
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,

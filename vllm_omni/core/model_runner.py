@@ -188,12 +188,6 @@ class ARModelRunner:
             2 * block_size * m.num_kv_heads * m.head_dim * element for m in model.modules() if isinstance(m, Attention)
         )
 
-    @property
-    def can_defer(self) -> bool:
-        """Whether `execute(defer=True)` may leave the sampled tokens on the device: not when the
-        model reads them on the host right after sampling (`on_tokens_sampled`)."""
-        return type(self.model).on_tokens_sampled is StageModel.on_tokens_sampled
-
     # --- one step -----------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, previous: PendingTokens | None = None,
@@ -232,6 +226,7 @@ class ARModelRunner:
                 return out
             reqs = [items[i].request for i in sample_rows]
             pending = self._sample(reqs, logits, previous)
+            self.model.on_tokens_sampled(reqs, sampled_hidden, pending.tokens)
             if defer:
                 out.pending = PendingTokens(reqs, pending)
                 return out
@@ -240,7 +235,6 @@ class ARModelRunner:
                 out.sampled[r.request_id] = token
                 if lp is not None:
                     out.logprobs[r.request_id] = lp
-            self.model.on_tokens_sampled(reqs, sampled_hidden, result.token_ids)
         return out
 
     def _replay_graphs(self, items: list[ScheduledRequest], previous: PendingTokens | None):

@@ -29,3 +29,25 @@ class PinnedStaging:
         """The next buffer, as a tensor (the copy's source) and a numpy view of it (to fill)."""
         self._turn = (self._turn + 1) % len(self._buffers)
         return self._buffers[self._turn], self._arrays[self._turn]
+
+
+class HostCopy:
+    """A device tensor's copy to pinned host memory, queued behind the work that made it:
+    `get()` waits for that copy alone, not for work queued after it (the next step's forward,
+    under async scheduling). On the CPU the tensor itself."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._event = None
+        if t.is_cuda:
+            self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._host.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = t
+
+    def get(self) -> torch.Tensor:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._host

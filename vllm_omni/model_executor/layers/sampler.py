@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_omni.model_executor.device_copy import to_device_nowait
+from vllm_omni.model_executor.device_copy import HostCopy, to_device_nowait
 from vllm_omni.core.request import PLACEHOLDER_TOKEN
 from vllm_omni.model_executor.layers.penalty_state import PenaltyState
 from vllm_omni.sampling_params import SamplingParams
@@ -70,15 +70,8 @@ class PendingSample:
                 parts += [top_ids.double().flatten(), top_lp.double().flatten()]
             # float64 holds every token id and float32 logprob exactly: one transfer for all.
             flat = torch.cat(parts)
-        self._event = None
+        self._host = HostCopy(flat)
         self._result: SamplerOutput | None = None
-        if flat.is_cuda:
-            self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-            self._host.copy_(flat, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = flat
 
     def result(self) -> SamplerOutput:
         if self._result is None:
@@ -86,9 +79,7 @@ class PendingSample:
         return self._result
 
     def _read(self) -> SamplerOutput:
-        if self._event is not None:
-            self._event.synchronize()
-        flat = self._host.tolist()
+        flat = self._host.get().tolist()
         num_rows = self.tokens.shape[0]
         token_ids = [int(t) for t in flat[:num_rows]]
         logprobs: list[dict[int, float] | None] = [None] * num_rows

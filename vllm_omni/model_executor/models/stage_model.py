@@ -14,7 +14,7 @@ Per request, the engine calls, in order:
   model.request_positions(request, start, end)      # each step, if uses_mrope
   model.decode_positions(request, position)         #   (instead, in a step of single tokens)
   model.embed_request_spans([(request, start, end), ...], ids)  # each step, if embeds_requests
-  model.on_tokens_sampled(requests, hidden, ids)    # each step that sampled, after sampling
+  model.on_tokens_sampled(requests, hidden, ids)    # each step that sampled, after sampling (ids on the device)
   model.request_outputs(request, finished)          # with each output the request makes
 A request fed by a streaming edge (its input arrives while it runs) also gets
   model.available_positions(request)                # after parsing and after each chunk
@@ -170,9 +170,11 @@ class StageModel(nn.Module):
             offset += end - start
         return torch.cat(rows)
 
-    def on_tokens_sampled(self, requests: list[Request], hidden: torch.Tensor, token_ids: list[int]) -> None:
+    def on_tokens_sampled(self, requests: list[Request], hidden: torch.Tensor, token_ids: torch.Tensor) -> None:
         """After sampling, before the engine appends the tokens: hidden [B, H] produced the B
-        sampled `token_ids` (`request.num_output_tokens` is the new token's index)."""
+        sampled `token_ids` ([B] long, on the device: under async scheduling the host reads them
+        a step later, so nothing here may wait for them; `request.num_output_tokens` is the new
+        token's index)."""
 
     def request_outputs(self, request: Request, finished: bool) -> dict[str, torch.Tensor]:
         """Named CPU tensors a request returns besides its tokens (a talker's codec frames):

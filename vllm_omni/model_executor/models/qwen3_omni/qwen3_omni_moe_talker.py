@@ -36,7 +36,7 @@ from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_code_predictor import
 from vllm_omni.model_executor.models.qwen3_omni.rope_index import GeneratedPositions
 from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_talker_prompt import TalkerPrompt, talker_prompt
 from vllm_omni.growing_tensor import GrowingTensor
-from vllm_omni.model_executor.device_copy import to_device_nowait
+from vllm_omni.model_executor.device_copy import HostCopy, to_device_nowait
 from vllm_omni.model_executor.models.bridge_utils import StreamedRowsQueue, rows_like, streamed_rows
 from vllm_omni.model_executor.models.stage_model import StageModel
 from vllm_omni.model_executor.models.predictor_graphs import GraphedPredictor
@@ -105,7 +105,8 @@ class _RequestState:
     complete: bool  # the thinker's reply is all there (no more streamed rows)
     generated_positions: GeneratedPositions  # M-RoPE positions of output tokens
     codec_rows: list[torch.Tensor] = field(default_factory=list)  # codec part of output token k's row
-    frames: list[torch.Tensor] = field(default_factory=list)  # [G] long CPU codes of output token k
+    # Output token k's [G] codes: row i of a step's frames on their way to the host.
+    frames: list[tuple[HostCopy, int]] = field(default_factory=list)
     frames_sent: int = 0  # frames handed out by request_outputs
 
 
@@ -193,23 +194,22 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
         logits = F.linear(hidden_states, self.codec_head.weight).float()
         return logits.masked_fill(self.suppressed, float("-inf"))
 
-    def on_tokens_sampled(self, requests: list, hidden: torch.Tensor, token_ids: list[int]) -> None:
+    def on_tokens_sampled(self, requests: list, hidden: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Model-runner hook after sampling: the rest of each sampled row's frame.
 
         hidden: [B, H] final states that produced the sampled group-0 codes `token_ids`. Runs
         the code predictor for all rows at once and keeps, per request, each frame's codes and
         the next step's input row (transformers builds it in `prepare_inputs_for_generation`).
         """
-        tokens = to_device_nowait(torch.tensor(token_ids), hidden.device)
-        first = self.model.embed_tokens(tokens)
+        first = self.model.embed_tokens(token_ids)
         codes, embeds = self.graphed_predictor.predict(requests, hidden, first)
         codec_rows = torch.cat([first[:, None], embeds], dim=1).sum(1)  # transformers' codec_hiddens.sum(1)
-        frames = torch.cat([tokens[:, None], codes], dim=1).cpu()
+        frames = HostCopy(torch.cat([token_ids[:, None], codes], dim=1))  # read by request_outputs
         for i, req in enumerate(requests):
             st, k = self._state(req), req.num_output_tokens  # the engine appends the token after this hook
             del st.frames[k:], st.codec_rows[k:]
             st.codec_rows.append(codec_rows[i])
-            st.frames.append(frames[i])
+            st.frames.append((frames, i))
 
     def request_outputs(self, request, finished: bool) -> dict[str, torch.Tensor]:
         """{"code_predictor_codes": [frames, G] long}: the frames made since the previous call, one
@@ -223,7 +223,7 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
             end -= 1
         new, st.frames_sent = st.frames[st.frames_sent:end], max(st.frames_sent, end)
         if new:
-            return {CODES_KEY: torch.stack(new)}
+            return {CODES_KEY: torch.stack([frames.get()[i] for frames, i in new])}
         return {CODES_KEY: torch.zeros(0, self.config.num_code_groups, dtype=torch.long)} if finished else {}
 
     def capture_graphs(self) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vllm_omni.model_executor.device_copy import to_device_nowait
+from vllm_omni.model_executor.device_copy import HostCopy, to_device_nowait
 from vllm_omni.model_executor.layers.linear import Linear, VocabEmbedding
 from vllm_omni.model_executor.layers.rotary import get_rope
 from vllm_omni.model_executor.models.decoder import DecoderModel, config_head_dim
@@ -54,9 +54,10 @@ SPEECH_TOKENIZER_DIR = "speech_tokenizer"
 @dataclass
 class _RequestState:
     prompt: TalkerPrompt
-    ref_codes: torch.Tensor | None  # [F, G] reference frames (in-context cloning), on the device
+    ref_codes: HostCopy | None  # [F, G] reference frames (in-context cloning), on their way to the host
     frame_embeds: list[torch.Tensor] = field(default_factory=list)  # input row after output token k
-    frames: list[torch.Tensor] = field(default_factory=list)  # [G] codes of output token k
+    # Output token k's [G] codes: row i of a step's frames on their way to the host.
+    frames: list[tuple[HostCopy, int]] = field(default_factory=list)
     frames_sent: int = 0  # frames handed out by request_outputs
 
 
@@ -166,21 +167,20 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
         logits = F.linear(hidden_states, self.codec_head.weight).float()
         return logits.masked_fill(self.suppressed, float("-inf"))
 
-    def on_tokens_sampled(self, requests: list, hidden: torch.Tensor, token_ids: list[int]) -> None:
+    def on_tokens_sampled(self, requests: list, hidden: torch.Tensor, token_ids: torch.Tensor) -> None:
         """After sampling: groups 1..G-1 of each sampled frame and the next step's input row.
         hidden: [B, H] final states that produced the sampled group-0 codes `token_ids`."""
-        tokens = to_device_nowait(torch.tensor(token_ids), hidden.device)
-        first = self.model.embed_tokens(tokens)
+        first = self.model.embed_tokens(token_ids)
         codes, embeds = self.graphed_predictor.predict(requests, hidden, first)
         codec_rows = torch.cat([first[:, None], embeds], dim=1).sum(1)  # qwen-tts' codec_hiddens.sum(1)
-        frames = torch.cat([tokens[:, None], codes], dim=1).cpu()
+        frames = HostCopy(torch.cat([token_ids[:, None], codes], dim=1))  # read by request_outputs
         for i, req in enumerate(requests):
             st, k = self._state(req), req.num_output_tokens  # the engine appends the token after this hook
             del st.frames[k:], st.frame_embeds[k:]
             trailing = st.prompt.trailing
             text = trailing[k] if k < trailing.shape[0] else st.prompt.pad
             st.frame_embeds.append(codec_rows[i] + text)
-            st.frames.append(frames[i])
+            st.frames.append((frames, i))
 
     def request_outputs(self, request, finished: bool) -> dict[str, torch.Tensor]:
         """{"codec_codes": [frames, G]}: the frames made since the previous call, one per sampled
@@ -197,10 +197,10 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
         st.frames_sent = max(st.frames_sent, end)
         out = {}
         if new or finished:
-            out[CODES_KEY] = torch.stack(new) if new else torch.zeros(0, self.config.num_code_groups,
-                                                                       dtype=torch.long)
-        if first and out and st.ref_codes is not None:  # after the step's frames came to the host: no wait
-            out[REF_CODES_KEY] = st.ref_codes.cpu()
+            out[CODES_KEY] = torch.stack([frames.get()[i] for frames, i in new]) if new else \
+                torch.zeros(0, self.config.num_code_groups, dtype=torch.long)
+        if first and out and st.ref_codes is not None:  # copied at the prefill: no wait
+            out[REF_CODES_KEY] = st.ref_codes.get()
         return out
 
     # --- per-request inputs (model runner / engine hooks) ------------------------
@@ -266,7 +266,7 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
         if prompt.rows.shape[0] != request.num_prompt_tokens:
             raise ValueError(f"request {request.request_id}: talker prompt has {prompt.rows.shape[0]} rows, "
                              f"expected {request.num_prompt_tokens} (see prompt_token_ids)")
-        return _RequestState(prompt=prompt, ref_codes=ref_codes)
+        return _RequestState(prompt=prompt, ref_codes=None if ref_codes is None else HostCopy(ref_codes))
 
     def _text_rows(self, ids: list[int]) -> torch.Tensor:
         return self.text_projection(self.text_embedding(self._on_device(ids)))
