@@ -59,3 +59,34 @@ def test_qwen2_5_talker_in_flight_codes_are_the_synchronous_codes(tiny_model):
     assert [len(want[k]) for k in "012"] == [30, 35, 40]
     assert talker_codes(path, async_scheduling=True, eager=False) == want
     assert talker_codes(path, async_scheduling=True, eager=True) == want
+
+
+@pytest.mark.parametrize("family,arch", [("qwen2_5_omni", "qwen2_5_omni"), ("qwen3_omni", "qwen3_omni_moe")])
+def test_a_talker_decode_step_waits_only_for_the_step_before(tiny_model, family, arch):
+    """In steady decode the host waits for nothing but the host copy of the tokens (and a Qwen3
+    talker's frames) of the step launched before: no pageable copy, no .cpu() of this step's work."""
+    from vllm_omni.model_executor.layers.moe import grouped_mm_available
+    from vllm_omni.testing.cuda_syncs import format_syncs, trace_syncs
+
+    if arch == "qwen3_omni_moe" and not grouped_mm_available(torch.empty(1, device="cuda", dtype=torch.bfloat16)):
+        pytest.skip("torch._grouped_mm needs Hopper")
+    path = tiny_model(arch)
+    eng = LLMEngine(EngineConfig(model=str(path), model_stage="talker", device="cuda", dtype="bfloat16",
+                                 enable_prefix_caching=False, max_num_seqs=4, gpu_memory_utilization=0.1))
+    params = SamplingParams(temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05, seed=1, max_tokens=40,
+                            ignore_eos=True, detokenize=False)
+    for i in range(3):
+        prompt = talker_prompt(eng.model, family, chat_prompt_ids(str(path), 5 + i), 6, seed=i)
+        eng.add_request(str(i), prompt["prompt_token_ids"], params, model_inputs=prompt["additional_information"],
+                        stream=True)
+    for _ in range(8):  # past the prefills
+        eng.step()
+
+    def steps():
+        for _ in range(10):
+            eng.step()
+
+    syncs = [(n, stack) for n, stack in trace_syncs(steps) if "device_copy.py" not in stack.splitlines()[-1]]
+    assert not syncs, "the host waited for the GPU:\n" + format_syncs(syncs)
+    while eng.has_unfinished_requests():
+        eng.step()

@@ -32,6 +32,7 @@ import os
 import torch
 from torch import nn
 
+from vllm_omni.model_executor.device_copy import to_device_nowait
 from vllm_omni.model_executor.graph_capture import capture_buckets
 from vllm_omni.model_executor.layers.sampler import Sampler, SamplingBatch
 from vllm_omni.sampling_params import SamplingParams
@@ -102,7 +103,7 @@ class PredictorFrame:
         b = hidden.shape[0]
         self.hidden[:b].copy_(hidden)
         self.first[:b].copy_(first)
-        self.greedy[:b].copy_(torch.tensor(greedy), non_blocking=True)
+        self.greedy[:b].copy_(to_device_nowait(torch.tensor(greedy), self.greedy.device), non_blocking=True)
         if not all(greedy):
             noise = self.gumbel[:b]
             noise.exponential_()
