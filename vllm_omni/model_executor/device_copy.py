@@ -1,4 +1,4 @@
-"""Host tensors onto the device without making the host wait."""
+"""Copies between host and device that never make the host wait for unrelated GPU work."""
 from __future__ import annotations
 
 import numpy as np
