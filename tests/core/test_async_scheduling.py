@@ -125,3 +125,38 @@ def test_abort_with_a_token_in_flight(tiny_model):
             finals[out.request_id] = out.outputs[0].token_ids
     sync = run(make_engine(model, False), [params[0], params[2]], [prompts[0], prompts[2]], stream=False)[0]
     assert finals == {"0": sync["0"].token_ids, "2": sync["1"].token_ids}
+
+
+def test_prefix_cache_and_pauses_with_tokens_in_flight(tiny_model):
+    """Blocks are hashed only once their tokens are read (a later prompt that extends an earlier
+    request's output hits the same cached blocks), and a request paused with a token in flight
+    resumes where it was."""
+    model = tiny_model("qwen3")
+    params = SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True)
+
+    def scenario(async_scheduling: bool):
+        engine = make_engine(model, async_scheduling, block_size=4)
+        first_prompt, other_prompt = prompts_for(2, engine.vocab_size)
+        engine.add_request("a", first_prompt, params)
+        engine.add_request("b", other_prompt, params)
+        finals = {}
+        for step in range(40):
+            if step == 5:
+                engine.pause_requests(["b"], True)
+            if step == 9:
+                engine.pause_requests(["b"], False)
+            finals.update((o.request_id, o) for o in engine.step() if o.finished)
+            if not engine.has_unfinished_requests():
+                break
+        assert sorted(finals) == ["a", "b"]
+        extended = first_prompt + list(finals["a"].outputs[0].token_ids)
+        engine.add_request("c", extended, params)
+        while engine.has_unfinished_requests():
+            finals.update((o.request_id, o) for o in engine.step() if o.finished)
+        outputs = {rid: (o.outputs[0].token_ids, o.num_cached_tokens) for rid, o in finals.items()}
+        return outputs, len(extended)
+
+    (fast, extended), (sync, _) = scenario(True), scenario(False)
+    assert fast == sync
+    # Request a computed every token of the extended prompt but its last output: all its full blocks hit.
+    assert fast["c"][1] == 4 * ((extended - 1) // 4) > 0

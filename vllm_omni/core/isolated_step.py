@@ -29,6 +29,7 @@ def execute_isolating_failures(runner: ARModelRunner, sched: SchedulerOutput, pr
     generators = {item.request.request_id: item.request.generator for item in sched.scheduled
                   if item.request.generator is not None}
     saved = {rid: g.get_state() for rid, g in generators.items()}
+
     def run(step: SchedulerOutput, defer_tokens: bool) -> RunnerOutput:
         if previous is None and not defer:  # also what a runner without async scheduling takes
             return runner.execute(step)
