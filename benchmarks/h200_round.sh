@@ -24,6 +24,7 @@
 #   benchmarks/h200_round.sh first_frame  # its talker's first step, prefill graphs vs eager, with a profile
 #   benchmarks/h200_round.sh profile   # the Qwen2.5-Omni talker's step under the torch profiler
 #   benchmarks/h200_round.sh talker    # each talker alone (Qwen3's with its code predictor): ms/step
+#   benchmarks/h200_round.sh async     # each talker alone with async scheduling on and off (A/B in one call)
 #   benchmarks/h200_round.sh stages    # code2wav / token2wav, Qwen3-TTS, Qwen-Image on their own
 #   benchmarks/h200_round.sh diffusion # Qwen-Image 1024^2, 50 steps vs diffusers; one step per attention/compile setting
 # Logs and JSON go to $OUT (or ./h200_out). Each step has its own time limit, so one slow step
@@ -186,6 +187,14 @@ case "${1:-}" in
         VLLM_OMNI_PROFILE_SKIP=600 VLLM_OMNI_PROFILE_STEPS=200 $PY benchmarks/bench_omni_e2e.py \
         --dummy-config benchmarks/configs/qwen2_5_omni_7b.json --concurrency $c --num-requests $c \
         --prompt-words 100 --text-tokens 128 --codec-tokens 500 --skip-hf --async-chunk off
+    done ;;
+  async)  # async scheduling on and off, each talker alone, alternately in one call
+    for a in 1 0; do
+      step talker_async$a 150 env VLLM_OMNI_ASYNC_SCHEDULING=$a $PY benchmarks/bench_talker_step.py \
+        --dummy-config benchmarks/configs/qwen2_5_omni_7b.json --batches 1,8,32 --json "$OUT/talker_async$a.json"
+      step talker_qwen3_async$a 150 env VLLM_OMNI_ASYNC_SCHEDULING=$a $PY benchmarks/bench_talker_step.py \
+        --dummy-config benchmarks/configs/qwen3_omni_30b_a3b.json --batches 1,32 --steps 40 \
+        --json "$OUT/talker_qwen3_async$a.json"
     done ;;
   talker)  # each talker stage alone (bench_talker_step.py); Qwen2.5's with a torch profiler table per batch
     step talker_step 300 $PY benchmarks/bench_talker_step.py --dummy-config benchmarks/configs/qwen2_5_omni_7b.json \
