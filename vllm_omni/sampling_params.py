@@ -21,6 +21,11 @@ GREEDY_TEMPERATURE = 1e-5
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
+# Stands in a request's token ids for a sampled token still on the device (async scheduling,
+# core/llm_engine.py): the next step reads it there; the engine writes the real id in before
+# anything else reads it. The sampler counts it from the device for penalties.
+PLACEHOLDER_TOKEN = -1
+
 
 class InvalidParameter(ValueError):
     """A bad request value; `name` is the field it came from (an API error's `param`)."""

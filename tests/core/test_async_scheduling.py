@@ -8,8 +8,7 @@ import torch
 
 from vllm_omni.core.engine_config import EngineConfig
 from vllm_omni.core.llm_engine import LLMEngine
-from vllm_omni.core.request import PLACEHOLDER_TOKEN
-from vllm_omni.sampling_params import SamplingParams
+from vllm_omni.sampling_params import PLACEHOLDER_TOKEN, SamplingParams
 
 
 def make_engine(model_dir, async_scheduling: bool, device: str = "cpu", **kw) -> LLMEngine:

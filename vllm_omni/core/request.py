@@ -12,17 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_omni.sampling_params import SamplingParams
+from vllm_omni.sampling_params import PLACEHOLDER_TOKEN, SamplingParams
 
 if TYPE_CHECKING:
     from vllm_omni.core.detokenizer import IncrementalDetokenizer
     from vllm_omni.model_executor.models.stage_model import HiddenStateKey
 
 _arrival_counter = itertools.count()
-
-# Stands in `token_ids` for a sampled token still on the device (async scheduling, llm_engine.py):
-# the next step reads it there; the engine writes the real id in before anything else reads it.
-PLACEHOLDER_TOKEN = -1
 
 
 class RequestStatus(enum.Enum):

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_omni.core.request import PLACEHOLDER_TOKEN
 from vllm_omni.model_executor.device_copy import to_device_nowait
+from vllm_omni.sampling_params import PLACEHOLDER_TOKEN
 
 
 MAX_BYTES = 256 << 20

@@ -21,10 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_omni.core.request import PLACEHOLDER_TOKEN
 from vllm_omni.model_executor.device_copy import HostCopy, to_device_nowait
 from vllm_omni.model_executor.layers.penalty_state import PenaltyState
-from vllm_omni.sampling_params import SamplingParams
+from vllm_omni.sampling_params import PLACEHOLDER_TOKEN, SamplingParams
 
 _NEG_INF = float("-inf")
 
