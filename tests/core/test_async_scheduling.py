@@ -16,7 +16,7 @@ def make_engine(model_dir, async_scheduling: bool, device: str = "cpu", **kw) ->
                                   enable_prefix_caching=True, **kw))
 
 
-def request_mix(stop_token: int) -> list[SamplingParams]:
+def request_mix(stop_token: int, stop_string: str) -> list[SamplingParams]:
     """Every sampling feature whose host work the async step moves: random rows are seeded (their
     draws then do not depend on batch mates, whose rows differ when a stopped request's next step
     was already launched)."""
@@ -29,12 +29,12 @@ def request_mix(stop_token: int) -> list[SamplingParams]:
         SamplingParams(**rand, seed=2, max_tokens=10, min_tokens=6, logprobs=3, repetition_penalty=1.2),
         SamplingParams(temperature=0.0, max_tokens=1),
         SamplingParams(**rand, seed=3, max_tokens=9, stop_token_ids=[stop_token], ignore_eos=True, logprobs=0),
-        SamplingParams(temperature=0.0, max_tokens=14, stop=["ab"], ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=14, stop=[stop_string], ignore_eos=True),
     ]
 
 
-def run(engine: LLMEngine, params: list[SamplingParams], prompts: list[list[int]], stream: bool,
-        abort_after: int | None = None) -> tuple[dict, dict, dict]:
+def run(engine: LLMEngine, params: list[SamplingParams], prompts: list[list[int]], stream: bool
+        ) -> tuple[dict, dict, dict]:
     """Final outputs by request id, streamed token ids by request id, and what the run saw:
     steps, steps that left tokens on the device, preemptions."""
     for i, (p, ids) in enumerate(zip(params, prompts)):
@@ -53,8 +53,6 @@ def run(engine: LLMEngine, params: list[SamplingParams], prompts: list[list[int]
         outputs = engine.step()
         seen["steps"] += 1
         seen["deferred"] += engine._pending is not None
-        if abort_after is not None and seen["steps"] == abort_after:
-            outputs += engine.abort_request("1")
         for out in outputs:
             streamed[out.request_id] = list(out.outputs[0].token_ids)
             if out.finished:
@@ -66,6 +64,16 @@ def prompts_for(n: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
     return [torch.randint(3, vocab, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
             for _ in range(n)]
+
+
+def probe_stops(model, prompts: list[list[int]], device: str, **kw) -> tuple[int, str]:
+    """A token that request 2 generates greedily and a string in request 6's greedy text: both
+    stop their requests partway."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    outs = run(make_engine(model, False, device=device, **kw), [greedy, greedy], [prompts[2], prompts[6]], False)[0]
+    text = outs["1"].text
+    assert text.strip(), "the probe generated no text"
+    return outs["0"].token_ids[5], text[len(text) // 2:][:3]
 
 
 def assert_same(sync: dict, fast: dict) -> None:
@@ -89,13 +97,11 @@ def test_async_steps_give_the_synchronous_outputs(tiny_model, stream):
     kw = dict(block_size=4, num_kv_blocks=14, max_num_seqs=5)
     sync_engine = make_engine(model, False, **kw)
     prompts = prompts_for(7, sync_engine.vocab_size)
-    probe = run(make_engine(model, False), [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)],
-                prompts[2:3], stream=False)[0]["0"].token_ids
-    params = request_mix(stop_token=probe[5])
+    params = request_mix(*probe_stops(model, prompts, device="cpu"))
     sync, sync_streamed, sync_seen = run(sync_engine, params, prompts, stream)
     fast, fast_streamed, fast_seen = run(make_engine(model, True, **kw), params, prompts, stream)
     assert_same(sync, fast)
-    assert sync["2"].finish_reason == "stop" and sync["4"].token_ids and len(sync["4"].token_ids) == 1
+    assert sync["2"].finish_reason == sync["6"].finish_reason == "stop" and len(sync["4"].token_ids) == 1
     assert sync_seen["deferred"] == 0 and fast_seen["deferred"] > 0.5 * fast_seen["steps"]
     assert sync_seen["preempted"] > 0 and fast_seen["preempted"] > 0
     if stream:

@@ -11,7 +11,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from tests.core.test_async_scheduling import assert_same, make_engine, prompts_for, request_mix, run  # noqa: E402
+from tests.core.test_async_scheduling import (  # noqa: E402
+    assert_same, make_engine, probe_stops, prompts_for, request_mix, run)
 from vllm_omni.core.engine_config import EngineConfig  # noqa: E402
 from vllm_omni.core.llm_engine import LLMEngine  # noqa: E402
 from vllm_omni.sampling_params import SamplingParams  # noqa: E402
@@ -25,9 +26,7 @@ def test_graph_steps_in_flight_give_the_synchronous_outputs(tiny_model, stream):
     sync_engine = make_engine(model, False, **kw)
     assert sync_engine.runner.graphs is not None
     prompts = prompts_for(7, sync_engine.vocab_size)
-    probe = run(make_engine(model, False, **kw), [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)],
-                prompts[2:3], stream=False)[0]["0"].token_ids
-    params = request_mix(stop_token=probe[5])
+    params = request_mix(*probe_stops(model, prompts, **kw))
     sync, sync_streamed, _ = run(sync_engine, params, prompts, stream)
     fast, fast_streamed, seen = run(make_engine(model, True, **kw), params, prompts, stream)
     assert_same(sync, fast)
