@@ -246,7 +246,7 @@ class LLMEngine:
             for request in result.pending.requests:
                 if request.status.finished:
                     continue
-                if not self._ends_by_length_with_next_token(request):
+                if not self._at_length_limit(request, in_flight=1):  # else no step is scheduled for it
                     request.append_placeholder()  # the next step computes it (read from the device)
             self._pending = result.pending
             return outputs
@@ -275,11 +275,11 @@ class LLMEngine:
                 outputs.append(self._make_output(request))
         return outputs
 
-    def _ends_by_length_with_next_token(self, request: Request) -> bool:
-        """Its next token ends it by length (_stop_by_token's rule): no step is scheduled for it."""
+    def _at_length_limit(self, request: Request, in_flight: int = 0) -> bool:
+        """max_model_len or max_tokens reached, counting `in_flight` tokens not appended yet."""
         max_tokens = request.sampling_params.max_tokens
-        return request.num_tokens + 1 >= self.max_model_len or (
-            max_tokens is not None and request.num_output_tokens + 1 >= max_tokens)
+        return request.num_tokens + in_flight >= self.max_model_len or (
+            max_tokens is not None and request.num_output_tokens + in_flight >= max_tokens)
 
     def _fail_requests(self, sched: SchedulerOutput, failures: dict[str, str]) -> list[RequestOutput]:
         """End the requests that broke the step; the rest of `sched` goes on as scheduled."""
@@ -322,9 +322,7 @@ class LLMEngine:
 
     def _stop_by_token(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
-        if request.num_tokens >= self.max_model_len or (
-            params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
-        ):
+        if self._at_length_limit(request):
             return RequestStatus.FINISHED_LENGTH
         if request.num_output_tokens < params.min_tokens:
             return None

@@ -72,9 +72,7 @@ class PenaltyState:
             if row is None or self._ticket[row.index] != row.ticket or self._counted[row.index] != len(output):
                 row = self._lend(owner, in_batch)
                 self._build(row.index, prompt, output, vocab_size, device)
-                if output and output[-1] == PLACEHOLDER_TOKEN:  # out of vocab: counted from the device
-                    self.counts[row.index].index_add_(0, placeholder_value(i),
-                                                      torch.ones(1, dtype=torch.int32, device=device))
+                count_placeholder(self.counts[row.index], output, placeholder_value, i)
             self._last_used[row.index] = self._step
             in_batch.add(row.index)
             indices.append(row.index)
@@ -142,3 +140,11 @@ def _in_vocab(ids: list[int], vocab_size: int) -> torch.Tensor:
     """Ids outside the logits' vocabulary (placeholders) cannot be penalized: dropped."""
     flat = torch.from_numpy(np.asarray(ids, dtype=np.int64))
     return flat[(flat >= 0) & (flat < vocab_size)]
+
+
+def count_placeholder(counts: torch.Tensor, output: list[int], placeholder_value: Callable[[int], torch.Tensor] | None,
+                      row: int) -> None:
+    """When `output` ends in a placeholder (out of vocabulary, so no list count sees it), count
+    its token into `counts` [V] from the device (`placeholder_value(row)`)."""
+    if output and output[-1] == PLACEHOLDER_TOKEN:
+        counts.index_add_(0, placeholder_value(row), torch.ones(1, dtype=torch.int32, device=counts.device))

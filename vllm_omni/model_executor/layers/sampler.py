@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from vllm_omni.model_executor.device_copy import HostCopy, to_device_nowait
-from vllm_omni.model_executor.layers.penalty_state import PenaltyState
-from vllm_omni.sampling_params import PLACEHOLDER_TOKEN, SamplingParams
+from vllm_omni.model_executor.layers.penalty_state import PenaltyState, count_placeholder
+from vllm_omni.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 
@@ -132,9 +132,8 @@ def _penalty_inputs(batch: SamplingBatch, vocab_size: int, device: torch.device)
     rows, ids = _flat_ids(batch.output_token_ids, vocab_size, device)
     counts = torch.zeros(num_rows, vocab_size, dtype=torch.int32, device=device)
     counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
-    for i, out in enumerate(batch.output_token_ids):  # placeholders are out of vocab: counted here
-        if out and out[-1] == PLACEHOLDER_TOKEN:
-            counts[i].index_add_(0, batch.placeholder_value(i), torch.ones(1, dtype=torch.int32, device=device))
+    for i, out in enumerate(batch.output_token_ids):
+        count_placeholder(counts[i], out, batch.placeholder_value, i)
     rows, ids = _flat_ids(batch.prompt_token_ids, vocab_size, device)
     prompt_seen = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device)
     prompt_seen[rows, ids] = True

@@ -232,12 +232,15 @@ def _window_attention(attn, hidden, rope, lengths, masks, block_size: int, back:
 
         cos, sin = rope
         out = code2wav_ops.dit_window_attention(query, key, value, cos[0], sin[0], lengths, attn.heads, block_size,
-                                            back, ahead)
+                                                back, ahead)
         return attn.to_out[0](out)
     if (back, ahead) not in masks:
         masks[back, ahead] = _window_mask(lengths, frames, block_size, back, ahead)
     return attn.to_out[0](_torch_window_attention(attn, query, key, value, rope, masks[back, ahead], block_size,
                                                   back, ahead))
+
+
+_JOINED_QKV = "joined_qkv"  # the attention module's (weight, bias) of q, k, v joined (fuse_projections)
 
 
 def _projections(attn, hidden) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -247,9 +250,6 @@ def _projections(attn, hidden) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     if joined is None:
         return attn.to_q(hidden), attn.to_k(hidden), attn.to_v(hidden)
     return F.linear(hidden, *joined).chunk(3, dim=-1)
-
-
-_JOINED_QKV = "joined_qkv"
 
 
 def prepare_for_cuda(dit, bf16: bool) -> None:
