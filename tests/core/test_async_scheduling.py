@@ -144,15 +144,19 @@ def test_prefix_cache_and_pauses_with_tokens_in_flight(tiny_model):
         first_prompt, other_prompt = prompts_for(2, engine.vocab_size)
         engine.add_request("a", first_prompt, params)
         engine.add_request("b", other_prompt, params)
-        finals = {}
+        finals, deferred = {}, 0
         for step in range(40):
             if step == 5:
                 engine.pause_requests(["b"], True)
+                deferred_at_pause = engine.scheduler.requests["b"].has_placeholder
             if step == 9:
                 engine.pause_requests(["b"], False)
             finals.update((o.request_id, o) for o in engine.step() if o.finished)
+            deferred += engine._pending is not None
             if not engine.has_unfinished_requests():
                 break
+        # Asynchronous: b was paused with a token in flight.
+        assert (deferred_at_pause and deferred > 0) if async_scheduling else deferred == 0
         assert sorted(finals) == ["a", "b"]
         extended = first_prompt + list(finals["a"].outputs[0].token_ids)
         engine.add_request("c", extended, params)
