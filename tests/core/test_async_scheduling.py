@@ -169,3 +169,54 @@ def test_prefix_cache_and_pauses_with_tokens_in_flight(tiny_model):
     assert fast == sync
     # Request a computed every token of the extended prompt but its last output: all its full blocks hit.
     assert fast["c"][1] == 4 * ((extended - 1) // 4) > 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_hidden_states_of_steps_in_flight(tiny_model, stream):
+    """Requests that export hidden states (a thinker feeding a talker) step asynchronously too:
+    their rows are read with their tokens, a step later, and every position's row comes out once,
+    preempted and recomputed requests included."""
+    model = tiny_model("qwen3")
+    kw = dict(block_size=4, num_kv_blocks=12, max_num_seqs=4, hidden_state_layers=(1,))
+
+    def scenario(async_scheduling: bool):
+        engine = make_engine(model, async_scheduling, **kw)
+        prompts = prompts_for(5, engine.vocab_size)
+        for i, ids in enumerate(prompts):
+            engine.add_request(str(i), ids, SamplingParams(temperature=0.0, max_tokens=10 + i, ignore_eos=True),
+                               return_hidden_states=i % 2 == 0, stream=stream)
+        rows: dict[str, dict[str, list[torch.Tensor]]] = {}
+        tokens, deferred, preempted = {}, 0, 0
+        schedule = engine.scheduler.schedule
+
+        def counting_schedule():
+            nonlocal preempted
+            out = schedule()
+            preempted += len(out.preempted)
+            return out
+
+        engine.scheduler.schedule = counting_schedule
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                for key, t in out.outputs[0].multimodal_output.items():
+                    rows.setdefault(out.request_id, {}).setdefault(key, []).append(t)
+                if out.finished:
+                    tokens[out.request_id] = out.outputs[0].token_ids
+            deferred += engine._pending is not None
+        joined = {rid: {key: torch.cat(parts) for key, parts in by_key.items()} for rid, by_key in rows.items()}
+        return tokens, joined, prompts, deferred, preempted
+
+    fast_tokens, fast_rows, prompts, deferred, preempted = scenario(True)
+    sync_tokens, sync_rows, _, sync_deferred, _ = scenario(False)
+    assert fast_tokens == sync_tokens
+    assert sorted(fast_rows) == sorted(sync_rows) == ["0", "2", "4"]
+    for rid in sync_rows:
+        # Every prompt position and every output but the last (whose state no step computed).
+        expected = len(prompts[int(rid)]) + len(sync_tokens[rid]) - 1
+        assert sorted(fast_rows[rid]) == sorted(sync_rows[rid]) == ["1", "last"]
+        for key, want in sync_rows[rid].items():
+            assert want.shape[0] == expected
+            # Batches differ by a dropped row at times (and so do recompute chunks): float noise
+            # only; a row out of place would differ by the rows' own size.
+            torch.testing.assert_close(fast_rows[rid][key], want, atol=1e-3, rtol=1e-3)
+    assert deferred > 0 and sync_deferred == 0 and preempted > 0

@@ -128,6 +128,8 @@ class DecodeGraphs:
             blocks[i, : len(row)] = row
         self.token_rows[:, :size].copy_(staging_t[:, :size], non_blocking=True)
         self.block_tables[:size].copy_(blocks_t[:size], non_blocking=True)
+        self.staging.queued()
+        self.block_staging.queued()
         return self.input_ids[:b]
 
     def replay(self, b: int, inputs_embeds: torch.Tensor | None):

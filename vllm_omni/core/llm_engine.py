@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from vllm_omni.model_executor.model_loader import load_hf_config, load_model
 from vllm_omni.model_executor.models.stage_model import StageModel, hidden_state_name
 from vllm_omni.outputs import CompletionOutput, RequestOutput
 from vllm_omni.sampling_params import SamplingParams
-from vllm_omni.core.model_runner import ARModelRunner, PendingTokens, RunnerOutput
+from vllm_omni.core.model_runner import ARModelRunner, PendingTokens, StepHiddenStates
 from vllm_omni.core.tp_executor import TPExecutor
 from vllm_omni.core.isolated_step import execute_isolating_failures
 
@@ -37,6 +38,15 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+@dataclass
+class _InFlight:
+    """A step launched under async scheduling whose outputs the host has not read yet."""
+
+    tokens: PendingTokens
+    hidden_states: StepHiddenStates
+    spans: list[tuple[Request, int, int]]  # (request, end of its computed positions, how many this step computed)
 
 
 class LLMEngine:
@@ -76,7 +86,7 @@ class LLMEngine:
         self.block_manager = BlockManager(plan.num_blocks, config.block_size, config.enable_prefix_caching)
         # Async scheduling (config.async_scheduling): the step whose tokens are still on the device.
         self._async = config.async_scheduling and isinstance(self.runner, ARModelRunner)
-        self._pending: PendingTokens | None = None
+        self._pending: _InFlight | None = None
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                             config.enable_chunked_prefill),
@@ -226,11 +236,9 @@ class LLMEngine:
                 # Cannot happen while the pool holds one max_model_len request (checked at start).
                 raise RuntimeError("scheduler made no progress with computable requests")
             return self._settle_pending()
-        # A step that exports hidden states copies them to the host, which waits for its forward
-        # anyway: deferring its tokens would only delay its outputs.
-        defer = self._async and not any(item.request.return_hidden_states for item in sched.scheduled)
+        previous = self._pending.tokens if self._pending is not None else None
         try:
-            result, failures = execute_isolating_failures(self.runner, sched, self._pending, defer)
+            result, failures = execute_isolating_failures(self.runner, sched, previous, self._async)
         except Exception:
             with contextlib.suppress(Exception):  # no placeholder outlives its step (the error goes on)
                 self._settle_pending()
@@ -240,16 +248,18 @@ class LLMEngine:
         outputs += self._settle_pending()
         sched.scheduled = [item for item in sched.scheduled if not item.request.status.finished]
         self.scheduler.advance(sched)
-        for item in sched.scheduled:
-            self._collect_hidden_states(item.request, item.num_new_tokens, result)
+        # (request, its computed positions' end, how many this step computed), for hidden states
+        spans = [(item.request, item.request.num_computed_tokens, item.num_new_tokens) for item in sched.scheduled]
         if result.pending is not None:
             for request in result.pending.requests:
                 if request.status.finished:
                     continue
                 if not self._at_length_limit(request, in_flight=1):  # else no step is scheduled for it
                     request.append_placeholder()  # the next step computes it (read from the device)
-            self._pending = result.pending
+            self._pending = _InFlight(result.pending, result.hidden_states, spans)
             return outputs
+        for request, end, num_new_tokens in spans:
+            self._collect_hidden_states(request, end, num_new_tokens, result.hidden_states)
         for item in sched.scheduled:
             request = item.request
             token = result.sampled.get(request.request_id)
@@ -261,13 +271,17 @@ class LLMEngine:
         return outputs
 
     def _settle_pending(self) -> list[RequestOutput]:
-        """Read the deferred step's tokens: each takes its placeholder's place, then the stop rules."""
+        """Read the deferred step's hidden states and tokens: each token takes its placeholder's
+        place, then the stop rules."""
         pending, self._pending = self._pending, None
         if pending is None:
             return []
-        result = pending.result()
+        for request, end, num_new_tokens in pending.spans:
+            if not request.status.finished:
+                self._collect_hidden_states(request, end, num_new_tokens, pending.hidden_states)
+        result = pending.tokens.result()
         outputs = []
-        for request, token, logprobs in zip(pending.requests, result.token_ids, result.logprobs):
+        for request, token, logprobs in zip(pending.tokens.requests, result.token_ids, result.logprobs):
             if request.status.finished:
                 continue  # aborted or failed meanwhile
             self._append_token(request, token, logprobs)
@@ -293,12 +307,13 @@ class LLMEngine:
             outputs.append(self._make_output(request))
         return outputs
 
-    def _collect_hidden_states(self, request: Request, num_new_tokens: int, result: RunnerOutput) -> None:
-        states = result.hidden_states.get(request.request_id)
+    def _collect_hidden_states(self, request: Request, end: int, num_new_tokens: int,
+                               hidden_states: StepHiddenStates) -> None:
+        """The rows of positions end - num_new_tokens .. end - 1, computed by a step, if exported."""
+        states = hidden_states.of(request.request_id)
         if not states:
             return
         # Rows of positions captured before (a recompute after preemption) are not captured twice.
-        end = request.num_computed_tokens
         skip = max(0, request.num_hidden_rows - (end - num_new_tokens))
         if skip >= num_new_tokens:
             return

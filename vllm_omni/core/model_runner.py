@@ -15,7 +15,7 @@ from torch import nn
 
 from vllm_omni.core.request import Request
 from vllm_omni.core.scheduler import ScheduledRequest, SchedulerOutput
-from vllm_omni.model_executor.device_copy import to_device_nowait
+from vllm_omni.model_executor.device_copy import HostCopy, to_device_nowait
 from vllm_omni.model_executor.forward_context import AttentionMetadata, set_forward_context
 from vllm_omni.model_executor.layers.attention import Attention, TorchAttentionBackend
 from vllm_omni.model_executor.layers.sampler import PendingSample, Sampler, SamplerOutput, SamplingBatch
@@ -54,12 +54,41 @@ class PendingTokens:
         return self.sample.result()
 
 
+class StepHiddenStates:
+    """The hidden states a step exports: per request and key, the rows of the positions it
+    computed. They travel to the host behind the step (one HostCopy per key), so reading them
+    (`of`) waits for that copy alone; under async scheduling the engine reads them a step later."""
+
+    def __init__(self) -> None:
+        self._rows: dict[str, tuple[dict[HiddenStateKey, HostCopy], int, int]] = {}
+
+    def add(self, tensors: dict[HiddenStateKey, torch.Tensor], spans: dict[str, tuple[int, int]]) -> None:
+        """tensors: [T, H] per key; spans: request id -> (start, end) of its rows among the T."""
+        rows = [r for start, end in spans.values() for r in range(start, end)]
+        copies = {key: HostCopy(select_rows(t, rows)) for key, t in tensors.items()}
+        offset = 0
+        for request_id, (start, end) in spans.items():
+            self._rows[request_id] = (copies, offset, offset + end - start)
+            offset += end - start
+
+    def of(self, request_id: str) -> dict[HiddenStateKey, torch.Tensor] | None:
+        """The request's rows on the host (None: it exported none this step)."""
+        entry = self._rows.get(request_id)
+        if entry is None:
+            return None
+        copies, start, end = entry
+        return {key: copy.get()[start:end] for key, copy in copies.items()}
+
+    def update(self, other: StepHiddenStates) -> None:
+        self._rows.update(other._rows)
+
+
 @dataclass
 class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
-    # request id -> key -> hidden states of the tokens computed this step, on CPU
-    hidden_states: dict[str, dict[HiddenStateKey, torch.Tensor]] = field(default_factory=dict)
+    # The hidden states of the tokens computed this step, for the requests that export them.
+    hidden_states: StepHiddenStates = field(default_factory=StepHiddenStates)
     # A deferred step (`execute(defer=True)`): its tokens, not read yet (`sampled` stays empty).
     pending: PendingTokens | None = None
 
@@ -414,14 +443,9 @@ class ARModelRunner:
         return embeds
 
     def _slice_hidden_states(self, items, query_start, hidden, captured, out: RunnerOutput) -> None:
-        for i, item in enumerate(items):
-            req = item.request
-            if not req.return_hidden_states:
-                continue
-            span = slice(query_start[i], query_start[i + 1])
-            states: dict[HiddenStateKey, torch.Tensor] = {layer: t[span].cpu() for layer, t in captured.items()}
-            states[LAST] = hidden[span].cpu()
-            out.hidden_states[req.request_id] = states
+        spans = {item.request.request_id: (query_start[i], query_start[i + 1])
+                 for i, item in enumerate(items) if item.request.return_hidden_states}
+        out.hidden_states.add({**captured, LAST: hidden}, spans)
 
 
 def _fill_placeholders(ids: torch.Tensor, last_rows: list[int], requests: list[Request],

@@ -136,6 +136,7 @@ class PrefillGraphs:
         staging[_LENGTHS, _CU_K] = cu_k + [k] * unused
         staging[_LENGTHS, _LAST] = last + [0] * unused
         self.token_rows[:, :size].copy_(staging_t[:, :size], non_blocking=True)
+        self.staging.queued()
         return self.token_rows[_IDS, :q]
 
     def replay(self, spans: int, rows: int, keys: int, inputs_embeds: torch.Tensor | None):

@@ -16,19 +16,30 @@ def to_device_nowait(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 class PinnedStaging:
     """Pinned host buffers for a step's queued host-to-device input copies, used in turn.
 
-    Under async scheduling the host fills the next step's inputs while the copy of the step
-    before may still wait in the stream; by the time a buffer comes round again, the host has
-    read the tokens of the step that used it, which the stream computed after that copy."""
+    The host fills the next step's inputs while the copy of the step before may still wait in
+    the stream (async scheduling; or a run of prefill steps that sample nothing, which never
+    wait). A buffer is refilled only once its last copy has run (`queued` records it): usually
+    long done, as the host has read the tokens of a later step by then."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, count: int = 2) -> None:
         self._buffers = [torch.zeros(shape, dtype=dtype, pin_memory=True) for _ in range(count)]
         self._arrays = [b.numpy() for b in self._buffers]  # rows filled through numpy: ~1 us a row
+        self._copied: list[torch.cuda.Event | None] = [None] * count
         self._turn = 0
 
     def next(self) -> tuple[torch.Tensor, np.ndarray]:
         """The next buffer, as a tensor (the copy's source) and a numpy view of it (to fill)."""
         self._turn = (self._turn + 1) % len(self._buffers)
+        event, self._copied[self._turn] = self._copied[self._turn], None
+        if event is not None:
+            event.synchronize()
         return self._buffers[self._turn], self._arrays[self._turn]
+
+    def queued(self) -> None:
+        """The copies from the buffer `next` returned are queued on the current stream."""
+        event = torch.cuda.Event()
+        event.record()
+        self._copied[self._turn] = event
 
 
 class HostCopy:
