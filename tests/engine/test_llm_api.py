@@ -54,6 +54,18 @@ def test_stop_token_ids(llm):
     assert out.finish_reason == "stop" and out.stop_reason == stop
 
 
+def test_a_stop_token_that_is_also_the_last_allowed_token_stops(llm):
+    """vLLM's order: the stop token wins over the length limit it also reaches (a talker's EOS
+    there is then dropped downstream, as every other EOS)."""
+    base = llm.generate(PROMPT, greedy(ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    stop = base[4]
+    first = base.index(stop)
+    out = llm.generate(PROMPT, greedy(max_tokens=first + 1, ignore_eos=True, stop_token_ids=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+
+
 def test_stop_strings_excluded_and_included(llm):
     base = llm.generate(PROMPT, greedy(max_tokens=24, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
     assert len(base) > 12, base

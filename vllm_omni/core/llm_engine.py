@@ -336,16 +336,17 @@ class LLMEngine:
             self.scheduler.finish(request, status)
 
     def _stop_by_token(self, request: Request, token: int) -> RequestStatus | None:
+        """vLLM's order: a stop token ends the request as "stop" even when it is also the last
+        token the length allows (a talker's EOS there is not a code: downstream stages drop it)."""
         params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in params._eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
         if self._at_length_limit(request):
             return RequestStatus.FINISHED_LENGTH
-        if request.num_output_tokens < params.min_tokens:
-            return None
-        if not params.ignore_eos and token in params._eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
-            request.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
         return None
 
     def _make_output(self, request: Request) -> RequestOutput:
