@@ -60,21 +60,41 @@ def test_mixed_concurrent_requests_equal_their_solo_runs(omni):
 
 
 def test_matches_transformers_generate(omni, omni_dir):
+    check_matches_transformers(omni, omni_dir, talker_tokens=40)
+
+
+# Other shapes than the default tiny model's: grouped-query thinker attention with another
+# head_dim, DiT blocks of 4 codes with two look-ahead layers (the streamed token2wav decodes
+# many small chunks), a three-stage vocoder.
+OTHER_SHAPES = dict(thinker_hidden_size=96, thinker_num_attention_heads=2, thinker_num_key_value_heads=1,
+                    thinker_num_hidden_layers=3, dit_block_size=8, dit_num_hidden_layers=3,
+                    dit_look_ahead_layers=[0, 2], dit_look_backward_layers=[1], bigvgan_upsample_rates=[4, 3, 2],
+                    bigvgan_upsample_kernel_sizes=[8, 7, 4])
+
+
+def test_other_shapes_stream_what_transformers_generates(tiny_model):
+    ckpt = tiny_model("qwen2_5_omni", **OTHER_SHAPES)
+    with Omni(model=str(ckpt)) as omni:  # the bundled deploy config: every edge streams
+        check_matches_transformers(omni, ckpt, talker_tokens=60)
+        assert omni._runtime.orchestrator.stage_counters[2]["early_starts"] == 1
+
+
+def check_matches_transformers(omni, ckpt, talker_tokens: int) -> None:
     from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
 
     from vllm_omni.testing.tiny_omni_config import CODEC_END, CODEC_PAD
 
     messages = user({"type": "text", "text": "What is the capital of France?"})
-    thinker_tokens, talker_tokens, seed, steps = 12, 40, 7, 10  # steps: code2wav's default
+    thinker_tokens, seed, steps = 12, 7, 10  # steps: code2wav's default
     greedy = [{"temperature": 0.0, "max_tokens": thinker_tokens, "repetition_penalty": 1.0},
               {"temperature": 0.0, "max_tokens": talker_tokens, "repetition_penalty": 1.05},
               {"seed": seed}]
     ours = by_request(omni.generate({"messages": messages, "speaker": "Chelsie"}, greedy, use_tqdm=False))[0]
 
-    tok = AutoTokenizer.from_pretrained(omni_dir)
+    tok = AutoTokenizer.from_pretrained(ckpt)
     ids = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
               return_tensors="pt")["input_ids"]
-    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(omni_dir, dtype=torch.float32).eval()
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
     model.talker.register_forward_pre_hook(give_talker_a_mask, with_kwargs=True)
     codes, token2wav = [], model.token2wav.forward
 
@@ -89,7 +109,9 @@ def test_matches_transformers_generate(omni, omni_dir):
             input_ids=ids, attention_mask=torch.ones_like(ids), speaker="Chelsie",
             thinker_max_new_tokens=thinker_tokens, thinker_do_sample=False,
             talker_max_new_tokens=talker_tokens, talker_do_sample=False,
-            talker_eos_token_id=[CODEC_END, CODEC_PAD], token2wav_num_steps=steps)
+            talker_eos_token_id=[CODEC_END, CODEC_PAD], token2wav_num_steps=steps,
+            # transformers' thinker does not read the checkpoint's generation config (both ids).
+            thinker_eos_token_id=tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
     text = ours["text"].request_output
     assert text.prompt_token_ids == ids[0].tolist()  # same chat template, same ids
     assert text.outputs[0].token_ids == sequences[0, ids.shape[1]:].tolist()

@@ -138,11 +138,31 @@ def reference_inputs(ckpt, messages) -> tuple[torch.Tensor, dict]:
          {"type": "audio", "audio": (sine(0.6, 16000)[:, 0], 16000)}, text("What do you see and hear?")),
 ], ids=["text", "image+audio"])
 def test_matches_transformers_generate(omni, ckpt, messages):
+    check_matches_transformers(omni, ckpt, messages, talker_tokens=20)
+
+
+# Other shapes than the default tiny model's: 8 code groups of a 32-code codebook, a code
+# predictor of 3 grouped-query layers with another head_dim, a code2wav with another sliding
+# window and upsampling (other chunk sizes in samples), 8 thinker experts of which 3 are active.
+OTHER_SHAPES = dict(code2wav_num_quantizers=8, code2wav_codebook_size=32, code_predictor_num_hidden_layers=3,
+                    code_predictor_num_attention_heads=4, code_predictor_num_key_value_heads=2,
+                    code_predictor_head_dim=8, code2wav_sliding_window=8, code2wav_upsample_rates=[2, 3],
+                    code2wav_upsampling_ratios=[2, 2], thinker_num_experts=8, thinker_num_experts_per_tok=3)
+
+
+def test_other_shapes_stream_what_transformers_generates(tiny_model):
+    ckpt = tiny_model("qwen3_omni_moe", **OTHER_SHAPES)
+    with Omni(model=str(ckpt)) as omni:  # the bundled deploy config: every edge streams
+        check_matches_transformers(omni, ckpt, user(text("What is the capital of France?")), talker_tokens=30)
+        assert omni._runtime.orchestrator.stage_counters[2]["early_starts"] == 1
+
+
+def check_matches_transformers(omni, ckpt, messages, talker_tokens: int) -> None:
     from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
 
     from vllm_omni.testing.tiny_qwen3_omni import prepare_reference
 
-    thinker_tokens, talker_tokens = 10, 20
+    thinker_tokens = 10
     greedy = [{"temperature": 0.0, "max_tokens": thinker_tokens, "repetition_penalty": 1.0},
               {"temperature": 0.0, "max_tokens": talker_tokens, "repetition_penalty": 1.05}, None]
     ours = by_request(omni.generate({"messages": messages, "speaker": "Chelsie"}, greedy, use_tqdm=False))[0]
@@ -157,19 +177,20 @@ def test_matches_transformers_generate(omni, ckpt, messages):
         return talker_runs[-1]
 
     model.talker.generate = recording_talker
-    im_end = AutoTokenizer.from_pretrained(ckpt).convert_tokens_to_ids("<|im_end|>")
+    # The checkpoint's generation config's ids (transformers' default is the released
+    # vocabulary's <|im_end|>, outside the tiny one).
+    thinker_eos = AutoTokenizer.from_pretrained(ckpt).convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     with torch.no_grad():
         # transformers computes no frame for the talker's last sampled token; our talker, stopped
         # by its length limit, keeps that token's frame. One more talker step makes the frames
-        # (and so the waveform) the same. thinker_eos_token_id: the default is the released
-        # vocabulary's <|im_end|>, outside the tiny one.
+        # (and so the waveform) the same.
         sequences, wav = model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), speaker="Chelsie", **mm,
-            thinker_max_new_tokens=thinker_tokens, thinker_do_sample=False, thinker_eos_token_id=im_end,
+            thinker_max_new_tokens=thinker_tokens, thinker_do_sample=False, thinker_eos_token_id=thinker_eos,
             talker_max_new_tokens=talker_tokens + 1, talker_do_sample=False)
     [talker] = talker_runs
     ref_frames = torch.stack([h[-1] for h in talker.hidden_states if h[-1] is not None], dim=1)[0]  # [frames, G]
-    assert ref_frames.shape == (talker_tokens, 4)
+    assert ref_frames.shape == (talker_tokens, model.config.talker_config.num_code_groups)
 
     txt = ours["text"].request_output
     assert txt.prompt_token_ids == ids[0].tolist()
