@@ -49,6 +49,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--reply-rows", type=int, default=128, help="thinker reply tokens R")
     p.add_argument("--context", type=int, default=300, help="codes generated before timing starts")
     p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--seed", type=int, help="every request seeded (the bundled configs set 42): each row draws "
+                                            "its noise from its own generator")
     p.add_argument("--profile", help="write a torch profiler table of the timed steps at each batch here")
     p.add_argument("--json", default="talker_step.json")
     args = p.parse_args()
@@ -110,7 +112,7 @@ def main() -> None:
         dtype="bfloat16" if gpu else "float32", load_format="dummy" if args.dummy_config else "auto",
         max_num_seqs=max(batches), enable_prefix_caching=False))  # max_model_len: the model's, as deployed
     params = SamplingParams(**SAMPLING[args.family], ignore_eos=True, max_tokens=args.context + args.steps + 8,
-                            detokenize=False)
+                            detokenize=False, seed=args.seed)
     prompt_ids = chat_prompt(args, engine.config.model)
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     kv_per_token = engine.runner.kv_bytes_per_block(engine.model, 1, engine.dtype)

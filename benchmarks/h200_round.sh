@@ -25,6 +25,7 @@
 #   benchmarks/h200_round.sh profile   # the Qwen2.5-Omni talker's step under the torch profiler
 #   benchmarks/h200_round.sh talker    # each talker alone (Qwen3's with its code predictor): ms/step
 #   benchmarks/h200_round.sh async     # each talker alone with async scheduling on and off (A/B in one call)
+#   benchmarks/h200_round.sh norm_linear  # RMSNorm fused into the next product vs apart, program shapes
 #   benchmarks/h200_round.sh stages    # code2wav / token2wav, Qwen3-TTS, Qwen-Image on their own
 #   benchmarks/h200_round.sh diffusion # Qwen-Image 1024^2, 50 steps vs diffusers; one step per attention/compile setting
 # Logs and JSON go to $OUT (or ./h200_out). Each step has its own time limit, so one slow step
@@ -196,6 +197,9 @@ case "${1:-}" in
         --dummy-config benchmarks/configs/qwen3_omni_30b_a3b.json --batches 1,32 --steps 40 \
         --json "$OUT/talker_qwen3_async$a.json"
     done ;;
+  norm_linear)  # RMSNorm fused into the next product (cuda_ops.norm_linear) vs apart, with its GPU tests
+    step norm_linear_tests 150 $PY -m pytest -q tests/gpu/test_cuda_ops.py -k "norm_linear or decoder_layers" -p no:cacheprovider
+    step norm_linear 200 $PY benchmarks/bench_norm_linear.py --sweep ;;
   talker)  # each talker stage alone (bench_talker_step.py); Qwen2.5's with a torch profiler table per batch
     step talker_step 300 $PY benchmarks/bench_talker_step.py --dummy-config benchmarks/configs/qwen2_5_omni_7b.json \
       --batches 1,8,32 --json "$OUT/talker_step.json"

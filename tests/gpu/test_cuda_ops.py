@@ -103,6 +103,81 @@ def test_small_m_linear_matches_float32_matmul(dtype, rows, n, k):
         ulp_close(got, ref.to(dtype), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows, n, k, gated", [(1, 2560, 896, False), (2, 4096, 1024, False), (1, 6144, 1024, True),
+                                               (2, 200, 300, True), (1, 37, 1500, False)])
+def test_norm_linear_matches_the_separate_kernels(dtype, rows, n, k, gated):
+    """The RMSNorm fused into the product after it (and the gated SiLU after a gate/up product)
+    against the kernels it replaces, on strided rows, with and without a residual and a bias: the
+    residual stream bit for bit, the output within an ulp of the float32 product of the same
+    normalized rows (the accumulation order differs); K past one chunk (1500) included."""
+    x = torch.randn(rows, 2 * k, device="cuda", dtype=dtype)[:, :k]
+    res = torch.randn(rows, k, device="cuda", dtype=dtype)
+    norm_w = (1 + 0.2 * torch.randn(k, device="cuda")).to(dtype)
+    w = (torch.randn(n, k, device="cuda") * k**-0.5).to(dtype)
+    b = torch.randn(n, device="cuda", dtype=dtype)
+    for residual in (None, res):
+        for bias in ((None,) if gated else (None, b)):
+            normed = cuda_ops.rms_norm(x, norm_w, 1e-6, residual)
+            normed, stream = normed if residual is not None else (normed, None)
+            ref = torch.nn.functional.linear(normed.float(), w.float(), None if bias is None else bias.float())
+            ref = ref.to(dtype)
+            got = cuda_ops.norm_linear(x, norm_w, 1e-6, w, bias, residual, gated)
+            if residual is not None:
+                got, got_stream = got
+                assert torch.equal(got_stream, stream)
+            if gated:
+                ref = cuda_ops.silu_and_mul(ref)
+            assert got.dtype == dtype and got.shape == ref.shape
+            ulp_close(got, ref, dtype)
+
+
+def test_decoder_layers_fuse_their_norms_at_decode_rows(monkeypatch):
+    """A Qwen3 code predictor's decoder in bf16 (its layers: frame attention, gated MLP) over a
+    frame at one and two rows: with its norms fused into the q/k/v and gate/up products (both in
+    every layer, every step) it computes what it computes with them apart, within bf16 noise."""
+    from vllm_omni.model_executor.models import decoder
+    from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_code_predictor import frame_decoder
+
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, vocab_size=64, max_position_embeddings=64)
+    config.num_code_groups = 8  # a frame of 9 positions
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model, attentions = frame_decoder(config)
+    model = model.to(torch.bfloat16)
+    for p in model.parameters():
+        p.data.normal_(1.0 if p.dim() == 1 else 0.0, 0.2 if p.dim() == 1 else 0.05)
+    fused_calls = []
+    norm_linear = cuda_ops.norm_linear
+    monkeypatch.setattr(cuda_ops, "norm_linear", lambda *a, **kw: fused_calls.append(kw) or norm_linear(*a, **kw))
+
+    fuses_norm = decoder.fuses_norm
+
+    def run_frame(batch: int, fuse: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(decoder, "fuses_norm", fuses_norm if fuse else lambda *args: False)
+        for attn in attentions:
+            attn.reset(batch)
+        gen = torch.Generator(device="cuda").manual_seed(batch)
+        outs = []
+        with torch.inference_mode():
+            for step in range(9):  # a 1-token prefill per sequence, then one token a step
+                x = torch.randn(batch, 256, device="cuda", generator=gen).to(torch.bfloat16)
+                outs.append(model(None, torch.full((batch,), step, device="cuda"), x)[0])
+        return outs
+
+    for batch in (1, 2):
+        apart = run_frame(batch, fuse=False)
+        assert not fused_calls
+        fused = run_frame(batch, fuse=True)
+        assert len(fused_calls) == 9 * 3 * 2  # steps x layers x (q/k/v, gate/up)
+        fused_calls.clear()
+        for step, (got, want) in enumerate(zip(fused, apart, strict=True)):
+            torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2, msg=f"batch {batch} step {step}")
+
+
 @pytest.mark.parametrize("temperature, top_k, top_p", [(0.9, 50, 1.0), (1.0, 50, 0.8), (0.7, 0, 0.9), (1.0, 0, 1.0)])
 def test_sample_codes_kernel_draws_the_torch_rule(temperature, top_k, top_p):
     """The predictor's in-graph sampling as one kernel gives the codes of its torch ops (CPU) for

@@ -339,6 +339,89 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 @triton.jit
+def _norm_linear_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, m_rows, n_out, k_dim, eps,
+                        stride_x, stride_res, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        GATED: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    m = tl.arange(0, M_PAD)
+    k = tl.arange(0, BLOCK_K)
+    m_mask = m < m_rows
+    # Pass 1: each row's mean square over K (program 0 also writes the residual stream x + res).
+    squares = tl.zeros([M_PAD, BLOCK_K], tl.float32)
+    for k0 in tl.range(0, k_dim, BLOCK_K):
+        kk = k0 + k
+        mk = m_mask[:, None] & (kk < k_dim)[None, :]
+        h = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :], mask=mk, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + m[:, None] * stride_res + kk[None, :], mask=mk, other=0.0)
+            h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)  # the add rounds like torch's
+            if pid == 0:
+                tl.store(res_out_ptr + m[:, None] * k_dim + kk[None, :], h, mask=mk)
+        hf = h.to(tl.float32)
+        squares += hf * hf
+    inv_rms = tl.rsqrt(tl.sum(squares, 1) / k_dim + eps)[:, None]
+    # Pass 2: the normalized rows (rounded where RMSNorm rounds) against this program's weight rows.
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < n_out
+    acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+    for k0 in tl.range(0, k_dim, BLOCK_K):
+        kk = k0 + k
+        k_mask = kk < k_dim
+        mk = m_mask[:, None] & k_mask[None, :]
+        h = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :], mask=mk, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + m[:, None] * stride_res + kk[None, :], mask=mk, other=0.0)
+            h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+        y = (h.to(tl.float32) * inv_rms).to(h.dtype)  # HF: normalized, cast back, then the weight
+        nw = tl.load(norm_w_ptr + kk, mask=k_mask, other=0.0)
+        y = (nw.to(tl.float32)[None, :] * y.to(tl.float32)).to(h.dtype).to(tl.float32)
+        wk = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptr + n[:, None] * k_dim + kk[None, :], mask=wk, other=0.0)
+        acc += tl.sum(y[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+        if GATED:
+            w_up = tl.load(w_ptr + (n + n_out)[:, None] * k_dim + kk[None, :], mask=wk, other=0.0)
+            acc_up += tl.sum(y[:, None, :] * w_up.to(tl.float32)[None, :, :], 2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    out = acc.to(dtype)
+    if GATED:  # silu(gate) * up with the roundings of the product's output and of silu_and_mul
+        g = out.to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(dtype)
+        out = (silu.to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
+    tl.store(out_ptr + m[:, None] * n_out + n[None, :], out, mask=m_mask[:, None] & n_mask[None, :])
+
+
+def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                bias: torch.Tensor | None = None, residual: torch.Tensor | None = None, gated: bool = False,
+                block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None):
+    """RMSNorm (after the residual add) fused into the product that reads it, for a few decode rows:
+    `linear(rms_norm(x [+ residual]), weight, bias)`, and with `gated` the gated SiLU after it
+    (weight = [gate | up] -> silu(gate) * up). Returns the output, and with `residual` also
+    x + residual (the residual stream, as `rms_norm` returns it). Each program normalizes the
+    rows itself (they are a few KB, read from L2) and streams its rows of the weight, so the
+    norm's and the activation's own launches, and their round trips through memory, are gone.
+    Numerics: RMSNorm's, silu_and_mul's and the product's roundings, float32 accumulation."""
+    m_rows, k_dim = x.shape
+    n_out = weight.shape[0] // 2 if gated else weight.shape[0]
+    m_pad = triton.next_power_of_2(m_rows)
+    # The fastest program shape for every product `linear.fuses_norm` admits (1-2 rows, K <= 1024:
+    # the whole row in one chunk), bench_norm_linear.py --sweep on the H200.
+    block_k = block_k or min(1024, triton.next_power_of_2(k_dim))
+    block_n = block_n or 4
+    out = torch.empty(m_rows, n_out, dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else out
+    _norm_linear_kernel[(triton.cdiv(n_out, block_n),)](
+        x, residual if residual is not None else x, norm_weight, weight, bias if bias is not None else weight,
+        out, res_out, m_rows, n_out, k_dim, eps, x.stride(0), residual.stride(0) if residual is not None else 0,
+        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, GATED=gated, M_PAD=m_pad,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps or 4,
+    )
+    return out if residual is None else (out, res_out)
+
+
+@triton.jit
 def _sample_codes_kernel(logits_ptr, greedy_ptr, gumbel_ptr, out_ptr, vocab, stride_logits, stride_gumbel,
                          inv_temperature, top_k, top_p, TOP_K: tl.constexpr, TOP_P: tl.constexpr,
                          VOCAB_PAD: tl.constexpr):

@@ -44,5 +44,16 @@ class RMSNorm(nn.Module):
         x = x + residual
         return rms_norm(x, self.weight, self.eps), x
 
+    def then_linear(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                    bias: torch.Tensor | None = None, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(norm(x + residual), weight, bias), x + residual) in one CUDA kernel, for the rows
+        `linear.fuses_norm` admits; `gated`: silu(gate) * up of the [gate | up] product. Without
+        `residual`, x itself is the residual stream."""
+        from vllm_omni.model_executor.layers import cuda_ops
+
+        if residual is None:
+            return cuda_ops.norm_linear(x, self.weight, self.eps, weight, bias, gated=gated), x
+        return cuda_ops.norm_linear(x, self.weight, self.eps, weight, bias, residual, gated)
+
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

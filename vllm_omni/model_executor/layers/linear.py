@@ -37,6 +37,22 @@ SMALL_M_ROWS = 2
 SMALL_M_MAX_DIM = 4096
 
 
+# `cuda_ops.norm_linear` (an RMSNorm fused into the product after it) for as many decode rows and
+# weights of at most this many input columns (one chunk of the row per program) and output rows:
+# there it beats the norm, product and gated activation launched apart by 1.0-2.6 us a layer
+# (the code predictors' and talkers' q/k/v and gate/up products); on the Qwen2.5 talker's 37888-row
+# gate/up and the 7B thinker's products it loses (benchmarks/bench_norm_linear.py, round 16).
+NORM_FUSED_MAX_K = 1024
+NORM_FUSED_MAX_N = 8192
+
+
+def fuses_norm(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `RMSNorm.then_linear` runs the norm inside this product (`cuda_ops.norm_linear`)."""
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] <= SMALL_M_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == norm_weight.dtype == x.dtype and weight.shape[1] <= NORM_FUSED_MAX_K
+            and weight.shape[0] <= NORM_FUSED_MAX_N and x.stride(-1) == 1 and weight.is_contiguous())
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`; on CUDA in half precision, small decode-time products through our kernel."""
     if (x.is_cuda and x.dim() == 2 and x.shape[0] <= SMALL_M_ROWS and x.dtype in (torch.bfloat16, torch.float16)
@@ -184,7 +200,11 @@ class QKVLinear(_StackedLinear):
         super().__init__(hidden_size, shards, bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = linear(x, self.weight, self.bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.split(linear(x, self.weight, self.bias))
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The product's output [T, (H + 2 Hkv) D] as views q, k, v."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return q, k, v
 
 

@@ -56,13 +56,17 @@ class FrameCacheAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B*T, hidden], cos/sin [B*T, D] -> [B*T, hidden]."""
-        q, k, v = self.qkv_proj(x)
+        return self.attend(*self.qkv_proj(x), cos, sin)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+        """The rest of `forward` from the q/k/v product's output (as `DecoderAttention.attend`)."""
         if self.k_cache is None:
             self.k_cache = k.new_empty(self.batch, self.num_kv_heads, self.capacity, self.head_dim)
             self.v_cache = torch.empty_like(self.k_cache)
-        start, tokens = self.length, x.shape[0] // self.batch
+        start, tokens = self.length, q.shape[0] // self.batch
         self.length += tokens
-        attend = self._attend_fused if x.is_cuda else self._attend
+        attend = self._attend_fused if q.is_cuda else self._attend
         return self.o_proj(attend(q, k, v, cos, sin, start, tokens))
 
     def _attend_fused(self, q, k, v, cos, sin, start: int, tokens: int) -> torch.Tensor:
