@@ -13,11 +13,10 @@ import argparse
 
 import torch
 
+from bench_small_linear import CALLS, HBM_BYTES_PER_S, us_per_call  # benchmarks/ (the script's folder)
 from vllm_omni.model_executor.layers import cuda_ops
 from vllm_omni.model_executor.layers.linear import linear
 
-HBM_BYTES_PER_S = 4.27e12  # device-to-device copy bandwidth measured on the H200 (notes/gpu.md)
-CALLS = 24
 SHAPES = {  # name: (N of the weight, K, gated, bias)
     "qwen2_5 talker qkv": (2560, 896, False, True), "qwen2_5 talker gate_up": (37888, 896, True, False),
     "predictor qkv": (4096, 1024, False, False), "predictor gate_up": (6144, 1024, True, False),
@@ -26,22 +25,6 @@ SHAPES = {  # name: (N of the weight, K, gated, bias)
 }
 SWEEP = [(2, 1024, 4), (4, 1024, 4), (4, 1024, 8), (8, 1024, 8), (8, 512, 4), (16, 512, 8), (16, 256, 4),
          (8, 256, 4), (32, 128, 4), (32, 256, 8)]
-
-
-def us_per_call(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 20 / CALLS * 1e3
 
 
 def main() -> None:
