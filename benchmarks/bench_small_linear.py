@@ -1,6 +1,6 @@
 """Decode-time x @ W^T on the GPU: cuBLAS (`F.linear`) against `cuda_ops.small_m_linear` at 1, 2
-and 4 rows, for the weight shapes of the Qwen2.5-Omni talker, the Qwen3 code predictors and the
-7B thinker, in bf16. Each call is timed inside a CUDA graph of 24 calls on 24 distinct weights
+and 4 rows, for the weight shapes of the Qwen2.5-Omni talker, the Qwen3 code predictors, the
+7B thinker and the TTS talker's down product, in bf16. Each call is timed inside a CUDA graph of 24 calls on 24 distinct weights
 (so no weight stays in L2), against the floor: the weight read once at the HBM bandwidth.
 `layers/linear.linear` sends a product to our kernel where this table says it wins.
 
@@ -21,7 +21,8 @@ SHAPES = {  # name: (N, K) of the weight
     "qwen2_5 talker lm_head": (8448, 896),
     "predictor qkv": (4096, 1024), "predictor o": (1024, 2048), "predictor gate_up": (6144, 1024),
     "predictor down": (1024, 3072), "predictor lm_head": (2048, 1024),
-    "7B thinker qkv": (4608, 3584), "7B thinker o": (3584, 3584),
+    "7B thinker qkv": (4608, 3584), "7B thinker o": (3584, 3584), "7B thinker down": (3584, 18944),
+    "tts talker down": (2048, 6144),
 }
 
 

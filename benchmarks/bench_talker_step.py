@@ -51,7 +51,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--seed", type=int, help="every request seeded (the bundled configs set 42): each row draws "
                                             "its noise from its own generator")
-    p.add_argument("--profile", help="write a torch profiler table of the timed steps at each batch here")
+    p.add_argument("--profile", help="write torch profiler tables (host, then device time) of the timed steps at "
+                                     "each batch here")
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager): the profile then times "
+                                                        "each kernel of the step")
     p.add_argument("--json", default="talker_step.json")
     args = p.parse_args()
     if args.family is None:
@@ -98,8 +101,10 @@ def timed_steps(engine: LLMEngine, steps: int, profile_path: Path | None) -> lis
         times.append(time.perf_counter() - start)
     if prof is not None:
         prof.__exit__(None, None, None)
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
-        profile_path.write_text(f"{steps} steps\n{table}\n")
+        averages = prof.key_averages()
+        host = averages.table(sort_by="self_cpu_time_total", row_limit=40)
+        device = averages.table(sort_by="self_device_time_total", row_limit=40) if torch.cuda.is_available() else ""
+        profile_path.write_text(f"{steps} steps\n{host}\n{device}\n")
     return times
 
 
@@ -110,7 +115,8 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(
         model=model_dir(args), model_stage="talker", device="cuda" if gpu else "cpu",
         dtype="bfloat16" if gpu else "float32", load_format="dummy" if args.dummy_config else "auto",
-        max_num_seqs=max(batches), enable_prefix_caching=False))  # max_model_len: the model's, as deployed
+        max_num_seqs=max(batches), enable_prefix_caching=False,  # max_model_len: the model's, as deployed
+        enforce_eager=args.eager))
     params = SamplingParams(**SAMPLING[args.family], ignore_eos=True, max_tokens=args.context + args.steps + 8,
                             detokenize=False, seed=args.seed)
     prompt_ids = chat_prompt(args, engine.config.model)

@@ -89,10 +89,12 @@ def test_frame_attention_kernel_matches_the_torch_path(dtype, heads, kv_heads, h
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows, n, k", [(1, 896, 1536), (2, 4096, 1024), (1, 37, 300), (2, 1000, 4096)])
+@pytest.mark.parametrize("rows, n, k", [(1, 896, 1536), (2, 4096, 1024), (1, 37, 300), (2, 1000, 4096),
+                                        (1, 896, 18944), (2, 300, 5000)])
 def test_small_m_linear_matches_float32_matmul(dtype, rows, n, k):
-    """Decode-time x @ W^T (+ bias) on strided rows, both program shapes (few or many column
-    tiles), against the float32 product: one rounding to the dtype (float32 accumulation)."""
+    """Decode-time x @ W^T (+ bias) on strided rows, every program shape (few or many column
+    tiles, long rows in chunks), against the float32 product: one rounding to the dtype (float32
+    accumulation)."""
     x = torch.randn(rows, 2 * k, device="cuda", dtype=dtype)[:, :k]
     w = (torch.randn(n, k, device="cuda") * k**-0.5).to(dtype)
     b = torch.randn(n, device="cuda", dtype=dtype)
@@ -192,6 +194,56 @@ def test_sample_codes_kernel_draws_the_torch_rule(temperature, top_k, top_p):
         want = sample_codes(logits, greedy, gumbel[:, 3], temperature, top_k, top_p)
         got = cuda_ops.sample_codes(logits.cuda(), greedy.cuda(), gumbel.cuda()[:, 3], temperature, top_k, top_p)
         assert got.tolist() == want.tolist(), bf16
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_top_k_race_draws_what_the_torch_sampler_draws(monkeypatch, bf16):
+    """The Sampler's random rows with small top-ks (`cuda_ops.top_k_race`) give the tokens of its
+    torch path for the same seeded noise: rows of different temperatures, top-ks and nuclei
+    (top_p = 1: top-k alone), float32 logits and bf16-rounded ones (ties at the k-th logit, which
+    the rule keeps), penalized logits of the talker's vocabulary."""
+    from vllm_omni.model_executor.layers import sampler as sampler_mod
+    from vllm_omni.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(1)
+    rows = 48
+    params = [SamplingParams(temperature=(0.6, 0.9, 1.0, 1.3)[i % 4], top_k=(1, 5, 40, 50, 200)[i % 5],
+                             top_p=(0.8, 1.0, 0.95)[i % 3]) for i in range(rows)]
+    for step in range(4):
+        logits = torch.randn(rows, 8448, generator=g) * 2.5
+        logits = (logits.bfloat16() if bf16 else logits).float().cuda()
+        drawn = {}
+        for path, race_max in (("kernel", sampler_mod.TOP_K_RACE_MAX), ("torch", 0)):
+            monkeypatch.setattr(sampler_mod, "TOP_K_RACE_MAX", race_max)
+            generators = [torch.Generator("cuda").manual_seed(1000 * step + i) for i in range(rows)]
+            drawn[path] = sampler_mod.Sampler._sample_random(logits, params, generators).tolist()
+        assert drawn["kernel"] == drawn["torch"], step
+    # The kernel saw every kind of row: not all draws are the argmax.
+    assert drawn["kernel"] != logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("repetition, frequency_presence", [(True, False), (False, True), (True, True)])
+def test_penalize_kernel_gives_the_bits_of_the_torch_penalties(repetition, frequency_presence):
+    """The Sampler's penalties on CUDA (`cuda_ops.penalize`) equal its torch ops on the CPU bit for
+    bit: repetition over prompt and output (positive logits divided, others multiplied),
+    frequency and presence over the output, rows without a penalty unchanged."""
+    from vllm_omni.model_executor.layers.sampler import SamplingBatch, Sampler
+    from vllm_omni.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(2)
+    rows, vocab = 6, 5000
+    params = [SamplingParams(repetition_penalty=(1.0, 1.3, 0.7)[i % 3] if repetition else 1.0,
+                             frequency_penalty=0.2 * (i % 2) if frequency_presence else 0.0,
+                             presence_penalty=0.1 * (i % 3) if frequency_presence else 0.0) for i in range(rows)]
+    batch = SamplingBatch(params=params,
+                          prompt_token_ids=[torch.randint(0, vocab, (30,), generator=g).tolist() for _ in range(rows)],
+                          output_token_ids=[torch.randint(0, vocab, (200,), generator=g).tolist() for _ in range(rows)],
+                          generators=[None] * rows)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    want, _ = Sampler()._apply_penalties(logits, batch)
+    got, _ = Sampler()._apply_penalties(logits.cuda(), batch)
+    assert not torch.equal(want, logits)
+    assert torch.equal(got.cpu(), want)
 
 
 def test_store_kv_writes_the_right_slots():

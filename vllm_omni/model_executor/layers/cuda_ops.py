@@ -291,21 +291,34 @@ def frame_attention(q, k, v, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, st
     return out
 
 
+# `small_m_linear` streams rows longer than this in chunks of 2048 columns, 4 columns a program.
+LONG_ROW_K = 4096
+
+
+@triton.jit
+def _small_m_chunk(acc, x_ptr, w_ptr, k0, n, m, k, n_mask, m_mask, k_dim, stride_x):
+    kk = k0 + k
+    k_mask = kk < k_dim
+    w = tl.load(w_ptr + n[:, None] * k_dim + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    x = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    return acc + x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+
+
 @triton.jit
 def _small_m_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, m_rows, n_cols, k_dim, stride_x, stride_out,
                            HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+                           BLOCK_K: tl.constexpr, LONG_ROWS: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, M_PAD)
     k = tl.arange(0, BLOCK_K)
     n_mask, m_mask = n < n_cols, m < m_rows
     acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in tl.range(0, k_dim, BLOCK_K):
-        kk = k0 + k
-        k_mask = kk < k_dim
-        w = tl.load(w_ptr + n[:, None] * k_dim + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    if LONG_ROWS:  # many chunks a row: three in flight (without, the loop measured 20% slower)
+        for k0 in tl.range(0, k_dim, BLOCK_K, num_stages=3):
+            acc = _small_m_chunk(acc, x_ptr, w_ptr, k0, n, m, k, n_mask, m_mask, k_dim, stride_x)
+    else:
+        for k0 in tl.range(0, k_dim, BLOCK_K):
+            acc = _small_m_chunk(acc, x_ptr, w_ptr, k0, n, m, k, n_mask, m_mask, k_dim, stride_x)
     out = tl.sum(acc, 2)
     if HAS_BIAS:
         out += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -320,20 +333,27 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     reduced once at the end (float32 accumulation, rounded once to the output dtype): many
     programs, each a short contiguous stream of the weight. `linear` in layers/linear.py says
     where it beats cuBLAS. Few column tiles (a short N) get wider programs: more of the weight
-    in flight each.
+    in flight each. Long rows (a down product's K of 18944) keep 4 columns a program, so a short
+    N still fills the GPU, and stream them in 2048-column chunks, three in flight: the fastest of
+    the shapes swept on the H200 for the Qwen2.5 talker's 34 MB down product (11.0 us at one row,
+    cuBLAS 13.5; `benchmarks/bench_small_linear.py`).
     """
     m_rows, k_dim = x.shape
     n_cols = weight.shape[0]
     m_pad = triton.next_power_of_2(m_rows)
-    # Under 256 programs at the narrow tile (8 columns per row) the GPU is underfilled: wide tiles.
-    wide = triton.cdiv(n_cols * m_pad, 8) < 256
-    tile, block_k, num_warps = (8192, 1024, 8) if wide else (4096, 512, 4)
-    block_k = min(block_k, triton.next_power_of_2(k_dim))
-    block_n = max(1, tile // (m_pad * block_k))
+    if k_dim > LONG_ROW_K:
+        block_n, block_k, num_warps = 4, 2048, 4
+    else:
+        # Under 256 programs at the narrow tile (8 columns per row) the GPU is underfilled: wide tiles.
+        wide = triton.cdiv(n_cols * m_pad, 8) < 256
+        tile, block_k, num_warps = (8192, 1024, 8) if wide else (4096, 512, 4)
+        block_k = min(block_k, triton.next_power_of_2(k_dim))
+        block_n = max(1, tile // (m_pad * block_k))
     out = torch.empty(m_rows, n_cols, dtype=x.dtype, device=x.device)
     _small_m_linear_kernel[(triton.cdiv(n_cols, block_n),)](
         x, weight, bias if bias is not None else weight, out, m_rows, n_cols, k_dim, x.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        HAS_BIAS=bias is not None, M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, LONG_ROWS=k_dim > LONG_ROW_K,
+        num_warps=num_warps,
     )
     return out
 
@@ -461,5 +481,97 @@ def sample_codes(logits: torch.Tensor, greedy: torch.Tensor, gumbel: torch.Tenso
         logits, greedy, gumbel, out, vocab, logits.stride(0), gumbel.stride(0), 1.0 / temperature,
         top_k if use_top_k else vocab, top_p, TOP_K=use_top_k, TOP_P=top_p < 1.0,
         VOCAB_PAD=triton.next_power_of_2(vocab), num_warps=4,
+    )
+    return out
+
+
+@triton.jit
+def _penalize_kernel(logits_ptr, counts_ptr, seen_ptr, factors_ptr, out_ptr, vocab, batch,
+                     REPETITION: tl.constexpr, FREQUENCY_PRESENCE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    v = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = v < vocab
+    offs = row * vocab + v
+    logits = tl.load(logits_ptr + offs, mask=mask, other=0.0)
+    counts = tl.load(counts_ptr + offs, mask=mask, other=0)
+    generated = counts > 0
+    if REPETITION:
+        rep = tl.load(factors_ptr + row)
+        seen = tl.load(seen_ptr + offs, mask=mask, other=0) != 0
+        penalized = tl.where(logits > 0, tl.math.div_rn(logits, rep), logits * rep)  # torch rounds its division
+        logits = tl.where(generated | seen, penalized, logits)
+    if FREQUENCY_PRESENCE:
+        freq = tl.load(factors_ptr + batch + row)
+        pres = tl.load(factors_ptr + 2 * batch + row)
+        logits = logits - freq * counts.to(tl.float32) - pres * generated.to(tl.float32)
+    tl.store(out_ptr + offs, logits, mask=mask)
+
+
+def penalize(logits: torch.Tensor, counts: torch.Tensor, prompt_seen: torch.Tensor, factors: torch.Tensor,
+             repetition: bool, frequency_presence: bool) -> torch.Tensor:
+    """The Sampler's penalties in one pass, with its torch ops' arithmetic (the same bits):
+    logits [B, V] float32, counts [B, V] int32 (each row's generated tokens), prompt_seen [B, V]
+    bool, factors [3, B] float32 (repetition, frequency, presence per row). The repetition
+    penalty divides positive logits and multiplies the others of tokens in the prompt or the
+    output (transformers' rule); frequency and presence subtract their weight times the count
+    and times whether the token was generated."""
+    batch, vocab = logits.shape
+    logits, counts = logits.contiguous(), counts.contiguous()
+    out = torch.empty_like(logits)
+    block = 2048
+    _penalize_kernel[(batch, triton.cdiv(vocab, block))](
+        logits, counts, prompt_seen.contiguous().view(torch.uint8), factors.contiguous(), out, vocab, batch,
+        REPETITION=repetition, FREQUENCY_PRESENCE=frequency_presence, BLOCK=block, num_warps=4,
+    )
+    return out
+
+
+@triton.jit
+def _top_k_race_kernel(vals_ptr, ids_ptr, noise_ptr, temperature_ptr, top_k_ptr, top_p_ptr, out_ptr, fetched,
+                       stride_vals, stride_noise, PAD: tl.constexpr):
+    row = tl.program_id(0)
+    j = tl.arange(0, PAD)
+    valid = j < fetched
+    # The row's largest logits, descending, scaled like the torch path (a division by the temperature).
+    vals = tl.math.div_rn(tl.load(vals_ptr + row * stride_vals + j, mask=valid, other=float("-inf")),
+                          tl.load(temperature_ptr + row))
+    ids = tl.load(ids_ptr + row * stride_vals + j, mask=valid, other=0)
+    k = tl.load(top_k_ptr + row).to(tl.int32)
+    top_p = tl.load(top_p_ptr + row)
+    top_p = tl.where(top_p < 1.0, top_p, 2.0)  # 1: no nucleus (the mass above never reaches 2)
+    kth = tl.max(tl.where(j == k - 1, vals, float("-inf")), 0)
+    vals = tl.where(valid & (vals >= kth), vals, float("-inf"))  # ties with the k-th are kept
+    exps = tl.exp(vals - tl.max(vals, 0))
+    probs = exps / tl.sum(exps, 0)
+    # Nucleus: keep a token while the mass ranked above it is below top_p (the top one always).
+    above = tl.cumsum(probs, 0) - probs
+    vals = tl.where(above < top_p, vals, float("-inf"))
+    exps = tl.exp(vals - tl.max(vals, 0))
+    probs = exps / tl.sum(exps, 0)
+    noise = tl.load(noise_ptr + row * stride_noise + ids, mask=valid, other=1.0)
+    pick = tl.argmax(probs / noise, 0, tie_break_left=True)
+    tl.store(out_ptr + row, tl.max(tl.where(j == pick, ids, 0), 0).to(tl.int64))
+
+
+# `top_k_race` fetches this many candidates past the largest top-k, for logits tied with a k-th.
+TOP_K_TIE_MARGIN = 8
+
+
+def top_k_race(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+               noise: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """The sampler's random rows when every row has a top-k (<= `max_top_k`): temperature ->
+    top-k -> top-p -> the exponential race argmax(p / noise), as `Sampler._sample_random` does it
+    over the whole vocabulary, in two launches: `topk` fetches each row's largest logits (sorted),
+    one program per row applies the rule to them. logits [B, V] float32; temperature, top_k,
+    top_p [B] float32; noise [B, V] (the race's Exp(1) draws, rows may be strided).
+    The rule's ties with the k-th logit are kept up to `TOP_K_TIE_MARGIN` past it (more equal
+    logits than that at the boundary drop the extra ones)."""
+    batch, vocab = logits.shape
+    fetched = min(vocab, max_top_k + TOP_K_TIE_MARGIN)
+    vals, ids = logits.topk(fetched, dim=-1)
+    out = torch.empty(batch, dtype=torch.long, device=logits.device)
+    _top_k_race_kernel[(batch,)](
+        vals, ids, noise, temperature, top_k, top_p, out, fetched, vals.stride(0), noise.stride(0),
+        PAD=triton.next_power_of_2(fetched), num_warps=1,
     )
     return out

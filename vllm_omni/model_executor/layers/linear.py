@@ -35,6 +35,11 @@ WHOLE = (None,)
 # cuBLAS is as fast or faster (docs/benchmarks.md, round 13).
 SMALL_M_ROWS = 2
 SMALL_M_MAX_DIM = 4096
+# Longer rows (K > SMALL_M_MAX_DIM: the down products) for weights of at most this many rows:
+# the Qwen2.5 talker's down product 11.0 / 11.5 us at 1 / 2 rows against cuBLAS's 13.5 / 13.6, the
+# TTS talker's (2048 rows) 8.8 / 10.4 against 11.2 / 10.8; the 7B thinker's (3584 rows) loses at 2
+# rows (40.1 against 38.1; benchmarks/bench_small_linear.py, docs/benchmarks.md round 17).
+SMALL_M_LONG_ROWS_MAX_N = 2048
 
 
 # `cuda_ops.norm_linear` (an RMSNorm fused into the product after it) for as many decode rows and
@@ -56,7 +61,8 @@ def fuses_norm(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor)
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`; on CUDA in half precision, small decode-time products through our kernel."""
     if (x.is_cuda and x.dim() == 2 and x.shape[0] <= SMALL_M_ROWS and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and max(weight.shape) <= SMALL_M_MAX_DIM and x.stride(-1) == 1
+            and weight.dtype == x.dtype and weight.shape[0] <= SMALL_M_MAX_DIM and x.stride(-1) == 1
+            and (weight.shape[1] <= SMALL_M_MAX_DIM or weight.shape[0] <= SMALL_M_LONG_ROWS_MAX_N)
             and weight.is_contiguous()):
         from vllm_omni.model_executor.layers import cuda_ops
 

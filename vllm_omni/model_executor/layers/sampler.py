@@ -26,6 +26,8 @@ from vllm_omni.model_executor.layers.penalty_state import PenaltyState, count_pl
 from vllm_omni.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
+# On CUDA, random rows whose top-k are all at most this many take `cuda_ops.top_k_race`.
+TOP_K_RACE_MAX = 256
 
 
 @dataclass
@@ -246,10 +248,14 @@ class Sampler:
                 batch.placeholder_value)
         else:
             counts, prompt_seen = _penalty_inputs(batch, vocab_size, device)
-        output_mask = counts > 0
         # Rows without a penalty have factor 1 / weight 0: they come out unchanged.
         factors = _to_device([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
                               [p.presence_penalty for p in params]], torch.float32, device)
+        if logits.is_cuda:  # the same arithmetic in one launch (torch's ops below: ~12)
+            from vllm_omni.model_executor.layers import cuda_ops
+
+            return cuda_ops.penalize(logits, counts, prompt_seen, factors, need_rep, need_freq_pres), state_rows
+        output_mask = counts > 0
         if need_rep:
             # Repetition penalty over prompt ∪ output, exactly as transformers'
             # RepetitionPenaltyLogitsProcessor: positive logits are divided, others multiplied.
@@ -268,12 +274,22 @@ class Sampler:
         logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
     ) -> torch.Tensor:
         """temperature -> min_p -> top_k -> top_p -> exponential race, for rows that are all random."""
-        num_rows, vocab_size = logits.shape
+        vocab_size = logits.shape[1]
         device = logits.device
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         # Every row's parameters in one transfer (k < 2^24 is exact in float32).
         temps, min_p, top_p, k = _to_device([[p.temperature for p in params], [p.min_p for p in params],
                                              [p.top_p for p in params], top_k], torch.float32, device).unsqueeze(2)
+
+        max_top_k = max(top_k)
+        if (logits.is_cuda and max_top_k <= TOP_K_RACE_MAX and max_top_k < vocab_size
+                and not any(p.min_p > 0.0 for p in params)):
+            # Every row has a small top-k: the rule over each row's largest logits in one kernel
+            # (the torch path below sorts or masks the whole vocabulary: ~25 launches a step).
+            from vllm_omni.model_executor.layers import cuda_ops
+
+            noise = _race_noise(torch.empty_like(logits), generators)
+            return cuda_ops.top_k_race(logits, temps[:, 0], k[:, 0], top_p[:, 0], noise, max_top_k)
 
         if any(p.temperature != 1.0 for p in params):
             logits = logits / temps
@@ -292,16 +308,21 @@ class Sampler:
             logits = apply_top_k_top_p(logits, k[:, 0].long() if use_top_k else None, top_p[:, 0])
 
         probs = logits.softmax(dim=-1)
-        # Exponential race: argmax(p / q), q ~ Exp(1), samples exactly from p (Gumbel-max in
-        # another form) without a cumulative-sum search. A seeded row draws its q from its own
-        # generator, always V values per step, so its tokens do not depend on the other rows.
-        q = torch.empty_like(probs)
-        seeded = [(i, g) for i, g in enumerate(generators) if g is not None]
-        if len(seeded) < num_rows:
-            q.exponential_()
-        for i, g in seeded:
-            q[i] = torch.empty(vocab_size, device=device).exponential_(generator=g)
-        return probs.div_(q).argmax(dim=-1)
+        return probs.div_(_race_noise(torch.empty_like(probs), generators)).argmax(dim=-1)
+
+
+def _race_noise(q: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """q [B, V] filled with the exponential race's Exp(1) draws: argmax(p / q) samples exactly
+    from p (Gumbel-max in another form) without a cumulative-sum search. A seeded row draws its
+    q from its own generator, always V values per step, so its tokens do not depend on the other
+    rows."""
+    seeded = [(i, g) for i, g in enumerate(generators) if g is not None]
+    if len(seeded) < q.shape[0]:
+        q.exponential_()
+    for i, g in seeded:
+        q[i] = torch.empty(q.shape[1], device=q.device).exponential_(generator=g)
+    return q
+
 
 def _apply_top_k_only(logits: torch.Tensor, top_k: list[int], k: torch.Tensor) -> torch.Tensor:
     """Top-k without top-p: a partial topk (k is small) is much cheaper than a full sort.
