@@ -10,7 +10,10 @@ Pipeline for one step (the order matters and follows vLLM v1):
 
 Everything runs on the logits' device. The host builds a few small index / parameter
 tensors (copied asynchronously on CUDA) and reads back the result once, at the end.
-Work that no request in the batch needs is skipped entirely.
+Work that no request in the batch needs is skipped entirely. On CUDA the penalties are one
+kernel (`cuda_ops.penalize`), and random rows whose top-ks are all small take `topk` and one
+kernel (`cuda_ops.top_k_race`) instead of sorting or masking the whole vocabulary: the same rule
+and the same noise, so the same tokens (tests/gpu/test_cuda_ops.py).
 """
 from __future__ import annotations
 
@@ -288,7 +291,7 @@ class Sampler:
             # (the torch path below sorts or masks the whole vocabulary: ~25 launches a step).
             from vllm_omni.model_executor.layers import cuda_ops
 
-            noise = _race_noise(torch.empty_like(logits), generators)
+            noise = _race_noise(torch.empty_like(logits, memory_format=torch.contiguous_format), generators)
             return cuda_ops.top_k_race(logits, temps[:, 0], k[:, 0], top_p[:, 0], noise, max_top_k)
 
         if any(p.temperature != 1.0 for p in params):
