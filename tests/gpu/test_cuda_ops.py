@@ -205,6 +205,9 @@ def test_top_k_race_draws_what_the_torch_sampler_draws(monkeypatch, bf16):
     from vllm_omni.model_executor.layers import sampler as sampler_mod
     from vllm_omni.sampling_params import SamplingParams
 
+    calls = []
+    kernel = cuda_ops.top_k_race
+    monkeypatch.setattr(cuda_ops, "top_k_race", lambda *args: calls.append(1) or kernel(*args))
     g = torch.Generator().manual_seed(1)
     rows = 48
     params = [SamplingParams(temperature=(0.6, 0.9, 1.0, 1.3)[i % 4], top_k=(1, 5, 40, 50, 200)[i % 5],
@@ -218,12 +221,13 @@ def test_top_k_race_draws_what_the_torch_sampler_draws(monkeypatch, bf16):
             generators = [torch.Generator("cuda").manual_seed(1000 * step + i) for i in range(rows)]
             drawn[path] = sampler_mod.Sampler._sample_random(logits, params, generators).tolist()
         assert drawn["kernel"] == drawn["torch"], step
+    assert len(calls) == 4  # the kernel drew every step's "kernel" tokens, the torch path the others
     # The kernel saw every kind of row: not all draws are the argmax.
     assert drawn["kernel"] != logits.argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("repetition, frequency_presence", [(True, False), (False, True), (True, True)])
-def test_penalize_kernel_gives_the_bits_of_the_torch_penalties(repetition, frequency_presence):
+def test_penalize_kernel_gives_the_bits_of_the_torch_penalties(monkeypatch, repetition, frequency_presence):
     """The Sampler's penalties on CUDA (`cuda_ops.penalize`) equal its torch ops on the CPU bit for
     bit: repetition over prompt and output (positive logits divided, others multiplied),
     frequency and presence over the output, rows without a penalty unchanged."""
@@ -241,7 +245,11 @@ def test_penalize_kernel_gives_the_bits_of_the_torch_penalties(repetition, frequ
                           generators=[None] * rows)
     logits = torch.randn(rows, vocab, generator=g) * 3
     want, _ = Sampler()._apply_penalties(logits, batch)
+    calls = []
+    kernel = cuda_ops.penalize
+    monkeypatch.setattr(cuda_ops, "penalize", lambda *args: calls.append(1) or kernel(*args))
     got, _ = Sampler()._apply_penalties(logits.cuda(), batch)
+    assert calls == [1]  # the CUDA rows went through the kernel
     assert not torch.equal(want, logits)
     assert torch.equal(got.cpu(), want)
 
