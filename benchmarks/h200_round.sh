@@ -23,6 +23,8 @@
 #   benchmarks/h200_round.sh tts_ab    # its code2wav decoder graphs vs the eager decoder, two runs each
 #   benchmarks/h200_round.sh first_frame  # its talker's first step, prefill graphs vs eager, with a profile
 #   benchmarks/h200_round.sh profile   # the Qwen2.5-Omni talker's step under the torch profiler
+#   benchmarks/h200_round.sh moe       # a MoE layer at decode: few-token kernels vs grouped GEMMs
+#   benchmarks/h200_round.sh pdl       # each talker alone, programmatic dependent launch on and off
 #   benchmarks/h200_round.sh talker    # each talker alone (Qwen3's with its code predictor): ms/step
 #   benchmarks/h200_round.sh async     # each talker alone with async scheduling on and off (A/B in one call)
 #   benchmarks/h200_round.sh norm_linear  # RMSNorm fused into the next product vs apart, program shapes
@@ -200,6 +202,17 @@ case "${1:-}" in
   norm_linear)  # RMSNorm fused into the next product (cuda_ops.norm_linear) vs apart, with its GPU tests
     step norm_linear_tests 150 $PY -m pytest -q tests/gpu/test_cuda_ops.py -k "norm_linear or decoder_layers" -p no:cacheprovider
     step norm_linear 200 $PY benchmarks/bench_norm_linear.py --sweep ;;
+  moe)  # a MoE layer at decode: the few-token kernels (moe_ops) vs the grouped GEMMs, with their GPU tests
+    step moe_tests 150 $PY -m pytest -q tests/gpu/test_cuda_ops.py -k "route or few_token or grouped_moe" -p no:cacheprovider
+    step moe_decode 150 $PY benchmarks/bench_moe_decode.py ;;
+  pdl)  # each talker alone with programmatic dependent launch on and off (A/B in one call)
+    for pdl in 1 0; do
+      VLLM_OMNI_PDL=$pdl step talker_pdl$pdl 150 $PY benchmarks/bench_talker_step.py \
+        --dummy-config benchmarks/configs/qwen2_5_omni_7b.json --batches 1,32 --steps 60 --json "$OUT/talker_pdl$pdl.json"
+      VLLM_OMNI_PDL=$pdl step talker_qwen3_pdl$pdl 150 $PY benchmarks/bench_talker_step.py \
+        --dummy-config benchmarks/configs/qwen3_omni_30b_a3b.json --batches 1,32 --steps 60 \
+        --json "$OUT/talker_qwen3_pdl$pdl.json"
+    done ;;
   talker)  # each talker stage alone (bench_talker_step.py); Qwen2.5's with a torch profiler table per batch
     step talker_step 300 $PY benchmarks/bench_talker_step.py --dummy-config benchmarks/configs/qwen2_5_omni_7b.json \
       --batches 1,8,32 --json "$OUT/talker_step.json"

@@ -134,6 +134,63 @@ def test_norm_linear_matches_the_separate_kernels(dtype, rows, n, k, gated):
             ulp_close(got, ref, dtype)
 
 
+def _decode_chain(x, layers):
+    """Decode-path kernels back to back, each reading what the one before wrote (a layer's norms,
+    products, rotary and activation at one row), and a residual stream across the layers."""
+    residual = x
+    for norm_w, w_qkv, w_o, w_gate_up, w_up, w_down, cos, sin in layers:
+        qkv, residual = cuda_ops.norm_linear(x, norm_w, 1e-6, w_qkv, None, residual)
+        cuda_ops.rotary_(qkv.view(1, -1, 64), cos, sin)
+        h, residual = cuda_ops.rms_norm(cuda_ops.small_m_linear(qkv, w_o), norm_w, 1e-6, residual)
+        act = cuda_ops.norm_linear(h, norm_w, 1e-6, w_gate_up, gated=True)
+        x = cuda_ops.small_m_linear(cuda_ops.silu_and_mul(cuda_ops.small_m_linear(act, w_up)), w_down)
+    return x, residual
+
+
+def test_programmatic_dependent_launch_keeps_every_kernel_after_its_inputs(monkeypatch):
+    """Under programmatic dependent launch (Hopper: each kernel may start while the one before it
+    runs, and reads its weights before waiting) a chain of dependent decode kernels gives the bits
+    it gives with every launch serialized, eagerly and on every one of many CUDA graph replays:
+    no kernel reads an input, or writes an output, before the kernels before it are done."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs Hopper or later")
+    assert cuda_ops.pdl_launch(torch.device("cuda"))["PDL"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16)
+
+    hidden = 512
+    layers = []
+    for _ in range(12):
+        angles = torch.rand(1, 32, device="cuda", generator=g) * 6
+        cos, sin = torch.cat([angles.cos()] * 2, 1).bfloat16(), torch.cat([angles.sin()] * 2, 1).bfloat16()
+        layers.append((1 + rand(hidden, scale=0.1), rand(1024, hidden, scale=hidden**-0.5),
+                       rand(hidden, 1024, scale=1024**-0.5), rand(2 * 1024, hidden, scale=hidden**-0.5),
+                       rand(12288, 1024, scale=1024**-0.5), rand(hidden, 6144, scale=6144**-0.5), cos, sin))
+    inputs = [rand(1, hidden) for _ in range(30)]
+
+    def serialized(x):
+        monkeypatch.setattr(cuda_ops, "PDL", False)
+        try:
+            return _decode_chain(x, layers)
+        finally:
+            monkeypatch.setattr(cuda_ops, "PDL", True)
+
+    for got, expected in zip(_decode_chain(inputs[0], layers), serialized(inputs[0])):
+        assert torch.equal(got, expected)
+    static_x = inputs[0].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _decode_chain(static_x, layers)
+    # A new input each replay: a kernel that read its input early would see the last replay's.
+    for x in inputs[1:]:
+        static_x.copy_(x)
+        graph.replay()
+        for got, expected in zip(out, serialized(x)):
+            assert torch.equal(got, expected)
+
+
 def test_decoder_layers_fuse_their_norms_at_decode_rows(monkeypatch):
     """A Qwen3 code predictor's decoder in bf16 (its layers: frame attention, gated MLP) over a
     frame at one and two rows: with its norms fused into the q/k/v and gate/up products (both in
@@ -212,12 +269,13 @@ def test_top_k_race_draws_what_the_torch_sampler_draws(monkeypatch, bf16):
     rows = 48
     params = [SamplingParams(temperature=(0.6, 0.9, 1.0, 1.3)[i % 4], top_k=(1, 5, 40, 50, 200)[i % 5],
                              top_p=(0.8, 1.0, 0.95)[i % 3]) for i in range(rows)]
+    race_max = sampler_mod.TOP_K_RACE_MAX
     for step in range(4):
         logits = torch.randn(rows, 8448, generator=g) * 2.5
         logits = (logits.bfloat16() if bf16 else logits).float().cuda()
         drawn = {}
-        for path, race_max in (("kernel", sampler_mod.TOP_K_RACE_MAX), ("torch", 0)):
-            monkeypatch.setattr(sampler_mod, "TOP_K_RACE_MAX", race_max)
+        for path, path_max in (("kernel", race_max), ("torch", 0)):
+            monkeypatch.setattr(sampler_mod, "TOP_K_RACE_MAX", path_max)
             generators = [torch.Generator("cuda").manual_seed(1000 * step + i) for i in range(rows)]
             drawn[path] = sampler_mod.Sampler._sample_random(logits, params, generators).tolist()
         assert drawn["kernel"] == drawn["torch"], step
@@ -280,6 +338,53 @@ def test_grouped_moe_matches_reference_loop(tokens):
     ref = moe.moe_forward_reference(x.float(), w13.float(), w2.float(), weights.float(), ids)
     got = moe.moe_forward_grouped(x, w13, w2, weights, ids).float()
     assert ((got - ref).norm() / ref.norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("tokens, experts, k, renormalize", [(1, 128, 6, True), (3, 128, 8, True), (2, 60, 1, False),
+                                                             (300, 128, 8, True)])
+def test_route_kernel_picks_the_experts_of_the_torch_router(tokens, experts, k, renormalize):
+    """`moe_ops.route` (softmax, top-k, renormalization in one launch) against `select_experts`'
+    torch ops on the same bf16 logits: the experts of the k largest probabilities in descending
+    order (bf16 logits tie often; between equal ones either expert is right), k distinct experts
+    a token, weights within an ulp of the dtype."""
+    from vllm_omni.model_executor.layers import moe, moe_ops
+
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    logits = torch.randn(tokens, experts, device="cuda", generator=g).bfloat16()
+    weights, ids = moe_ops.route(logits, k, renormalize)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    want_weights, _ = torch.topk(probs, k, dim=-1)
+    assert torch.equal(probs.gather(1, ids), want_weights)
+    assert all(len(set(row)) == k for row in ids.tolist())
+    if renormalize:
+        want_weights = want_weights / want_weights.sum(dim=-1, keepdim=True)
+    ulp_close(weights, want_weights.bfloat16(), torch.bfloat16)
+    got_weights, got_ids = moe.select_experts(logits, k, renormalize)  # the layer's router takes the kernel
+    assert torch.equal(got_ids, ids) and torch.equal(got_weights, weights)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 4])
+@pytest.mark.parametrize("hidden, inter, k", [(1024, 384, 6), (2048, 768, 8), (200, 96, 3)])
+def test_few_token_experts_match_the_reference_loop(tokens, hidden, inter, k):
+    """The few-token expert kernels (each routed expert's gate/up with its SiLU, then the down
+    products summed over the token's slots) against the float32 reference loop on the same bf16
+    weights, within the grouped path's tolerance; the experts layer takes them at decode rows."""
+    from vllm_omni.model_executor.layers import moe, moe_ops
+
+    g = torch.Generator(device="cuda").manual_seed(hidden + tokens)
+    experts = 32
+    x = torch.randn(tokens, 2 * hidden, device="cuda", generator=g).bfloat16()[:, :hidden]  # strided rows
+    w13 = (torch.randn(experts, 2 * inter, hidden, device="cuda", generator=g) * hidden**-0.5).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, device="cuda", generator=g) * inter**-0.5).bfloat16()
+    weights, ids = moe.select_experts(torch.randn(tokens, experts, device="cuda", generator=g).bfloat16(), k, True)
+    ref = moe.moe_forward_reference(x.float(), w13.float(), w2.float(), weights.float(), ids)
+    got = moe_ops.few_token_experts(x, w13, w2, weights, ids)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, hidden)
+    assert ((got.float() - ref).norm() / ref.norm()).item() < 1e-2
+    layer = moe.FusedExperts(experts, hidden, inter).cuda().bfloat16()
+    layer.w13_weight.copy_(w13)
+    layer.w2_weight.copy_(w2)
+    assert torch.equal(layer(x, weights, ids), got)
 
 
 def _snake_module(channels: int, dtype, fused: bool) -> activation.SnakeBeta:

@@ -5,22 +5,60 @@ element-wise kernels; unfused, each RMSNorm is ~6 kernels and each rotary ~16. T
 kernels do each op in one launch and round to the model dtype at the same points as the
 torch reference (HF's numerics), so results match within one bf16 ulp.
 Layers call them only for CUDA tensors; CPU keeps the torch implementations.
+
+Programmatic dependent launch (Hopper and later): a decode step is hundreds of such launches
+back to back, each costing a few microseconds of launch, ramp-up and tail beyond its work. The
+decode-path kernels here are launched with `pdl_launch(device)`: the GPU may start a kernel while
+the one before it still runs; it reads nothing the earlier kernels write, and writes nothing,
+before `wait_for_previous_kernel` (which also lets the next kernel start). What it may do before
+that wait is load its weights, which nothing in the step writes: the `weight` of
+`small_m_linear` and `norm_linear` must be a parameter, never the output of a kernel just before.
+`VLLM_OMNI_PDL=0` turns it off (A/B runs).
 """
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
+import triton.language.extra.cuda  # noqa: F401  (tl.extra.cuda's grid dependency control)
+
+PDL = os.environ.get("VLLM_OMNI_PDL", "1") != "0"
+
+
+@functools.cache
+def _has_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """The `PDL` argument and launch option of a kernel that calls `wait_for_previous_kernel`."""
+    if PDL and device.type == "cuda" and _has_pdl(device.index if device.index is not None else
+                                                  torch.cuda.current_device()):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
+@triton.jit
+def wait_for_previous_kernel(PDL: tl.constexpr):
+    """Under programmatic dependent launch: wait until the kernels before this one have finished
+    (their writes visible), then let the next kernel start launching. Without it: nothing."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
                      stride_x0, stride_x1, stride_r0, stride_r1, n_inner,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0)
     outer, inner = row // n_inner, row % n_inner
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    wait_for_previous_kernel(PDL)
     x = tl.load(x_ptr + outer * stride_x0 + inner * stride_x1 + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + outer * stride_r0 + inner * stride_r1 + cols, mask=mask, other=0.0)
@@ -48,13 +86,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         rows3, res3, weight, out, res_out, d, eps,
         rows3.stride(0), rows3.stride(1), res3.stride(0), res3.stride(1), n_inner,
         HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(d), num_warps=4 if d <= 4096 else 8,
+        **pdl_launch(x.device),
     )
     return out if residual is None else (out, res_out)
 
 
 @triton.jit
 def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, stride_t, stride_h, stride_c, num_heads,
-                   HALF: tl.constexpr, HEADS_PAD: tl.constexpr):
+                   HALF: tl.constexpr, HEADS_PAD: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     t = tl.program_id(0)
     h = tl.arange(0, HEADS_PAD)[:, None]
     d = tl.arange(0, HALF)[None, :]
@@ -80,13 +120,14 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     num_tokens, num_heads, head_dim = x.shape
     _rotary_kernel[(num_tokens,)](
         x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), num_heads,
-        HALF=head_dim // 2, HEADS_PAD=triton.next_power_of_2(num_heads), num_warps=4,
+        HALF=head_dim // 2, HEADS_PAD=triton.next_power_of_2(num_heads), num_warps=4, **pdl_launch(x.device),
     )
     return x
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -103,13 +144,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     n = width // 2
     out = torch.empty(num_tokens, n, dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_and_mul_kernel[(num_tokens, triton.cdiv(n, block))](x, out, n, x.stride(0), BLOCK=block, num_warps=4)
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(n, block))](x, out, n, x.stride(0), BLOCK=block, num_warps=4,
+                                                                   **pdl_launch(x.device))
     return out
 
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_k, stride_v, width,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t)
     cols = tl.arange(0, BLOCK)
@@ -124,7 +167,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     num_tokens = k.shape[0]
     width = k_cache.shape[2] * k_cache.shape[3]
     _store_kv_kernel[(num_tokens,)](k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), width,
-                                    BLOCK=triton.next_power_of_2(width), num_warps=4)
+                                    BLOCK=triton.next_power_of_2(width), num_warps=4, **pdl_launch(k.device))
 
 
 @triton.jit
@@ -142,7 +185,9 @@ def _rotate_tile(ptr, cos1, cos2, sin1, sin2, h, d, mask, HALF: tl.constexpr):
 @triton.jit
 def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
                             stride_q, stride_k, stride_v, stride_c, num_heads, num_kv_heads,
-                            HALF: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr):
+                            HALF: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
+                            PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     t = tl.program_id(0)
     d = tl.arange(0, HALF)[None, :]
     cos1 = tl.load(cos_ptr + t * stride_c + d).to(tl.float32)
@@ -181,7 +226,7 @@ def rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slots) -> None:
     _rotary_store_kv_kernel[(num_tokens,)](
         q, k, v, cos, sin, k_cache, v_cache, slots, q.stride(0), k.stride(0), v.stride(0), cos.stride(0),
         num_heads, num_kv_heads, HALF=head_dim // 2, HEADS_PAD=triton.next_power_of_2(num_heads),
-        KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), num_warps=4,
+        KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), num_warps=4, **pdl_launch(q.device),
     )
 
 
@@ -214,58 +259,61 @@ def _frame_attention_kernel(q_ptr, k_ptr, v_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_
                             out_ptr, start, stride_q, stride_k, stride_v, stride_c, eps, scale,
                             head_dim, cache_len, num_heads, num_kv_heads,
                             TOKENS: tl.constexpr, GROUP: tl.constexpr, HAS_NORM: tl.constexpr,
-                            HALF: tl.constexpr, CACHE_PAD: tl.constexpr):
+                            HALF: tl.constexpr, CACHE_PAD: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
-    g = tl.program_id(1)
+    h = tl.program_id(1)  # one query head a program: no head waits on another's softmax
+    g = h // GROUP
     d = tl.arange(0, HALF)
     dmask = d < head_dim // 2
     half = head_dim // 2
     # Without norms the weights are loaded and never used (the kernel is then rotary only).
     q_w1, q_w2 = _halves(q_w_ptr, half, d, dmask)
     k_w1, k_w2 = _halves(k_w_ptr, half, d, dmask)
+    wait_for_previous_kernel(PDL)
+    # The earlier calls' keys and values of the sequence, from the cache...
     cache_row = (b * num_kv_heads + g) * cache_len
-    # 1) This call's keys (normed, rotated) and values into the cache at positions start...
+    s = tl.arange(0, CACHE_PAD)
+    kv_off = (cache_row + s[:, None]) * head_dim + d[None, :]
+    kv_mask = (s < start)[:, None] & dmask[None, :]
+    kc1 = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+    kc2 = tl.load(k_cache_ptr + kv_off + half, mask=kv_mask, other=0.0).to(tl.float32)
+    vc1 = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+    vc2 = tl.load(v_cache_ptr + kv_off + half, mask=kv_mask, other=0.0).to(tl.float32)
+    # ...and this call's (normed, rotated) at positions start..., kept in registers; the group's
+    # first head also writes them to the cache for the next calls.
     for i in tl.static_range(TOKENS):
         row = b * TOKENS + i
         cos1, cos2 = _halves(cos_ptr + row * stride_c, half, d, dmask)
         sin1, sin2 = _halves(sin_ptr + row * stride_c, half, d, dmask)
         k1, k2 = _head_norm_rotary(k_ptr + row * stride_k + g * head_dim, k_w1, k_w2, cos1, cos2, sin1, sin2,
                                    d, dmask, eps, head_dim, HAS_NORM)
-        slot = k_cache_ptr + (cache_row + start + i) * head_dim
-        tl.store(slot + d, k1, mask=dmask)
-        tl.store(slot + half + d, k2, mask=dmask)
-        v_src = v_ptr + row * stride_v + g * head_dim
-        v_slot = v_cache_ptr + (cache_row + start + i) * head_dim
-        tl.store(v_slot + d, tl.load(v_src + d, mask=dmask), mask=dmask)
-        tl.store(v_slot + half + d, tl.load(v_src + half + d, mask=dmask), mask=dmask)
-    # The stores above are read back below by other threads of this program: a block-wide barrier
-    # makes a block's global writes visible to the whole block (no other program reads them).
-    tl.debug_barrier()
-    # 2) Every query head of this KV head's group, causally over positions 0..start+i.
-    s = tl.arange(0, CACHE_PAD)
-    filled = s < start + TOKENS
-    kv_off = (cache_row + s[:, None]) * head_dim + d[None, :]
-    kv_mask = filled[:, None] & dmask[None, :]
-    kc1 = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-    kc2 = tl.load(k_cache_ptr + kv_off + half, mask=kv_mask, other=0.0).to(tl.float32)
-    vc1 = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-    vc2 = tl.load(v_cache_ptr + kv_off + half, mask=kv_mask, other=0.0).to(tl.float32)
+        v1, v2 = _halves(v_ptr + row * stride_v + g * head_dim, half, d, dmask)
+        if h % GROUP == 0:
+            slot = (cache_row + start + i) * head_dim
+            tl.store(k_cache_ptr + slot + d, k1, mask=dmask)
+            tl.store(k_cache_ptr + slot + half + d, k2, mask=dmask)
+            tl.store(v_cache_ptr + slot + d, v1.to(k1.dtype), mask=dmask)
+            tl.store(v_cache_ptr + slot + half + d, v2.to(k1.dtype), mask=dmask)
+        new = (s == start + i)[:, None]
+        kc1 = tl.where(new, k1.to(tl.float32)[None, :], kc1)
+        kc2 = tl.where(new, k2.to(tl.float32)[None, :], kc2)
+        vc1 = tl.where(new, v1[None, :], vc1)
+        vc2 = tl.where(new, v2[None, :], vc2)
+    # This head's queries, causally over positions 0..start+i.
     for i in tl.static_range(TOKENS):
         row = b * TOKENS + i
         cos1, cos2 = _halves(cos_ptr + row * stride_c, half, d, dmask)
         sin1, sin2 = _halves(sin_ptr + row * stride_c, half, d, dmask)
-        for r in tl.static_range(GROUP):
-            h = g * GROUP + r
-            q1, q2 = _head_norm_rotary(q_ptr + row * stride_q + h * head_dim, q_w1, q_w2, cos1, cos2, sin1, sin2,
-                                       d, dmask, eps, head_dim, HAS_NORM)
-            dt = q1.dtype
-            scores = tl.sum(q1.to(tl.float32)[None, :] * kc1 + q2.to(tl.float32)[None, :] * kc2, 1) * scale
-            scores = tl.where(s <= start + i, scores, float("-inf"))
-            p = tl.exp(scores - tl.max(scores, 0))
-            p = p / tl.sum(p, 0)
-            out = out_ptr + row * num_heads * head_dim + h * head_dim
-            tl.store(out + d, tl.sum(p[:, None] * vc1, 0).to(dt), mask=dmask)
-            tl.store(out + half + d, tl.sum(p[:, None] * vc2, 0).to(dt), mask=dmask)
+        q1, q2 = _head_norm_rotary(q_ptr + row * stride_q + h * head_dim, q_w1, q_w2, cos1, cos2, sin1, sin2,
+                                   d, dmask, eps, head_dim, HAS_NORM)
+        dt = q1.dtype
+        scores = tl.sum(q1.to(tl.float32)[None, :] * kc1 + q2.to(tl.float32)[None, :] * kc2, 1) * scale
+        scores = tl.where(s <= start + i, scores, float("-inf"))
+        p = tl.exp(scores - tl.max(scores, 0))
+        p = p / tl.sum(p, 0)
+        out = out_ptr + row * num_heads * head_dim + h * head_dim
+        tl.store(out + d, tl.sum(p[:, None] * vc1, 0).to(dt), mask=dmask)
+        tl.store(out + half + d, tl.sum(p[:, None] * vc2, 0).to(dt), mask=dmask)
 
 
 def frame_attention(q, k, v, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, start: int, scale: float):
@@ -282,11 +330,12 @@ def frame_attention(q, k, v, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, st
     num_heads = q.shape[1] // head_dim
     out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype, device=q.device)
     has_norm = q_norm is not None
-    _frame_attention_kernel[(batch, num_kv_heads)](
+    _frame_attention_kernel[(batch, num_heads)](
         q, k, v, q_norm if has_norm else q, k_norm if has_norm else k, cos, sin, k_cache, v_cache, out,
         start, q.stride(0), k.stride(0), v.stride(0), cos.stride(0), eps, scale, head_dim, cache_len,
         num_heads, num_kv_heads, TOKENS=tokens, GROUP=num_heads // num_kv_heads, HAS_NORM=has_norm,
         HALF=triton.next_power_of_2(head_dim // 2), CACHE_PAD=triton.next_power_of_2(cache_len), num_warps=4,
+        **pdl_launch(q.device),
     )
     return out
 
@@ -296,29 +345,41 @@ LONG_ROW_K = 4096
 
 
 @triton.jit
-def _small_m_chunk(acc, x_ptr, w_ptr, k0, n, m, k, n_mask, m_mask, k_dim, stride_x):
+def _weight_chunk(w_ptr, row0, k0, n, k, n_mask, k_dim):
+    """Rows row0 + n, columns k0 + k of a [N, K] weight (zeros outside)."""
     kk = k0 + k
-    k_mask = kk < k_dim
-    w = tl.load(w_ptr + n[:, None] * k_dim + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-    x = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    return tl.load(w_ptr + (row0 + n)[:, None] * k_dim + kk[None, :], mask=n_mask[:, None] & (kk < k_dim)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _small_m_chunk(acc, w, x_ptr, k0, m, k, m_mask, k_dim, stride_x):
+    """acc [M, N, K chunk] += the rows' chunk at k0 times the weight chunk w, lane by lane."""
+    kk = k0 + k
+    x = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :], mask=m_mask[:, None] & (kk < k_dim)[None, :], other=0.0)
     return acc + x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
 
 
 @triton.jit
 def _small_m_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, m_rows, n_cols, k_dim, stride_x, stride_out,
                            HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, LONG_ROWS: tl.constexpr):
+                           BLOCK_K: tl.constexpr, LONG_ROWS: tl.constexpr, PDL: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, M_PAD)
     k = tl.arange(0, BLOCK_K)
     n_mask, m_mask = n < n_cols, m < m_rows
-    acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], tl.float32)
+    # The first chunk of the weight is read before waiting for the kernel that writes x.
+    w = _weight_chunk(w_ptr, 0, 0, n, k, n_mask, k_dim)
+    wait_for_previous_kernel(PDL)
+    acc = _small_m_chunk(tl.zeros([M_PAD, BLOCK_N, BLOCK_K], tl.float32), w, x_ptr, 0, m, k, m_mask, k_dim, stride_x)
     if LONG_ROWS:  # many chunks a row: three in flight (without, the loop measured 20% slower)
-        for k0 in tl.range(0, k_dim, BLOCK_K, num_stages=3):
-            acc = _small_m_chunk(acc, x_ptr, w_ptr, k0, n, m, k, n_mask, m_mask, k_dim, stride_x)
+        for k0 in tl.range(BLOCK_K, k_dim, BLOCK_K, num_stages=3):
+            w = _weight_chunk(w_ptr, 0, k0, n, k, n_mask, k_dim)
+            acc = _small_m_chunk(acc, w, x_ptr, k0, m, k, m_mask, k_dim, stride_x)
     else:
-        for k0 in tl.range(0, k_dim, BLOCK_K):
-            acc = _small_m_chunk(acc, x_ptr, w_ptr, k0, n, m, k, n_mask, m_mask, k_dim, stride_x)
+        for k0 in tl.range(BLOCK_K, k_dim, BLOCK_K):
+            w = _weight_chunk(w_ptr, 0, k0, n, k, n_mask, k_dim)
+            acc = _small_m_chunk(acc, w, x_ptr, k0, m, k, m_mask, k_dim, stride_x)
     out = tl.sum(acc, 2)
     if HAS_BIAS:
         out += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -353,7 +414,7 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     _small_m_linear_kernel[(triton.cdiv(n_cols, block_n),)](
         x, weight, bias if bias is not None else weight, out, m_rows, n_cols, k_dim, x.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, LONG_ROWS=k_dim > LONG_ROW_K,
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl_launch(x.device),
     )
     return out
 
@@ -361,11 +422,19 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 @triton.jit
 def _norm_linear_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, m_rows, n_out, k_dim, eps,
                         stride_x, stride_res, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        GATED: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        GATED: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PDL: tl.constexpr):
     pid = tl.program_id(0)
     m = tl.arange(0, M_PAD)
     k = tl.arange(0, BLOCK_K)
     m_mask = m < m_rows
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < n_out
+    # The weight's first chunk (its whole rows for every product `linear.fuses_norm` admits) is read
+    # before waiting for the kernel that writes x.
+    w = _weight_chunk(w_ptr, 0, 0, n, k, n_mask, k_dim)
+    w_up = _weight_chunk(w_ptr, n_out, 0, n, k, n_mask, k_dim) if GATED else w
+    wait_for_previous_kernel(PDL)
     # Pass 1: each row's mean square over K (program 0 also writes the residual stream x + res).
     squares = tl.zeros([M_PAD, BLOCK_K], tl.float32)
     for k0 in tl.range(0, k_dim, BLOCK_K):
@@ -381,11 +450,12 @@ def _norm_linear_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr, res_o
         squares += hf * hf
     inv_rms = tl.rsqrt(tl.sum(squares, 1) / k_dim + eps)[:, None]
     # Pass 2: the normalized rows (rounded where RMSNorm rounds) against this program's weight rows.
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < n_out
     acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
     acc_up = tl.zeros([M_PAD, BLOCK_N], tl.float32)
     for k0 in tl.range(0, k_dim, BLOCK_K):
+        if k0 > 0:
+            w = _weight_chunk(w_ptr, 0, k0, n, k, n_mask, k_dim)
+            w_up = _weight_chunk(w_ptr, n_out, k0, n, k, n_mask, k_dim) if GATED else w
         kk = k0 + k
         k_mask = kk < k_dim
         mk = m_mask[:, None] & k_mask[None, :]
@@ -396,11 +466,8 @@ def _norm_linear_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr, res_o
         y = (h.to(tl.float32) * inv_rms).to(h.dtype)  # HF: normalized, cast back, then the weight
         nw = tl.load(norm_w_ptr + kk, mask=k_mask, other=0.0)
         y = (nw.to(tl.float32)[None, :] * y.to(tl.float32)).to(h.dtype).to(tl.float32)
-        wk = n_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_ptr + n[:, None] * k_dim + kk[None, :], mask=wk, other=0.0)
         acc += tl.sum(y[:, None, :] * w.to(tl.float32)[None, :, :], 2)
         if GATED:
-            w_up = tl.load(w_ptr + (n + n_out)[:, None] * k_dim + kk[None, :], mask=wk, other=0.0)
             acc_up += tl.sum(y[:, None, :] * w_up.to(tl.float32)[None, :, :], 2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -436,7 +503,7 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: 
         x, residual if residual is not None else x, norm_weight, weight, bias if bias is not None else weight,
         out, res_out, m_rows, n_out, k_dim, eps, x.stride(0), residual.stride(0) if residual is not None else 0,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, GATED=gated, M_PAD=m_pad,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps or 4,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps or 4, **pdl_launch(x.device),
     )
     return out if residual is None else (out, res_out)
 
@@ -444,7 +511,8 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: 
 @triton.jit
 def _sample_codes_kernel(logits_ptr, greedy_ptr, gumbel_ptr, out_ptr, vocab, stride_logits, stride_gumbel,
                          inv_temperature, top_k, top_p, TOP_K: tl.constexpr, TOP_P: tl.constexpr,
-                         VOCAB_PAD: tl.constexpr):
+                         VOCAB_PAD: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     ids = tl.arange(0, VOCAB_PAD)
     valid = ids < vocab
@@ -480,14 +548,16 @@ def sample_codes(logits: torch.Tensor, greedy: torch.Tensor, gumbel: torch.Tenso
     _sample_codes_kernel[(batch,)](
         logits, greedy, gumbel, out, vocab, logits.stride(0), gumbel.stride(0), 1.0 / temperature,
         top_k if use_top_k else vocab, top_p, TOP_K=use_top_k, TOP_P=top_p < 1.0,
-        VOCAB_PAD=triton.next_power_of_2(vocab), num_warps=4,
+        VOCAB_PAD=triton.next_power_of_2(vocab), num_warps=4, **pdl_launch(logits.device),
     )
     return out
 
 
 @triton.jit
 def _penalize_kernel(logits_ptr, counts_ptr, seen_ptr, factors_ptr, out_ptr, vocab, batch,
-                     REPETITION: tl.constexpr, FREQUENCY_PRESENCE: tl.constexpr, BLOCK: tl.constexpr):
+                     REPETITION: tl.constexpr, FREQUENCY_PRESENCE: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     v = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = v < vocab
@@ -522,13 +592,15 @@ def penalize(logits: torch.Tensor, counts: torch.Tensor, prompt_seen: torch.Tens
     _penalize_kernel[(batch, triton.cdiv(vocab, block))](
         logits, counts, prompt_seen.contiguous().view(torch.uint8), factors.contiguous(), out, vocab, batch,
         REPETITION=repetition, FREQUENCY_PRESENCE=frequency_presence, BLOCK=block, num_warps=4,
+        **pdl_launch(logits.device),
     )
     return out
 
 
 @triton.jit
 def _top_k_race_kernel(vals_ptr, ids_ptr, noise_ptr, temperature_ptr, top_k_ptr, top_p_ptr, out_ptr, fetched,
-                       stride_vals, stride_noise, PAD: tl.constexpr):
+                       stride_vals, stride_noise, PAD: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     j = tl.arange(0, PAD)
     valid = j < fetched
@@ -572,6 +644,6 @@ def top_k_race(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     out = torch.empty(batch, dtype=torch.long, device=logits.device)
     _top_k_race_kernel[(batch,)](
         vals, ids, noise, temperature, top_k, top_p, out, fetched, vals.stride(0), noise.stride(0),
-        PAD=triton.next_power_of_2(fetched), num_warps=1,
+        PAD=triton.next_power_of_2(fetched), num_warps=1, **pdl_launch(logits.device),
     )
     return out

@@ -47,10 +47,26 @@ def map_expert_weight_name(name: str) -> tuple[str, tuple[int, int | None]] | No
     return f"{match['prefix']}.w13_weight", (expert, _W13_SHARD[proj])
 
 
+# On CUDA in half precision, at most this many tokens take `moe_ops.few_token_experts` (the
+# experts read through their ids, no grouped GEMM): decode steps of up to this many sequences. On
+# the H200 it beats the grouped path by 4x at one token and still by 1.2-2x at 16
+# (benchmarks/bench_moe_decode.py, docs/benchmarks.md round 18).
+FEW_TOKEN_MAX = 16
+
+
+def _half_cuda(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+
 def select_experts(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (weights [T, k] in the logits' dtype, expert ids [T, k])."""
+    """router_logits [T, E] -> (weights [T, k] in the logits' dtype, expert ids [T, k]).
+    On CUDA in half precision one kernel (`moe_ops.route`)."""
+    if _half_cuda(router_logits):
+        from vllm_omni.model_executor.layers import moe_ops
+
+        return moe_ops.route(router_logits, top_k, renormalize)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -161,6 +177,10 @@ class FusedExperts(nn.Module):
                    f"expert {expert} down_proj")
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if _half_cuda(x) and x.shape[0] <= FEW_TOKEN_MAX:
+            from vllm_omni.model_executor.layers import moe_ops
+
+            return moe_ops.few_token_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         if grouped_mm_available(x):
             return moe_forward_grouped(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         return moe_forward_reference(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)

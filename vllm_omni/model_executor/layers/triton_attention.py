@@ -20,6 +20,7 @@ from torch.nn.attention import varlen
 
 from vllm_omni.model_executor.forward_context import AttentionMetadata
 from vllm_omni.model_executor.layers.attention import TorchAttentionBackend
+from vllm_omni.model_executor.layers.cuda_ops import pdl_launch, wait_for_previous_kernel
 
 # Decode splits a sequence's context into at most this many partitions, one program each, so
 # a single sequence still spreads over many SMs; each program walks its partition in
@@ -50,8 +51,9 @@ def _paged_decode_partial(
     stride_po_tok, stride_po_head, stride_po_part,
     num_partitions,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    TILE: tl.constexpr, PRECISION: tl.constexpr,
+    TILE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -99,8 +101,9 @@ def _paged_decode_merge(
     part_out_ptr, part_max_ptr, part_sum_ptr, seq_lens_ptr, out_ptr,
     stride_po_tok, stride_po_head, stride_po_part, stride_o_tok, stride_o_head,
     num_heads, num_partitions,
-    TILE: tl.constexpr, PARTS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    TILE: tl.constexpr, PARTS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -146,7 +149,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         TILE=TILE_TOKENS, num_warps=4,
         # float32 caches are for exactness checks: keep full precision instead of TF32.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **pdl_launch(q.device),
     )
     out = torch.empty_like(q)
     _paged_decode_merge[(num_seqs, num_heads)](
@@ -154,6 +157,7 @@ def paged_decode_attention(
         part_out.stride(0), part_out.stride(1), part_out.stride(2), out.stride(0), out.stride(1),
         num_heads, num_partitions,
         TILE=TILE_TOKENS, PARTS_PAD=max(2, triton.next_power_of_2(num_partitions)), HEAD_DIM=head_dim,
+        **pdl_launch(q.device),
     )
     return out
 
