@@ -1,11 +1,13 @@
-"""Triton kernels for a mixture-of-experts layer at a few decode tokens (CUDA only).
+"""Triton kernels for a mixture-of-experts layer at decode (CUDA only).
 
-At one or two tokens the grouped-GEMM path (`moe.moe_forward_grouped`) is ~20 launches a layer:
+At a few tokens the grouped-GEMM path (`moe.moe_forward_grouped`) is ~20 launches a layer:
 softmax, a `topk` of 11-15 us on the H200, an argsort, offsets, a row gather, two grouped GEMMs
-at ~12 us each (for ~9 MB of expert weights: 20% of the bandwidth) and the slot sums. Here it is
-three kernels: the router (softmax, top-k, renormalization), each routed expert's gate/up product
-with its SiLU, and the down products summed over each token's slots. They read the expert
-weights straight through the expert ids: no sort, no gather, nothing on the host.
+at ~12 us each (for ~9 MB of expert weights at one token: 20% of the bandwidth) and the slot sums.
+Here it is three kernels: the router (softmax, top-k, renormalization; `moe.select_experts` takes
+it at every batch size), each routed expert's gate/up product with its SiLU, and the down products
+summed over each token's slots (`FusedExperts` takes these two up to `moe.FEW_TOKEN_MAX` tokens).
+They read the expert weights straight through the expert ids: no sort, no gather, nothing on the
+host.
 
 Numerics follow the grouped path: the router's softmax in float32, its top-k in descending order
 (ties: the lower expert id), the renormalization in float32 and one rounding to the model dtype;
