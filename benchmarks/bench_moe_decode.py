@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from bench_small_linear import HBM_BYTES_PER_S  # benchmarks/ (the script's folder)
+from graph_timing import graph_us_per_call
 from vllm_omni.model_executor.layers import moe, moe_ops
 
 LAYERS = 12
@@ -27,22 +28,6 @@ def torch_router(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     return (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype), ids
 
 
-def us_per_layer(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 20 / LAYERS * 1e3
-
-
 def main() -> None:
     print(f"{'experts of':20s} tokens  floor us  grouped us  few-token us")
     for name, (experts, hidden, inter, k) in SHAPES.items():
@@ -53,10 +38,10 @@ def main() -> None:
             x = torch.randn(tokens, hidden, device="cuda").bfloat16()
             routed = min(experts, tokens * k)
             floor = routed * 3 * inter * hidden * 2 / HBM_BYTES_PER_S * 1e6
-            grouped = us_per_layer(lambda: [moe.moe_forward_grouped(x, w13, w2, *torch_router(x @ gate, k))
-                                            for w13, w2, gate in layers])
-            few = us_per_layer(lambda: [moe_ops.few_token_experts(x, w13, w2, *moe_ops.route(x @ gate, k, True))
-                                        for w13, w2, gate in layers])
+            grouped = graph_us_per_call(lambda: [moe.moe_forward_grouped(x, w13, w2, *torch_router(x @ gate, k))
+                                                 for w13, w2, gate in layers], LAYERS)
+            few = graph_us_per_call(lambda: [moe_ops.few_token_experts(x, w13, w2, *moe_ops.route(x @ gate, k, True))
+                                             for w13, w2, gate in layers], LAYERS)
             print(f"{name:20s} {tokens:6d} {floor:9.1f} {grouped:11.1f} {few:13.1f}", flush=True)
         del layers
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from graph_timing import graph_us_per_call  # benchmarks/ (the script's folder)
 from vllm_omni.model_executor.layers import cuda_ops
 
 HBM_BYTES_PER_S = 4.27e12  # device-to-device copy bandwidth measured on the H200 (notes/gpu.md)
@@ -26,22 +27,6 @@ SHAPES = {  # name: (N, K) of the weight
 }
 
 
-def us_per_call(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 20 / CALLS * 1e3
-
-
 def main() -> None:
     print(f"{'weight':24s} {'N x K':>12s} rows  floor us  cuBLAS us  ours us")
     for name, (n, k) in SHAPES.items():
@@ -51,8 +36,8 @@ def main() -> None:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             torch.testing.assert_close(cuda_ops.small_m_linear(x, weights[0]), F.linear(x, weights[0]),
                                        atol=2e-2, rtol=2e-2)
-            theirs = us_per_call(lambda: [F.linear(x, w) for w in weights])
-            ours = us_per_call(lambda: [cuda_ops.small_m_linear(x, w) for w in weights])
+            theirs = graph_us_per_call(lambda: [F.linear(x, w) for w in weights], CALLS)
+            ours = graph_us_per_call(lambda: [cuda_ops.small_m_linear(x, w) for w in weights], CALLS)
             print(f"{name:24s} {f'{n} x {k}':>12s} {rows:4d} {floor:9.1f} {theirs:10.1f} {ours:8.1f}", flush=True)
         del weights
 

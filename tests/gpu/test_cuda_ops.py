@@ -9,7 +9,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from vllm_omni.model_executor.layers import activation, code2wav_ops, cuda_ops, layernorm, rotary  # noqa: E402
+from vllm_omni.model_executor.layers import (  # noqa: E402
+    activation, code2wav_ops, cuda_ops, layernorm, rotary, sampling_ops)
 from vllm_omni.model_executor.layers.attention import store_kv  # noqa: E402
 from vllm_omni.model_executor.layers.rotary import get_rope  # noqa: E402
 from vllm_omni.model_executor.models.decoder import DecoderAttention  # noqa: E402
@@ -249,13 +250,13 @@ def test_sample_codes_kernel_draws_the_torch_rule(temperature, top_k, top_p):
         gumbel = -torch.empty(9, 15, 2048).exponential_(generator=g).log()
         greedy = torch.tensor([i % 4 == 0 for i in range(9)])
         want = sample_codes(logits, greedy, gumbel[:, 3], temperature, top_k, top_p)
-        got = cuda_ops.sample_codes(logits.cuda(), greedy.cuda(), gumbel.cuda()[:, 3], temperature, top_k, top_p)
+        got = sampling_ops.sample_codes(logits.cuda(), greedy.cuda(), gumbel.cuda()[:, 3], temperature, top_k, top_p)
         assert got.tolist() == want.tolist(), bf16
 
 
 @pytest.mark.parametrize("bf16", [False, True])
 def test_top_k_race_draws_what_the_torch_sampler_draws(monkeypatch, bf16):
-    """The Sampler's random rows with small top-ks (`cuda_ops.top_k_race`) give the tokens of its
+    """The Sampler's random rows with small top-ks (`sampling_ops.top_k_race`) give the tokens of its
     torch path for the same seeded noise: rows of different temperatures, top-ks and nuclei
     (top_p = 1: top-k alone), float32 logits and bf16-rounded ones (ties at the k-th logit, which
     the rule keeps), penalized logits of the talker's vocabulary."""
@@ -263,8 +264,8 @@ def test_top_k_race_draws_what_the_torch_sampler_draws(monkeypatch, bf16):
     from vllm_omni.sampling_params import SamplingParams
 
     calls = []
-    kernel = cuda_ops.top_k_race
-    monkeypatch.setattr(cuda_ops, "top_k_race", lambda *args: calls.append(1) or kernel(*args))
+    kernel = sampling_ops.top_k_race
+    monkeypatch.setattr(sampling_ops, "top_k_race", lambda *args: calls.append(1) or kernel(*args))
     g = torch.Generator().manual_seed(1)
     rows = 48
     params = [SamplingParams(temperature=(0.6, 0.9, 1.0, 1.3)[i % 4], top_k=(1, 5, 40, 50, 200)[i % 5],
@@ -286,7 +287,7 @@ def test_top_k_race_draws_what_the_torch_sampler_draws(monkeypatch, bf16):
 
 @pytest.mark.parametrize("repetition, frequency_presence", [(True, False), (False, True), (True, True)])
 def test_penalize_kernel_gives_the_bits_of_the_torch_penalties(monkeypatch, repetition, frequency_presence):
-    """The Sampler's penalties on CUDA (`cuda_ops.penalize`) equal its torch ops on the CPU bit for
+    """The Sampler's penalties on CUDA (`sampling_ops.penalize`) equal its torch ops on the CPU bit for
     bit: repetition over prompt and output (positive logits divided, others multiplied),
     frequency and presence over the output, rows without a penalty unchanged."""
     from vllm_omni.model_executor.layers.sampler import SamplingBatch, Sampler
@@ -304,8 +305,8 @@ def test_penalize_kernel_gives_the_bits_of_the_torch_penalties(monkeypatch, repe
     logits = torch.randn(rows, vocab, generator=g) * 3
     want, _ = Sampler()._apply_penalties(logits, batch)
     calls = []
-    kernel = cuda_ops.penalize
-    monkeypatch.setattr(cuda_ops, "penalize", lambda *args: calls.append(1) or kernel(*args))
+    kernel = sampling_ops.penalize
+    monkeypatch.setattr(sampling_ops, "penalize", lambda *args: calls.append(1) or kernel(*args))
     got, _ = Sampler()._apply_penalties(logits.cuda(), batch)
     assert calls == [1]  # the CUDA rows went through the kernel
     assert not torch.equal(want, logits)

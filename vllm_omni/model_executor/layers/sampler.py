@@ -11,8 +11,8 @@ Pipeline for one step (the order matters and follows vLLM v1):
 Everything runs on the logits' device. The host builds a few small index / parameter
 tensors (copied asynchronously on CUDA) and reads back the result once, at the end.
 Work that no request in the batch needs is skipped entirely. On CUDA the penalties are one
-kernel (`cuda_ops.penalize`), and random rows whose top-ks are all small take `topk` and one
-kernel (`cuda_ops.top_k_race`) instead of sorting or masking the whole vocabulary: the same rule
+kernel (`sampling_ops.penalize`), and random rows whose top-ks are all small take `topk` and one
+kernel (`sampling_ops.top_k_race`) instead of sorting or masking the whole vocabulary: the same rule
 and the same noise, so the same tokens (tests/gpu/test_cuda_ops.py).
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from vllm_omni.model_executor.layers.penalty_state import PenaltyState, count_pl
 from vllm_omni.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
-# On CUDA, random rows whose top-k are all at most this many take `cuda_ops.top_k_race`.
+# On CUDA, random rows whose top-k are all at most this many take `sampling_ops.top_k_race`.
 TOP_K_RACE_MAX = 256
 
 
@@ -255,9 +255,9 @@ class Sampler:
         factors = _to_device([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
                               [p.presence_penalty for p in params]], torch.float32, device)
         if logits.is_cuda:  # the same arithmetic in one launch (torch's ops below: ~12)
-            from vllm_omni.model_executor.layers import cuda_ops
+            from vllm_omni.model_executor.layers import sampling_ops
 
-            return cuda_ops.penalize(logits, counts, prompt_seen, factors, need_rep, need_freq_pres), state_rows
+            return sampling_ops.penalize(logits, counts, prompt_seen, factors, need_rep, need_freq_pres), state_rows
         output_mask = counts > 0
         if need_rep:
             # Repetition penalty over prompt ∪ output, exactly as transformers'
@@ -289,10 +289,10 @@ class Sampler:
                 and not any(p.min_p > 0.0 for p in params)):
             # Every row has a small top-k: the rule over each row's largest logits in one kernel
             # (the torch path below sorts or masks the whole vocabulary: ~25 launches a step).
-            from vllm_omni.model_executor.layers import cuda_ops
+            from vllm_omni.model_executor.layers import sampling_ops
 
             noise = _race_noise(torch.empty_like(logits, memory_format=torch.contiguous_format), generators)
-            return cuda_ops.top_k_race(logits, temps[:, 0], k[:, 0], top_p[:, 0], noise, max_top_k)
+            return sampling_ops.top_k_race(logits, temps[:, 0], k[:, 0], top_p[:, 0], noise, max_top_k)
 
         if any(p.temperature != 1.0 for p in params):
             logits = logits / temps

@@ -10,7 +10,7 @@ a fixed-shape function of static buffers, sampling included (`sample_codes`):
 
 the Gumbel-max form of our Sampler's exponential race (argmax p / q = argmax log p - log q),
 at the predictor's fixed sampling settings. On CUDA it is one kernel per group
-(`cuda_ops.sample_codes`: each row sorted in one program's registers), where torch's ops took a
+(`sampling_ops.sample_codes`: each row sorted in one program's registers), where torch's ops took a
 dozen launches per group, ~3-5 us each at a handful of rows. The noise is drawn before each
 replay, from a request's own generator when it has a seed, so seeded requests are
 reproducible; the draws differ from the eager path's, the distribution does not
@@ -51,12 +51,12 @@ def sample_codes(logits: torch.Tensor, greedy: torch.Tensor, gumbel: torch.Tenso
     softmax(logits / T) restricted to the top-k and then to the top-p nucleus (the Sampler's rule,
     `apply_top_k_top_p`: top-k keeps every value >= the k-th largest; the nucleus keeps a token
     while the tokens above it hold less than p), by the Gumbel-max trick with noise `gumbel`
-    [B, >= V]. top_k <= 0 or >= V: no top-k. On CUDA one kernel per call (`cuda_ops.sample_codes`)."""
+    [B, >= V]. top_k <= 0 or >= V: no top-k. On CUDA one kernel per call (`sampling_ops.sample_codes`)."""
     vocab = logits.shape[-1]
     if logits.is_cuda and vocab <= MAX_FUSED_VOCAB:
-        from vllm_omni.model_executor.layers import cuda_ops
+        from vllm_omni.model_executor.layers import sampling_ops
 
-        return cuda_ops.sample_codes(logits, greedy, gumbel, temperature, top_k, top_p)
+        return sampling_ops.sample_codes(logits, greedy, gumbel, temperature, top_k, top_p)
     logits = logits.float()
     best = logits.argmax(dim=-1)
     scaled = logits / temperature
