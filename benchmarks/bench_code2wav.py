@@ -24,7 +24,7 @@ spread +-20% so that rows differ):
   has no transformers model);
 - DiT %: for Qwen2.5, the share of the streamed steps spent in the DiT's ODE solve (the rest is
   the vocoder and host work);
-- --profile N: the N kernels with the most GPU time over one streamed run at each batch
+- --profile N: the N kernels with the most GPU time over one whole call and one streamed run at each batch
   (eager: every kernel by name).
 """
 from __future__ import annotations
@@ -66,7 +66,7 @@ def parse_args():
     p.add_argument("--model-configs", default=str(Path(__file__).resolve().parent / "configs"))
     p.add_argument("--tiny", action="store_true", help="tiny random checkpoints (CPU smoke test)")
     p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--profile", type=int, default=0, help="print the N kernels with the most GPU time per batch")
+    p.add_argument("--profile", type=int, default=0, help="print the N kernels with the most GPU time per batch, whole and streamed")
     p.add_argument("--json", default="bench_code2wav.json")
     return p.parse_args()
 
@@ -216,16 +216,20 @@ def bench_stream(family: str, model, reqs, precision, sync) -> dict:
 
 
 def print_kernels(family: str, model, reqs, sync, top: int) -> None:
-    """The kernels, and the torch ops that launch them, with the most GPU time over one streamed
-    run of the requests (CPU: ops by CPU time)."""
+    """The kernels, and the torch ops that launch them, with the most GPU time over one whole call
+    and over one streamed run of the requests (CPU: ops by CPU time)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = model.device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
-        drain(model, open_streams(family, model, reqs), sync)
-    print(f"--- {family}, {len(reqs)} streams: top {top} kernels and ops by {'GPU' if cuda else 'CPU'} time")
-    print(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=top,
-                                    max_name_column_width=110))
+    runs = {"one whole call": lambda: model.generate_batch(reqs),
+            "streams": lambda: drain(model, open_streams(family, model, reqs), sync)}
+    for name, run in runs.items():
+        with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+            run()
+            sync()
+        print(f"--- {family}, {len(reqs)} requests, {name}: top {top} kernels and ops by {'GPU' if cuda else 'CPU'} time")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                        row_limit=top, max_name_column_width=110))
 
 
 def bench_hf(family: str, model, req, sync) -> dict:

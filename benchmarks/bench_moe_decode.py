@@ -1,9 +1,10 @@
 """A mixture-of-experts layer at decode on the GPU: the grouped-GEMM path (`moe.moe_forward_grouped`,
-torch's router ops) against the few-token kernels (`moe_ops.route` + `moe_ops.few_token_experts`),
-router included, at 1-32 tokens, for the Qwen3-Omni talker's and thinker's expert shapes in bf16.
-Each layer is timed inside a CUDA graph of 12 layers with distinct weights (no expert stays in L2),
-against the floor: the routed experts' weights read once at the HBM bandwidth (at most every
-expert's). `moe.FEW_TOKEN_MAX` is where the few-token kernels stop winning.
+torch's router ops) against the few-token kernels (`moe_ops.route` + `moe_ops.few_token_experts`)
+and the expert-sorted ones (`moe_ops.sorted_experts`), router included, at 1-128 tokens, for the
+Qwen3-Omni talker's and thinker's expert shapes in bf16. Each layer is timed inside a CUDA graph of
+12 layers with distinct weights (no expert stays in L2), against the floor: the routed experts'
+weights read once at the HBM bandwidth (at most every expert's). `moe.FEW_ROUTED_BYTES_MAX` and
+`moe.SORTED_TOKEN_MAX` are where each stops winning.
 
     python benchmarks/bench_moe_decode.py
 """
@@ -29,12 +30,12 @@ def torch_router(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def main() -> None:
-    print(f"{'experts of':20s} tokens  floor us  grouped us  few-token us")
+    print(f"{'experts of':20s} tokens  floor us  grouped us  few-token us  sorted us")
     for name, (experts, hidden, inter, k) in SHAPES.items():
         layers = [((torch.randn(experts, 2 * inter, hidden, device="cuda") * hidden**-0.5).bfloat16(),
                    (torch.randn(experts, hidden, inter, device="cuda") * inter**-0.5).bfloat16(),
                    torch.randn(hidden, experts, device="cuda").bfloat16()) for _ in range(LAYERS)]
-        for tokens in (1, 2, 4, 8, 16, 32):
+        for tokens in (1, 2, 4, 8, 16, 32, 64, 128):
             x = torch.randn(tokens, hidden, device="cuda").bfloat16()
             routed = min(experts, tokens * k)
             floor = routed * 3 * inter * hidden * 2 / HBM_BYTES_PER_S * 1e6
@@ -42,7 +43,9 @@ def main() -> None:
                                                  for w13, w2, gate in layers], LAYERS)
             few = graph_us_per_call(lambda: [moe_ops.few_token_experts(x, w13, w2, *moe_ops.route(x @ gate, k, True))
                                              for w13, w2, gate in layers], LAYERS)
-            print(f"{name:20s} {tokens:6d} {floor:9.1f} {grouped:11.1f} {few:13.1f}", flush=True)
+            ordered = graph_us_per_call(lambda: [moe_ops.sorted_experts(x, w13, w2, *moe_ops.route(x @ gate, k, True))
+                                                 for w13, w2, gate in layers], LAYERS)
+            print(f"{name:20s} {tokens:6d} {floor:9.1f} {grouped:11.1f} {few:13.1f} {ordered:10.1f}", flush=True)
         del layers
 
 

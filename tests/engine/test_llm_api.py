@@ -145,6 +145,21 @@ def test_invalid_sampling_values_name_the_field(field, value):
         SamplingParams(**{field: value})
 
 
+@pytest.mark.parametrize("field", ["stop_token_ids", "allowed_token_ids"])
+@pytest.mark.parametrize("value", [[1, "a"], [True], [1.5], "12", [3, -1], [2**63]])
+def test_invalid_token_id_lists_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_token_id_lists_become_plain_ints():
+    import numpy as np
+
+    params = SamplingParams(stop_token_ids=(np.int64(7), 8), allowed_token_ids=iter(range(3)))
+    assert params.stop_token_ids == [7, 8] and all(type(t) is int for t in params.stop_token_ids)
+    assert params.allowed_token_ids == [0, 1, 2]
+
+
 def test_unknown_architecture_names_supported_ones(tiny_model, tmp_path):
     path = tmp_path / "weird"
     shutil.copytree(tiny_model("qwen3"), path)

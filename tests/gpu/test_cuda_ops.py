@@ -313,6 +313,28 @@ def test_penalize_kernel_gives_the_bits_of_the_torch_penalties(monkeypatch, repe
     assert torch.equal(got.cpu(), want)
 
 
+def test_sampler_kernels_compile_nothing_new_for_new_batch_sizes():
+    """The Sampler's kernels run outside the graphs at every batch size: a new size (1, a multiple
+    of 16, any other) must reuse the compiled variant, not stall a serving step on a compile."""
+    def run(batch: int) -> None:
+        logits = torch.randn(batch, 3000, device="cuda")
+        counts = torch.randint(0, 2, (batch, 3000), device="cuda", dtype=torch.int32)
+        seen = torch.zeros(batch, 3000, device="cuda", dtype=torch.bool)
+        factors = torch.ones(3, batch, device="cuda")
+        sampling_ops.penalize(logits, counts, seen, factors, True, True)
+        rows = torch.ones(batch, device="cuda")
+        for max_top_k in (40, 50):  # the same padded width, other fetched counts
+            sampling_ops.top_k_race(logits, rows, rows * 5, rows, torch.rand(batch, 3000, device="cuda"), max_top_k)
+
+    run(3)
+    before = _compiled_variants(sampling_ops._penalize_kernel), _compiled_variants(sampling_ops._top_k_race_kernel)
+    for batch in (1, 2, 16, 17, 64):
+        run(batch)
+    torch.cuda.synchronize()
+    after = _compiled_variants(sampling_ops._penalize_kernel), _compiled_variants(sampling_ops._top_k_race_kernel)
+    assert after == before
+
+
 def test_store_kv_writes_the_right_slots():
     k_cache = torch.zeros(10, 16, 4, 64, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.zeros_like(k_cache)
@@ -382,10 +404,39 @@ def test_few_token_experts_match_the_reference_loop(tokens, hidden, inter, k):
     got = moe_ops.few_token_experts(x, w13, w2, weights, ids)
     assert got.dtype == torch.bfloat16 and got.shape == (tokens, hidden)
     assert ((got.float() - ref).norm() / ref.norm()).item() < 1e-2
+    if moe.takes_few_token_experts(w2, ids):  # the experts layer takes them
+        assert torch.equal(_experts_layer(w13, w2)(x, weights, ids), got)
+
+
+@pytest.mark.parametrize("tokens", [8, 33, 64, 100, 300])
+@pytest.mark.parametrize("hidden, inter, k", [(1024, 384, 6), (2048, 768, 8), (200, 96, 3)])
+def test_sorted_experts_match_the_reference_loop(tokens, hidden, inter, k):
+    """The expert-sorted kernels (each expert's weight tile read once for all its pairs) against
+    the float32 reference loop on the same bf16 weights, within the grouped path's tolerance."""
+    from vllm_omni.model_executor.layers import moe, moe_ops
+
+    g = torch.Generator(device="cuda").manual_seed(hidden + tokens)
+    experts = 32
+    x = torch.randn(tokens, 2 * hidden, device="cuda", generator=g).bfloat16()[:, :hidden]  # strided rows
+    w13 = (torch.randn(experts, 2 * inter, hidden, device="cuda", generator=g) * hidden**-0.5).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, device="cuda", generator=g) * inter**-0.5).bfloat16()
+    weights, ids = moe.select_experts(torch.randn(tokens, experts, device="cuda", generator=g).bfloat16(), k, True)
+    ref = moe.moe_forward_reference(x.float(), w13.float(), w2.float(), weights.float(), ids)
+    got = moe_ops.sorted_experts(x, w13, w2, weights, ids)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, hidden)
+    assert ((got.float() - ref).norm() / ref.norm()).item() < 1e-2
+    if not moe.takes_few_token_experts(w2, ids) and tokens <= moe.SORTED_TOKEN_MAX:  # the layer takes them
+        assert torch.equal(_experts_layer(w13, w2)(x, weights, ids), got)
+
+
+def _experts_layer(w13: torch.Tensor, w2: torch.Tensor):
+    from vllm_omni.model_executor.layers import moe
+
+    experts, hidden, inter = w2.shape
     layer = moe.FusedExperts(experts, hidden, inter).cuda().bfloat16()
     layer.w13_weight.copy_(w13)
     layer.w2_weight.copy_(w2)
-    assert torch.equal(layer(x, weights, ids), got)
+    return layer
 
 
 def _snake_module(channels: int, dtype, fused: bool) -> activation.SnakeBeta:

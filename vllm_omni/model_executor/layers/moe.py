@@ -47,11 +47,23 @@ def map_expert_weight_name(name: str) -> tuple[str, tuple[int, int | None]] | No
     return f"{match['prefix']}.w13_weight", (expert, _W13_SHARD[proj])
 
 
-# On CUDA in half precision, at most this many tokens take `moe_ops.few_token_experts` (the
-# experts read through their ids, no grouped GEMM): decode steps of up to this many sequences. On
-# the H200 it beats the grouped path by 4x at one token and still by 1.2-2x at 16
-# (benchmarks/bench_moe_decode.py, docs/benchmarks.md round 18).
-FEW_TOKEN_MAX = 16
+# Which expert kernels a step takes on CUDA in half precision (benchmarks/bench_moe_decode.py on
+# the H200, docs/benchmarks.md round 19):
+# - while its (token, slot) pairs route at most FEW_ROUTED_BYTES_MAX of expert weights (a pair
+#   reads its expert's three matrices): `moe_ops.few_token_experts`, each pair reading its expert
+#   through the id, 4x faster than the grouped path at one token. Where the expert-sorted kernels
+#   overtake them depends on the experts' size, not on the pair count alone: the Qwen3-Omni
+#   talker's (2.4 MB) between 24 and 48 pairs, its thinker's (9.4 MB) between 8 and 16;
+# - then up to SORTED_TOKEN_MAX tokens: `moe_ops.sorted_experts`, each expert's weights read once
+#   for all its pairs, 1.7-2.5x faster than the grouped path at 16-128 tokens;
+# - beyond (prefill), the grouped GEMMs.
+FEW_ROUTED_BYTES_MAX = 96 << 20
+SORTED_TOKEN_MAX = 128
+
+
+def takes_few_token_experts(w2: torch.Tensor, topk_ids: torch.Tensor) -> bool:
+    """Whether a step of these routed pairs takes `moe_ops.few_token_experts` (see above)."""
+    return topk_ids.numel() * 3 * w2[0].numel() * w2.element_size() <= FEW_ROUTED_BYTES_MAX
 
 
 def _half_cuda(x: torch.Tensor) -> bool:
@@ -177,10 +189,12 @@ class FusedExperts(nn.Module):
                    f"expert {expert} down_proj")
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        if _half_cuda(x) and x.shape[0] <= FEW_TOKEN_MAX:
+        if _half_cuda(x) and x.shape[0] <= SORTED_TOKEN_MAX:
             from vllm_omni.model_executor.layers import moe_ops
 
-            return moe_ops.few_token_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+            few = takes_few_token_experts(self.w2_weight, topk_ids)
+            experts = moe_ops.few_token_experts if few else moe_ops.sorted_experts
+            return experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         if grouped_mm_available(x):
             return moe_forward_grouped(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         return moe_forward_reference(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
