@@ -55,7 +55,7 @@ def map_expert_weight_name(name: str) -> tuple[str, tuple[int, int | None]] | No
 #   overtake them depends on the experts' size, not on the pair count alone: the Qwen3-Omni
 #   talker's (2.4 MB) between 24 and 48 pairs, its thinker's (9.4 MB) between 8 and 16;
 # - then up to SORTED_TOKEN_MAX tokens: `moe_ops.sorted_experts`, each expert's weights read once
-#   for all its pairs, 1.7-2.5x faster than the grouped path at 16-128 tokens;
+#   for all its pairs, 1.7-2.7x faster than the grouped path at 16-128 tokens;
 # - beyond (prefill), the grouped GEMMs.
 FEW_ROUTED_BYTES_MAX = 96 << 20
 SORTED_TOKEN_MAX = 128
