@@ -203,7 +203,7 @@ case "${1:-}" in
     step norm_linear_tests 150 $PY -m pytest -q tests/gpu/test_cuda_ops.py -k "norm_linear or decoder_layers" -p no:cacheprovider
     step norm_linear 200 $PY benchmarks/bench_norm_linear.py --sweep ;;
   moe)  # a MoE layer at decode: the few-token kernels (moe_ops) vs the grouped GEMMs, with their GPU tests
-    step moe_tests 150 $PY -m pytest -q tests/gpu/test_cuda_ops.py -k "route or few_token or grouped_moe" -p no:cacheprovider
+    step moe_tests 150 $PY -m pytest -q tests/gpu/test_moe_ops.py -p no:cacheprovider
     step moe_decode 150 $PY benchmarks/bench_moe_decode.py ;;
   pdl)  # each talker alone with programmatic dependent launch on and off (A/B in one call)
     for pdl in 1 0; do
