@@ -23,7 +23,7 @@
 #   benchmarks/h200_round.sh tts_ab    # its code2wav decoder graphs vs the eager decoder, two runs each
 #   benchmarks/h200_round.sh first_frame  # its talker's first step, prefill graphs vs eager, with a profile
 #   benchmarks/h200_round.sh profile   # the Qwen2.5-Omni talker's step under the torch profiler
-#   benchmarks/h200_round.sh moe       # a MoE layer at decode: few-token kernels vs grouped GEMMs
+#   benchmarks/h200_round.sh moe       # a MoE layer at decode: few-token and expert-sorted kernels vs grouped GEMMs
 #   benchmarks/h200_round.sh pdl       # each talker alone, programmatic dependent launch on and off
 #   benchmarks/h200_round.sh talker    # each talker alone (Qwen3's with its code predictor): ms/step
 #   benchmarks/h200_round.sh async     # each talker alone with async scheduling on and off (A/B in one call)
@@ -202,7 +202,7 @@ case "${1:-}" in
   norm_linear)  # RMSNorm fused into the next product (cuda_ops.norm_linear) vs apart, with its GPU tests
     step norm_linear_tests 150 $PY -m pytest -q tests/gpu/test_cuda_ops.py -k "norm_linear or decoder_layers" -p no:cacheprovider
     step norm_linear 200 $PY benchmarks/bench_norm_linear.py --sweep ;;
-  moe)  # a MoE layer at decode: the few-token kernels (moe_ops) vs the grouped GEMMs, with their GPU tests
+  moe)  # a MoE layer at decode: the few-token and expert-sorted kernels (moe_ops) vs the grouped GEMMs, with their GPU tests
     step moe_tests 150 $PY -m pytest -q tests/gpu/test_moe_ops.py -p no:cacheprovider
     step moe_decode 150 $PY benchmarks/bench_moe_decode.py ;;
   pdl)  # each talker alone with programmatic dependent launch on and off (A/B in one call)
