@@ -1,12 +1,26 @@
 """Results returned to users (vLLM's shapes)."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import torch
 
 # token id -> logprob, for the sampled token and the top-N alternatives.
 TokenLogprobs = dict[int, float]
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What a reader of a request receives (vLLM's RequestOutputKind; the values are vLLM's).
+
+    CUMULATIVE: an output each time something new exists, each holding everything so far;
+    DELTA: an output each time something new exists, each holding only what is new;
+    FINAL_ONLY: one output, when the request finishes, holding everything.
+    `output_accumulator.OutputAccumulator` makes them from a stage's deltas."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -44,9 +58,10 @@ class OmniRequestOutput:
     """One final output of a multi-stage request: what a `final_output: true` stage produced.
 
     `request_output.outputs[0]` holds the tokens/text (text stages) or, in
-    `multimodal_output`, the tensors (e.g. audio) of that stage, CUMULATIVE: everything the
-    stage produced for the request so far. A failed request's output has
-    `request_output.error` set and finish_reason "error".
+    `multimodal_output`, the tensors (e.g. audio) of that stage: everything the stage produced
+    for the request so far (CUMULATIVE and FINAL_ONLY outputs), or only what is new (DELTA,
+    where it is `delta` itself). A failed request's output has `request_output.error` set and
+    finish_reason "error".
 
     `delta` holds what this output adds to the previous output of the same stage delivered
     for the same request: new token ids, new text, new tensor rows (tensor outputs grow by

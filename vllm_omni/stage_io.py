@@ -6,8 +6,9 @@ orchestrator, the stage engines, the models and the transport all speak it.
 - `StageRequest`: one request for one stage. `output_kind` says how its outputs come back
   (vLLM v1's `RequestOutputKind`): `DELTA`, an output whenever something new exists, or
   `FINAL_ONLY`, one output when the request finishes. Either way every `StageOutput` is a
-  delta (what is new since the previous output of that request); only the orchestrator's
-  request state accumulates.
+  delta (what is new since the previous output of that request), made so by the engine that
+  produced it and passed on unchanged; the one place that accumulates is
+  `output_accumulator.OutputAccumulator`.
 - `StageOutput`: one such delta, `finished` on the last one; `error` set ends the request.
 - `StageEngine`: what a stage worker drives (AR, generation, diffusion engines).
 - `GenerationModel`: a single-pass stage model (code2wav) that a generation engine batches;
@@ -36,7 +37,8 @@ STREAM_UNITS_KEY = "units"
 
 
 class OutputKind(enum.IntEnum):
-    """How a stage reports a request (vLLM v1's RequestOutputKind, without CUMULATIVE)."""
+    """How a stage reports a request (vLLM v1's RequestOutputKind, without CUMULATIVE: a stage
+    never accumulates; what a caller receives is `outputs.RequestOutputKind`)."""
 
     DELTA = 1  # an output each time something new exists (streaming edges and callers)
     FINAL_ONLY = 2  # one output, when the request finishes
@@ -87,6 +89,7 @@ class StageOutput(msgspec.Struct, kw_only=True):
     error: str | None = None
     # A request whose input streams in: input units used so far (flow control upstream).
     consumed_units: int | None = None
+    num_cached_tokens: int = 0  # prompt tokens an AR stage served from its prefix cache
 
 
 def error_output(request_id: str, error: str) -> StageOutput:

@@ -40,4 +40,4 @@ def test_the_yaml_flag_reaches_the_engine_and_is_kept(write_yaml, tiny_model):
     assert "more than one step's max_num_batched_tokens=16, and enable_chunked_prefill is off" in too_long.error
     assert engine.add_request("fits", list(range(1, 12)), params) is None
     done = [o for _ in range(10) for o in engine.step() if o.finished]
-    assert [len(o.outputs[0].token_ids) for o in done] == [4]
+    assert [len(o.new_token_ids) for o in done] == [4]

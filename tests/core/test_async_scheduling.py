@@ -8,6 +8,7 @@ import torch
 
 from vllm_omni.core.engine_config import EngineConfig
 from vllm_omni.core.llm_engine import LLMEngine
+from vllm_omni.output_accumulator import OutputAccumulator
 from vllm_omni.sampling_params import PLACEHOLDER_TOKEN, SamplingParams
 
 
@@ -37,8 +38,10 @@ def run(engine: LLMEngine, params: list[SamplingParams], prompts: list[list[int]
         ) -> tuple[dict, dict, dict]:
     """Final outputs by request id, streamed token ids by request id, and what the run saw:
     steps, steps that left tokens on the device, preemptions."""
+    accumulators = {}  # the outputs are deltas: each request's whole output so far
     for i, (p, ids) in enumerate(zip(params, prompts)):
         engine.add_request(str(i), ids, p, stream=stream)
+        accumulators[str(i)] = OutputAccumulator(str(i), None, ids)
     finals, streamed = {}, {str(i): [] for i in range(len(params))}
     seen = {"steps": 0, "deferred": 0, "preempted": 0}
     schedule = engine.scheduler.schedule
@@ -54,9 +57,11 @@ def run(engine: LLMEngine, params: list[SamplingParams], prompts: list[list[int]
         seen["steps"] += 1
         seen["deferred"] += engine._pending is not None
         for out in outputs:
-            streamed[out.request_id] = list(out.outputs[0].token_ids)
+            whole = accumulators[out.request_id]
+            whole.add(out)
+            streamed[out.request_id] = list(whole.output.outputs[0].token_ids)
             if out.finished:
-                finals[out.request_id] = out.outputs[0]
+                finals[out.request_id] = whole.output.outputs[0]
     return finals, streamed, seen
 
 
@@ -121,13 +126,13 @@ def test_abort_with_a_token_in_flight(tiny_model):
         engine.step()
     request = engine.scheduler.requests["1"]
     assert request.has_placeholder and request.token_ids[-1] == PLACEHOLDER_TOKEN
-    aborted = engine.abort_request("1")[0].outputs[0]
-    assert aborted.finish_reason == "abort" and PLACEHOLDER_TOKEN not in aborted.token_ids
-    assert len(aborted.token_ids) == 3  # 4 steps sampled 4 tokens: the last is still in flight
+    aborted = engine.abort_request("1")[0]  # its one output (it does not stream): all it made
+    assert aborted.finish_reason == "abort" and PLACEHOLDER_TOKEN not in aborted.new_token_ids
+    assert len(aborted.new_token_ids) == 3  # 4 steps sampled 4 tokens: the last is still in flight
     finals = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            finals[out.request_id] = out.outputs[0].token_ids
+            finals[out.request_id] = out.new_token_ids
     sync = run(make_engine(model, False), [params[0], params[2]], [prompts[0], prompts[2]], stream=False)[0]
     assert finals == {"0": sync["0"].token_ids, "2": sync["1"].token_ids}
 
@@ -158,11 +163,11 @@ def test_prefix_cache_and_pauses_with_tokens_in_flight(tiny_model):
         # Asynchronous: b was paused with a token in flight.
         assert (deferred_at_pause and deferred > 0) if async_scheduling else deferred == 0
         assert sorted(finals) == ["a", "b"]
-        extended = first_prompt + list(finals["a"].outputs[0].token_ids)
+        extended = first_prompt + list(finals["a"].new_token_ids)
         engine.add_request("c", extended, params)
         while engine.has_unfinished_requests():
             finals.update((o.request_id, o) for o in engine.step() if o.finished)
-        outputs = {rid: (o.outputs[0].token_ids, o.num_cached_tokens) for rid, o in finals.items()}
+        outputs = {rid: (o.new_token_ids, o.num_cached_tokens) for rid, o in finals.items()}
         return outputs, len(extended)
 
     (fast, extended), (sync, _) = scenario(True), scenario(False)
@@ -198,10 +203,9 @@ def test_hidden_states_of_steps_in_flight(tiny_model, stream):
         engine.scheduler.schedule = counting_schedule
         while engine.has_unfinished_requests():
             for out in engine.step():
-                for key, t in out.outputs[0].multimodal_output.items():
+                for key, t in out.multimodal_output.items():
                     rows.setdefault(out.request_id, {}).setdefault(key, []).append(t)
-                if out.finished:
-                    tokens[out.request_id] = out.outputs[0].token_ids
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             deferred += engine._pending is not None
         joined = {rid: {key: torch.cat(parts) for key, parts in by_key.items()} for rid, by_key in rows.items()}
         return tokens, joined, prompts, deferred, preempted

@@ -19,7 +19,7 @@ def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) ->
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+                done[out.request_id] = out.new_token_ids  # the one output: all of them
     return done
 
 

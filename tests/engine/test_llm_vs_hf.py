@@ -159,8 +159,8 @@ def test_hidden_states_match_transformers(tiny_model):
     while engine.has_unfinished_requests():
         for o in engine.step():
             final = o
-    out = final.outputs[0]
-    seq = prompt + out.token_ids[:-1]
+    out = final  # the request's one output (it does not stream): everything it made
+    seq = prompt + out.new_token_ids[:-1]
     with torch.no_grad():
         ref = hf_model(path)(torch.tensor([seq]), output_hidden_states=True).hidden_states
     for layer in (0, 1, 2):

@@ -48,7 +48,7 @@ def talker_codes(path, async_scheduling: bool, eager: bool) -> dict:
                         model_inputs=prompt["additional_information"])
     done = {}
     while eng.has_unfinished_requests():
-        done.update((o.request_id, o.outputs[0].token_ids) for o in eng.step() if o.finished)
+        done.update((o.request_id, o.new_token_ids) for o in eng.step() if o.finished)  # the one output: all
     return done
 
 

@@ -20,6 +20,7 @@ from vllm_omni.core.llm_engine import LLMEngine  # noqa: E402
 from vllm_omni.core.prefill_graphs import PREFILL_GRAPHS_ENV  # noqa: E402
 from vllm_omni.model_executor.layers.moe import grouped_mm_available  # noqa: E402
 from vllm_omni.sampling_params import SamplingParams  # noqa: E402
+from vllm_omni.testing.engine_runs import EngineRun  # noqa: E402
 from vllm_omni.testing.talker_inputs import chat_prompt_ids, talker_prompt  # noqa: E402
 
 STEPS = 12
@@ -63,17 +64,17 @@ def run(path, prompts, monkeypatch, graphs: bool, arrival: str, **config) -> tup
         return replayed
     eng.runner._replay_graphs = recorded
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=0, detokenize=False)
-    done = {}
+    done, run = {}, EngineRun(eng)
 
     def step_until_done():
         while eng.has_unfinished_requests():
-            done.update((o.request_id, o.outputs[0]) for o in eng.step() if o.finished)
+            done.update((o.request_id, o.outputs[0]) for o in run.step())
 
     for i, prompt in enumerate(prompts(eng) if callable(prompts) else prompts):
-        eng.add_request(str(i), prompt["prompt_token_ids"], params, model_inputs=prompt["additional_information"])
+        run.add(str(i), prompt["prompt_token_ids"], params, model_inputs=prompt["additional_information"])
         if arrival == "arriving-under-decode":  # the next request arrives while this one decodes
             for _ in range(3):
-                done.update((o.request_id, o.outputs[0]) for o in eng.step() if o.finished)
+                done.update((o.request_id, o.outputs[0]) for o in run.step())
         elif arrival == "alone":
             step_until_done()
     step_until_done()
@@ -146,13 +147,13 @@ def test_thinker_prefill_graphs_follow_eager_prefills(tiny_model, monkeypatch, a
                                      enable_prefix_caching=False, max_num_seqs=8, hidden_state_layers=(0, 1)))
         assert (eng.runner.prefill_graphs is not None) == graphs
         params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=0, detokenize=False)
-        done = {}
+        done, run = {}, EngineRun(eng)
         for i, words in enumerate([3, 25, 60]):
-            eng.add_request(str(i), chat_prompt_ids(str(path), words), params, return_hidden_states=True)
+            run.add(str(i), chat_prompt_ids(str(path), words), params, return_hidden_states=True)
             for _ in range(0 if together else 3):  # the next request arrives while this one decodes
-                done.update((o.request_id, o) for o in eng.step() if o.finished)
+                done.update((o.request_id, o) for o in run.step())
         while eng.has_unfinished_requests():
-            done.update((o.request_id, o) for o in eng.step() if o.finished)
+            done.update((o.request_id, o) for o in run.step())
         results.append(done)
     graphed, eager = results
     assert_follows({k: v.outputs[0] for k, v in graphed.items()}, {k: v.outputs[0] for k, v in eager.items()})

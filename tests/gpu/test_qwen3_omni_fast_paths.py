@@ -15,6 +15,7 @@ from vllm_omni.core.llm_engine import LLMEngine  # noqa: E402
 from vllm_omni.model_executor.layers.moe import grouped_mm_available  # noqa: E402
 from vllm_omni.model_executor.models.predictor_graphs import PredictorFrame, PredictorGraphs  # noqa: E402
 from vllm_omni.sampling_params import SamplingParams  # noqa: E402
+from vllm_omni.testing.engine_runs import EngineRun  # noqa: E402
 
 from ..engine.test_llm_vs_hf import make_prompts  # noqa: E402
 
@@ -26,14 +27,10 @@ def engine(path, stage: str, dtype: str, eager: bool, architecture: str | None =
 
 def greedy_with_logprobs(eng: LLMEngine, prompts: list[list[int]], steps: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=0)
+    run = EngineRun(eng)
     for i, ids in enumerate(prompts):
-        eng.add_request(str(i), ids, params)
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0]
-    return done
+        run.add(str(i), ids, params)
+    return {rid: out.outputs[0] for rid, out in run.run().items()}
 
 
 def test_moe_thinker_decodes_in_graphs_like_eager(tiny_model):

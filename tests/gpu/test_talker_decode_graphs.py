@@ -18,6 +18,7 @@ from vllm_omni.core.engine_config import EngineConfig  # noqa: E402
 from vllm_omni.core.llm_engine import LLMEngine  # noqa: E402
 from vllm_omni.model_executor.layers.moe import grouped_mm_available  # noqa: E402
 from vllm_omni.sampling_params import SamplingParams  # noqa: E402
+from vllm_omni.testing.engine_runs import EngineRun  # noqa: E402
 from vllm_omni.testing.talker_inputs import chat_prompt_ids, talker_prompt  # noqa: E402
 
 STEPS = 40
@@ -31,13 +32,11 @@ def run_talker(path, family: str, dtype: str, eager: bool) -> dict:
     assert predictor is None or (predictor.graphs is None) == eager
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, repetition_penalty=1.3,
                             logprobs=0, detokenize=False)
+    run = EngineRun(eng)
     for i, (words, reply) in enumerate([(3, 4), (9, 12), (20, 30)]):  # three lengths in one batch
         prompt = talker_prompt(eng.model, family, chat_prompt_ids(str(path), words), reply, seed=i)
-        eng.add_request(str(i), prompt["prompt_token_ids"], params, model_inputs=prompt["additional_information"])
-    done = {}
-    while eng.has_unfinished_requests():
-        done.update((o.request_id, o.outputs[0]) for o in eng.step() if o.finished)
-    return done
+        run.add(str(i), prompt["prompt_token_ids"], params, model_inputs=prompt["additional_information"])
+    return {rid: out.outputs[0] for rid, out in run.run().items()}
 
 
 def test_qwen2_5_talker_graphs_give_the_eager_codes(tiny_model):

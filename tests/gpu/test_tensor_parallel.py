@@ -73,12 +73,12 @@ def test_thinker_tp2_equals_tp1_float32(family, tiny_model):
 
     tp1 = thinker(1)
     requests = {kind: make_prompt(tp1.tokenizer, kind) for kind in kinds}
-    expected = {k: o.outputs[0].token_ids for k, o in run_batch(tp1, requests).items()}
+    expected = {k: o.new_token_ids for k, o in run_batch(tp1, requests).items()}
     del tp1
     release_gpu_memory()
     tp2 = thinker(2)
     try:
-        assert {k: o.outputs[0].token_ids for k, o in run_batch(tp2, requests).items()} == expected
+        assert {k: o.new_token_ids for k, o in run_batch(tp2, requests).items()} == expected
     finally:
         tp2.runner.close()
 

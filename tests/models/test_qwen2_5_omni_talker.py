@@ -35,6 +35,7 @@ from vllm_omni.model_executor.models.qwen2_5_omni.bridges import (  # noqa: E402
 )
 from vllm_omni.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from vllm_omni.sampling_params import SamplingParams  # noqa: E402
+from vllm_omni.testing.engine_runs import EngineRun  # noqa: E402
 
 CODEC_END, CODEC_PAD = 126, 124  # tiny_omni's codec ids
 THINKER_TOKENS, TALKER_TOKENS = 12, 48
@@ -118,12 +119,10 @@ def talker_engine(omni_dir) -> LLMEngine:
 
 def run_talker(engine: LLMEngine, prompts: dict[str, dict]) -> dict[str, RequestOutput]:
     params = SamplingParams(temperature=0.0, max_tokens=TALKER_TOKENS, repetition_penalty=1.05, detokenize=False)
+    run = EngineRun(engine)
     for rid, p in prompts.items():
-        assert engine.add_request(rid, p["prompt_token_ids"], params, model_inputs=p["additional_information"]) is None
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update((o.request_id, o) for o in engine.step() if o.finished)
-    return done
+        assert run.add(rid, p["prompt_token_ids"], params, model_inputs=p["additional_information"])
+    return run.run()
 
 
 # (seed, prompt length, speaker): random text prompts whose talker stops by codec pad, by codec
@@ -186,7 +185,7 @@ def test_streamed_reply_rows_go_to_the_talker_together_at_the_next_step(omni_dir
             uploads.append(rows.shape[0]), real(rows, like))[1])
     engine = talker_engine(omni_dir)
     params = SamplingParams(temperature=0.0, max_tokens=TALKER_TOKENS, repetition_penalty=1.05, detokenize=False)
-    refs, chunks = {}, {}
+    refs, chunks, run = {}, {}, EngineRun(engine)
     for name in ("length", "ethan"):
         seed, length, speaker = TEXT_CASES[name]
         ids = text_prompt(seed, length)
@@ -197,13 +196,13 @@ def test_streamed_reply_rows_go_to_the_talker_together_at_the_next_step(omni_dir
         # the talker's prompt ends with the first reply row
         first, chunks[name] = split_reply(prompt["additional_information"], ids.numel() + 1)
         assert len(chunks[name]) >= 3
-        engine.add_request(name, prompt["prompt_token_ids"], params, model_inputs=first, input_complete=False)
+        run.add(name, prompt["prompt_token_ids"], params, model_inputs=first, input_complete=False)
     done = {}
     while engine.has_unfinished_requests():
         uploads.clear()
         sent = append_next_rows(engine, chunks, done)
         assert uploads == [], "nothing moves to the device as a chunk arrives"
-        done.update((o.request_id, o) for o in engine.step() if o.finished)
+        done.update((o.request_id, o) for o in run.step())
         assert uploads == ([sent, sent] if sent else []), "one transfer per key of every request's new rows"
     for name, ref in refs.items():
         hf_codes = ref["talker"][0, len(done[name].prompt_token_ids):].tolist()  # after HF's talker prompt
@@ -325,11 +324,10 @@ def test_our_thinker_feeds_the_talker_like_transformers(omni_dir, hf_model):
     ref = hf_reference(hf_model, ids)
     thinker = LLMEngine(EngineConfig(model=str(omni_dir), model_stage="thinker", device="cpu", dtype="float32",
                                      enable_prefix_caching=False, hidden_state_layers=(0,), num_kv_blocks=64))
-    thinker.add_request("r", ids.tolist(), SamplingParams(temperature=0.0, max_tokens=THINKER_TOKENS, detokenize=False),
-                        return_hidden_states=True)
-    out = None
-    while thinker.has_unfinished_requests():
-        out = next((o for o in thinker.step() if o.finished), out)
+    run = EngineRun(thinker)
+    run.add("r", ids.tolist(), SamplingParams(temperature=0.0, max_tokens=THINKER_TOKENS, detokenize=False),
+            return_hidden_states=True)
+    out = run.run()["r"]
     assert out.outputs[0].token_ids == ref["thinker"].sequences[0, ids.numel():].tolist()
     [talker_in] = thinker2talker([StageView(0, [out])], [0], None, False)
     codes = run_talker(talker_engine(omni_dir), {"r": talker_in})["r"].outputs[0].token_ids

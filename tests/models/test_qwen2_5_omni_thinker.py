@@ -140,7 +140,7 @@ def test_greedy_matches_transformers(engine, hf, kind):
     expected = hf_generate(hf, prompt, inputs)
     assert len(expected) == NEW_TOKENS and len(set(expected)) > 2  # a decisive comparison
     out = run_engine(engine, prompt, inputs, f"greedy-{kind}")
-    assert out.outputs[0].token_ids == expected
+    assert out.new_token_ids == expected
 
 
 ENGINE_VARIANTS = {
@@ -174,15 +174,15 @@ def test_engine_variants(ckpt, hf, variant):
     assert bool(preempted) == (variant == "preemption")
     assert set(preempted) <= {"image_audio", "video_audio"}
     for kind, (prompt, inputs) in cases.items():
-        assert outs[kind].outputs[0].token_ids == hf_generate(hf, prompt, inputs), kind
+        assert outs[kind].new_token_ids == hf_generate(hf, prompt, inputs), kind
 
 
 def test_hidden_states_for_talker(engine, hf):
     prompt, inputs = make_prompt(engine.tokenizer, "image_audio")
     out = run_engine(engine, prompt, inputs, "hidden", hidden=True)
-    states = out.outputs[0].multimodal_output
+    states = out.multimodal_output
     # The last sampled token is never fed back, as in transformers' generate.
-    seq = prompt + out.outputs[0].token_ids[:-1]
+    seq = prompt + out.new_token_ids[:-1]
     ids = torch.tensor([seq])
     with torch.no_grad():
         ref = hf(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True, **hf_kwargs(inputs))
@@ -274,4 +274,4 @@ def test_bfloat16_media_prompt(ckpt, hf):
     prompt, inputs = make_prompt(engine.tokenizer, "image_audio")
     out = run_engine(engine, prompt, inputs, "bf16")
     ref = HFThinker.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
-    assert out.outputs[0].token_ids == hf_generate(ref, prompt, inputs)
+    assert out.new_token_ids == hf_generate(ref, prompt, inputs)

@@ -38,6 +38,7 @@ from vllm_omni.model_executor.models.qwen3_omni.bridges import (  # noqa: E402
 )
 from vllm_omni.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from vllm_omni.sampling_params import SamplingParams  # noqa: E402
+from vllm_omni.testing.engine_runs import EngineRun  # noqa: E402
 from tests.models.predictor_frames import check_frame_matches_eager_predictor  # noqa: E402
 from tests.models.streamed_replies import append_next_rows, split_reply  # noqa: E402
 
@@ -135,12 +136,10 @@ def talker_engine(ckpt, **kwargs) -> LLMEngine:
 
 def run_talker(engine: LLMEngine, prompts: dict[str, dict]) -> dict[str, RequestOutput]:
     params = SamplingParams(temperature=0.0, max_tokens=TALKER_TOKENS, repetition_penalty=1.05, detokenize=False)
+    run = EngineRun(engine)
     for rid, p in prompts.items():
-        assert engine.add_request(rid, p["prompt_token_ids"], params, model_inputs=p["additional_information"]) is None
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update((o.request_id, o) for o in engine.step() if o.finished)
-    return done
+        assert run.add(rid, p["prompt_token_ids"], params, model_inputs=p["additional_information"])
+    return run.run()
 
 
 def check_against_reference(name: str, ours: RequestOutput, ref: dict) -> None:
@@ -209,18 +208,18 @@ def test_streamed_reply_rows_are_projected_together_at_the_next_step(ckpt, text_
     forward = projection.forward
     monkeypatch.setattr(projection, "forward", lambda x: (rows_per_call.append(x.shape[0]), forward(x))[1])
     params = SamplingParams(temperature=0.0, max_tokens=TALKER_TOKENS, repetition_penalty=1.05, detokenize=False)
-    chunks = {}
+    chunks, run = {}, EngineRun(engine)
     for rid, p in inputs.items():
         info = p["additional_information"]
         start = len(info["thinker_prompt_token_ids"]) + 1  # the talker's prompt ends with the first reply row
         first, chunks[rid] = split_reply(info, start)
         assert len(chunks[rid]) >= 3
-        engine.add_request(rid, p["prompt_token_ids"], params, model_inputs=first, input_complete=False)
+        run.add(rid, p["prompt_token_ids"], params, model_inputs=first, input_complete=False)
     done = {}
     while engine.has_unfinished_requests():
         sent = append_next_rows(engine, chunks, done)
         rows_per_call.clear()  # (a final chunk projects the constant tts_eos row as it arrives)
-        done.update((o.request_id, o) for o in engine.step() if o.finished)
+        done.update((o.request_id, o) for o in run.step())
         assert rows_per_call == ([sent] if sent else []), "one projection of every request's new rows a step"
     for name, ref in refs.items():
         check_against_reference(name, done[name], ref)
@@ -247,13 +246,11 @@ def test_talker_sampling_is_seeded(ckpt, text_refs):
     def run(seed: int, batch: tuple[str, ...]) -> torch.Tensor:
         engine = talker_engine(ckpt)
         params = SamplingParams(temperature=0.9, top_k=50, max_tokens=8, seed=seed, detokenize=False)
+        run = EngineRun(engine)
         for rid in batch:
             p = inputs[rid]
-            engine.add_request(rid, p["prompt_token_ids"], params, model_inputs=p["additional_information"])
-        done = {}
-        while engine.has_unfinished_requests():
-            done.update((o.request_id, o) for o in engine.step() if o.finished)
-        return done["friend"].outputs[0].multimodal_output[CODES_KEY]
+            run.add(rid, p["prompt_token_ids"], params, model_inputs=p["additional_information"])
+        return run.run()["friend"].outputs[0].multimodal_output[CODES_KEY]
 
     first = run(1, ("friend",))
     assert torch.equal(first, run(1, ("story", "friend")))  # batch neighbours change nothing

@@ -74,12 +74,14 @@ def greedy() -> SamplingParams:
 
 
 def run_talker(engine: LLMEngine, prompts: dict[str, dict], params: dict[str, SamplingParams]) -> dict:
+    from vllm_omni.testing.engine_runs import EngineRun
+
+    run = EngineRun(engine)
     for rid, p in prompts.items():
-        assert engine.add_request(rid, p["prompt_token_ids"], params[rid],
-                                  model_inputs=p["additional_information"]) is None
+        assert run.add(rid, p["prompt_token_ids"], params[rid], model_inputs=p["additional_information"])
     done = {}
     for _ in range(500):
-        done.update((o.request_id, o) for o in engine.step() if o.finished)
+        done.update((o.request_id, o) for o in run.step())
         if len(done) == len(prompts):
             return done
     raise AssertionError(f"talker did not finish: {sorted(set(prompts) - set(done))}")

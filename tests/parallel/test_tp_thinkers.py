@@ -68,8 +68,8 @@ def test_thinker_tp2_equals_tp1(family, tiny_model, tp2_thinker):
     assert tp2.model.model.layers[0].self_attn.num_heads == 2  # half of the 4 heads on rank 0
     got = run_batch(tp2, requests)
     for kind in kinds:
-        ours, ref = got[kind].outputs[0], expected[kind].outputs[0]
-        assert ours.token_ids == ref.token_ids, kind
+        ours, ref = got[kind], expected[kind]  # each request's one output: everything it made
+        assert ours.new_token_ids == ref.new_token_ids, kind
         assert set(ours.multimodal_output) == set(ref.multimodal_output) >= {"0", "last"}
         for key, states in ref.multimodal_output.items():
             # Sharded sums round differently: float32 noise, relative to the states' scale (up to ~100).
@@ -88,4 +88,4 @@ def test_failed_step_on_every_rank_fails_only_that_step(tp2_thinker):
     (out,) = tp2.step()
     assert out.request_id == "broken" and "placeholder tokens" in out.error
     done = run_batch(tp2, {"after": qwen2_5_prompt(tp2.tokenizer, "image")})
-    assert len(done["after"].outputs[0].token_ids) == GREEDY.max_tokens
+    assert len(done["after"].new_token_ids) == GREEDY.max_tokens

@@ -99,14 +99,16 @@ def run_reference(pipeline, prompts_ids: list[list[int]]) -> list[Reference]:
 
 
 def _solo(engine, request_id, ids, params, **kw):
+    """The request's whole output (its deltas folded, as the orchestrator folds them)."""
+    from vllm_omni.output_accumulator import OutputAccumulator
+
     assert engine.add_request(request_id, ids, params, **kw) is None
-    final = None
+    acc = OutputAccumulator(request_id, None, ids)
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.finished:
-                final = out
-    assert final is not None and final.error is None
-    return final
+            acc.add(out)
+    assert acc.output.finished and acc.output.error is None
+    return acc.output
 
 
 def assert_matches(outputs, ref: Reference) -> None:

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
+import torch
 
 from tests.pipeline.conftest import assert_matches, random_prompts, run_reference
 from vllm_omni import AsyncOmni, SamplingParams
@@ -82,3 +84,37 @@ def test_duplicate_request_id_is_rejected(async_omni):
         assert await first == []
 
     asyncio.run(run())
+
+
+def test_output_kinds_give_one_result(async_omni):
+    """FINAL_ONLY, CUMULATIVE and DELTA outputs of one request (the orchestrator's one
+    OutputAccumulator makes all three): DELTA pieces add up to the FINAL_ONLY output, CUMULATIVE
+    snapshots grow to it and stay as they were handed out."""
+    from vllm_omni.outputs import RequestOutputKind
+
+    prompt = {"prompt_token_ids": random_prompts(1, seed=21)[0]}
+
+    async def run(kind):
+        return [out async for out in async_omni.generate(prompt, request_id=f"kind-{kind.name}", output_kind=kind)]
+
+    final, cumulative, delta = (asyncio.run(run(kind)) for kind in (
+        RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA))
+    whole = {o.stage_id: o.request_output.outputs[0] for o in final}
+    assert sorted(whole) == [0, 2] and all(o.delta is o.request_output.outputs[0] for o in final)
+    for stage_id, want in whole.items():
+        pieces = [o for o in delta if o.stage_id == stage_id]
+        snapshots = [o for o in cumulative if o.stage_id == stage_id]
+        assert len(snapshots) == len(pieces) > (1 if stage_id == 0 else 0)  # text: an output per step
+        assert all(o.request_output.outputs[0] is o.delta for o in pieces)
+        assert [t for o in pieces for t in o.delta.token_ids] == want.token_ids
+        assert "".join(o.delta.text for o in pieces) == want.text
+        # Each snapshot holds what existed when it was handed out, nothing added later.
+        lengths = [len(o.request_output.outputs[0].token_ids) for o in snapshots]
+        assert lengths == list(itertools.accumulate(len(o.delta.token_ids) for o in snapshots))
+        assert snapshots[-1].request_output.outputs[0].token_ids == want.token_ids
+        assert [t for o in snapshots for t in o.delta.token_ids] == want.token_ids
+        for key, tensor in want.multimodal_output.items():
+            if tensor.dim():
+                torch.testing.assert_close(torch.cat([o.delta.multimodal_output[key] for o in pieces
+                                                      if key in o.delta.multimodal_output]), tensor)
+                torch.testing.assert_close(snapshots[-1].request_output.outputs[0].multimodal_output[key], tensor)

@@ -39,7 +39,7 @@ def run(engine, requests: dict[str, tuple[list[int], SamplingParams, dict]]) -> 
 
 def solo(engine, ids, params):
     (out,) = run(engine, {"solo": (ids, params, {})}).values()
-    return out.outputs[0].token_ids
+    return out.new_token_ids
 
 
 def test_a_request_that_breaks_the_step_fails_alone(engine):
@@ -48,12 +48,12 @@ def test_a_request_that_breaks_the_step_fails_alone(engine):
     requests = {f"r{i}": (ids, SEEDED if i % 2 else GREEDY, {}) for i, ids in enumerate(PROMPTS)}
     requests["poison"] = ([20, 21, 22], GREEDY, {"prompt_embeds": bad_embeds})
     finals = run(engine, requests)
-    assert finals["poison"].outputs[0].finish_reason == "error"
+    assert finals["poison"].finish_reason == "error"
     assert "the engine step failed for this request" in finals["poison"].error
     for i, ids in enumerate(PROMPTS):
         out = finals[f"r{i}"]
-        assert out.error is None and out.outputs[0].finish_reason == "length"
-        assert out.outputs[0].token_ids == solo(engine, ids, SEEDED if i % 2 else GREEDY), f"r{i}"
+        assert out.error is None and out.finish_reason == "length"
+        assert out.new_token_ids == solo(engine, ids, SEEDED if i % 2 else GREEDY), f"r{i}"
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks  # nothing leaked
 
 
@@ -63,7 +63,7 @@ def test_out_of_vocabulary_prompt_is_refused_when_added(engine):
     finals = run(engine, requests)
     assert f"prompt token id {vocab} is not in the vocabulary" in finals["oov"].error
     assert "prompt token id -1" in finals["neg"].error
-    assert finals["ok"].outputs[0].token_ids == solo(engine, PROMPTS[0], GREEDY)
+    assert finals["ok"].new_token_ids == solo(engine, PROMPTS[0], GREEDY)
 
 
 def test_stage_engine_reports_the_culprit_and_keeps_the_batch(engine):

@@ -1,9 +1,12 @@
 """The autoregressive engine: add requests, step, abort.
 
 One `step()` schedules a batch, runs it, appends sampled tokens, applies the stop
-rules and returns a `RequestOutput` for every request that produced a token or
-finished. Everything here runs in the caller's thread; stage workers and the
-`LLM` class drive it.
+rules and returns a `StageOutput` for every request that produced a token or finished. An
+output is a delta, as vLLM v1's engine core emits: the token ids, text, logprobs and tensor
+rows new since the request's previous output (a request added with `stream=False` makes one
+output, at finish, which then holds everything). Nothing here accumulates: readers fold the
+deltas with `output_accumulator.OutputAccumulator`. Everything here runs in the caller's
+thread; stage workers and the `LLM` class drive it.
 """
 from __future__ import annotations
 
@@ -25,8 +28,8 @@ from vllm_omni.core.kv_cache_sizing import plan_kv_cache
 from vllm_omni.model_executor.dtypes import torch_dtype
 from vllm_omni.model_executor.model_loader import load_hf_config, load_model
 from vllm_omni.model_executor.models.stage_model import StageModel, hidden_state_name
-from vllm_omni.outputs import CompletionOutput, RequestOutput
 from vllm_omni.sampling_params import SamplingParams
+from vllm_omni.stage_io import StageOutput
 from vllm_omni.core.model_runner import ARModelRunner, PendingTokens, StepHiddenStates
 from vllm_omni.core.tp_executor import TPExecutor
 from vllm_omni.core.isolated_step import execute_isolating_failures
@@ -122,14 +125,13 @@ class LLMEngine:
         model_inputs: Mapping[str, Any] | None = None,
         stream: bool = False,
         input_complete: bool = True,
-    ) -> RequestOutput | None:
+    ) -> StageOutput | None:
         """Queue a request. Returns a finished error output instead when the request cannot
         run at all (e.g. its prompt is longer than max_model_len); other requests are unaffected.
 
         `model_inputs` (a stage's additional_information) are parsed once, here, by the model
         (StageModel.parse_request_inputs): a ValueError means a bad request and is raised.
-        `stream`: an output every step that sampled (with the hidden-state rows and model
-        outputs new since the previous one), else one output when finished.
+        `stream`: an output (a delta) every step that sampled, else one output when finished.
         `input_complete=False`: more inputs stream in (`append_inputs`); the request computes
         what its inputs allow and waits for the rest."""
         params = params.clone(_eos_token_ids=self.eos_token_ids)
@@ -200,7 +202,7 @@ class LLMEngine:
         """The first id the model cannot embed (the whole batch's step would fail on it), or None."""
         return next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
 
-    def abort_request(self, request_ids: list[str] | str) -> list[RequestOutput]:
+    def abort_request(self, request_ids: list[str] | str) -> list[StageOutput]:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         outputs = []
@@ -225,7 +227,7 @@ class LLMEngine:
         return self.scheduler.num_unfinished
 
     # --- stepping -------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[StageOutput]:
         """One step. Under async scheduling a step's sampled tokens stay on the device until the
         next step is launched: that step reads them there, and only then does the host read them
         (stop rules, outputs). Outputs lag one step; the host's scheduling and input preparation
@@ -270,7 +272,7 @@ class LLMEngine:
                 outputs.append(self._make_output(request))
         return outputs
 
-    def _settle_pending(self) -> list[RequestOutput]:
+    def _settle_pending(self) -> list[StageOutput]:
         """Read the deferred step's hidden states and tokens: each token takes its placeholder's
         place, then the stop rules."""
         pending, self._pending = self._pending, None
@@ -295,7 +297,7 @@ class LLMEngine:
         return request.num_tokens + in_flight >= self.max_model_len or (
             max_tokens is not None and request.num_output_tokens + in_flight >= max_tokens)
 
-    def _fail_requests(self, sched: SchedulerOutput, failures: dict[str, str]) -> list[RequestOutput]:
+    def _fail_requests(self, sched: SchedulerOutput, failures: dict[str, str]) -> list[StageOutput]:
         """End the requests that broke the step; the rest of `sched` goes on as scheduled."""
         outputs = []
         for item in [item for item in sched.scheduled if item.request.request_id in failures]:
@@ -324,7 +326,7 @@ class LLMEngine:
     def _append_token(self, request: Request, token: int, logprobs: dict[int, float] | None) -> None:
         request.append_output_token(token)
         if logprobs is not None:
-            request.logprobs.append(logprobs)
+            request.unsent_logprobs.append(logprobs)
             request.cumulative_logprob += logprobs[token]
         status = self._stop_by_token(request, token)
         if request.detokenizer is not None:
@@ -349,32 +351,37 @@ class LLMEngine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _make_output(self, request: Request) -> RequestOutput:
+    def _make_output(self, request: Request) -> StageOutput:
+        """What the request made since its previous output (everything, for its only output
+        when it does not stream)."""
         finished = request.status.finished
-        params = request.sampling_params
-        completion = CompletionOutput(
-            index=0,
-            text=request.detokenizer.output_text if request.detokenizer is not None else "",
-            token_ids=request.settled_output_token_ids,
-            cumulative_logprob=request.cumulative_logprob if params.logprobs is not None else None,
-            logprobs=list(request.logprobs) if params.logprobs is not None else None,
-            finish_reason=request.status.value if finished else None,
-            stop_reason=request.stop_reason,
-        )
+        sent = request.num_prompt_tokens + request.num_sent_tokens
+        settled = request.num_tokens - request.has_placeholder
+        request.num_sent_tokens = settled - request.num_prompt_tokens
+        logprobs = None
+        if request.sampling_params.logprobs is not None:
+            logprobs, request.unsent_logprobs = request.unsent_logprobs, []
+        multimodal_output: dict[str, torch.Tensor] = {}
         if request.error is None and request.hidden_chunks:
-            # What was captured since the previous output (all of it for a final-only request).
             # Typed keys inside the engine; spec 003's string keys ("0", "24", "last") outside.
-            completion.multimodal_output = {hidden_state_name(key): torch.cat(chunks)
-                                            for key, chunks in request.hidden_chunks.items()}
+            multimodal_output = {hidden_state_name(key): torch.cat(chunks)
+                                 for key, chunks in request.hidden_chunks.items()}
             request.hidden_chunks = {}
         if request.error is None:
-            completion.multimodal_output.update(self.model.request_outputs(request, finished))
-        return RequestOutput(
+            multimodal_output.update(self.model.request_outputs(request, finished))
+        return StageOutput(
             request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
             finished=finished,
+            new_token_ids=request.token_ids[sent:settled],
+            # A stop string found later may still cut the text's tail: it waits (detokenizer.py).
+            new_text=request.detokenizer.take_delta(final=finished) if request.detokenizer is not None else "",
+            new_logprobs=logprobs,
+            cumulative_logprob=request.cumulative_logprob if logprobs is not None else None,
+            finish_reason=request.status.value if finished else None,
+            stop_reason=request.stop_reason,
+            multimodal_output=multimodal_output,
             error=request.error,
+            # A request whose input streams in consumed one input row per output token.
+            consumed_units=request.num_sent_tokens if request.streamed_input else None,
             num_cached_tokens=request.num_cached_tokens,
         )

@@ -77,6 +77,7 @@ class Request:
         # A request fed by a streaming edge starts before its input is complete: only positions
         # below `input_limit` have their inputs (None: all). Paused: its consumer is behind.
         self.input_complete = input_complete
+        self.streamed_input = not input_complete  # its outputs report the input rows consumed
         self.input_limit: int | None = None
         self.paused = False
 
@@ -91,7 +92,9 @@ class Request:
         self.error: str | None = None
 
         self.generator: torch.Generator | None = None
-        self.logprobs: list[dict[int, float]] = []
+        # Outputs are deltas: what the next output hands over (core.llm_engine._make_output).
+        self.num_sent_tokens = 0  # output tokens already in an output
+        self.unsent_logprobs: list[dict[int, float]] = []
         self.cumulative_logprob = 0.0
         # Captured hidden states not yet handed out, one chunk per computed span: key -> chunks;
         # `num_hidden_rows` positions have been captured (a recompute after preemption does not

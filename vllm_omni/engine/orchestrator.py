@@ -34,6 +34,7 @@ from vllm_omni.engine.stage_client import StageDownError, StageState
 from vllm_omni.engine.ray_cluster import worker_backend_problem
 from vllm_omni.engine.stage_fleet import StageFleet
 from vllm_omni.engine.stage_input import build_stage_input, resolve_input_processor
+from vllm_omni.outputs import RequestOutputKind
 from vllm_omni.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -165,7 +166,8 @@ class Orchestrator:
         state.start_stage(stage_id, ids, text)
         # Intermediate outputs are needed by a caller that streams and by streaming edges (both
         # ways: a downstream stage reports what it consumed).
-        partial = (stage_id in state.output_stages and state.sink.wants_partial) or self._streams(state, stage_id)
+        partial = ((stage_id in state.output_stages and state.sink.output_kind != RequestOutputKind.FINAL_ONLY)
+                   or self._streams(state, stage_id))
         req = StageRequest(request_id=state.key, prompt_token_ids=ids, sampling_params=state.params[stage_id],
                            prompt=text, additional_information=info, multi_modal_data=mm,
                            output_kind=OutputKind.DELTA if partial else OutputKind.FINAL_ONLY,
@@ -225,12 +227,12 @@ class Orchestrator:
             self._fail(state, out.error, stage_id)
             return
         state.replay.pop(stage_id, None)  # it answered: from now on the request stays on this replica
-        state.apply(stage_id, out)
+        made = state.apply(stage_id, out)
         if out.finished:
             pool.release(state.key)
         stage = self.stages[stage_id]
-        if stage_id in state.output_stages and (out.finished or state.sink.wants_partial):
-            state.sink.put(state.final_output(stage_id, stage.final_output_type.value, partial=not out.finished))
+        if made is not None and stage_id in state.output_stages:
+            state.sink.put(state.final_output(stage_id, stage.final_output_type.value, made))
         edge_in = self._streaming.get(stage_id)
         if edge_in is not None and stage_id in state.flows:
             self._consumed(state, edge_in, out)
@@ -254,7 +256,7 @@ class Orchestrator:
     def _forward(self, state: RequestState, dst: int) -> bool:
         stage = self.stages[dst]
         fn, fn_name = self._bridges[dst]
-        sources = {src: state.outputs[src] for src in stage.engine_input_source}
+        sources = {src: state.output(src) for src in stage.engine_input_source}
         try:
             # Bridges are small tensor reshuffles; they run inline on the loop.
             inp = build_stage_input(fn, fn_name, stage, len(self.stages), sources, state.prompt, state.request_id)
@@ -270,7 +272,7 @@ class Orchestrator:
         stage = self.stages[edge.dst]
         try:
             if not flow.started:
-                inp = edge.bridge.start(state.outputs[edge.src], state.prompt)
+                inp = edge.bridge.start(state.output(edge.src), state.prompt)
                 if inp is None:
                     return True
                 flow.started = True
@@ -304,7 +306,7 @@ class Orchestrator:
             return
         flow.record_units(info)
         if flow.units is not None:
-            state.outputs[edge.dst].prompt_token_ids = edge.bridge.prompt_token_ids(flow.units.view)
+            state.output(edge.dst).prompt_token_ids = edge.bridge.prompt_token_ids(flow.units.view)
 
     def _consumed(self, state: RequestState, edge: StreamingEdge, out: StageOutput) -> None:
         """The downstream end of a streaming edge reported progress: resume its producer once
@@ -326,7 +328,7 @@ class Orchestrator:
         c = self.stage_counters[stage_id]
         t = state.timings[stage_id]
         c["requests"] += 1
-        c["output_tokens"] += len(state.outputs[stage_id].outputs[0].token_ids)
+        c["output_tokens"] += len(state.output(stage_id).outputs[0].token_ids)
         c["busy_ms"] += int(1000 * ((t.finished_at or t.sent_at) - t.sent_at))
 
     # --- failures -------------------------------------------------------------

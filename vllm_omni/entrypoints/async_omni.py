@@ -17,7 +17,7 @@ from typing import Any
 from vllm_omni.engine.messages import StageStats
 from vllm_omni.engine.request_state import RequestDone
 from vllm_omni.entrypoints.omni_base import OmniBase
-from vllm_omni.outputs import OmniRequestOutput
+from vllm_omni.outputs import OmniRequestOutput, RequestOutputKind
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +32,8 @@ class RequestFailedError(RuntimeError):
 
 
 class _AsyncSink:
-    def __init__(self, loop: asyncio.AbstractEventLoop, wants_partial: bool = False) -> None:
-        self.wants_partial = wants_partial
+    def __init__(self, loop: asyncio.AbstractEventLoop, output_kind: RequestOutputKind) -> None:
+        self.output_kind = output_kind
         self.loop = loop
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
 
@@ -56,6 +56,7 @@ class AsyncOmni(OmniBase):
         request_id: str | None = None,
         modalities: Sequence[str] | None = None,
         output_partial: bool = False,
+        output_kind: RequestOutputKind | None = None,
     ) -> AsyncIterator[OmniRequestOutput]:
         """Yield each final-output stage's OmniRequestOutput as it finishes.
 
@@ -63,6 +64,8 @@ class AsyncOmni(OmniBase):
         `output_partial`: also yield `finished=False` outputs of the final stages as they grow
         (text: every step; audio: every chunk), each with the cumulative output in
         `request_output` and the new part in `delta` (OmniRequestOutput's docstring).
+        `output_kind` says it exactly (vLLM's RequestOutputKind; default: CUMULATIVE with
+        output_partial, else FINAL_ONLY); DELTA yields partial outputs that hold only what is new.
 
         The prompt is processed (chat template, media, features) in a worker thread, so the
         caller's loop keeps serving; a bad prompt raises ValueError from the first iteration,
@@ -71,7 +74,9 @@ class AsyncOmni(OmniBase):
         every stage.
         """
         request_id = request_id or f"omni-{uuid.uuid4().hex}"
-        sink = _AsyncSink(asyncio.get_running_loop(), wants_partial=output_partial)
+        if output_kind is None:
+            output_kind = RequestOutputKind.CUMULATIVE if output_partial else RequestOutputKind.FINAL_ONLY
+        sink = _AsyncSink(asyncio.get_running_loop(), output_kind)
         sub = await asyncio.to_thread(self._runtime.prepare, request_id, prompt, sampling_params_list, sink,
                                       modalities)
         self._runtime.submit(sub)

@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from vllm_omni.core.engine_config import EngineConfig
 from vllm_omni.core.llm_engine import LLMEngine
+from vllm_omni.output_accumulator import OutputAccumulator
 from vllm_omni.outputs import RequestOutput
 from vllm_omni.sampling_params import SamplingParams
 
@@ -39,17 +40,17 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params_list = self._params_per_prompt(sampling_params, len(prompts))
-        outputs: dict[str, RequestOutput] = {}
-        order: list[str] = []
+        # The engine's outputs are deltas; each request's (one, final) output folds into a whole.
+        accumulators: dict[str, OutputAccumulator] = {}
         for prompt, params in zip(prompts, params_list):
             request_id = str(next(self._ids))
-            order.append(request_id)
             text, token_ids = self._tokenize(prompt)
+            accumulators[request_id] = OutputAccumulator(request_id, text, token_ids)
             early = self.engine.add_request(request_id, token_ids, params, prompt=text)
             if early is not None:
-                outputs[request_id] = early
-        self._run(outputs, len(order), use_tqdm)
-        return [outputs[request_id] for request_id in order]
+                accumulators[request_id].add(early)
+        self._run(accumulators, use_tqdm)
+        return [acc.output for acc in accumulators.values()]
 
     def chat(
         self,
@@ -96,14 +97,13 @@ class LLM:
             return self._tokenize(prompt["prompt"])
         raise ValueError(f"a prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', got {prompt!r}")
 
-    def _run(self, outputs: dict[str, RequestOutput], total: int, use_tqdm: bool) -> None:
-        bar = tqdm(total=total, desc="Processed prompts", disable=not use_tqdm)
-        bar.update(len(outputs))
+    def _run(self, accumulators: dict[str, OutputAccumulator], use_tqdm: bool) -> None:
+        bar = tqdm(total=len(accumulators), desc="Processed prompts", disable=not use_tqdm)
+        bar.update(sum(acc.output.finished for acc in accumulators.values()))
         try:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
-                    if output.finished:
-                        outputs[output.request_id] = output
-                        bar.update(1)
+                    accumulators[output.request_id].add(output)
+                    bar.update(output.finished)
         finally:
             bar.close()

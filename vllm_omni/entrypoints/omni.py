@@ -23,7 +23,7 @@ from vllm_omni.engine.messages import StageStats
 from vllm_omni.engine.request_state import RequestDone
 from vllm_omni.engine.runtime import OmniRuntime
 from vllm_omni.entrypoints.omni_base import OmniBase
-from vllm_omni.outputs import CompletionOutput, OmniRequestOutput, RequestOutput
+from vllm_omni.outputs import CompletionOutput, OmniRequestOutput, RequestOutput, RequestOutputKind
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def failed_output(runtime: OmniRuntime, done: RequestDone) -> OmniRequestOutput:
 
 
 class _QueueSink:
-    wants_partial = False
+    output_kind = RequestOutputKind.FINAL_ONLY
 
     def __init__(self) -> None:
         self.queue: queue.Queue[Any] = queue.Queue()

@@ -6,7 +6,7 @@
     serving_completions.py  /v1/completions
     serving_base.py         shared: pipeline shape, checks, disconnect handling, SSE response
     protocol.py             request models (pydantic)
-    accumulator.py          OmniRequestOutputs -> text / audio deltas and totals
+    response_tracker.py     OmniRequestOutputs -> stream events, totals, timings
     audio.py                wav / flac / pcm16 / mp3 / opus encoding
     media_fetch.py          the server's media policy: downloads, local files
     admission.py            bounded concurrency + bounded queue (429)

@@ -17,7 +17,7 @@ from starlette.types import Receive, Scope, Send
 from vllm_omni.config.stage_config import ConfigFormat, PipelineConfig
 from vllm_omni.engine.stage_client import StageState
 from vllm_omni.entrypoints.async_omni import RequestFailedError
-from vllm_omni.entrypoints.openai.accumulator import RequestAccumulator
+from vllm_omni.entrypoints.openai.response_tracker import ResponseTracker
 from vllm_omni.entrypoints.openai.admission import AdmissionGate
 from vllm_omni.entrypoints.openai.audio import OUTPUT_SAMPLE_RATE
 from vllm_omni.entrypoints.openai.chat_options import ChatOptions
@@ -129,7 +129,7 @@ class ServingContext:
                              f"{summarize_reason(h.reason)}" for h in down)
             raise APIError(503, f"a stage this request needs is not serving: {what}", retry_after_s=retry_after(down))
 
-    def record_finished(self, endpoint: str, acc: RequestAccumulator) -> None:
+    def record_finished(self, endpoint: str, acc: ResponseTracker) -> None:
         """A finished request's metrics: latency and tokens, time to first text and audio, audio RTF."""
         m = self.metrics
         m.observe_finished(endpoint, time.monotonic() - acc.arrived_at, acc.prompt_tokens, acc.completion_tokens)

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse
 
 from vllm_omni.entrypoints.async_omni import RequestFailedError
 from vllm_omni.entrypoints.openai.access_log import note_access
-from vllm_omni.entrypoints.openai.accumulator import AudioEvent, RequestAccumulator, TextEvent
+from vllm_omni.entrypoints.openai.response_tracker import AudioEvent, ResponseTracker, TextEvent
 from vllm_omni.entrypoints.openai.admission import Ticket
 from vllm_omni.entrypoints.openai.audio import OUTPUT_SAMPLE_RATE, check_format, encode_audio
 from vllm_omni.entrypoints.openai.chat_options import ChatOptions
@@ -78,7 +78,7 @@ class ChatView:
         data = base64.b64encode(raw).decode("ascii")
         return {"id": self.audio_id, "data": data, "expires_at": self.created + AUDIO_TTL_S, "transcript": transcript}
 
-    async def response(self, acc: RequestAccumulator, failure: APIError | None = None) -> dict[str, Any]:
+    async def response(self, acc: ResponseTracker, failure: APIError | None = None) -> dict[str, Any]:
         """`failure`: the error of an output that did not finish (a partial response)."""
         choices = []
         for i, modality in enumerate(self.modalities):
@@ -105,7 +105,7 @@ class ChatView:
             body["modality"] = modality  # upstream vLLM-Omni marks each chunk with its modality
         return f"data: {json.dumps(body)}\n\n"
 
-    async def event_chunk(self, event: TextEvent | AudioEvent, acc: RequestAccumulator,
+    async def event_chunk(self, event: TextEvent | AudioEvent, acc: ResponseTracker,
                           first_audio: bool) -> str | None:
         if isinstance(event, TextEvent):
             i = self.index("text")
@@ -128,7 +128,7 @@ class ChatView:
                             "finish_reason": "stop" if event.finished else None}], "audio")
 
 
-def usage(acc: RequestAccumulator) -> dict[str, int]:
+def usage(acc: ResponseTracker) -> dict[str, int]:
     return {"prompt_tokens": acc.prompt_tokens, "completion_tokens": acc.completion_tokens,
             "total_tokens": acc.prompt_tokens + acc.completion_tokens}
 
@@ -160,7 +160,7 @@ class ChatService:
 
     async def create(self, body: ChatCompletionRequest, raw: Request) -> Any:
         ctx = self.ctx
-        acc = RequestAccumulator()  # starts the request's clock (TTFT, e2e)
+        acc = ResponseTracker()  # starts the request's clock (TTFT, e2e)
         model = ctx.check_model(body.model)
         requested, wanted = self._modalities(body)
         audio_format = body.audio.format if body.audio else "wav"
@@ -214,7 +214,7 @@ class ChatService:
         self.ctx.record_finished(ENDPOINT, acc)
         return JSONResponse(await view.response(acc, failure))
 
-    async def _stream(self, raw: Request, view: ChatView, acc: RequestAccumulator, first: OmniRequestOutput,
+    async def _stream(self, raw: Request, view: ChatView, acc: ResponseTracker, first: OmniRequestOutput,
                       gen: AsyncIterator[OmniRequestOutput], ticket: Ticket, include_usage: bool) -> AsyncIterator[str]:
         status = 200
         try:
@@ -257,7 +257,7 @@ async def _chain(first: OmniRequestOutput, gen: AsyncIterator[OmniRequestOutput]
         yield out
 
 
-async def _drain(first: OmniRequestOutput, gen: AsyncIterator[OmniRequestOutput], acc: RequestAccumulator) -> None:
+async def _drain(first: OmniRequestOutput, gen: AsyncIterator[OmniRequestOutput], acc: ResponseTracker) -> None:
     acc.add(first)
     async for out in gen:
         acc.add(out)

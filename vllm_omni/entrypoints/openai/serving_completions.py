@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from vllm_omni.entrypoints.openai.access_log import note_access
-from vllm_omni.entrypoints.openai.accumulator import RequestAccumulator, TextEvent
+from vllm_omni.entrypoints.openai.response_tracker import ResponseTracker, TextEvent
 from vllm_omni.entrypoints.openai.admission import Ticket
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.logprobs import completion_logprobs
@@ -54,7 +54,7 @@ class CompletionService:
         slots = min(len(prompts), ctx.gate.max_running)
         tickets = [await race_disconnect(raw, ctx.gate.admit(slots))]
         request_id = f"cmpl-{raw.headers.get('x-request-id') or body.request_id or uuid.uuid4().hex}"  # vLLM's rule
-        accs = [RequestAccumulator(arrived_at=arrived) for _ in prompts]
+        accs = [ResponseTracker(arrived_at=arrived) for _ in prompts]
         note_access(raw, request_id, ctx.stage_list(ctx.shape.needed_stages(["text"])), accs)
         try:
             if body.stream:
@@ -88,13 +88,13 @@ class CompletionService:
                                         output_partial=stream)
 
     @staticmethod
-    async def _collect(gen: AsyncIterator[OmniRequestOutput], acc: RequestAccumulator) -> None:
+    async def _collect(gen: AsyncIterator[OmniRequestOutput], acc: ResponseTracker) -> None:
         async for out in gen:
             acc.add(out)
         if not acc.text_finished:
             raise APIError(500, "the pipeline ended the request without a text output")
 
-    async def _stream(self, raw: Request, request_id: str, model: str, acc: RequestAccumulator,
+    async def _stream(self, raw: Request, request_id: str, model: str, acc: ResponseTracker,
                       first: OmniRequestOutput, gen: AsyncIterator[OmniRequestOutput], tickets: list[Ticket],
                       include_usage: bool, top_logprobs: int | None) -> AsyncIterator[str]:
         created, status = int(time.time()), 200
@@ -137,7 +137,7 @@ class CompletionService:
             set_final_status(raw, status)
 
 
-def _usage(accs: list[RequestAccumulator]) -> dict[str, int]:
+def _usage(accs: list[ResponseTracker]) -> dict[str, int]:
     prompt = sum(a.prompt_tokens for a in accs)
     completion = sum(a.completion_tokens for a in accs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -31,7 +31,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from vllm_omni.entrypoints.openai.accumulator import AudioEvent, RequestAccumulator
+from vllm_omni.entrypoints.openai.response_tracker import AudioEvent, ResponseTracker
 from vllm_omni.entrypoints.openai.audio import OUTPUT_SAMPLE_RATE, check_format
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.media_fetch import resolve_media
@@ -158,7 +158,7 @@ class SpeechService:
             [None] * (ctx.shape.num_stages - 1)
         ctx.check_stages_up(ctx.shape.needed_stages(["audio"]))
         ticket = await race_disconnect(raw, ctx.gate.admit())
-        acc = RequestAccumulator(arrived_at=arrived)
+        acc = ResponseTracker(arrived_at=arrived)
         gen = ctx.engine.generate(prompt, params, request_id=f"speech-{uuid.uuid4().hex}", modalities=["audio"],
                                   output_partial=True)
         try:
@@ -182,14 +182,14 @@ class SpeechService:
         return Response(encode_speech(wave, OUTPUT_SAMPLE_RATE, body.response_format),
                         media_type=SPEECH_MEDIA_TYPES[body.response_format], headers=headers)
 
-    def _usage(self, body: SpeechRequest, acc: RequestAccumulator) -> dict[str, int]:
+    def _usage(self, body: SpeechRequest, acc: ResponseTracker) -> dict[str, int]:
         tokenizer = self.ctx.engine.get_tokenizer()
         texts = [body.input, body.instructions or ""]
         text_tokens = sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in texts if t)
         frames = math.ceil(acc.audio_samples / self._tts().samples_per_frame)
         return {"input_tokens": text_tokens, "output_tokens": frames, "total_tokens": text_tokens + frames}
 
-    async def _stream(self, raw: Request, body: SpeechRequest, acc: RequestAccumulator, first: OmniRequestOutput,
+    async def _stream(self, raw: Request, body: SpeechRequest, acc: ResponseTracker, first: OmniRequestOutput,
                       gen: AsyncIterator[OmniRequestOutput], ticket: Any) -> AsyncIterator[Any]:
         sse, status = body.stream_format == "sse", 200
 
@@ -229,7 +229,7 @@ class SpeechService:
             set_final_status(raw, status)
 
 
-async def _collect(first: OmniRequestOutput, gen: AsyncIterator[OmniRequestOutput], acc: RequestAccumulator) -> None:
+async def _collect(first: OmniRequestOutput, gen: AsyncIterator[OmniRequestOutput], acc: ResponseTracker) -> None:
     acc.add(first)
     async for out in gen:
         acc.add(out)
