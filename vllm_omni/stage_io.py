@@ -11,8 +11,8 @@ orchestrator, the stage engines, the models and the transport all speak it.
   `output_accumulator.OutputAccumulator`.
 - `StageOutput`: one such delta, `finished` on the last one; `error` set ends the request.
 - `StageEngine`: what a stage worker drives (AR, generation, diffusion engines).
-- `GenerationModel`: a single-pass stage model (code2wav) that a generation engine batches;
-  `StreamingGenerationModel` also decodes a request in chunks as its input streams in.
+- `StreamingDecoder`: one request's incremental decode in a generation stage whose input streams
+  in (the models themselves subclass `model_executor.models.generation_model.GenerationModel`).
 
 Tensors anywhere in a request or output travel as zero-copy frames (engine.transport).
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import msgspec
 import torch
@@ -107,28 +107,14 @@ class StageEngine(Protocol):
     def pause(self, request_ids: Sequence[str], paused: bool) -> None: ...  # flow control
     def step(self) -> list[StageOutput]: ...  # deltas of DELTA requests, finished outputs of all
     # A step would make progress now. Requests waiting for streamed input or paused do not
-    # count: the worker then blocks on its socket instead of spinning. Optional
-    # `poll_ms() -> int | None`: with work on the device that a later step collects, how soon
-    # to step again if no message comes (None: block as usual).
+    # count: the worker then blocks on its socket instead of spinning.
     def has_work(self) -> bool: ...
+    # With work on the device that a later step collects, how soon to step again if no message
+    # comes; None: block as usual.
+    def poll_ms(self) -> int | None: ...
     def fail_all(self, error: str) -> list[StageOutput]: ...  # after a step raised
     def stats(self) -> dict[str, int]: ...  # fields of engine.messages.StageStats
     def describe(self) -> dict[str, Any]: ...  # reported once when the stage is ready
-
-
-class GenerationModel(Protocol):
-    """A non-autoregressive stage model: one call handles a whole batch.
-
-    `GPUGenerationWorker` builds it with the class method `load(model_path, *, model_stage,
-    device, dtype, load_format)` (load_format "dummy": random weights, nothing read);
-    `generate_batch` returns one dict of named tensors per input, in order.
-    """
-
-    @classmethod
-    def load(cls, model_path: str, *, model_stage: str | None, device: torch.device,
-             dtype: str, load_format: str = "auto") -> GenerationModel: ...
-
-    def generate_batch(self, inputs: list[StageRequest]) -> list[dict[str, torch.Tensor]]: ...
 
 
 class StreamingDecoder(Protocol):
@@ -143,25 +129,6 @@ class StreamingDecoder(Protocol):
     def finished(self) -> bool: ...  # final was pushed and everything is decoded
     @property
     def consumed(self) -> int: ...  # units decoded so far (the stage reports it for backpressure)
-
-
-@runtime_checkable
-class StreamingGenerationModel(GenerationModel, Protocol):
-    """A GenerationModel that can also decode a request in chunks as its input streams in.
-    `max_units_per_chunk`: the most units a decoder may wait for before it can decode (a chunk
-    and its look-ahead): flow control never holds its producer back below that.
-    Optional `streams_per_step(decoders) -> int`: how many of these ready decoders (in the
-    engine's order) one `decode_streams` call should take, where a larger call would only make a
-    new stream's first chunk wait longer behind it (without it: all, up to max_batch_size).
-    `decode_streams` may return tensors on the model's device (the engine copies them out).
-    Optional `overlaps_first_chunks = True`: a call of only new streams' first chunks may run
-    while a call of later chunks is still on the GPU (worker/decode_lanes.py), the model keeping
-    what the two write apart (its CUDA graphs' memory)."""
-
-    max_units_per_chunk: int
-
-    def open_stream(self, req: StageRequest) -> StreamingDecoder: ...  # req: params, voice, first units
-    def decode_streams(self, decoders: list[StreamingDecoder]) -> list[dict[str, torch.Tensor]]: ...
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vllm_omni.config import ConfigError, load_pipeline_config
-from vllm_omni.diffusion.model import RowGroup
+from vllm_omni.model_executor.models.diffusion_model import RowGroup
 from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
 from vllm_omni.model_executor.models.qwen_image import denoiser
 from vllm_omni.model_executor.models.qwen_image.block import CompilableBlock, length_runs

@@ -82,6 +82,6 @@ def test_images_match(models):
 
 
 def _group(request: DiffusionRequest, uncond: bool):
-    from vllm_omni.diffusion.model import RowGroup
+    from vllm_omni.model_executor.models.diffusion_model import RowGroup
 
     return RowGroup(request.prepared, request.latents, request.timestep(), uncond)

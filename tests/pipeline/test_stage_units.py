@@ -6,6 +6,7 @@ import torch
 
 from vllm_omni.config.stage_config import StageConfig, StageEngineArgs, StageRuntimeConfig
 from vllm_omni.core.sched.omni_generation_scheduler import OmniGenerationScheduler
+from vllm_omni.model_executor.models.generation_model import GenerationModel
 from vllm_omni.stage_io import StageInputChunk, StageRequest
 from vllm_omni.worker.decode_lanes import HostLanes, Launched
 from vllm_omni.worker.generation_stage_engine import GenerationStageEngine
@@ -85,7 +86,7 @@ def test_generation_scheduler_is_fifo_and_bounded():
     assert sched.schedule() == [] and not sched.has_unfinished()
 
 
-class FlakyModel:
+class FlakyModel(GenerationModel):
     calls: list[int]
 
     def __init__(self):
@@ -128,9 +129,10 @@ class ChunkDecoder:
         return self.final and self.pending == 0
 
 
-class OneUnitChunks:
-    """A StreamingGenerationModel (the protocol also asks for load and generate_batch)."""
+class OneUnitChunks(GenerationModel):
+    """A generation model that takes streamed input."""
 
+    accepts_streamed_input = True
     max_units_per_chunk = 1
 
     @classmethod
@@ -354,3 +356,19 @@ def test_ar_stage_engine_sends_deltas_or_the_final_output_only(tiny_model):
     for key in ("0", "last"):
         torch.testing.assert_close(torch.cat([o.multimodal_output[key] for o in delta]),
                                    final[0].multimodal_output[key])
+
+
+def test_a_generation_stage_runs_generation_models_only():
+    """The generation engine reads GenerationModel's declared attributes and calls its hooks: a
+    class that is not one is refused when the stage starts (it would otherwise fail mid-request)."""
+    from vllm_omni.model_executor.models.registry import resolve_generation_model_class
+
+    assert resolve_generation_model_class("Qwen3TTSForConditionalGeneration", "code2wav").__name__ == "Qwen3TTSCode2Wav"
+    for arch, stage in (("collections.OrderedDict", None), ("Qwen3TTSForConditionalGeneration", "talker")):
+        with pytest.raises(ValueError, match="is not a GenerationModel"):
+            resolve_generation_model_class(arch, stage)
+    plain = FlakyModel()  # declares nothing: the defaults hold
+    assert not plain.accepts_streamed_input and not plain.overlaps_first_chunks and not plain.supports_cuda_graphs
+    assert plain.streams_per_step([ChunkDecoder()] * 3) == 3
+    with pytest.raises(ValueError, match="takes no chunk options"):
+        FlakyModel.stream_config({"codec_chunk_frames": 5})

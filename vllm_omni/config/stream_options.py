@@ -66,8 +66,8 @@ def attach_stream_options(stages: Sequence[StageConfig], edges: Sequence[EdgeCon
 def check_stream_options(pipeline: PipelineConfig) -> None:
     """Every stage's chunk options are taken by its model (imports the model classes, so not at
     parse time: tests/config/test_config_resolve.py)."""
+    from vllm_omni.model_executor.models.generation_model import GenerationModel
     from vllm_omni.model_executor.models.registry import resolve_stage_model_class
-    from vllm_omni.model_executor.models.stream_options import stream_options_for
 
     for stage in pipeline.stages:
         arch = stage.engine_args.model_arch
@@ -75,7 +75,9 @@ def check_stream_options(pipeline: PipelineConfig) -> None:
             continue
         model_cls = resolve_stage_model_class(arch, stage.model_stage)
         try:
-            stream_options_for(model_cls, dict(stage.stream_options))
+            if not (isinstance(model_cls, type) and issubclass(model_cls, GenerationModel)):
+                raise ValueError("it is not a GenerationModel, so it takes no chunk options")
+            model_cls.stream_config(dict(stage.stream_options))
         except ValueError as exc:
             keys = sorted({e.connector for e in pipeline.upstream(stage.stage_id) if e.connector})
             raise ConfigError(f"{model_cls.__name__} (model_stage {stage.model_stage!r}) cannot take these chunk "

@@ -4,7 +4,7 @@
     scheduler.py    which requests share a step (FCFS, one batch key at a time)
     request.py      one request's state and its flow-matching (Euler) update
     denoise.py      the denoiser forward of a step, classifier-free guidance
-    model.py        the contract a diffusion model implements (Qwen-Image: models/qwen_image)
+    (the model's side: model_executor/models/diffusion_model.py, Qwen-Image: models/qwen_image)
     tea_cache.py    TeaCache, per row
     cfg_parallel.py the unconditional rows on a second rank (torch.distributed)
     diffusers_engine.py   any other diffusers pipeline, one whole call per request

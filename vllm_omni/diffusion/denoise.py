@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni.diffusion.model import DiffusionModel, RowGroup
+from vllm_omni.model_executor.models.diffusion_model import DiffusionModel, RowGroup
 from vllm_omni.diffusion.request import DiffusionRequest
 from vllm_omni.diffusion.tea_cache import TeaCache
 

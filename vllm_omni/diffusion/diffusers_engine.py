@@ -133,6 +133,9 @@ class DiffusersPipelineEngine:
     def pause(self, request_ids: Sequence[str], paused: bool) -> None:
         """Nothing to pause: a diffusion stage feeds no streaming edge."""
 
+    def poll_ms(self) -> None:
+        return None  # every step finishes its work on the device
+
     def has_work(self) -> bool:
         return bool(self._queue or self._ready)
 

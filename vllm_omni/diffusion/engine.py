@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from vllm_omni.diffusion.denoise import Denoiser
-from vllm_omni.diffusion.model import DiffusionModel
+from vllm_omni.model_executor.models.diffusion_model import DiffusionModel
 from vllm_omni.diffusion.request import DiffusionRequest
 from vllm_omni.diffusion.scheduler import DiffusionScheduler
 from vllm_omni.diffusion.tea_cache import TeaCache
@@ -72,6 +72,9 @@ class DiffusionEngine:
 
     def pause(self, request_ids: Sequence[str], paused: bool) -> None:
         """Nothing to pause: a diffusion stage feeds no streaming edge."""
+
+    def poll_ms(self) -> None:
+        return None  # every step finishes its work on the device
 
     def has_work(self) -> bool:
         return bool(self._ready) or self.scheduler.has_unfinished()

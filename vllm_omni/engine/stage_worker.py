@@ -208,8 +208,7 @@ def _loop(engine: StageEngine, chan: WorkerChannel, spec: WorkerSpec, link: Mast
         # Requests waiting for streamed input or paused are no work: block on the socket (for a
         # short while only when the engine has work on the device to collect).
         busy = engine.has_work()
-        poll = getattr(engine, "poll_ms", None)
-        msg = chan.recv(0 if busy else (poll and poll()) or _IDLE_WAIT_MS)
+        msg = chan.recv(0 if busy else engine.poll_ms() or _IDLE_WAIT_MS)
         while msg is not None:  # drain everything queued before the next step
             if isinstance(msg, Shutdown):
                 return 0

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from vllm_omni.model_executor.models.generation_model import GenerationModel
 from vllm_omni.stage_io import StageRequest
 from vllm_omni.inputs import OmniTokensPrompt
 
@@ -47,7 +48,7 @@ def concat_source_tokens(
     ]
 
 
-class ToyCode2Wav:
+class ToyCode2Wav(GenerationModel):
     """token ids -> a "waveform": the concatenated rows of a seeded [vocab, TABLE_WIDTH] table."""
 
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu") -> None:

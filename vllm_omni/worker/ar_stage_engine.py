@@ -91,6 +91,10 @@ class ARStageEngine:
     def has_work(self) -> bool:
         return bool(self._ready) or self.engine.has_work()
 
+    def poll_ms(self) -> None:
+        """Nothing to poll for: a step's tokens left on the device count as work (has_work)."""
+        return None
+
     def fail_all(self, error: str) -> list[StageOutput]:
         ids = list(self._running)
         self.abort(ids)

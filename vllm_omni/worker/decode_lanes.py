@@ -23,7 +23,8 @@ from collections.abc import Callable
 
 import torch
 
-Results = list[dict[str, torch.Tensor]]
+from vllm_omni.model_executor.models.generation_model import GenerationModel, Results
+
 LANES_ENV = "VLLM_OMNI_DECODE_LANES"  # "0": every decode in order on one stream (A/B runs)
 
 
@@ -116,11 +117,11 @@ class _PinnedStaging:
         return host
 
 
-def decode_lanes(device: str, model: object) -> HostLanes | CudaLanes:
+def decode_lanes(device: str, model: GenerationModel) -> HostLanes | CudaLanes:
     """CUDA lanes for a model on a GPU that lets a first-chunk call overlap a later-chunk call
     (`overlaps_first_chunks`: it keeps their buffers, e.g. CUDA graph pools, apart)."""
     if os.environ.get(LANES_ENV, "1") == "0":
         return HostLanes()
-    if getattr(model, "overlaps_first_chunks", False) and device.startswith("cuda") and torch.cuda.is_available():
+    if model.overlaps_first_chunks and device.startswith("cuda") and torch.cuda.is_available():
         return CudaLanes(torch.device(device))
     return HostLanes()

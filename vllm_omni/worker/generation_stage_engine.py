@@ -7,7 +7,7 @@ A request whose input streams in (`input_complete=False`, a streaming edge from 
 gets a `StreamingDecoder` from the model; its units arrive with `add_input`, and each step
 decodes, in one batched call, a chunk of up to max_batch_size requests whose decoders are
 ready (round robin among them; new streams' first chunks in steps of their own; no more than
-the model's `streams_per_step` says), sending each chunk on at once with how many units it has
+the model's `streams_per_step` says: GenerationModel), sending each chunk on at once with how many units it has
 consumed (flow control upstream).
 """
 from __future__ import annotations
@@ -21,12 +21,11 @@ import msgspec
 import torch
 
 from vllm_omni.core.sched.omni_generation_scheduler import OmniGenerationScheduler
-from vllm_omni.worker.decode_lanes import CudaLanes, HostLanes, Launched, decode_lanes
-
+from vllm_omni.model_executor.models.generation_model import GenerationModel
 from vllm_omni.stage_io import (
-    STREAM_UNITS_KEY, GenerationModel, StageInputChunk, StageOutput, StageRequest, StreamingDecoder,
-    StreamingGenerationModel, error_output,
+    STREAM_UNITS_KEY, StageInputChunk, StageOutput, StageRequest, StreamingDecoder, error_output,
 )
+from vllm_omni.worker.decode_lanes import CudaLanes, HostLanes, Launched, decode_lanes
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +66,7 @@ class GenerationStageEngine:
             self._ready.append(error_output(req.request_id, f"stage {self.stage_id}: {e}"))
 
     def _open_stream(self, req: StageRequest) -> None:
-        if not isinstance(self.model, StreamingGenerationModel):
+        if not self.model.accepts_streamed_input:
             raise ValueError(f"{type(self.model).__name__} does not take streamed input")
         if req.request_id in self._streams:
             raise ValueError(f"request {req.request_id} is already streaming into this stage")
@@ -153,9 +152,8 @@ class GenerationStageEngine:
         """The streams one call takes (up to max_batch_size, as many as the model runs well), now
         the last ones decoded."""
         ids = ids[: self.scheduler.max_batch_size]
-        plan = getattr(self.model, "streams_per_step", None)
-        if plan is not None and ids:
-            ids = ids[: max(1, plan([self._streams[rid] for rid in ids]))]
+        if len(ids) > 1:
+            ids = ids[: max(1, self.model.streams_per_step([self._streams[rid] for rid in ids]))]
         if ids:
             self._turns += 1
             self._last_turn.update(dict.fromkeys(ids, self._turns))
@@ -267,7 +265,7 @@ class GenerationStageEngine:
         return {"num_unfinished": waiting + len(self._streams), "num_waiting": waiting}
 
     def describe(self) -> dict[str, Any]:
-        streams = isinstance(self.model, StreamingGenerationModel)
+        streams = self.model.accepts_streamed_input
         return {"engine": "generation", "device": self.device, "max_batch_size": self.scheduler.max_batch_size,
                 "accepts_streamed_input": streams,
                 "stream_units_per_chunk": self.model.max_units_per_chunk if streams else None}

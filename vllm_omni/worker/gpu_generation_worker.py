@@ -2,22 +2,22 @@
 
 The model class comes from `engine_args.model_arch`: a name in the model registry
 (looked up with the stage's `model_stage`) or a dotted path to a user's class. It must
-implement `stage_io.GenerationModel`.
+subclass `model_executor.models.generation_model.GenerationModel`.
 """
 from __future__ import annotations
 
 from vllm_omni.config.stage_config import StageConfig
 from vllm_omni.core.sched.omni_generation_scheduler import OmniGenerationScheduler
-from vllm_omni.model_executor.models.registry import resolve_stage_model_class
-from vllm_omni.model_executor.models.stream_options import stream_options_for
+from vllm_omni.model_executor.models.generation_model import GenerationModel
+from vllm_omni.model_executor.models.registry import resolve_generation_model_class
 from vllm_omni.worker.generation_stage_engine import GenerationStageEngine
 
 
-def resolve_generation_model_class(stage: StageConfig) -> type:
+def generation_model_class(stage: StageConfig) -> type[GenerationModel]:
     arch = stage.engine_args.model_arch
     if arch is None:
         raise ValueError(f"stage {stage.stage_id}: a generation stage needs engine_args.model_arch")
-    return resolve_stage_model_class(arch, stage.engine_args.model_stage)
+    return resolve_generation_model_class(arch, stage.engine_args.model_stage)
 
 
 class GPUGenerationWorker:
@@ -36,13 +36,13 @@ class GPUGenerationWorker:
         if ea.tensor_parallel_size != 1:
             raise ValueError(f"stage {self.stage.stage_id}: tensor_parallel_size={ea.tensor_parallel_size} is "
                              "supported by AR stages only (worker_type: ar)")
-        model_cls = resolve_generation_model_class(self.stage)
+        model_cls = generation_model_class(self.stage)
         # The chunk settings of the connector on its input edge (docs/streaming.md), for a model
         # that declares it takes them; the config has checked that it does.
-        stream = ({"stream_config": stream_options_for(model_cls, dict(self.stage.stream_options))}
+        stream = ({"stream_config": model_cls.stream_config(dict(self.stage.stream_options))}
                   if self.stage.stream_options else {})
         # CUDA graphs (enforce_eager false), for a model that declares it has them.
-        graphs = {"cuda_graphs": not ea.enforce_eager} if getattr(model_cls, "supports_cuda_graphs", False) else {}
+        graphs = {"cuda_graphs": not ea.enforce_eager} if model_cls.supports_cuda_graphs else {}
         model = model_cls.load(ea.model or self.model, model_stage=ea.model_stage, device=torch.device(device),
                                dtype=ea.dtype, load_format=ea.load_format, **stream, **graphs)
         # max_num_seqs, when given, bounds the batch like it does for AR stages.

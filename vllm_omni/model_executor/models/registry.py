@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from vllm_omni.imports import import_dotted
 from vllm_omni.model_executor.models.families import FAMILIES
+from vllm_omni.model_executor.models.generation_model import GenerationModel
 
 
 def supported_architectures() -> list[str]:
@@ -39,6 +40,16 @@ def resolve_stage_model_class(model_arch: str, model_stage: str | None = None) -
     if "." in model_arch:
         return import_dotted(model_arch)
     return resolve_model_class(model_arch, model_stage)
+
+
+def resolve_generation_model_class(model_arch: str, model_stage: str | None = None) -> type[GenerationModel]:
+    """A generation stage's model class (registered or a user's dotted path); ValueError when it
+    is not a GenerationModel (the interface the generation engine drives)."""
+    cls = resolve_stage_model_class(model_arch, model_stage)
+    if not (isinstance(cls, type) and issubclass(cls, GenerationModel)):
+        raise ValueError(f"{model_arch} is not a GenerationModel (vllm_omni.model_executor.models.generation_model): "
+                         "a generation stage runs a subclass of it")
+    return cls
 
 
 def default_stage_input_processor(architecture: str | None, model_stage: str | None) -> str | None:

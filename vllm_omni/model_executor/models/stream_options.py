@@ -4,8 +4,8 @@ chunks, set by the connector on the stage's input edge (upstream vLLM-Omni's con
 
 A GenerationModel class that takes them declares `stream_options_type`, a frozen dataclass
 that subclasses `StreamOptions`; its `load()` then accepts `stream_config=` an instance of
-it. The stage worker builds that instance with `stream_options_for` from the options the
-config resolved for the stage (`StageConfig.stream_options`); a model that declares no type
+it. The stage worker builds that instance with `GenerationModel.stream_config` from the options
+the config resolved for the stage (`StageConfig.stream_options`); a model that declares no type
 gets none, and options given to it are an error. docs/streaming.md lists each model's keys.
 """
 from __future__ import annotations
@@ -37,18 +37,3 @@ class StreamOptions:
         except ValueError as exc:
             given = ", ".join(f"{key}={value}" for key, value in options.items())
             raise ValueError(f"{given}: {exc}") from None
-
-
-def stream_options_type(model_cls: type) -> type[StreamOptions] | None:
-    """The chunking config a GenerationModel class declares, None when it takes none."""
-    return getattr(model_cls, "stream_options_type", None)
-
-
-def stream_options_for(model_cls: type, options: Mapping[str, Any]) -> StreamOptions:
-    """The `stream_config` to load `model_cls` with; ValueError when it takes no options or
-    cannot use these."""
-    options_type = stream_options_type(model_cls)
-    if options_type is None:
-        raise ValueError(f"{model_cls.__name__} takes no chunk options (it declares no stream_options_type), "
-                         f"got {', '.join(options)}")
-    return options_type.from_options(options)

@@ -1,7 +1,7 @@
 """Qwen2.5-Omni code2wav stage: codec codes + speaker -> 24 kHz waveform (DiT + BigVGAN).
 
 A wrapper around transformers' `Qwen2_5OmniToken2WavModel` (DESIGN section 5), loaded from
-the `token2wav.*` tensors of the full checkpoint, driven as `stage_io.StreamingGenerationModel`.
+the `token2wav.*` tensors of the full checkpoint, driven as a `GenerationModel` (streaming too).
 What differs from transformers' `forward`:
 
 - The DiT's flow-matching ODE starts from noise drawn from each request's own seeded
@@ -27,6 +27,7 @@ from vllm_omni.model_executor.model_loader import safetensors_files
 from vllm_omni.model_executor.models.codec_streaming import (
     Precision, chunk_output, own_streams, plan_padded_calls, precision_scope, resolve_precision,
 )
+from vllm_omni.model_executor.models.generation_model import GenerationModel
 from vllm_omni.model_executor.models.qwen2_5_omni.bridges import Code2WavInputs
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_dit import (
     DiTRow, draw_noise, forward_cfg, new_generator, prepare_for_cuda, sample_mel, speaker_features,
@@ -75,11 +76,12 @@ def select_speaker(speakers: Mapping[str, Any], name: str | None) -> str:
     return name
 
 
-class Qwen2_5OmniToken2Wav:
-    """StreamingGenerationModel for the `code2wav` stage; each result is {"audio": float32 [N],
+class Qwen2_5OmniToken2Wav(GenerationModel):
+    """The `code2wav` stage, whole requests or streamed; each result is {"audio": float32 [N],
     "sample_rate": int32 []} (a stream's chunks carry the rate in the first one only)."""
 
     stream_options_type = Token2WavStreamConfig  # load(stream_config=...) from the input connector's options
+    accepts_streamed_input = True
 
     def __init__(self, module: torch.nn.Module, speakers: dict[str, Speaker], device: torch.device,
                  num_steps: int = DEFAULT_NUM_STEPS, precision: Precision = Precision.FLOAT32,

@@ -2,7 +2,7 @@
 
 A wrapper around transformers' `Qwen3OmniMoeCode2Wav` (loaded from the checkpoint's
 `code2wav.*` tensors) whose vocoder layers are replaced by ours (layers/vocoder.py: the same
-parameters and math, fused on CUDA), driven as `stage_io.StreamingGenerationModel`:
+parameters and math, fused on CUDA), driven as a `GenerationModel` (streaming too):
 
 - `generate_batch` decodes whole requests like transformers' `generate`: `chunked_decode`
   with chunks of 300 frames and 25 frames of left context (and, like it, without the few
@@ -33,6 +33,7 @@ from vllm_omni.model_executor.models.codec_streaming import (
     prompt_frames, resolve_precision,
 )
 from vllm_omni.model_executor.models.decoder_graphs import StreamGraphs, streams_within_budget
+from vllm_omni.model_executor.models.generation_model import GenerationModel
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav import _prefixed_tensors
 from vllm_omni.model_executor.models.qwen3_omni.code2wav_stream import Code2WavStream, Code2WavStreamConfig
 from vllm_omni.stage_io import StageRequest, StreamingDecoder
@@ -46,12 +47,13 @@ LEFT_CONTEXT_FRAMES = 25
 CALL_COST_FRAMES = 32
 
 
-class Qwen3OmniMoeCode2Wav:
-    """StreamingGenerationModel for the `code2wav` stage; each result is {"audio": float32 [N],
+class Qwen3OmniMoeCode2Wav(GenerationModel):
+    """The `code2wav` stage, whole requests or streamed; each result is {"audio": float32 [N],
     "sample_rate": int32 []} (a stream's chunks carry the rate in the first one only)."""
 
     stream_options_type = Code2WavStreamConfig  # load(stream_config=...) from the input connector's options
     supports_cuda_graphs = True  # load(cuda_graphs=not enforce_eager)
+    accepts_streamed_input = True
 
     def __init__(self, module: torch.nn.Module, device: torch.device, precision: Precision = Precision.FLOAT32,
                  stream_config: Code2WavStreamConfig | None = None, compile_mode: str | None = None,

@@ -1,4 +1,4 @@
-"""Qwen3-TTS code2wav stage: codec frames -> 24 kHz waveform (stage_io.GenerationModel).
+"""Qwen3-TTS code2wav stage: codec frames -> 24 kHz waveform (a GenerationModel).
 
 Decodes with our `SpeechDecoder` (speech_decoder.py) loaded from the checkpoint's
 speech_tokenizer/ folder, the way qwen-tts' tokenizer `decode` does: chunks of 300 frames
@@ -32,6 +32,7 @@ from vllm_omni.model_executor.models.codec_streaming import (
     Precision, chunk_output, own_streams, prompt_frames, resolve_precision,
 )
 from vllm_omni.model_executor.models.decoder_graphs import StreamGraphs, streams_within_budget
+from vllm_omni.model_executor.models.generation_model import GenerationModel
 from vllm_omni.model_executor.models.qwen3_omni.code2wav_stream import Code2WavStream, Code2WavStreamConfig
 from vllm_omni.model_executor.models.qwen3_tts.speech_decoder import SpeechDecoder
 from vllm_omni.stage_io import StageRequest, StreamingDecoder
@@ -41,12 +42,13 @@ DECODER_PREFIX = "decoder."
 CHUNK_FRAMES, LEFT_CONTEXT_FRAMES = 300, 25  # qwen-tts' chunked_decode defaults
 
 
-class Qwen3TTSCode2Wav:
-    """StreamingGenerationModel: `generate_batch` / `decode_streams` -> [{"audio": float32 [N],
-    "sample_rate": int32 []}] (a stream's chunks carry the rate in the first one only)."""
+class Qwen3TTSCode2Wav(GenerationModel):
+    """`generate_batch` / `decode_streams` -> [{"audio": float32 [N], "sample_rate": int32 []}]
+    (a stream's chunks carry the rate in the first one only)."""
 
     stream_options_type = Code2WavStreamConfig  # load(stream_config=...) from the input connector's options
     supports_cuda_graphs = True  # load(cuda_graphs=not enforce_eager)
+    accepts_streamed_input = True
     overlaps_first_chunks = True  # first chunks have graphs of their own; nothing else is shared
 
     def __init__(self, decoder: SpeechDecoder, device: torch.device, sample_rate: int,

@@ -1,6 +1,6 @@
 """`QwenImageModel`: Qwen-Image and Qwen-Image-Edit as a diffusion stage model.
 
-It implements the model side of the diffusion engine's contract (vllm_omni/diffusion/model.py)
+It is a `DiffusionModel` (the diffusion engine's contract, models/diffusion_model.py), made
 with diffusers' own components and math, so that a request's image equals the one diffusers'
 QwenImagePipeline / QwenImageEditPipeline makes for the same seed, size and steps: the same
 prompt encoding, the same seeded noise (a CPU generator, so a seed gives the same image on any
@@ -20,6 +20,7 @@ import torch
 
 from vllm_omni.model_executor.models import diffusion_inputs
 from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
+from vllm_omni.model_executor.models.diffusion_model import DiffusionModel
 from vllm_omni.model_executor.models.qwen_image import denoiser
 from vllm_omni.model_executor.models.qwen_image.block import CompilableBlock
 from vllm_omni.model_executor.models.qwen_image.components import QwenImageComponents, load_components
@@ -33,7 +34,7 @@ DEFAULT_SAMPLE_SIZE = 128  # latent pixels: 1024 x 1024 images by default, as th
 EDIT_TARGET_AREA = 1024 * 1024  # the edit pipeline resizes the input image to about this many pixels
 
 
-class QwenImageModel:
+class QwenImageModel(DiffusionModel):
     def __init__(self, components: QwenImageComponents, *, device: torch.device, cpu_offload: bool = False,
                  acceleration: DenoiserAcceleration = DenoiserAcceleration()) -> None:
         from diffusers.image_processor import VaeImageProcessor
