@@ -153,11 +153,6 @@ class Request:
         self.token_ids.append(PLACEHOLDER_TOKEN)
         self.has_placeholder = True
 
-    @property
-    def settled_output_token_ids(self) -> list[int]:
-        """The output tokens the host knows (without a placeholder)."""
-        return self.token_ids[self.num_prompt_tokens : len(self.token_ids) - self.has_placeholder]
-
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: drop the KV cache, keep the tokens generated so far."""
         self.num_computed_tokens = 0
