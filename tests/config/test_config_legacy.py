@@ -184,7 +184,8 @@ def test_runtime_extras_edges_connectors(write_yaml):
     assert p.async_chunk is True and p.runtime.max_inflight == 4
     assert p.edges[0].window_size == -1 and p.edges[0].connector == "shm"
     assert p.connector("shm").extra_dict() == {"shm_threshold_bytes": 65536}
-    assert [i.field for i in p.ignored] == ["connectors.shm.extra.shm_threshold_bytes"]
+    # max_inflight other than spec 000's 1 has no effect here: named in the one warning
+    assert [i.field for i in p.ignored] == ["runtime.defaults.max_inflight", "connectors.shm.extra.shm_threshold_bytes"]
     assert p.to_dict()["stages"][1]["engine_args"]["worker_type"] == "ar"
 
 
@@ -217,3 +218,12 @@ def test_ignored_vllm_engine_args_warn(write_yaml, caplog):
     assert [i.describe() for i in p.ignored] == [
         "engine_args.distributed_executor_backend (stage 0): stage workers are always separate processes here"]
     assert "engine_args.distributed_executor_backend (stage 0): stage workers" in caplog.text
+
+
+def test_settings_that_would_do_nothing_are_refused_or_named(write_yaml):
+    """runtime.enabled cannot be turned off (refused); values the engine cannot honour and that
+    change no result (max_inflight other than 1, step_execution false) come in the one warning."""
+    with pytest.raises(ConfigError, match=r"runtime\.enabled=False: cannot be turned off"):
+        load_pipeline_config(write_yaml(RUNTIME_EXTRAS.replace("    runtime:\n", "    runtime:\n      enabled: false\n")))
+    spec = load_pipeline_config(write_yaml(RUNTIME_EXTRAS.replace("max_inflight: 4", "max_inflight: 1")))
+    assert "runtime.defaults.max_inflight" not in [i.field for i in spec.ignored]

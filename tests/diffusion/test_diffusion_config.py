@@ -142,3 +142,11 @@ def test_check_config_prints_a_diffusion_pipeline(qwen_image_dir, capsys):
     stage = json.loads(capsys.readouterr().out)["stages"][0]
     assert stage["engine_args"]["worker_type"] == "diffusion"
     assert stage["default_sampling_params"]["num_inference_steps"] == 50
+
+
+def test_step_execution_false_is_named_in_the_warning():
+    """The engine always steps: step_execution true is what it does, false cannot be honoured."""
+    stepped = load_pipeline_config(model=QWEN_IMAGE, cli_args={"step_execution": True}, platform="cpu")
+    assert stepped.ignored == ()
+    whole = load_pipeline_config(model=QWEN_IMAGE, cli_args={"step_execution": False}, platform="cpu")
+    assert [(i.field, i.stages) for i in whole.ignored] == [("engine_args.step_execution", (0,))]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tests.e2e.conftest import by_request, short_params, user
 from vllm_omni import Omni
-from vllm_omni.engine import step_profiler
+from vllm_omni import envs
 
 
 def test_a_named_stage_writes_its_profile(omni_dir, tmp_path, monkeypatch):
@@ -13,8 +13,8 @@ def test_a_named_stage_writes_its_profile(omni_dir, tmp_path, monkeypatch):
     params = short_params(thinker=8, talker=16)
     with Omni(model=str(omni_dir)) as omni:
         reference = by_request(omni.generate(prompts, params, use_tqdm=False))
-    for name, value in {step_profiler.DIR_ENV: str(tmp_path), step_profiler.STAGES_ENV: "1",
-                        step_profiler.SKIP_ENV: "2", step_profiler.STEPS_ENV: "5"}.items():
+    for name, value in {envs.PROFILE_DIR.name: str(tmp_path), envs.PROFILE_STAGES.name: "1",
+                        envs.PROFILE_SKIP.name: "2", envs.PROFILE_STEPS.name: "5"}.items():
         monkeypatch.setenv(name, value)  # the stage processes inherit them
     with Omni(model=str(omni_dir)) as omni:
         profiled = by_request(omni.generate(prompts, params, use_tqdm=False))
@@ -34,9 +34,9 @@ def test_a_named_stage_writes_its_profile(omni_dir, tmp_path, monkeypatch):
 
 
 def test_a_stage_that_stops_first_writes_its_timeline(omni_dir, tmp_path, monkeypatch):
-    for name, value in {step_profiler.DIR_ENV: str(tmp_path), step_profiler.STAGES_ENV: "2",
-                        step_profiler.SKIP_ENV: "0", step_profiler.STEPS_ENV: "100000",
-                        step_profiler.OPS_ENV: "0"}.items():
+    for name, value in {envs.PROFILE_DIR.name: str(tmp_path), envs.PROFILE_STAGES.name: "2",
+                        envs.PROFILE_SKIP.name: "0", envs.PROFILE_STEPS.name: "100000",
+                        envs.PROFILE_OPS.name: "0"}.items():
         monkeypatch.setenv(name, value)
     with Omni(model=str(omni_dir)) as omni:
         omni.generate([{"messages": user({"type": "text", "text": "Hi."})}], short_params(thinker=4, talker=8),
@@ -48,9 +48,9 @@ def test_a_stage_that_stops_first_writes_its_timeline(omni_dir, tmp_path, monkey
 
 
 def test_per_stage_skips_and_the_python_profile(omni_dir, tmp_path, monkeypatch):
-    for name, value in {step_profiler.DIR_ENV: str(tmp_path), step_profiler.STAGES_ENV: "0,1",
-                        step_profiler.SKIP_ENV: "0:1,1:3", step_profiler.STEPS_ENV: "2",
-                        step_profiler.OPS_ENV: "0", step_profiler.PYTHON_ENV: "1"}.items():
+    for name, value in {envs.PROFILE_DIR.name: str(tmp_path), envs.PROFILE_STAGES.name: "0,1",
+                        envs.PROFILE_SKIP.name: "0:1,1:3", envs.PROFILE_STEPS.name: "2",
+                        envs.PROFILE_OPS.name: "0", envs.PROFILE_PYTHON.name: "1"}.items():
         monkeypatch.setenv(name, value)
     with Omni(model=str(omni_dir)) as omni:
         omni.generate([{"messages": user({"type": "text", "text": "Hi."})}], short_params(thinker=8, talker=8),

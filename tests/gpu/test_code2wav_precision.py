@@ -125,10 +125,11 @@ def test_dit_graphs_equal_the_eager_dit(real_dirs, precision, monkeypatch):
     """token2wav's DiT evaluations replayed from CUDA graphs (token2wav_graphs.py) give the eager
     waveforms, whole requests and a stream's windows, captured on first use then replayed."""
     from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_dit import forward_cfg
-    from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_graphs import DIT_GRAPHS_ENV, DiTGraphs
+    from vllm_omni import envs
+    from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_graphs import DiTGraphs
 
     fast = load_real("qwen2_5", real_dirs["qwen2_5"], precision)
-    monkeypatch.setenv(DIT_GRAPHS_ENV, "0")
+    monkeypatch.setenv(envs.DIT_CUDA_GRAPHS.name, "0")
     eager = load_real("qwen2_5", real_dirs["qwen2_5"], precision)
     assert isinstance(fast._dit_forward, DiTGraphs) and eager._dit_forward is forward_cfg
     reqs = requests("qwen2_5", [1.0, 1.6])
@@ -163,10 +164,10 @@ def test_fused_vocoder_layers_give_the_torch_samples(real_dirs, family, precisio
     whole requests and streamed windows (real architectures, 2 and 3.5 s). The element-wise
     kernels give torch's bits (test_cuda_ops.py); the GEMM and the anti-aliasing filters sum in
     another order than cuDNN, hence an SNR floor (measured values printed)."""
-    from vllm_omni.model_executor.layers.activation import FUSED_VOCODER_ENV
+    from vllm_omni import envs
 
     fused = load_real(family, real_dirs[family], precision)
-    monkeypatch.setenv(FUSED_VOCODER_ENV, "0")
+    monkeypatch.setenv(envs.FUSED_VOCODER.name, "0")
     plain = load_real(family, real_dirs[family], precision)
     reqs = requests(family, [2.0, 3.5])
     units = torch.tensor(reqs[1].prompt_token_ids)

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 from vllm_omni.core.engine_config import EngineConfig  # noqa: E402
 from vllm_omni.core.llm_engine import LLMEngine  # noqa: E402
-from vllm_omni.core.prefill_graphs import PREFILL_GRAPHS_ENV  # noqa: E402
+from vllm_omni import envs  # noqa: E402
 from vllm_omni.model_executor.layers.moe import grouped_mm_available  # noqa: E402
 from vllm_omni.sampling_params import SamplingParams  # noqa: E402
 from vllm_omni.testing.engine_runs import EngineRun  # noqa: E402
@@ -49,7 +49,7 @@ ARRIVALS = ["alone", "arriving-under-decode", "arriving-together"]
 def run(path, prompts, monkeypatch, graphs: bool, arrival: str, **config) -> tuple[dict, list]:
     """Greedy codes with logprobs per request, and the steps that replayed a prefill graph as
     (decode rows, prefill spans) each."""
-    monkeypatch.setenv(PREFILL_GRAPHS_ENV, "1" if graphs else "0")
+    monkeypatch.setenv(envs.PREFILL_CUDA_GRAPHS.name, "1" if graphs else "0")
     eng = LLMEngine(EngineConfig(model=str(path), model_stage="talker", device="cuda", dtype="bfloat16",
                                  enable_prefix_caching=False, max_num_seqs=8, **config))
     assert (eng.runner.prefill_graphs is not None) == graphs
@@ -142,7 +142,7 @@ def test_thinker_prefill_graphs_follow_eager_prefills(tiny_model, monkeypatch, a
     path = tiny_model(arch)
     results = []
     for graphs in (True, False):
-        monkeypatch.setenv(PREFILL_GRAPHS_ENV, "1" if graphs else "0")
+        monkeypatch.setenv(envs.PREFILL_CUDA_GRAPHS.name, "1" if graphs else "0")
         eng = LLMEngine(EngineConfig(model=str(path), model_stage="thinker", device="cuda", dtype="bfloat16",
                                      enable_prefix_caching=False, max_num_seqs=8, hidden_state_layers=(0, 1)))
         assert (eng.runner.prefill_graphs is not None) == graphs

@@ -93,17 +93,33 @@ def build_pipeline(layers: Sequence[Layer], *, fmt: ConfigFormat, source: str,
                           source=source, pipeline_name=pipeline_name, ignored=_ignored(merged, top))
 
 
+# Honoured fields with a value this engine cannot honour (it changes no result): that value is
+# ignored with the one warning. step_execution: true is what the diffusion engine always does;
+# max_inflight: 1 is spec 000's documented value, which every upstream file writes.
+_UNHONOURED_VALUES: dict[str, tuple[Any, str]] = {
+    "engine_args.step_execution": (True, "the diffusion engine always runs one denoising step at a time "
+                                         "(requests join and abort between steps)"),
+    "runtime.defaults.max_inflight": (1, "a stage works on as many requests at once as its batch limit "
+                                         "allows (runtime.max_batch_size, or max_num_seqs)"),
+}
+
+
 def _ignored(merged: dict[int, _Merged], top: _Merged) -> tuple[IgnoredSetting, ...]:
     """Every key recorded as ignored, once per (field, reason), with the stages that set it."""
     found: dict[tuple[str, str], tuple[list[int], list[str]]] = {}
     for sid, m in [*merged.items(), (None, top)]:
-        for path, (reason, source) in m.values.items():
-            if path.startswith(IGNORED_PREFIX):
-                stages, sources = found.setdefault((path[len(IGNORED_PREFIX):], reason), ([], []))
-                if sid is not None:
-                    stages.append(sid)
-                if source not in sources:
-                    sources.append(source)
+        for path, (value, source) in m.values.items():
+            if path.startswith(IGNORED_PREFIX):  # recorded by a reader, the value is the reason
+                field, reason = path[len(IGNORED_PREFIX):], value
+            elif path in _UNHONOURED_VALUES and value != _UNHONOURED_VALUES[path][0]:
+                field, reason = path, _UNHONOURED_VALUES[path][1]
+            else:
+                continue
+            stages, sources = found.setdefault((field, reason), ([], []))
+            if sid is not None:
+                stages.append(sid)
+            if source not in sources:
+                sources.append(source)
     return tuple(IgnoredSetting(field, reason, tuple(stages), ", ".join(sources))
                  for (field, reason), (stages, sources) in found.items())
 

@@ -53,6 +53,10 @@ def read_runtime(value: Any, *, source: str) -> dict[str, Any]:
     if "enabled" in value:
         out["runtime.enabled"] = _check(schema.check_bool, value["enabled"], source=source,
                                         field="runtime.enabled")
+        if out["runtime.enabled"] is False:
+            raise ConfigError("cannot be turned off: stages always hand their outputs on as runtime.defaults "
+                              "and runtime.edges say (leave them out for the defaults)", source=source,
+                              field="runtime.enabled", value=False, allowed="true")
     if "defaults" in value:
         defaults = _mapping(value["defaults"], source=source, field="runtime.defaults")
         known = ("window_size", "max_inflight")

@@ -1,12 +1,10 @@
 """Engine arguments, validated once (DESIGN section 6)."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
+import vllm_omni.envs as envs
 from vllm_omni.model_executor.dtypes import DTYPE_SPELLINGS
-
-ASYNC_SCHEDULING_ENV = "VLLM_OMNI_ASYNC_SCHEDULING"
 
 
 @dataclass(frozen=True)
@@ -38,7 +36,7 @@ class EngineConfig:
     # vLLM's async scheduling: the next step is scheduled and launched before the host reads the
     # tokens of the step in flight (outputs come one step later); off under tensor parallelism.
     # VLLM_OMNI_ASYNC_SCHEDULING=0 turns it off in every engine of the process and its children.
-    async_scheduling: bool = field(default_factory=lambda: os.environ.get(ASYNC_SCHEDULING_ENV, "1") != "0")
+    async_scheduling: bool = field(default_factory=envs.ASYNC_SCHEDULING.get)
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:

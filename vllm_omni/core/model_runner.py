@@ -7,12 +7,12 @@ torch backend. Both paths compute the same function.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+import vllm_omni.envs as envs
 from vllm_omni.core.request import Request
 from vllm_omni.core.scheduler import ScheduledRequest, SchedulerOutput
 from vllm_omni.model_executor.device_copy import HostCopy, to_device_nowait
@@ -105,7 +105,7 @@ class StepInputs:
 def select_attention_backend(device: torch.device, dtype: torch.dtype):
     """Triton/FlashAttention on CUDA, the torch reference elsewhere (or when forced with
     VLLM_OMNI_ATTENTION_BACKEND=torch, e.g. to compare the two)."""
-    if device.type == "cuda" and os.environ.get("VLLM_OMNI_ATTENTION_BACKEND", "auto") != "torch":
+    if device.type == "cuda" and envs.ATTENTION_BACKEND.get() != "torch":
         from vllm_omni.model_executor.layers.triton_attention import TritonAttentionBackend
 
         return TritonAttentionBackend(dtype)
@@ -177,7 +177,7 @@ class ARModelRunner:
             logger.info("%s does not support CUDA graphs here: decode runs eagerly", type(self.model).__name__)
             return
         from vllm_omni.core.cuda_graphs import DecodeGraphs
-        from vllm_omni.core.prefill_graphs import PREFILL_GRAPHS_ENV, PrefillGraphs
+        from vllm_omni.core.prefill_graphs import PrefillGraphs
 
         self.graphs = DecodeGraphs(
             self.model,
@@ -191,7 +191,7 @@ class ARModelRunner:
             capture_layers=self.hidden_state_layers,
         )
         self.graphs.capture()
-        if self.model.supports_prefill_graphs and self.backend.use_flash and os.environ.get(PREFILL_GRAPHS_ENV) != "0":
+        if self.model.supports_prefill_graphs and self.backend.use_flash and envs.PREFILL_CUDA_GRAPHS.get():
             self.prefill_graphs = PrefillGraphs(
                 self.model, device=self.device, max_tokens=max_model_len, block_size=self.block_size,
                 scratch_block=self.num_blocks, mrope=self.model.uses_mrope, embeds=self.model.embeds_requests,

@@ -35,7 +35,6 @@ from vllm_omni.model_executor.layers.triton_attention import TritonAttentionStat
 
 logger = logging.getLogger(__name__)
 
-PREFILL_GRAPHS_ENV = "VLLM_OMNI_PREFILL_CUDA_GRAPHS"  # "0": prefill spans run eagerly
 _BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
 # Rows of the int64 input buffer: ids, KV write slots, KV read slots, lengths, positions (1 or 3).
 _IDS, _SLOTS, _KV_SLOTS, _LENGTHS, _POSITIONS = 0, 1, 2, 3, 4

@@ -18,13 +18,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import vllm_omni.envs as envs
 from vllm_omni.config.stage_config import StageConfig
 from vllm_omni.engine.load_balancer import LoadBalancer, ReplicaLoad
 from vllm_omni.engine.messages import StageStats
 from vllm_omni.engine.stage_client import ReplicaHealth, StageClient, StageDownError, StageHealth, StageState
 from vllm_omni.engine.stage_init.devices import split_devices_for_replicas
 
-REPLICA_ID_ENV = "VLLM_OMNI_REPLICA_ID"  # set in each replica's process: 0 .. num_replicas - 1
 
 # Which per-replica state a stage shows when none of its replicas is UP: the most hopeful.
 _NOT_UP_ORDER = (StageState.RESTARTING, StageState.STARTING, StageState.DOWN, StageState.STOPPED)
@@ -156,7 +156,7 @@ def _sum_stats(stage_id: int, stats: list[StageStats]) -> StageStats:
 
 def replica_configs(stage: StageConfig) -> list[StageConfig]:
     """Each replica's stage config: its share of the stage's devices (spec 002 pool or template
-    mode) and VLLM_OMNI_REPLICA_ID in its environment (a hook or a log may tell replicas apart)."""
+    mode) and its replica id set (`envs.REPLICA_ID`: a hook or a log may tell replicas apart)."""
     runtime = stage.runtime
     per_replica = stage.engine_args.tensor_parallel_size * stage.engine_args.cfg_parallel_size
     try:
@@ -167,5 +167,5 @@ def replica_configs(stage: StageConfig) -> list[StageConfig]:
                          f"e.g. devices: \"{example}\") or one replica's within [0, {per_replica}) (template mode; "
                          "spec 002)") from None
     return [dataclasses.replace(stage, runtime=dataclasses.replace(
-        runtime, devices=replica_devices, env=(*runtime.env, (REPLICA_ID_ENV, str(replica)))))
+        runtime, devices=replica_devices, env=(*runtime.env, (envs.REPLICA_ID.name, str(replica)))))
         for replica, replica_devices in enumerate(devices)]

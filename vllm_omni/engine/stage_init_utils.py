@@ -45,7 +45,6 @@ from vllm_omni.engine.stage_init.engine_args import (
 )
 from vllm_omni.engine.stage_init.env import stage_runtime_env, stage_runtime_setup
 from vllm_omni.engine.stage_init.locks import (
-    LOCK_DIR_ENV_VAR,
     acquire_device_locks,
     acquire_diffusion_device_locks,
     release_device_locks,
@@ -70,7 +69,6 @@ __all__ = [
     "AR_WORKER_CLS",
     "DEVICE_ENV_VAR",
     "GENERATION_WORKER_CLS",
-    "LOCK_DIR_ENV_VAR",
     "LogicalStageInitPlan",
     "ReplicaInitPlan",
     "StageMetadata",

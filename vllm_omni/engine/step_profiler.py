@@ -20,32 +20,27 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import vllm_omni.envs as envs
+
 logger = logging.getLogger(__name__)
 
-DIR_ENV = "VLLM_OMNI_PROFILE_DIR"
-STAGES_ENV = "VLLM_OMNI_PROFILE_STAGES"
-SKIP_ENV = "VLLM_OMNI_PROFILE_SKIP"
-STEPS_ENV = "VLLM_OMNI_PROFILE_STEPS"
-OPS_ENV = "VLLM_OMNI_PROFILE_OPS"
-PYTHON_ENV = "VLLM_OMNI_PROFILE_PYTHON"
 ROWS = 30
 
 
 class StepProfiler:
     def __init__(self, stage_id: int) -> None:
         self.stage_id = stage_id
-        self.out_dir = os.environ.get(DIR_ENV)
-        stages = {s.strip() for s in os.environ.get(STAGES_ENV, "").split(",")}
+        self.out_dir = envs.PROFILE_DIR.get()
+        stages = {s.strip() for s in envs.PROFILE_STAGES.get().split(",")}
         self.enabled = bool(self.out_dir) and str(stage_id) in stages
-        self.skip = _stage_skip(os.environ.get(SKIP_ENV, "50"), stage_id)
-        self.steps = int(os.environ.get(STEPS_ENV, "200"))
-        self.ops = os.environ.get(OPS_ENV, "1") != "0"
-        self.python = os.environ.get(PYTHON_ENV, "0") == "1"
+        self.skip = _stage_skip(envs.PROFILE_SKIP.get(), stage_id)
+        self.steps = envs.PROFILE_STEPS.get()
+        self.ops = envs.PROFILE_OPS.get()
+        self.python = envs.PROFILE_PYTHON.get()
         self._cprofile = None
         self.count = 0
         self._running = False

@@ -9,9 +9,9 @@ each engine step: a replica on a busier or slower device.
 """
 from __future__ import annotations
 
-import os
 import time
 
+import vllm_omni.envs as envs
 from vllm_omni.stage_io import StageOutput
 from vllm_omni.worker.ar_stage_engine import ARStageEngine
 from vllm_omni.worker.gpu_ar_worker import GPUARWorker
@@ -20,9 +20,8 @@ from vllm_omni.worker.gpu_ar_worker import GPUARWorker
 class SlowARWorker(GPUARWorker):
     def build_engine(self) -> ARStageEngine:
         engine = super().build_engine()
-        slow = os.environ.get("VLLM_OMNI_SLOW_REPLICAS", "").split(",")
-        if os.environ.get("VLLM_OMNI_REPLICA_ID") in slow:
-            delay = float(os.environ.get("VLLM_OMNI_SLOW_STEP_S", "0.05"))
+        if envs.REPLICA_ID.get() in envs.SLOW_REPLICAS.get().split(","):
+            delay = envs.SLOW_STEP_S.get()
             step = engine.step
 
             def slow_step() -> list[StageOutput]:

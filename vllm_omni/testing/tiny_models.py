@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+import vllm_omni.envs as envs
 from vllm_omni.testing.tokenizer import make_tiny_tokenizer
 
 # A builder gets the output folder and the config overrides and writes the checkpoint there.
@@ -201,7 +202,7 @@ def save_hf_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("VLLM_OMNI_CACHE") or Path.home() / ".cache" / "vllm_omni")
+    return Path(envs.CACHE.get() or Path.home() / ".cache" / "vllm_omni")
 
 
 def demo_model_path(arch: str = DEMO_ARCH) -> Path:

@@ -18,14 +18,12 @@ other; what one call writes the other must not touch (the model's promise, see
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 
+import vllm_omni.envs as envs
 from vllm_omni.model_executor.models.generation_model import GenerationModel, Results
-
-LANES_ENV = "VLLM_OMNI_DECODE_LANES"  # "0": every decode in order on one stream (A/B runs)
 
 
 class Launched:
@@ -120,7 +118,7 @@ class _PinnedStaging:
 def decode_lanes(device: str, model: GenerationModel) -> HostLanes | CudaLanes:
     """CUDA lanes for a model on a GPU that lets a first-chunk call overlap a later-chunk call
     (`overlaps_first_chunks`: it keeps their buffers, e.g. CUDA graph pools, apart)."""
-    if os.environ.get(LANES_ENV, "1") == "0":
+    if not envs.DECODE_LANES.get():  # every decode in order on one stream (A/B runs)
         return HostLanes()
     if model.overlaps_first_chunks and device.startswith("cuda") and torch.cuda.is_available():
         return CudaLanes(torch.device(device))

@@ -11,17 +11,17 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import vllm_omni.envs as envs
 from vllm_omni.engine.stage_init.devices import DEVICE_ENV_VAR
 from vllm_omni.engine.stage_init.readers import positive_int, read_field, split_csv
 
 logger = logging.getLogger(__name__)
 
-LOCK_DIR_ENV_VAR = "VLLM_OMNI_LOCK_DIR"
 _LOCK_POLL_S = 0.05
 
 
 def _lock_dir() -> str:
-    path = os.environ.get(LOCK_DIR_ENV_VAR) or os.path.join(tempfile.gettempdir(), "vllm_omni_locks")
+    path = envs.LOCK_DIR.get() or os.path.join(tempfile.gettempdir(), "vllm_omni_locks")
     try:
         os.makedirs(path)
         # GPUs are shared by every user of the host, so the lock dir must be too

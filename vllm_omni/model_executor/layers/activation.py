@@ -1,11 +1,12 @@
 """Activations: the gated one of the decoder LMs, SnakeBeta of the codec vocoders."""
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import vllm_omni.envs as envs
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -30,11 +31,8 @@ def get_gated_act(hidden_act: str) -> nn.Module:
     return SiluAndMul()
 
 
-FUSED_VOCODER_ENV = "VLLM_OMNI_FUSED_VOCODER"  # "0": the vocoders' layers as torch's ops (A/B runs)
-
-
 def fused_vocoder() -> bool:
-    return os.environ.get(FUSED_VOCODER_ENV, "1") != "0"
+    return envs.FUSED_VOCODER.get()  # off: the vocoders' layers as torch's ops (A/B runs)
 
 
 class SnakeBeta(nn.Module):

@@ -18,14 +18,15 @@ that wait is load its weights, which nothing in the step writes: the `weight` of
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 import triton.language.extra.cuda  # noqa: F401  (tl.extra.cuda's grid dependency control)
 
-PDL = os.environ.get("VLLM_OMNI_PDL", "1") != "0"
+import vllm_omni.envs as envs
+
+PDL = envs.PDL.get()
 
 
 @functools.cache

@@ -24,11 +24,11 @@ step).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 
 import torch
 
+import vllm_omni.envs as envs
 from vllm_omni.model_executor.graph_capture import capturing
 
 logger = logging.getLogger(__name__)
@@ -126,14 +126,6 @@ class DecoderGraphs:
         return graph, static_in, static_out
 
 
-# Rows of the steady windows' graphs, the most steady chunks a step takes. Fewer, shorter steps
-# let first chunks through sooner; more rows use the GPU better (H200, Qwen3-TTS: 4 rows gave
-# Poisson first-audio p95 64-119 ms and ~190 audio s/s at 64 in flight, 8 rows 131-217 ms and
-# ~212; docs/benchmarks.md round 9). "0": no steady graphs, steps of any size.
-STEADY_GRAPHS_ENV = "VLLM_OMNI_STEADY_CHUNK_GRAPHS"
-STEADY_ROWS = 4
-
-
 class StreamGraphs:
     """The graphs of a streaming code2wav (Code2WavStream chunks), captured at load:
 
@@ -142,7 +134,7 @@ class StreamGraphs:
     - `first`: new streams' first chunks, in a memory pool of their own, so that a call of them
       may replay while later chunks replay theirs (the engine's decode lanes);
     - `step_frame_budget`: the window frames one call of later chunks should hold (what the
-      graphs hold: STEADY_ROWS full windows), or None where steady graphs are off.
+      graphs hold: `rows` full windows), or None where steady graphs are off.
     """
 
     def __init__(self, decoder: Callable[..., torch.Tensor], num_quantizers: int, samples_per_frame: int,
@@ -152,7 +144,11 @@ class StreamGraphs:
         context = config.left_context_frames
         longest = context + max(config.initial_chunk_frames, config.chunk_frames)
         skip = context - vocoder_context_frames if vocoder_context_frames is not None else 0
-        rows = int(os.environ.get(STEADY_GRAPHS_ENV, STEADY_ROWS))
+        # Rows of the steady windows' graphs, the most steady chunks a step takes. Fewer, shorter
+        # steps let first chunks through sooner; more rows use the GPU better (H200, Qwen3-TTS: 4
+        # rows gave Poisson first-audio p95 64-119 ms and ~190 audio s/s at 64 in flight, 8 rows
+        # 131-217 ms and ~212; docs/benchmarks.md round 9). 0: no steady graphs, steps of any size.
+        rows = envs.STEADY_CHUNK_GRAPHS.get()
         steady = (longest, skip) if skip > 0 and rows > 0 else None
         self.step_frame_budget = rows * longest if steady else None
         self.later = DecoderGraphs(decoder, num_quantizers, longest, samples_per_frame=samples_per_frame,

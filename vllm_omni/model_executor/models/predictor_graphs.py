@@ -27,11 +27,11 @@ VLLM_OMNI_PREDICTOR_CUDA_GRAPHS=0 runs the predictor eagerly (stage processes in
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
 
+import vllm_omni.envs as envs
 from vllm_omni.model_executor.device_copy import to_device_nowait
 from vllm_omni.model_executor.graph_capture import capture_buckets
 from vllm_omni.model_executor.layers.sampler import Sampler, SamplingBatch
@@ -39,7 +39,6 @@ from vllm_omni.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-PREDICTOR_GRAPHS_ENV = "VLLM_OMNI_PREDICTOR_CUDA_GRAPHS"
 MAX_GRAPH_BATCH = 64  # larger batches run eagerly (launch overhead is amortised there)
 MAX_FUSED_VOCAB = 4096  # a row's sort stays in one program's registers
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
@@ -151,7 +150,7 @@ class GraphedPredictor:
 
     def capture(self, like: torch.Tensor) -> None:
         """The frame graphs on `like`'s device and dtype (the talker's, at load)."""
-        if os.environ.get(PREDICTOR_GRAPHS_ENV) == "0":
+        if not envs.PREDICTOR_CUDA_GRAPHS.get():
             return
         frame = PredictorFrame(self.predictor, MAX_GRAPH_BATCH, self.width, self.vocab, self.sampling,
                                like.device, like.dtype)

@@ -12,22 +12,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
+import vllm_omni.envs as envs
 from vllm_omni.model_executor.graph_capture import capturing
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_dit import forward_cfg
 
 logger = logging.getLogger(__name__)
 
-DIT_GRAPHS_ENV = "VLLM_OMNI_DIT_CUDA_GRAPHS"
 MAX_GRAPHS = 64
 
 
 def dit_graphs_enabled(device: torch.device) -> bool:
-    return device.type == "cuda" and os.environ.get(DIT_GRAPHS_ENV) != "0"
+    return device.type == "cuda" and envs.DIT_CUDA_GRAPHS.get()
 
 
 @dataclass

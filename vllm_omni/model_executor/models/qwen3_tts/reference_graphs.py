@@ -24,7 +24,6 @@ from vllm_omni.model_executor.models.qwen3_tts.speech_encoder import SpeechEncod
 
 logger = logging.getLogger(__name__)
 
-REFERENCE_GRAPHS_ENV = "VLLM_OMNI_REFERENCE_CUDA_GRAPHS"  # "0": the encoders run eagerly
 # Padded reference lengths. A graph costs about the same at any of them (launch-bound), and qwen-tts
 # asks for references of a few seconds.
 BUCKET_SECONDS = (2, 4, 6, 8, 10, 12, 16, 20)

@@ -16,7 +16,6 @@ Codes of the vocabulary's last 1024 ids except codec EOS are suppressed (qwen-tt
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+import vllm_omni.envs as envs
 from vllm_omni.model_executor.device_copy import HostCopy, to_device_nowait
 from vllm_omni.model_executor.layers.linear import Linear, VocabEmbedding
 from vllm_omni.model_executor.layers.rotary import get_rope
@@ -36,7 +36,7 @@ from vllm_omni.model_executor.models.qwen3_tts.configuration import TaskType, TT
 from vllm_omni.model_executor.models.predictor_graphs import GraphedPredictor
 from vllm_omni.model_executor.models.qwen3_tts.prompt import TalkerPrompt, build_prompt, prompt_length
 from vllm_omni.model_executor.models.qwen3_tts.reference_cache import ReferenceCache
-from vllm_omni.model_executor.models.qwen3_tts.reference_graphs import REFERENCE_GRAPHS_ENV, ReferenceGraphs
+from vllm_omni.model_executor.models.qwen3_tts.reference_graphs import ReferenceGraphs
 from vllm_omni.model_executor.models.qwen3_tts.speaker_encoder import SpeakerEncoder
 from vllm_omni.model_executor.models.qwen3_tts.speech_encoder import ENCODER_PREFIX, SpeechEncoder
 from vllm_omni.model_executor.models.qwen3_tts.tts_request import CODES_KEY, REF_CODES_KEY, TTSRequest
@@ -142,7 +142,7 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
     def capture_graphs(self) -> None:
         self.graphed_predictor.capture(self.model.embed_tokens.weight)
         if self.speech_encoder is not None and self.speech_encoder.supports_padding() \
-                and os.environ.get(REFERENCE_GRAPHS_ENV) != "0":
+                and envs.REFERENCE_CUDA_GRAPHS.get():
             self.reference_graphs = ReferenceGraphs(self.speaker_encoder, self.speech_encoder)
             self.reference_graphs.capture()
 
