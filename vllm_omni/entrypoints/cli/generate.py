@@ -84,10 +84,11 @@ def _tts_options(args: argparse.Namespace) -> dict[str, Any]:
             "ref_audio": args.ref_audio, "ref_text": args.ref_text}
 
 
-def _is_tts(model: str) -> bool:
-    from vllm_omni.config.bundled import read_hf_config
+def _speaks_from_text(model: str) -> bool:
+    from vllm_omni.model_executor.models.families import local_family
 
-    return (Path(model) / "config.json").is_file() and read_hf_config(model).get("model_type") == "qwen3_tts"
+    family = local_family(model)
+    return family is not None and family.speaks_from_text
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
             return generate_images(omni, args)
         # A plain LM runs as a one-stage pipeline; anything bundled (Omni models) is chat-first.
         # A TTS model speaks the prompt itself and keeps its own sampling defaults.
-        tts = _is_tts(model)
+        tts = _speaks_from_text(model)
         chat = args.chat if args.chat is not None else omni.pipeline.format is not ConfigFormat.SINGLE_STAGE and not tts
         prompts = build_prompts(args, chat)
         if tts:

@@ -178,9 +178,9 @@ def _check_task_type(task_type: str | None, model: str) -> str | None:
     """--task-type must name what the TTS checkpoint is (one checkpoint serves one task type)."""
     if task_type is None:
         return None
-    from vllm_omni.entrypoints.openai.serving_speech import TTSModelInfo
+    from vllm_omni.model_executor.models.families import speech_model
 
-    info = TTSModelInfo.read(model)
+    info = speech_model(model)
     if info is None:
         return f"--task-type {task_type} is for text-to-speech models; {model} is not one"
     if info.task_type != task_type:

@@ -4,8 +4,10 @@
      "instructions": "...", "stream_format": "audio" | "sse",
      "task_type": ..., "language": ..., "ref_audio": URL | data URL | base64, "ref_text": ...}
 
-The request becomes a TTS prompt for the pipeline's input processor (Qwen3-TTS: multimodal/qwen3_tts_input.py),
-which refuses what the checkpoint cannot do (an unknown voice names the voices) -> 400.
+The request becomes a TTS prompt for the pipeline's input processor (its model family's, in
+multimodal/), which refuses what the checkpoint cannot do (an unknown voice names the voices) -> 400.
+What the served checkpoint is (its task type, voices, frame size) its family answers
+(`FAMILY.speech_model`); a model whose family does not speak text gets 400 here.
 Responses (docs/tts.md):
 - no stream_format: the whole file, with usage in x-vllm-omni-*-tokens headers;
 - "audio": chunked bytes as the pipeline hands audio on (pcm or wav: a streaming WAV header,
@@ -22,9 +24,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import Request
@@ -32,6 +32,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from vllm_omni.entrypoints.openai.response_tracker import AudioEvent, ResponseTracker
+from vllm_omni.model_executor.models.families import speech_model
+from vllm_omni.model_executor.models.family import SpeechModel
 from vllm_omni.entrypoints.openai.audio import OUTPUT_SAMPLE_RATE, check_format
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.media_fetch import resolve_media
@@ -68,41 +70,17 @@ class SpeechRequest(BaseModel):
     max_new_tokens: int | None = Field(None, ge=1)
 
 
-@dataclass(frozen=True)
-class TTSModelInfo:
-    """What the endpoint needs to know of the served TTS checkpoint (its config.json)."""
-
-    task_type: str
-    voices: list[str]
-    samples_per_frame: int
-
-    @classmethod
-    def read(cls, model_path: str) -> TTSModelInfo | None:
-        """None when the model is not a TTS checkpoint."""
-        path = Path(model_path) / "config.json"
-        config = json.loads(path.read_text()) if path.is_file() else {}
-        if config.get("model_type") != "qwen3_tts":
-            return None
-        from vllm_omni.model_executor.models.qwen3_tts.configuration import TaskType
-
-        speech = json.loads((Path(model_path) / "speech_tokenizer" / "config.json").read_text())
-        task = TaskType.from_model_type(config.get("tts_model_type"))
-        # Only CustomVoice speaks in named voices (the others design or clone theirs).
-        voices = (config.get("talker_config") or {}).get("spk_id") or {} if task is TaskType.CUSTOM_VOICE else {}
-        return cls(task.value, sorted(voices), int(speech.get("decode_upsample_rate", 1920)))
-
-
 class SpeechService:
     def __init__(self, ctx: ServingContext, max_instructions_length: int = DEFAULT_MAX_INSTRUCTIONS) -> None:
         self.ctx = ctx
-        self.info = TTSModelInfo.read(ctx.model_path)
+        self.info = speech_model(ctx.model_path)  # None: the served model does not speak text
         self.max_instructions_length = max_instructions_length
 
     def voices(self) -> dict[str, Any]:
         info = self._tts()
         return {"voices": info.voices, "task_type": info.task_type}
 
-    def _tts(self) -> TTSModelInfo:
+    def _tts(self) -> SpeechModel:
         if self.info is None:
             raise APIError(400, f"the served model ({self.ctx.model_path}) is not a text-to-speech model")
         return self.info
@@ -127,8 +105,8 @@ class SpeechService:
     async def _prompt(self, body: SpeechRequest) -> dict[str, Any]:
         info = self._tts()
         prompt: dict[str, Any] = {"prompt": body.input}
-        # The OpenAI client always sends a voice; only CustomVoice checkpoints have named voices.
-        if body.voice and info.task_type == "CustomVoice":
+        # The OpenAI client always sends a voice; only checkpoints with named voices take one.
+        if body.voice and info.voices:
             prompt["speaker"] = body.voice
         for key in ("instructions", "language", "task_type", "ref_text", "x_vector_only_mode", "non_streaming_mode"):
             if getattr(body, key) is not None:

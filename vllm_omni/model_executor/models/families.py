@@ -6,10 +6,13 @@ pipeline lookup, the input processors and the tiny checkpoint builders read `FAM
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from vllm_omni.model_executor.models.family import ModelFamily
+from vllm_omni.imports import import_dotted
+from vllm_omni.model_executor.models.family import ModelFamily, SpeechModel
 from vllm_omni.model_executor.models.qwen2_5_omni import FAMILY as QWEN2_5_OMNI
 from vllm_omni.model_executor.models.qwen3_omni import FAMILY as QWEN3_OMNI
 from vllm_omni.model_executor.models.qwen3_tts import FAMILY as QWEN3_TTS
@@ -44,3 +47,17 @@ def family_by_name(name: str) -> ModelFamily:
         if family.name == name:
             return family
     raise KeyError(f"unknown model family {name!r}; known: {[f.name for f in FAMILIES]}")
+
+
+def local_family(model_dir: str | Path) -> ModelFamily | None:
+    """The family of a local checkpoint folder (its config.json), None for anything else."""
+    config = Path(model_dir) / "config.json"
+    return family_of(json.loads(config.read_text(encoding="utf-8"))) if config.is_file() else None
+
+
+def speech_model(model_dir: str | Path) -> SpeechModel | None:
+    """What a text-to-speech checkpoint says of itself (its family reads it); None for any other model."""
+    family = local_family(model_dir)
+    if family is None or family.speech_model is None:
+        return None
+    return import_dotted(family.speech_model)(str(model_dir))

@@ -17,6 +17,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+@dataclass(frozen=True)
+class SpeechModel:
+    """What a text-to-speech checkpoint says of itself (the server's /v1/audio/speech reads it)."""
+
+    task_type: str  # how it makes its voice (Qwen3-TTS: "CustomVoice", "VoiceDesign", "Base")
+    voices: tuple[str, ...]  # the named voices a request may pick; empty: it takes none
+    samples_per_frame: int  # audio samples per codec frame (usage counts frames)
+
+
 class PipelineVariant(str, enum.Enum):
     """Bundled pipelines of one family (each a legacy stage_args YAML + a deploy YAML)."""
 
@@ -51,6 +60,9 @@ class ModelFamily:
     # "module:Class": the config class of model_types[0] when transformers has none (Qwen3-TTS);
     # model_loader.load_hf_config registers it with AutoConfig before reading a checkpoint.
     hf_config_class: str | None = None
+    # "module:function" (model_dir -> SpeechModel) for a family that speaks its text prompt
+    # (text to speech: /v1/audio/speech, `generate` without a chat template); None: it does not.
+    speech_model: str | None = None
 
     def __post_init__(self) -> None:
         if (self.single_stage_model is None) == (not self.stage_models):
@@ -58,6 +70,10 @@ class ModelFamily:
         for stage in (*self.stage_checkpoints.values(), *self.bridges, *self.stream_bridges):
             if stage not in self.stage_models:
                 raise ValueError(f"family {self.name}: stage {stage!r} has no entry in stage_models")
+
+    @property
+    def speaks_from_text(self) -> bool:
+        return self.speech_model is not None
 
     def matches(self, hf_config: Mapping[str, Any]) -> bool:
         """Whether an HF config (as a dict) is a checkpoint of this family."""

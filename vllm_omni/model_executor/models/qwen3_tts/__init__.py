@@ -31,4 +31,5 @@ FAMILY = ModelFamily(
     pipelines={PipelineVariant.DEFAULT: "qwen3_tts"},
     tiny_checkpoints={"qwen3_tts": "vllm_omni.testing.tiny_qwen3_tts:build_tiny_qwen3_tts"},
     hf_config_class=f"{_HERE}.configuration:Qwen3TTSConfig",
+    speech_model=f"{_HERE}.configuration:speech_model",
 )

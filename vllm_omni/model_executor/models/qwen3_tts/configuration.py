@@ -10,11 +10,15 @@ decoders read (`rope_parameters` in transformers 5's form).
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from transformers import PretrainedConfig
+
+from vllm_omni.model_executor.models.family import SpeechModel
 
 
 class TaskType(str, enum.Enum):
@@ -137,3 +141,14 @@ class TTSConfig:
                    if task is TaskType.BASE else None,
                    tts_bos_token_id=get("tts_bos_token_id", 151672), tts_eos_token_id=get("tts_eos_token_id", 151673),
                    tts_pad_token_id=get("tts_pad_token_id", 151671), tts_model_size=get("tts_model_size"))
+
+
+def speech_model(model_dir: str) -> SpeechModel:
+    """The family record's `speech_model`: the task, the named voices and the codec's frame size."""
+    folder = Path(model_dir)
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    codec = json.loads((folder / "speech_tokenizer" / "config.json").read_text(encoding="utf-8"))
+    task = TaskType.from_model_type(config.get("tts_model_type"))
+    # Only CustomVoice speaks in named voices (the others design or clone theirs).
+    voices = (config.get("talker_config") or {}).get("spk_id") or {} if task is TaskType.CUSTOM_VOICE else {}
+    return SpeechModel(task.value, tuple(sorted(voices)), int(codec.get("decode_upsample_rate", 1920)))
