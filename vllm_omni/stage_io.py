@@ -92,6 +92,24 @@ class StageOutput(msgspec.Struct, kw_only=True):
     num_cached_tokens: int = 0  # prompt tokens an AR stage served from its prefix cache
 
 
+class StageInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """What a stage engine reports about itself once it is ready (`StageEngine.describe`, sent in
+    engine.messages.StageReady). The typed fields drive decisions; `details` is only shown."""
+
+    engine: str  # "ar", "generation", "diffusion" or "diffusers"
+    device: str
+    # A streaming edge may feed it (engine/streaming.py), and then its decoder may wait for up to
+    # this many units before it can decode (flow control never holds the producer below that).
+    accepts_streamed_input: bool = False
+    stream_units_per_chunk: int | None = None
+    # AR stages: prompt limits are checked against these before a request is queued.
+    max_model_len: int | None = None
+    vocab_size: int | None = None
+    max_batch_size: int | None = None
+    kv_total_blocks: int | None = None
+    details: dict[str, Any] = {}  # what else it says of itself (dtype, a diffusion model's parts)
+
+
 def error_output(request_id: str, error: str) -> StageOutput:
     """The output that ends a request with an error (the stage goes on with the others)."""
     return StageOutput(request_id=request_id, finished=True, finish_reason="error", error=error)
@@ -114,7 +132,7 @@ class StageEngine(Protocol):
     def poll_ms(self) -> int | None: ...
     def fail_all(self, error: str) -> list[StageOutput]: ...  # after a step raised
     def stats(self) -> dict[str, int]: ...  # fields of engine.messages.StageStats
-    def describe(self) -> dict[str, Any]: ...  # reported once when the stage is ready
+    def describe(self) -> StageInfo: ...  # reported once when the stage is ready
 
 
 class StreamingDecoder(Protocol):

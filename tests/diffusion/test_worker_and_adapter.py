@@ -8,6 +8,7 @@ from tests.diffusion.conftest import BATCH_TOLERANCE, Case, image_of, run_engine
 from vllm_omni.config import load_pipeline_config
 from vllm_omni.diffusion.diffusers_engine import DiffusersPipelineEngine
 from vllm_omni.diffusion.engine import DiffusionEngine
+from vllm_omni.stage_io import StageInfo
 from vllm_omni.worker.gpu_diffusion_worker import GPUDiffusionWorker
 
 
@@ -24,7 +25,7 @@ def test_native_engine_from_the_bundled_config(qwen_image_dir, t2i_pipe):
     engine = _engine(qwen_image_dir, cache_backend="tea_cache", max_generated_image_size=64 * 64)
     assert isinstance(engine, DiffusionEngine)
     info = engine.describe()
-    assert (info["engine"], info["pipeline"], info["tea_cache"], info["max_batch_size"]) == (
+    assert (info.engine, info.details["pipeline"], info.details["tea_cache"], info.max_batch_size) == (
         "diffusion", "QwenImagePipeline", True, 4)
     case = _case()
     assert (image_of(run_engine(engine, [case])["w"]) - case.reference(t2i_pipe)).abs().max() <= 1e-3
@@ -66,7 +67,7 @@ def test_the_diffusers_adapter_runs_the_pipeline_whole(qwen_image_dir, t2i_pipe)
     engine = _engine(qwen_image_dir, diffusion_load_format="diffusers", diffusers_call_kwargs={"num_inference_steps": 3},
                      diffusers_load_kwargs={"dtype": torch.float32})
     assert isinstance(engine, DiffusersPipelineEngine)
-    assert engine.describe() == {"engine": "diffusers", "pipeline": "QwenImagePipeline", "device": "cpu"}
+    assert engine.describe() == StageInfo(engine="diffusers", device="cpu", details={"pipeline": "QwenImagePipeline"})
     # The stage default (50 steps) does not override the call kwargs' 3; a request's own step count does.
     defaults = Case("d", "a red fox", params=dict(height=32, width=32, seed=4))
     own = Case("o", "a red fox", negative="blurry", params=dict(height=32, width=32, num_inference_steps=2, seed=4))

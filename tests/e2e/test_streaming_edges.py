@@ -68,7 +68,7 @@ def test_flow_control_pauses_a_producer_and_changes_nothing(omni_dir):
         limit = 3
         # thinker -> talker only: code2wav's edge keeps its floor (it needs a chunk of codes first).
         orch._streaming[1] = dataclasses.replace(orch._streaming[1], max_pending_units=limit)
-        assert orch._streaming[2].max_pending_units >= 2 * orch.pools[2].info["stream_units_per_chunk"]
+        assert orch._streaming[2].max_pending_units >= 2 * orch.pools[2].info.stream_units_per_chunk
         streamed = by_request(omni.generate(prompts, params, use_tqdm=False))
         paused, resumed = counters(omni, 0)["pauses"], counters(omni, 0)["resumes"]
         assert paused > 0 and resumed == paused  # every pause was lifted

@@ -372,3 +372,20 @@ def test_a_generation_stage_runs_generation_models_only():
     assert plain.streams_per_step([ChunkDecoder()] * 3) == 3
     with pytest.raises(ValueError, match="takes no chunk options"):
         FlakyModel.stream_config({"codec_chunk_frames": 5})
+
+
+def test_stage_ready_carries_a_typed_stage_info():
+    """What a stage reports when it comes up is decoded into StageInfo's typed fields (streaming
+    and prompt-limit decisions read them), and a wrong type is refused while decoding."""
+    import msgspec
+
+    from vllm_omni.engine.messages import StageReady
+    from vllm_omni.stage_io import StageInfo
+
+    ready = StageReady(1, 2, StageInfo(engine="ar", device="cpu", vocab_size=10, max_model_len=64))
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(ready), type=StageReady)
+    assert decoded.info.vocab_size == 10 and decoded.info.max_model_len == 64
+    assert decoded.info.accepts_streamed_input is False and decoded.info.stream_units_per_chunk is None
+    wrong = {"type": "ready", "stage_id": 1, "pid": 2, "info": {"engine": "ar", "device": "cpu", "vocab_size": "10"}}
+    with pytest.raises(msgspec.ValidationError, match="vocab_size"):
+        msgspec.msgpack.decode(msgspec.msgpack.encode(wrong), type=StageReady)

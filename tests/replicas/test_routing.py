@@ -4,7 +4,7 @@ queue lengths count what was routed and not released)."""
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
@@ -13,6 +13,7 @@ from vllm_omni.engine.load_balancer import (
 )
 from vllm_omni.engine.replica_pool import StagePool
 from vllm_omni.engine.stage_client import StageDownError, StageHealth, StageState
+from vllm_omni.stage_io import StageInfo
 
 
 def loads(*queues: int, ids: tuple[int, ...] | None = None) -> list[ReplicaLoad]:
@@ -58,13 +59,13 @@ class FakeReplica:
     name: str
     state: StageState = StageState.UP
     reason: str | None = None
-    info: dict = field(default_factory=dict)
+    info: StageInfo | None = None
 
 
 def pool_of(n: int, policy: str) -> StagePool:
     pool = StagePool(1, "talker", n, make_policy(policy))
     for r in range(n):
-        pool.replicas[r] = FakeReplica(pool.ref(r).name, info={"vocab_size": 10})  # type: ignore[assignment]
+        pool.replicas[r] = FakeReplica(pool.ref(r).name, info=StageInfo(engine="ar", device="cpu", vocab_size=10))  # type: ignore[assignment]
     return pool
 
 

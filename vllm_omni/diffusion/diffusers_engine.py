@@ -22,7 +22,7 @@ import torch
 from vllm_omni.config.stage_config import StageEngineArgs
 from vllm_omni.model_executor.models import diffusion_inputs
 from vllm_omni.sampling_params import DiffusionSamplingParams
-from vllm_omni.stage_io import StageInputChunk, StageOutput, StageRequest, error_output
+from vllm_omni.stage_io import StageInfo, StageInputChunk, StageOutput, StageRequest, error_output
 
 logger = logging.getLogger(__name__)
 _DEFAULTS = DiffusionSamplingParams()
@@ -145,5 +145,5 @@ class DiffusersPipelineEngine:
     def stats(self) -> dict[str, int]:
         return {"num_unfinished": len(self._queue), "num_waiting": len(self._queue), "num_running": 0}
 
-    def describe(self) -> dict[str, Any]:
-        return {"engine": "diffusers", "pipeline": type(self.pipe).__name__, "device": self.device}
+    def describe(self) -> StageInfo:
+        return StageInfo(engine="diffusers", device=self.device, details={"pipeline": type(self.pipe).__name__})

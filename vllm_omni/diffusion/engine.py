@@ -23,7 +23,7 @@ from vllm_omni.diffusion.request import DiffusionRequest
 from vllm_omni.diffusion.scheduler import DiffusionScheduler
 from vllm_omni.diffusion.tea_cache import TeaCache
 from vllm_omni.sampling_params import DiffusionSamplingParams
-from vllm_omni.stage_io import StageInputChunk, StageOutput, StageRequest, error_output
+from vllm_omni.stage_io import StageInfo, StageInputChunk, StageOutput, StageRequest, error_output
 
 logger = logging.getLogger(__name__)
 
@@ -90,10 +90,10 @@ class DiffusionEngine:
         return {"num_unfinished": s.num_waiting + s.num_running, "num_waiting": s.num_waiting,
                 "num_running": s.num_running, "diffusion_steps": self.steps_done}
 
-    def describe(self) -> dict[str, Any]:
-        return {"engine": "diffusion", "device": self.device, "max_batch_size": self.scheduler.max_batch_size,
-                "tea_cache": self.cache is not None, "cfg_parallel_size": 2 if self.cfg_group else 1,
-                **self.model.describe()}
+    def describe(self) -> StageInfo:
+        return StageInfo(engine="diffusion", device=self.device, max_batch_size=self.scheduler.max_batch_size,
+                         details={"tea_cache": self.cache is not None, "cfg_parallel_size": 2 if self.cfg_group else 1,
+                                  **self.model.describe()})
 
     # --- internals ------------------------------------------------------------------------
     def _prepare(self, r: DiffusionRequest) -> bool:

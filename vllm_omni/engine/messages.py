@@ -15,11 +15,11 @@ orchestrator accumulates them into `RequestOutput`s.
 """
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Union
 
 import msgspec
 
-from vllm_omni.stage_io import StageInputChunk, StageOutput, StageRequest
+from vllm_omni.stage_io import StageInfo, StageInputChunk, StageOutput, StageRequest
 
 # --------------------------------------------------------------------------- orchestrator -> worker
 
@@ -52,7 +52,7 @@ ToWorker = Union[StageRequest, StageInputChunk, AbortRequests, PauseRequests, St
 class StageReady(msgspec.Struct, tag="ready"):
     stage_id: int
     pid: int
-    info: dict[str, Any]  # what the engine reports about itself (device, KV blocks, ...)
+    info: StageInfo  # what the engine reports about itself (stage_io.StageEngine.describe)
 
 
 class StageInitFailed(msgspec.Struct, tag="init_failed"):

@@ -16,7 +16,6 @@ import asyncio
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
 import vllm_omni.envs as envs
 from vllm_omni.config.stage_config import StageConfig
@@ -24,6 +23,7 @@ from vllm_omni.engine.load_balancer import LoadBalancer, ReplicaLoad
 from vllm_omni.engine.messages import StageStats
 from vllm_omni.engine.stage_client import ReplicaHealth, StageClient, StageDownError, StageHealth, StageState
 from vllm_omni.engine.stage_init.devices import split_devices_for_replicas
+from vllm_omni.stage_io import StageInfo
 
 
 # Which per-replica state a stage shows when none of its replicas is UP: the most hopeful.
@@ -65,9 +65,9 @@ class StagePool:
         return [c for c in self.replicas if c is not None]
 
     @property
-    def info(self) -> dict[str, Any]:
+    def info(self) -> StageInfo | None:
         """What the stage reported when it came up (every replica runs the same config)."""
-        return next((c.info for c in self.clients() if c.info), {})
+        return next((c.info for c in self.clients() if c.info is not None), None)
 
     @property
     def is_up(self) -> bool:

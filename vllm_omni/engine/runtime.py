@@ -126,7 +126,8 @@ class OmniRuntime:
         Only a token-consuming entry stage (an AR engine, which reports its vocab_size) checks them:
         a diffusion stage takes the prompt's text."""
         entry = self.pipeline.entry_stages[0]
-        vocab = self.orchestrator.pools[entry.stage_id].info.get("vocab_size")
+        info = self.orchestrator.pools[entry.stage_id].info
+        vocab = info.vocab_size if info is not None else None
         if vocab is None:
             return
         if not ids:

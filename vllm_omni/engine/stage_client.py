@@ -13,10 +13,11 @@ import enum
 import itertools
 import logging
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import zmq
 
 from vllm_omni.engine.messages import (
@@ -24,6 +25,7 @@ from vllm_omni.engine.messages import (
 )
 from vllm_omni.engine.stage_launcher import StageLauncher
 from vllm_omni.engine.transport import OrchestratorChannel
+from vllm_omni.stage_io import StageInfo
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ class StageHealth:
     reason: str | None  # why it is DOWN
     pid: int | None
     seconds_since_heard: float | None
-    info: Mapping[str, Any] = field(default_factory=dict)  # what the stage reported when it came up
+    info: StageInfo | None = None  # what the stage reported when it came up
     retry_after_s: float | None = None  # RESTARTING: when it should serve again
     replicas: tuple[ReplicaHealth, ...] = ()  # the stage's replicas (replica_pool.StagePool), one or more
 
@@ -92,7 +94,7 @@ class StageClient:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.state = StageState.STARTING
         self.reason: str | None = None
-        self.info: dict[str, Any] = {}
+        self.info: StageInfo | None = None  # what it reported when it came up
         self.pid: int | None = None
         self._last_heard: float | None = None
         self._ready: asyncio.Future[None] | None = None
@@ -159,7 +161,7 @@ class StageClient:
 
     def health(self) -> StageHealth:
         heard = None if self._last_heard is None else time.monotonic() - self._last_heard
-        return StageHealth(self.stage_id, self.model_stage, self.state, self.reason, self.pid, heard, dict(self.info))
+        return StageHealth(self.stage_id, self.model_stage, self.state, self.reason, self.pid, heard, self.info)
 
     # --- events ---------------------------------------------------------------
     def mark_down(self, reason: str) -> None:
@@ -198,14 +200,14 @@ class StageClient:
         if isinstance(msg, Heartbeat):
             return
         if isinstance(msg, StageReady):
-            self.info = dict(msg.info)
+            self.info = msg.info
             self.pid = msg.pid  # the worker's own process: a Ray actor's is known only now
             if self.state == StageState.STARTING:
                 self.state = StageState.UP
                 assert self._ready is not None
                 if not self._ready.done():
                     self._ready.set_result(None)
-            logger.info("%s is UP (pid %d): %s", self.name, msg.pid, self.info)
+            logger.info("%s is UP (pid %d): %s", self.name, msg.pid, msgspec.structs.asdict(self.info))
         elif isinstance(msg, StageInitFailed):
             self.mark_down(f"initialization failed:\n{msg.error}")
         elif isinstance(msg, StageFatal):

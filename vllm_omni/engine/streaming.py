@@ -31,7 +31,7 @@ import torch
 from vllm_omni.config.stage_config import PipelineConfig, StageConfig
 from vllm_omni.growing_tensor import GrowingTensor
 from vllm_omni.imports import import_dotted
-from vllm_omni.stage_io import STREAM_UNITS_KEY, StreamBridge
+from vllm_omni.stage_io import STREAM_UNITS_KEY, StageInfo, StreamBridge
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def merge_chunks(chunks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tenso
     return {key: torch.cat([c[key] for c in chunks]) for key in chunks[0]} if chunks else {}
 
 
-def resolve_streaming_edges(pipeline: PipelineConfig, model: str, stage_info: Mapping[int, Mapping[str, Any]],
+def resolve_streaming_edges(pipeline: PipelineConfig, model: str, stage_info: Mapping[int, StageInfo | None],
                             max_pending_units: int) -> dict[int, StreamingEdge]:
     """Streaming edges by downstream stage id; `stage_info` is what each stage reported when ready."""
     edges = {}
@@ -105,18 +105,19 @@ def resolve_streaming_edges(pipeline: PipelineConfig, model: str, stage_info: Ma
         if not (pipeline.async_chunk or edge.window_size > 0):
             continue
         dst = pipeline.stage(edge.to_stage)
-        reason = _why_not_streaming(dst, model, stage_info.get(dst.stage_id, {}))
+        info = stage_info.get(dst.stage_id)
+        reason = _why_not_streaming(dst, model, info)
         if isinstance(reason, str):
             logger.info("edge %d -> %d runs on completion: %s", edge.from_stage, edge.to_stage, reason)
             continue
         # Never hold the producer back below what the consumer needs to make any progress.
-        needed = 2 * (stage_info.get(dst.stage_id, {}).get("stream_units_per_chunk") or 1)
+        needed = 2 * (info.stream_units_per_chunk or 1)
         edges[dst.stage_id] = StreamingEdge(edge.from_stage, dst.stage_id, reason,
                                             max(edge.window_size, 1), max(max_pending_units, needed))
     return edges
 
 
-def _why_not_streaming(stage: StageConfig, model: str, info: Mapping[str, Any]) -> StreamBridge | str:
+def _why_not_streaming(stage: StageConfig, model: str, info: StageInfo | None) -> StreamBridge | str:
     """The stage's stream bridge, or why its input edge cannot stream."""
     from vllm_omni.config.bundled import model_architecture
     from vllm_omni.model_executor.models.families import FAMILIES
@@ -134,6 +135,6 @@ def _why_not_streaming(stage: StageConfig, model: str, info: Mapping[str, Any]) 
     custom = stage.custom_process_input_func
     if custom is not None and custom != family.bridges.get(stage.model_stage):
         return f"stage {stage.stage_id} names its own bridge {custom}"
-    if not info.get("accepts_streamed_input"):
+    if info is None or not info.accepts_streamed_input:
         return f"stage {stage.stage_id}'s model does not take streamed input"
     return import_dotted(path)

@@ -10,12 +10,12 @@ run comes back as an error output; nothing here raises for one bad request.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from vllm_omni.stage_io import (
-    PROMPT_EMBEDS_KEY, OutputKind, StageInputChunk, StageOutput, StageRequest, error_output,
+    PROMPT_EMBEDS_KEY, OutputKind, StageInfo, StageInputChunk, StageOutput, StageRequest, error_output,
 )
 
 if TYPE_CHECKING:
@@ -108,15 +108,16 @@ class ARStageEngine:
             "kv_total_blocks": bm.num_blocks,
         }
 
-    def describe(self) -> dict[str, Any]:
-        return {
-            "engine": "ar",
+    def describe(self) -> StageInfo:
+        return StageInfo(
+            engine="ar",
+            device=str(self.engine.device),
             # Streamed inputs reach rank 0's model only: a tensor-parallel stage takes whole inputs.
-            "accepts_streamed_input": self.engine.model.accepts_streamed_input
+            accepts_streamed_input=self.engine.model.accepts_streamed_input
             and self.engine.config.tensor_parallel_size == 1,
-            "device": str(self.engine.device),
-            "dtype": str(self.engine.dtype),
-            "max_model_len": self.engine.max_model_len,
-            "kv_total_blocks": self.engine.block_manager.num_blocks,
-            "vocab_size": self.engine.vocab_size,  # callers check prompt token ids against it
-        }
+            max_model_len=self.engine.max_model_len,
+            vocab_size=self.engine.vocab_size,  # callers check prompt token ids against it
+            max_batch_size=self.engine.config.max_num_seqs,
+            kv_total_blocks=self.engine.block_manager.num_blocks,
+            details={"dtype": str(self.engine.dtype)},
+        )

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 import torch
@@ -23,7 +22,7 @@ import torch
 from vllm_omni.core.sched.omni_generation_scheduler import OmniGenerationScheduler
 from vllm_omni.model_executor.models.generation_model import GenerationModel
 from vllm_omni.stage_io import (
-    STREAM_UNITS_KEY, StageInputChunk, StageOutput, StageRequest, StreamingDecoder, error_output,
+    STREAM_UNITS_KEY, StageInfo, StageInputChunk, StageOutput, StageRequest, StreamingDecoder, error_output,
 )
 from vllm_omni.worker.decode_lanes import CudaLanes, HostLanes, Launched, decode_lanes
 
@@ -264,8 +263,8 @@ class GenerationStageEngine:
         waiting = self.scheduler.num_waiting
         return {"num_unfinished": waiting + len(self._streams), "num_waiting": waiting}
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> StageInfo:
         streams = self.model.accepts_streamed_input
-        return {"engine": "generation", "device": self.device, "max_batch_size": self.scheduler.max_batch_size,
-                "accepts_streamed_input": streams,
-                "stream_units_per_chunk": self.model.max_units_per_chunk if streams else None}
+        return StageInfo(engine="generation", device=self.device, max_batch_size=self.scheduler.max_batch_size,
+                         accepts_streamed_input=streams,
+                         stream_units_per_chunk=self.model.max_units_per_chunk if streams else None)

@@ -30,12 +30,12 @@ class PromptLimit:
     def of(cls, engine: Any) -> PromptLimit | None:
         """From the entry stage's max_model_len and the tokenizer; None when either is unknown."""
         entry = engine.pipeline.entry_stages[0].stage_id
-        info = next((h.info for h in engine.stage_health() if h.stage_id == entry), {})
+        info = next((h.info for h in engine.stage_health() if h.stage_id == entry), None)
         tokenizer = engine.get_tokenizer()
-        if "max_model_len" not in info or tokenizer is None:
+        if info is None or info.max_model_len is None or tokenizer is None:
             return None
         longest = max((len(token) for token in tokenizer.get_vocab()), default=0)
-        return cls(int(info["max_model_len"]), max(1, longest))
+        return cls(info.max_model_len, max(1, longest))
 
     def check(self, chars: int, param: str, num_messages: int = 0) -> None:
         min_tokens = math.ceil(chars / self.max_token_chars) + num_messages
