@@ -224,6 +224,7 @@ def test_settings_that_would_do_nothing_are_refused_or_named(write_yaml):
     """runtime.enabled cannot be turned off (refused); values the engine cannot honour and that
     change no result (max_inflight other than 1, step_execution false) come in the one warning."""
     with pytest.raises(ConfigError, match=r"runtime\.enabled=False: cannot be turned off"):
-        load_pipeline_config(write_yaml(RUNTIME_EXTRAS.replace("    runtime:\n", "    runtime:\n      enabled: false\n")))
+        off = RUNTIME_EXTRAS.replace("    runtime:\n", "    runtime:\n      enabled: false\n")
+        load_pipeline_config(write_yaml(off))
     spec = load_pipeline_config(write_yaml(RUNTIME_EXTRAS.replace("max_inflight: 4", "max_inflight: 1")))
     assert "runtime.defaults.max_inflight" not in [i.field for i in spec.ignored]

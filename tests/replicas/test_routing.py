@@ -65,7 +65,8 @@ class FakeReplica:
 def pool_of(n: int, policy: str) -> StagePool:
     pool = StagePool(1, "talker", n, make_policy(policy))
     for r in range(n):
-        pool.replicas[r] = FakeReplica(pool.ref(r).name, info=StageInfo(engine="ar", device="cpu", vocab_size=10))  # type: ignore[assignment]
+        info = StageInfo(engine="ar", device="cpu", vocab_size=10)
+        pool.replicas[r] = FakeReplica(pool.ref(r).name, info=info)  # type: ignore[assignment]
     return pool
 
 

@@ -142,6 +142,12 @@ class StageConfig:
         return self.default_sampling_params.max_tokens
 
     @property
+    def batch_limit(self) -> int:
+        """The most requests the stage's engine batches: max_num_seqs when given (vLLM's engine
+        argument), else runtime.max_batch_size (spec 000)."""
+        return self.engine_args.max_num_seqs or self.runtime.max_batch_size
+
+    @property
     def model_stage(self) -> str | None:
         return self.engine_args.model_stage
 

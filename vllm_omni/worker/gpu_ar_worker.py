@@ -20,8 +20,7 @@ def engine_config_kwargs(stage: StageConfig, model: str, device: str) -> dict[st
         tokenizer=ea.tokenizer,
         dtype=ea.dtype,
         device=device,
-        # runtime.max_batch_size is the stage's batch limit unless max_num_seqs says otherwise.
-        max_num_seqs=ea.max_num_seqs or stage.runtime.max_batch_size,
+        max_num_seqs=stage.batch_limit,
         enable_prefix_caching=ea.enable_prefix_caching,
         gpu_memory_utilization=ea.gpu_memory_utilization,
         enforce_eager=ea.enforce_eager,

@@ -40,7 +40,6 @@ class GPUDiffusionWorker:
     def build_engine(self) -> Any:
         ea = self.stage.engine_args
         dtype = resolve_dtype(ea.dtype, self.device)
-        batch = ea.max_num_seqs or self.stage.runtime.max_batch_size
         if load_format(ea) == "diffusers":
             from vllm_omni.diffusion.diffusers_engine import DiffusersPipelineEngine, load_diffusers_pipeline
 
@@ -69,7 +68,7 @@ class GPUDiffusionWorker:
             cache = TeaCache(TeaCacheConfig.for_model(model.describe()["transformer"], self._tea_cache_settings()))
         if cfg_group is not None:
             cfg_group.wait_ready()
-        return DiffusionEngine(model, stage_id=self.stage.stage_id, max_batch_size=batch, device=str(self.device),
+        return DiffusionEngine(model, stage_id=self.stage.stage_id, max_batch_size=self.stage.batch_limit, device=str(self.device),
                                cache=cache, cfg_group=cfg_group, max_image_pixels=ea.max_generated_image_size)
 
     def _tea_cache_settings(self) -> dict[str, Any] | None:

@@ -45,7 +45,5 @@ class GPUGenerationWorker:
         graphs = {"cuda_graphs": not ea.enforce_eager} if model_cls.supports_cuda_graphs else {}
         model = model_cls.load(ea.model or self.model, model_stage=ea.model_stage, device=torch.device(device),
                                dtype=ea.dtype, load_format=ea.load_format, **stream, **graphs)
-        # max_num_seqs, when given, bounds the batch like it does for AR stages.
-        batch = ea.max_num_seqs or self.stage.runtime.max_batch_size
-        return GenerationStageEngine(model, OmniGenerationScheduler(batch), stage_id=self.stage.stage_id,
-                                     device=device)
+        return GenerationStageEngine(model, OmniGenerationScheduler(self.stage.batch_limit),
+                                     stage_id=self.stage.stage_id, device=device)
