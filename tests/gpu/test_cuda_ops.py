@@ -15,7 +15,7 @@ from vllm_omni.model_executor.layers.attention import store_kv  # noqa: E402
 from vllm_omni.model_executor.layers.rotary import get_rope  # noqa: E402
 from vllm_omni.model_executor.models.decoder import DecoderAttention  # noqa: E402
 from vllm_omni.model_executor.models.predictor_graphs import sample_codes  # noqa: E402
-from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_code_predictor import FrameCacheAttention  # noqa: E402
+from vllm_omni.model_executor.models.frame_predictor import FrameCacheAttention  # noqa: E402
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -197,7 +197,7 @@ def test_decoder_layers_fuse_their_norms_at_decode_rows(monkeypatch):
     frame at one and two rows: with its norms fused into the q/k/v and gate/up products (both in
     every layer, every step) it computes what it computes with them apart, within bf16 noise."""
     from vllm_omni.model_executor.models import decoder
-    from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_code_predictor import frame_decoder
+    from vllm_omni.model_executor.models.frame_predictor import frame_decoder
 
     from transformers import Qwen3Config
 

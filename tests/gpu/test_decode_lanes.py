@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from vllm_omni.core.sched.omni_generation_scheduler import OmniGenerationScheduler  # noqa: E402
-from vllm_omni.model_executor.models.qwen3_omni.code2wav_stream import Code2WavStreamConfig  # noqa: E402
+from vllm_omni.model_executor.models.code2wav_stream import Code2WavStreamConfig  # noqa: E402
 from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_code2wav import Qwen3OmniMoeCode2Wav  # noqa: E402
 from vllm_omni.model_executor.models.qwen3_tts.code2wav import Qwen3TTSCode2Wav  # noqa: E402
 from vllm_omni.sampling_params import SamplingParams  # noqa: E402

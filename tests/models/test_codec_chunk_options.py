@@ -18,7 +18,7 @@ from tests.models.test_qwen3_tts import CASES, SEED, case_prompt
 from vllm_omni import AsyncOmni, Omni
 from vllm_omni.config import ConfigError, load_pipeline_config
 from vllm_omni.model_executor.models.codec_streaming import ChunkRamp
-from vllm_omni.model_executor.models.qwen3_omni.code2wav_stream import Code2WavStreamConfig
+from vllm_omni.model_executor.models.code2wav_stream import Code2WavStreamConfig
 from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_code2wav import Qwen3OmniMoeCode2Wav
 from vllm_omni.model_executor.models.qwen3_tts.code2wav import Qwen3TTSCode2Wav
 from vllm_omni.sampling_params import SamplingParams

@@ -9,7 +9,7 @@ from tests.models.codec_streams import open_empty
 from vllm_omni.model_executor.models.decoder_graphs import (
     BUCKETS, DecoderGraphs, StreamGraphs, bucket, graph_buckets, streams_within_budget,
 )
-from vllm_omni.model_executor.models.qwen3_omni.code2wav_stream import Code2WavStreamConfig
+from vllm_omni.model_executor.models.code2wav_stream import Code2WavStreamConfig
 from vllm_omni.model_executor.models.qwen3_tts.code2wav import Qwen3TTSCode2Wav
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.models.codec_streams import audio_of, join_and_inner_jumps, open_empty, run_stream, snr_db
-from vllm_omni.model_executor.models.qwen3_omni.code2wav_stream import Code2WavStreamConfig
+from vllm_omni.model_executor.models.code2wav_stream import Code2WavStreamConfig
 from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_code2wav import Qwen3OmniMoeCode2Wav
 from vllm_omni.sampling_params import SamplingParams
 from vllm_omni.stage_io import StageRequest

@@ -126,3 +126,17 @@ def fill_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
 
 def _name_seed(seed: int, name: str) -> int:
     return seed * 2**32 + zlib.crc32(name.encode())
+
+
+def prefixed_tensors(model_path: str, prefix: str) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors under `prefix`, unprefixed; reads nothing else (a stage model of a
+    whole checkpoint, e.g. code2wav next to a thinker of many GB)."""
+    from safetensors import safe_open
+
+    state = {}
+    for path in safetensors_files(model_path):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            state.update((k[len(prefix):], f.get_tensor(k)) for k in f.keys() if k.startswith(prefix))
+    if not state:
+        raise ValueError(f"{model_path}: the checkpoint has no {prefix}* tensors")
+    return state

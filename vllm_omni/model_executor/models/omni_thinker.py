@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import torch
 
 from vllm_omni.model_executor.models.decoder import DecoderForCausalLM
-from vllm_omni.model_executor.models.qwen2_5_omni.towers import audio_feature_lengths
+from vllm_omni.model_executor.models.towers import audio_feature_lengths
 
 # Checkpoint name (after the stage prefix) -> our module prefix. Saved checkpoints use the
 # last four; the first three are transformers 5's in-memory layout, accepted in case a

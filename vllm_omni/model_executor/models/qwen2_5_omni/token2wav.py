@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni.model_executor.model_loader import safetensors_files
+from vllm_omni.model_executor.model_loader import prefixed_tensors
 from vllm_omni.model_executor.models.codec_streaming import (
     Precision, chunk_output, own_streams, plan_padded_calls, precision_scope, resolve_precision,
 )
@@ -131,7 +131,7 @@ class Qwen2_5OmniToken2Wav(GenerationModel):
             module = Qwen2_5OmniToken2WavModel(t2w_config).float()
         if load_format != "dummy":  # dummy: keep the random init (benchmarks)
             # from_pretrained would not strip the `token2wav.` prefix of the full checkpoint.
-            module.load_state_dict(_prefixed_tensors(model_path, WEIGHT_PREFIX), strict=True)
+            module.load_state_dict(prefixed_tensors(model_path, WEIGHT_PREFIX), strict=True)
         return cls(module.eval(), load_speakers(model_path), device, num_steps, mode, stream_config, compile_mode)
 
     def _geometry(self, config: Token2WavStreamConfig) -> StreamGeometry:
@@ -241,18 +241,6 @@ class Qwen2_5OmniToken2Wav(GenerationModel):
         return mels
 
 
-def _prefixed_tensors(model_path: str, prefix: str) -> dict[str, torch.Tensor]:
-    """The checkpoint tensors under `prefix`, unprefixed; reads nothing else (the thinker
-    next to them is many GB)."""
-    from safetensors import safe_open
-
-    state = {}
-    for path in safetensors_files(model_path):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            state.update((k[len(prefix):], f.get_tensor(k)) for k in f.keys() if k.startswith(prefix))
-    if not state:
-        raise ValueError(f"{model_path}: the checkpoint has no {prefix}* tensors")
-    return state
 
 
 @dataclass(frozen=True)

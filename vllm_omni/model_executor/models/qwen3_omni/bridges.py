@@ -27,7 +27,6 @@ from typing import Any
 import torch
 
 from vllm_omni.inputs import OmniTokensPrompt
-from vllm_omni.model_executor.models.qwen2_5_omni import bridges as _qwen2_5
 from vllm_omni.model_executor.models.bridge_utils import (
     finished_frames,
     frames_chunk,
@@ -36,18 +35,19 @@ from vllm_omni.model_executor.models.bridge_utils import (
     requested_speaker,
     source_outputs,
 )
+from vllm_omni.model_executor.models.talker_inputs import THINKER_EMBEDS_KEY, THINKER_HIDDEN_KEY
+from vllm_omni.model_executor.models.talker_inputs import TalkerInputs as _TalkerInputs
 from vllm_omni.outputs import RequestOutput
 from vllm_omni.stage_io import STREAM_UNITS_KEY, StageOutput, StreamBridge
 
-THINKER_EMBEDS_KEY = "0"
 CODES_KEY = "code_predictor_codes"  # the talker's export: [frames, num_code_groups] long
 HIDDEN_LAYER_KEY = "thinker_hidden_layer"
-_NOT_LAYERS = (THINKER_EMBEDS_KEY, _qwen2_5.THINKER_HIDDEN_KEY)
+_NOT_LAYERS = (THINKER_EMBEDS_KEY, THINKER_HIDDEN_KEY)
 
 
 @dataclass(frozen=True)
-class TalkerInputs(_qwen2_5.TalkerInputs):
-    """thinker2talker payload of one request: Qwen2.5's fields (P prompt tokens, embeddings and
+class TalkerInputs(_TalkerInputs):
+    """thinker2talker payload of one request: the shared fields (P prompt tokens, embeddings and
     hidden states of the P + R tokens the thinker ran, speaker, multimodal layout) plus which
     thinker layer `thinker_hidden` holds."""
 

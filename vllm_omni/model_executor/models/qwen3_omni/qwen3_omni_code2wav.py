@@ -28,14 +28,14 @@ import torch
 
 from vllm_omni.model_executor.layers.activation import SnakeBeta
 from vllm_omni.model_executor.layers.vocoder import CausalConv, CausalTransConv, ResidualUnit, run_layers
+from vllm_omni.model_executor.model_loader import prefixed_tensors
 from vllm_omni.model_executor.models.codec_streaming import (
     CausalConvLayer, Precision, TransConvLayer, chunk_output, context_frames, own_streams, plan_padded_calls,
     prompt_frames, resolve_precision,
 )
 from vllm_omni.model_executor.models.decoder_graphs import StreamGraphs, streams_within_budget
 from vllm_omni.model_executor.models.generation_model import GenerationModel
-from vllm_omni.model_executor.models.qwen2_5_omni.token2wav import _prefixed_tensors
-from vllm_omni.model_executor.models.qwen3_omni.code2wav_stream import Code2WavStream, Code2WavStreamConfig
+from vllm_omni.model_executor.models.code2wav_stream import Code2WavStream, Code2WavStreamConfig
 from vllm_omni.stage_io import StageRequest, StreamingDecoder
 
 SAMPLE_RATE = 24000
@@ -117,7 +117,7 @@ class Qwen3OmniMoeCode2Wav(GenerationModel):
         with torch.device(device):  # random init (overwritten below) is much faster on a GPU
             module = HFCode2Wav(c2w_config)
         if load_format != "dummy":  # dummy: keep the random init (benchmarks)
-            module.load_state_dict(_prefixed_tensors(model_path, WEIGHT_PREFIX), strict=True)
+            module.load_state_dict(prefixed_tensors(model_path, WEIGHT_PREFIX), strict=True)
         module = module.to(torch.bfloat16 if mode is Precision.BFLOAT16 else torch.float32)
         return cls(module.eval(), device, mode, stream_config, compile_mode, cuda_graphs)
 

@@ -28,6 +28,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from vllm_omni.model_executor.layers.linear import Linear, check_shape, set_loader
+from vllm_omni.model_executor.layers.mlp import ResizeMLP
 from vllm_omni.model_executor.layers.moe import SparseMoeBlock, map_expert_weight_name
 from vllm_omni.model_executor.models.decoder import DecoderLayer, DecoderModel, GatedMLP, config_head_dim
 from vllm_omni.model_executor.models.qwen3 import make_qwen3_attention
@@ -66,20 +67,6 @@ class SharedExpertMoeBlock(SparseMoeBlock):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return super().forward(x) + shared
-
-
-class ResizeMLP(nn.Module):
-    """transformers' Qwen3OmniMoeTalkerResizeMLP: thinker width -> talker width."""
-
-    def __init__(self, in_size: int, mid_size: int, out_size: int, hidden_act: str):
-        super().__init__()
-        if hidden_act != "silu":
-            raise ValueError(f"unsupported talker hidden_act {hidden_act!r}; supported: ['silu']")
-        self.linear_fc1 = Linear(in_size, mid_size, bias=True)
-        self.linear_fc2 = Linear(mid_size, out_size, bias=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(F.silu(self.linear_fc1(x)))
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Thin wrappers around transformers' `Qwen3OmniMoeAudioEncoder` / `Qwen3OmniMoeVisionEncoder`
 (loaded from the same checkpoint under their HF names, random init skipped: see
-qwen2_5_omni/towers.py). They run once per request, off the decode hot path.
+models/towers.py). They run once per request, off the decode hot path.
 
 The vision encoder also returns DeepStack features: one merged [tokens, H] map per entry of
 `deepstack_visual_indexes`, which the decoder adds to the hidden states of the image/video
@@ -18,7 +18,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeVisionEncoder,
 )
 
-from vllm_omni.model_executor.models.qwen2_5_omni.towers import audio_feature_lengths, build_tower
+from vllm_omni.model_executor.models.towers import audio_feature_lengths, build_tower
 from vllm_omni.model_executor.models.qwen3_omni.rope_index import audio_output_length
 
 __all__ = ["audio_feature_lengths", "build_audio_tower", "build_vision_tower", "encode_audio", "encode_vision"]

@@ -12,7 +12,7 @@ Requests of any lengths share one batch: the decoder is causal, so frames past a
 
 Streaming (a talker -> code2wav edge with async_chunk): `open_stream` / `decode_streams` decode
 a request's frames as the talker makes them, in the chunks of Qwen3-Omni's code2wav
-(qwen3_omni/code2wav_stream.py: a small first chunk, then each chunk as long as all before
+(models/code2wav_stream.py: a small first chunk, then each chunk as long as all before
 it up to 25 frames, each with 25 frames of left context; the connector's `codec_*` options set
 them). The decoder is causal and keeps no look-ahead samples (its transposed convolutions drop
 them), so a chunk's samples are final when decoded. A cloned voice's reference frames come
@@ -33,7 +33,7 @@ from vllm_omni.model_executor.models.codec_streaming import (
 )
 from vllm_omni.model_executor.models.decoder_graphs import StreamGraphs, streams_within_budget
 from vllm_omni.model_executor.models.generation_model import GenerationModel
-from vllm_omni.model_executor.models.qwen3_omni.code2wav_stream import Code2WavStream, Code2WavStreamConfig
+from vllm_omni.model_executor.models.code2wav_stream import Code2WavStream, Code2WavStreamConfig
 from vllm_omni.model_executor.models.qwen3_tts.speech_decoder import SpeechDecoder
 from vllm_omni.stage_io import StageRequest, StreamingDecoder
 

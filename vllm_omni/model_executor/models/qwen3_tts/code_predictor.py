@@ -7,7 +7,7 @@ token per group; group j comes from `lm_head[j-1]` and is fed back through
 `small_to_mtp_projection` maps every input row to the predictor's width.
 
 Every frame is exactly G+1 tokens, so a batch of frames runs densely with a cache that lives
-for one call (Qwen3-Omni's `frame_decoder` and `predict_frame`).
+for one call (the shared `frame_predictor.frame_decoder` and `predict_frame`).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from vllm_omni.model_executor.layers.linear import Linear, VocabEmbedding
-from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_code_predictor import SampleFn, frame_decoder, predict_frame
+from vllm_omni.model_executor.models.frame_predictor import SampleFn, frame_decoder, predict_frame
 
 
 class Qwen3TTSCodePredictor(nn.Module):

@@ -27,10 +27,10 @@ import torch.nn.functional as F
 import vllm_omni.envs as envs
 from vllm_omni.model_executor.device_copy import HostCopy, to_device_nowait
 from vllm_omni.model_executor.layers.linear import Linear, VocabEmbedding
+from vllm_omni.model_executor.layers.mlp import ResizeMLP
 from vllm_omni.model_executor.layers.rotary import get_rope
 from vllm_omni.model_executor.models.decoder import DecoderModel, config_head_dim
 from vllm_omni.model_executor.models.qwen3 import make_qwen3_layer
-from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_moe_talker import ResizeMLP
 from vllm_omni.model_executor.models.qwen3_tts.code_predictor import Qwen3TTSCodePredictor
 from vllm_omni.model_executor.models.qwen3_tts.configuration import TaskType, TTSConfig
 from vllm_omni.model_executor.models.predictor_graphs import GraphedPredictor
