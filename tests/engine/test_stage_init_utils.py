@@ -554,3 +554,22 @@ def test_inject_kv_stage_info_frozen_config_returns_dict():
     assert stage.engine_args.omni_kv_config is readonly and "stage_id" not in readonly
 
     assert siu.inject_kv_stage_info(_stage(0), 0) is None  # no KV transfer configured
+
+
+def test_helpers_read_our_frozen_stage_configs_by_their_fields(monkeypatch):
+    """The runtime hands the helpers its typed StageConfig (no dict round trip): a diffusion
+    stage's replica spans its CFG ranks, runtime.env and runtime.devices apply as configured."""
+    from vllm_omni.config.stage_config import StageConfig, StageEngineArgs, StageRuntimeConfig, WorkerType
+
+    runtime = StageRuntimeConfig(devices="1,0", env=(("OMNI_T_TYPED", "yes"),))
+    diffusion = StageConfig(stage_id=3, runtime=runtime, default_sampling_params=None, engine_args=StageEngineArgs(
+        worker_type=WorkerType.DIFFUSION, cfg_parallel_size=2))
+    ar = StageConfig(stage_id=4, runtime=runtime, default_sampling_params=None,
+                     engine_args=StageEngineArgs(tensor_parallel_size=2))
+    assert siu.get_stage_devices_per_replica(diffusion) == 2 and siu.get_stage_tp_size(diffusion) == 1
+    assert siu.get_stage_devices_per_replica(ar) == siu.get_stage_tp_size(ar) == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,6")
+    monkeypatch.delenv("OMNI_T_TYPED", raising=False)
+    with siu.stage_runtime_setup(3, runtime):
+        assert os.environ["OMNI_T_TYPED"] == "yes" and os.environ["CUDA_VISIBLE_DEVICES"] == "6,5"
+    assert "OMNI_T_TYPED" not in os.environ

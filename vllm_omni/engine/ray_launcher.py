@@ -103,7 +103,7 @@ def _actor_main(spec: WorkerSpec) -> int:
     spec = dataclasses.replace(spec, parent_pid=os.getppid())
     logging.basicConfig(level=spec.log_level, format=f"[stage {spec.stage_id}] %(levelname)s %(name)s: %(message)s")
     # runtime.devices is not applied: Ray set CUDA_VISIBLE_DEVICES to the GPUs it gave the actor.
-    with stage_runtime_env(spec.stage_id, {"env": spec.stage.runtime.env_dict()}):
+    with stage_runtime_env(spec.stage_id, spec.stage.runtime):
         if spec.torch_threads is not None:
             import torch
 

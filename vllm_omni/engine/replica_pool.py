@@ -22,7 +22,7 @@ from vllm_omni.config.stage_config import StageConfig
 from vllm_omni.engine.load_balancer import LoadBalancer, ReplicaLoad
 from vllm_omni.engine.messages import StageStats
 from vllm_omni.engine.stage_client import ReplicaHealth, StageClient, StageDownError, StageHealth, StageState
-from vllm_omni.engine.stage_init.devices import split_devices_for_replicas
+from vllm_omni.engine.stage_init.devices import get_stage_devices_per_replica, split_devices_for_replicas
 from vllm_omni.stage_io import StageInfo
 
 
@@ -158,7 +158,7 @@ def replica_configs(stage: StageConfig) -> list[StageConfig]:
     """Each replica's stage config: its share of the stage's devices (spec 002 pool or template
     mode) and its replica id set (`envs.REPLICA_ID`: a hook or a log may tell replicas apart)."""
     runtime = stage.runtime
-    per_replica = stage.engine_args.tensor_parallel_size * stage.engine_args.cfg_parallel_size
+    per_replica = get_stage_devices_per_replica(stage)
     try:
         devices = split_devices_for_replicas(runtime.devices, runtime.num_replicas, per_replica, stage.stage_id)
     except ValueError as e:

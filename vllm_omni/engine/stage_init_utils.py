@@ -5,11 +5,18 @@ local, in-process and headless paths: init plans, stage metadata extraction,
 device splitting for replicas, device locks, per-stage runtime env, death
 signal, process termination, and the normalized per-stage engine args dict.
 
-Stage configs are read duck-typed (attributes or mapping keys named after the
-spec 000 YAML fields), because callers pass both the frozen dataclasses of
-``vllm_omni.config`` and plain dicts/objects (tests, headless registration).
-Nothing here imports torch: stage workers import this module before they
-choose their devices.
+A helper's stage config argument (spec 002 types it ``Any``: upstream passes
+OmegaConf configs) is read once, on entry, into a typed view (``stage_init/
+readers.py``): the frozen dataclasses of ``vllm_omni.config`` by their fields,
+upstream-shaped mappings and objects by the spec 000 field names. Nothing here
+initializes CUDA: stage workers call these before they choose their devices.
+
+The runtime's own start-up uses the device helpers (``replica_pool``,
+``stage_worker``: ``split_devices_for_replicas``, ``get_stage_devices_per_replica``,
+``stage_runtime_setup``, ``stage_runtime_env``, the device locks) and the process
+helpers. The others build upstream's inputs to vLLM (the engine args dict, stage
+metadata, init plans, the layout of every stage at once); each module says why our
+runtime, which builds from the frozen ``StageConfig``, does not call them.
 
 The helpers live in ``vllm_omni.engine.stage_init`` (plans, readers, metadata,
 devices, locks, env, processes, engine_args); this module is their documented

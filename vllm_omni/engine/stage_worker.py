@@ -72,9 +72,8 @@ def stage_process_main(spec: WorkerSpec) -> None:
     if spec.remote is not None:  # the headless parent stops us with SIGTERM: say goodbye to the head first
         signal.signal(signal.SIGTERM, _raise_terminated)
     logging.basicConfig(level=spec.log_level, format=f"[stage {spec.stage_id}] %(levelname)s %(name)s: %(message)s")
-    runtime = {"env": spec.stage.runtime.env_dict(), "devices": spec.stage.runtime.devices}
     # Visible devices are set before anything initializes CUDA (torch does so lazily).
-    with siu.stage_runtime_setup(spec.stage_id, runtime):
+    with siu.stage_runtime_setup(spec.stage_id, spec.stage.runtime):
         if spec.torch_threads is not None:
             import torch
 
@@ -165,8 +164,9 @@ def _build_engine(spec: WorkerSpec, device: str) -> StageEngine:
             return worker_cls(spec.stage, spec.model, device=device).build_engine()
     locks: list[int] = []
     if torch.cuda.is_available():
-        tp = {"tensor_parallel_size": spec.stage.engine_args.tensor_parallel_size}
-        locks = siu.acquire_device_locks(spec.stage_id, tp, spec.stage_init_timeout_s)
+        # Every device of the replica: its tensor-parallel ranks, a diffusion stage's CFG ranks.
+        devices = {"parallel_config": {"world_size": siu.get_stage_devices_per_replica(spec.stage)}}
+        locks = siu.acquire_device_locks(spec.stage_id, devices, spec.stage_init_timeout_s)
     try:
         return worker_cls(spec.stage, spec.model, device=device).build_engine()
     finally:

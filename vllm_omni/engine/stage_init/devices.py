@@ -6,7 +6,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from vllm_omni.engine.stage_init.readers import positive_int, read_field, split_csv, stage_type_of
+from vllm_omni.engine.stage_init.readers import RuntimeView, StageView, positive_int, split_csv
 
 logger = logging.getLogger(__name__)
 
@@ -16,8 +16,8 @@ _NVIDIA_DRIVER_DIR = "/proc/driver/nvidia"  # present where an NVIDIA driver is 
 
 def get_stage_tp_size(stage_cfg: Any) -> int:
     """``engine_args.tensor_parallel_size`` of a stage config (1 when absent or None)."""
-    tp = read_field(read_field(stage_cfg, "engine_args"), "tensor_parallel_size")
-    return positive_int(tp, 1, f"Stage {read_field(stage_cfg, 'stage_id')}: engine_args.tensor_parallel_size")
+    stage = StageView.of(stage_cfg)
+    return positive_int(stage.tensor_parallel_size, 1, f"Stage {stage.stage_id}: engine_args.tensor_parallel_size")
 
 
 def get_stage_devices_per_replica(stage_cfg: Any) -> int:
@@ -26,12 +26,10 @@ def get_stage_devices_per_replica(stage_cfg: Any) -> int:
     LLM stages: their TP size. Diffusion stages: ``engine_args.parallel_config.
     world_size`` when present (their parallelism is not TP-shaped), else TP size.
     """
-    if stage_type_of(stage_cfg) == "diffusion":
-        parallel_config = read_field(read_field(stage_cfg, "engine_args"), "parallel_config")
-        world_size = read_field(parallel_config, "world_size")
-        if world_size is not None:
-            what = f"Stage {read_field(stage_cfg, 'stage_id')}: engine_args.parallel_config.world_size"
-            return positive_int(world_size, 1, what)
+    stage = StageView.of(stage_cfg)
+    if stage.stage_type == "diffusion" and stage.world_size is not None:
+        what = f"Stage {stage.stage_id}: engine_args.parallel_config.world_size"
+        return positive_int(stage.world_size, 1, what)
     return get_stage_tp_size(stage_cfg)
 
 
@@ -118,13 +116,17 @@ def compute_replica_layout(
     otherwise counts are clamped to >= 1. The devices map is keyed by the
     stage's position in ``stage_configs`` and split with one replica's device
     count (``get_stage_devices_per_replica``, the TP size for LLM stages).
+
+    Our fleet does not call it: it builds each stage's replica configs
+    (``replica_pool.replica_configs``: typed StageConfigs carrying their devices
+    and environment) with ``split_devices_for_replicas``, as this does; this
+    index-keyed layout of every stage at once is upstream's shape.
     """
     replicas_per_stage: list[int] = []
     replica_devices_map: dict[int, list[str | None]] = {}
     for idx, stage_cfg in enumerate(stage_configs):
-        stage_id = read_field(stage_cfg, "stage_id", idx)
-        runtime_cfg = read_field(stage_cfg, "runtime")
-        raw = read_field(runtime_cfg, "num_replicas")
+        stage = StageView.of(stage_cfg, default_id=idx)
+        stage_id, raw = stage.stage_id, stage.runtime.num_replicas
         try:
             num_replicas = 1 if raw is None else int(raw)
         except (TypeError, ValueError):
@@ -136,7 +138,7 @@ def compute_replica_layout(
         replicas_per_stage.append(num_replicas)
         if num_replicas > 1:
             per_replica = get_stage_devices_per_replica(stage_cfg)
-            devices = read_field(runtime_cfg, "devices")
+            devices = stage.runtime.devices
             replica_devices_map[idx] = split_devices_for_replicas(
                 None if devices is None else ",".join(split_csv(devices)), num_replicas, per_replica, stage_id
             )
@@ -175,7 +177,7 @@ def setup_stage_devices(stage_id: int, runtime_cfg: Any) -> None:
     Not undone here: whoever owns the process (a stage child) keeps it, and an
     in-process launcher saves/restores CUDA_VISIBLE_DEVICES around the call.
     """
-    physical = _physical_devices(stage_id, read_field(runtime_cfg, "devices"))
+    physical = _physical_devices(stage_id, RuntimeView.of(runtime_cfg).devices)
     if physical is not None:
         os.environ[DEVICE_ENV_VAR] = physical
         # Only worth a line where there are GPUs: on a CPU-only machine it reads like a fault.

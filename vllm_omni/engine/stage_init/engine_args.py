@@ -1,4 +1,11 @@
-"""The normalized per-stage engine args dict and the KV transfer info it carries (spec 002)."""
+"""The normalized per-stage engine args dict and the KV transfer info it carries (spec 002).
+
+These build upstream's inputs to vLLM's engine (`build_engine_args_dict`, `resolve_worker_cls`,
+`inject_kv_stage_info`, `get_stage_connector_spec`) from upstream-shaped configs (read with
+`readers.foreign_field`). Our workers build their engines from the frozen `StageConfig` directly
+(`worker/gpu_ar_worker.engine_config_kwargs`, the generation and diffusion workers), so the
+runtime does not call them; `apply_cli_tokenizer`'s rule is applied by the config layer, to the
+frozen config (config/overrides.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +14,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 from vllm_omni.engine.stage_init.devices import get_stage_tp_size
-from vllm_omni.engine.stage_init.readers import as_dict, read_field, stage_type_of
+from vllm_omni.engine.stage_init.readers import as_dict, foreign_field, stage_type_of
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +57,10 @@ def get_stage_connector_spec(omni_transfer_config: Any, stage_id: int, async_chu
     """
     if not async_chunk or omni_transfer_config is None:
         return {}
-    connectors = read_field(omni_transfer_config, "connectors") or {}
+    connectors = foreign_field(omni_transfer_config, "connectors") or {}
     for (_src, dst), spec in connectors.items():
         if str(dst) == str(stage_id):
-            return {"name": read_field(spec, "name"), "extra": dict(read_field(spec, "extra") or {})}
+            return {"name": foreign_field(spec, "name"), "extra": dict(foreign_field(spec, "extra") or {})}
     return {}
 
 
@@ -71,7 +78,7 @@ def build_engine_args_dict(
     when given. A None ``tensor_parallel_size`` is dropped so the engine's
     default applies.
     """
-    engine_args = as_dict(read_field(stage_config, "engine_args"))
+    engine_args = as_dict(foreign_field(stage_config, "engine_args"))
     if "tensor_parallel_size" in engine_args and engine_args["tensor_parallel_size"] is None:
         del engine_args["tensor_parallel_size"]
     apply_cli_tokenizer(
@@ -80,7 +87,7 @@ def build_engine_args_dict(
         stage_defines_tokenizer=engine_args.get("tokenizer") is not None,
     )
     engine_args["model"] = model
-    engine_args["stage_id"] = read_field(stage_config, "stage_id")
+    engine_args["stage_id"] = foreign_field(stage_config, "stage_id")
     if stage_type_of(stage_config) != "diffusion":
         resolve_worker_cls(engine_args)
     if stage_connector_spec is not None:
@@ -90,7 +97,7 @@ def build_engine_args_dict(
 
 def _find_stage(stage_configs: Sequence[Any], stage_id: Any) -> Any | None:
     for cfg in stage_configs:
-        if str(read_field(cfg, "stage_id")) == str(stage_id):
+        if str(foreign_field(cfg, "stage_id")) == str(stage_id):
             return cfg
     return None
 
@@ -114,13 +121,13 @@ def inject_kv_stage_info(
     read-only mapping) is copied, written back where the engine args allow it,
     and the caller must use the returned dict.
     """
-    engine_args = read_field(stage_cfg, "engine_args")
-    kv = read_field(engine_args, "omni_kv_config")
+    engine_args = foreign_field(stage_cfg, "engine_args")
+    kv = foreign_field(engine_args, "omni_kv_config")
     if kv is None:
         return None
     target = kv if isinstance(kv, MutableMapping) else as_dict(kv)
     target.setdefault("stage_id", stage_id)
-    sources = [int(s) for s in (read_field(stage_cfg, "engine_input_source") or [])]
+    sources = [int(s) for s in (foreign_field(stage_cfg, "engine_input_source") or [])]
     if sources:
         target.setdefault("engine_input_source", sources)
     if stage_configs:

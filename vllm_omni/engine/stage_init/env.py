@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from vllm_omni.engine.stage_init.devices import setup_stage_devices
-from vllm_omni.engine.stage_init.readers import read_field
+from vllm_omni.engine.stage_init.readers import RuntimeView
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ def stage_runtime_env(stage_id: int, runtime_cfg: Any) -> Iterator[None]:
     A value of None unsets the variable inside the block. Variables that did
     not exist before are removed again on exit, also when the block raises.
     """
-    env = read_field(runtime_cfg, "env") or {}
+    env = RuntimeView.of(runtime_cfg).env or {}
     if not isinstance(env, Mapping):
         raise ValueError(f"Stage {stage_id}: runtime.env must be a mapping of names to values, "
                          f"got {type(env).__name__}")

@@ -13,7 +13,7 @@ from typing import Any
 
 import vllm_omni.envs as envs
 from vllm_omni.engine.stage_init.devices import DEVICE_ENV_VAR
-from vllm_omni.engine.stage_init.readers import positive_int, read_field, split_csv
+from vllm_omni.engine.stage_init.readers import foreign_field, positive_int, split_csv
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def _lock_dir() -> str:
 
 def _devices_needed(engine_args: Mapping[str, Any], stage_id: int) -> int:
     parallel_config = engine_args.get("parallel_config")
-    world_size = read_field(parallel_config, "world_size")
+    world_size = foreign_field(parallel_config, "world_size")
     if world_size is not None:
         return positive_int(world_size, 1, f"Stage {stage_id}: parallel_config.world_size")
     n = 1
@@ -136,6 +136,8 @@ def release_device_locks(lock_fds: Sequence[int]) -> None:
 
 
 def acquire_diffusion_device_locks(stage_id: int, od_config: Any, stage_init_timeout: float) -> list[int]:
-    """Init locks for a diffusion stage, sized by its ``parallel_config.world_size``."""
-    world_size = read_field(read_field(od_config, "parallel_config"), "world_size")
+    """Init locks for a diffusion stage, sized by its ``parallel_config.world_size`` (upstream's
+    diffusion config). Our stage workers lock every stage, diffusion too, with
+    ``acquire_device_locks`` sized by ``get_stage_devices_per_replica`` (engine/stage_worker.py)."""
+    world_size = foreign_field(foreign_field(od_config, "parallel_config"), "world_size")
     return acquire_device_locks(stage_id, {"parallel_config": {"world_size": world_size or 1}}, stage_init_timeout)

@@ -1,4 +1,5 @@
-"""Init plan and stage metadata dataclasses (spec 002)."""
+"""Init plan and stage metadata dataclasses (spec 002): upstream's records of a stage's start-up.
+Our fleet launches from the frozen `StageConfig`s (engine/stage_fleet.py) and keeps no plans."""
 from __future__ import annotations
 
 from collections.abc import Callable

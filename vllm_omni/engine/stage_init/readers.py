@@ -1,24 +1,73 @@
-"""Duck-typed readers of stage configs (spec 000 field names) shared by the stage init helpers.
+"""Where the spec 002 helpers' stage configs come in: read once into typed views.
 
-Callers pass both the frozen dataclasses of ``vllm_omni.config`` and plain
-dicts/objects (tests, headless registration), so fields are read by name from
-either.
+Spec 002 types the helpers' config arguments `Any`: upstream passes OmegaConf configs, which
+read both as mappings and as attribute objects, and the spec's worked examples pass dicts and
+plain objects. Our own start-up passes the frozen `vllm_omni.config` dataclasses. Each helper
+turns its argument into a `StageView` / `RuntimeView` here, on entry: our dataclasses are read by
+their typed fields, anything else through `foreign_field` (spec 000 field names) — the only place
+below the config edge that reads a config by name. The helpers then read the views' fields.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from vllm_omni.config.stage_config import StageConfig, StageRuntimeConfig, WorkerType
 
-def read_field(obj: Any, name: str, default: Any = None) -> Any:
-    """Read ``name`` from a mapping or an object; ``default`` when absent."""
+
+def foreign_field(obj: Any, name: str, default: Any = None) -> Any:
+    """`name` of an upstream-shaped config object (a mapping or an attribute object); `default`
+    when absent."""
     if obj is None:
         return default
     if isinstance(obj, Mapping):
         return obj.get(name, default)
     return getattr(obj, name, default)
+
+
+@dataclass(frozen=True)
+class RuntimeView:
+    """A stage's `runtime:` as the helpers read it (values as given: the helpers check them)."""
+
+    devices: Any = None  # "0,1", a bare YAML int or a list
+    num_replicas: Any = None
+    env: Any = None  # a mapping of names to values
+
+    @classmethod
+    def of(cls, runtime_cfg: Any) -> RuntimeView:
+        if isinstance(runtime_cfg, StageRuntimeConfig):
+            return cls(runtime_cfg.devices, runtime_cfg.num_replicas, runtime_cfg.env_dict())
+        return cls(*(foreign_field(runtime_cfg, name) for name in ("devices", "num_replicas", "env")))
+
+
+@dataclass(frozen=True)
+class StageView:
+    """What the device helpers read of a stage config."""
+
+    stage_id: Any
+    stage_type: str  # "llm" or "diffusion"
+    tensor_parallel_size: Any
+    world_size: Any  # the devices of one diffusion replica (upstream: parallel_config.world_size)
+    runtime: RuntimeView
+
+    @classmethod
+    def of(cls, stage_cfg: Any, default_id: Any = None) -> StageView:
+        if isinstance(stage_cfg, StageConfig):
+            ea = stage_cfg.engine_args
+            diffusion = ea.worker_type == WorkerType.DIFFUSION
+            # Our diffusion stages spread over devices by CFG parallelism alone.
+            return cls(stage_cfg.stage_id, "diffusion" if diffusion else "llm", ea.tensor_parallel_size,
+                       ea.tensor_parallel_size * ea.cfg_parallel_size if diffusion else None,
+                       RuntimeView.of(stage_cfg.runtime))
+        engine_args = foreign_field(stage_cfg, "engine_args")
+        return cls(foreign_field(stage_cfg, "stage_id", default_id), stage_type_of(stage_cfg),
+                   foreign_field(engine_args, "tensor_parallel_size"),
+                   foreign_field(foreign_field(engine_args, "parallel_config"), "world_size"),
+                   RuntimeView.of(foreign_field(stage_cfg, "runtime")))
 
 
 def as_dict(obj: Any) -> dict[str, Any]:
@@ -60,5 +109,6 @@ def positive_int(value: Any, default: int, what: str) -> int:
 
 
 def stage_type_of(stage_cfg: Any) -> str:
-    stage_type = read_field(stage_cfg, "stage_type", None) or "llm"
-    return getattr(stage_type, "value", stage_type)  # the config layer may use an enum
+    """An upstream-shaped stage's `stage_type` ("llm" unless given; an enum's value)."""
+    stage_type = foreign_field(stage_cfg, "stage_type", None) or "llm"
+    return stage_type.value if isinstance(stage_type, enum.Enum) else stage_type
