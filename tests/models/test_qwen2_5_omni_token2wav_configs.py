@@ -116,7 +116,7 @@ def test_every_stream_window_starts_from_the_whole_requests_noise(mel_dim, repea
                 window = stream.next_dit_window()
                 start = stream.consumed * repeats - window.keep_from
                 assert torch.equal(window.noise, whole[start: start + window.noise.shape[0]]), (total, start)
-                stream.commit_dit(window, torch.zeros(window.noise.shape))
+                stream.commit(window, stream.vocoder_window(window, torch.zeros(window.noise.shape)))
                 windows += 1
         assert stream.finished, total
     assert windows > len(totals)  # the longer requests take several windows

@@ -207,9 +207,13 @@ class Qwen2_5OmniToken2Wav:
         windows = [s.next_dit_window() for s in streams]
         mels = self._sample_mels([(self._dit_row(s.speaker, w.codes, w.noise), s.num_steps)
                                   for s, w in zip(streams, windows)])
-        voc_windows = [s.commit_dit(w, mel) for s, w, mel in zip(streams, windows, mels)]
+        voc_windows = [s.vocoder_window(w, mel) for s, w, mel in zip(streams, windows, mels)]
         with precision_scope(self.device, tf32=self.precision is not Precision.FLOAT32):
             audio = vocode_windows(self.bigvgan, voc_windows, self.device)
+        # Only now the streams move on: a call that failed left them as they were (the engine
+        # retries a failed batch's streams one by one).
+        for stream, window, voc_window in zip(streams, windows, voc_windows):
+            stream.commit(window, voc_window)
         return [chunk_output(stream, wav, self.sample_rate) for stream, wav in zip(streams, audio)]
 
     # ------------------------------------------------------------------ the DiT

@@ -134,27 +134,29 @@ class Token2WavStream:
                          noise=self._noise.rows(window_start, window_end, total=self._frames if last else None),
                          keep_from=start - window_start, keep_to=end - window_start, last=last)
 
-    def commit_dit(self, window: DiTWindow, mel: torch.Tensor) -> VocoderWindow:
-        """Keep the chunk's part of the window's solution (mel [frames, mel_dim]); forget the
-        codes and noise no later window needs; return what to vocode now."""
-        self._mel.append(mel[window.keep_from: window.keep_to])
+    def vocoder_window(self, window: DiTWindow, mel: torch.Tensor) -> VocoderWindow:
+        """What to vocode once the chunk's part of the window's solution (mel [frames, mel_dim])
+        is kept: the frames whose samples are final then, all of them after the last chunk, else
+        all but the last `context` (their right context is the next chunk's mel). Changes
+        nothing (`commit` does, once the audio is made): a failed call can be retried."""
+        kept = mel[window.keep_from: window.keep_to]
+        context = self.geo.config.vocoder_context_frames
+        end = self._mel.end + kept.shape[0]
+        emit_to = end if window.last else max(self._vocoded, end - context)
+        start = max(0, self._vocoded - context)
+        return VocoderWindow(mel=torch.cat([self._mel.get(start, self._mel.end), kept]).T,
+                             emit_from=self._vocoded - start, emit_to=emit_to - start, exact_end=window.last)
+
+    def commit(self, window: DiTWindow, vocoded: VocoderWindow) -> None:
+        """The chunk's audio was made: keep its mel (the end of `vocoded`'s), forget the codes,
+        noise and mel no later window needs."""
+        self._mel.append(vocoded.mel.T[vocoded.mel.shape[1] - (window.keep_to - window.keep_from):])
         self._chunks += 1
         next_window_start = self._mel.end - self.geo.config.past_blocks * self.geo.block_frames
         self._codes.drop_before(next_window_start // self.geo.repeats)
         self._noise.drop_before(next_window_start)
-        return self._vocoder_window(last=window.last)
-
-    def _vocoder_window(self, last: bool) -> VocoderWindow:
-        """The frames whose samples are final now: all of them after the last chunk, else all
-        but the last `context` (their right context is the next chunk's mel)."""
-        context = self.geo.config.vocoder_context_frames
-        emit_to = self._mel.end if last else max(self._vocoded, self._mel.end - context)
-        start = max(0, self._vocoded - context)
-        window = VocoderWindow(mel=self._mel.get(start, self._mel.end).T, emit_from=self._vocoded - start,
-                               emit_to=emit_to - start, exact_end=last)
-        self._vocoded = emit_to
-        self._mel.drop_before(emit_to - context)
-        return window
+        self._vocoded += vocoded.emit_to - vocoded.emit_from
+        self._mel.drop_before(self._vocoded - self.geo.config.vocoder_context_frames)
 
     @property
     def _frames(self) -> int:
