@@ -32,6 +32,7 @@ from vllm_omni.entrypoints.openai.realtime.limits import RealtimeLimits
 from vllm_omni.entrypoints.openai.realtime.protocol import ProtocolError, parse_client_event
 from vllm_omni.entrypoints.openai.realtime.session import RealtimeSession
 from vllm_omni.entrypoints.openai.realtime.session_config import ModelAbilities
+from vllm_omni.entrypoints.openai.request_body import release_free_memory
 from vllm_omni.entrypoints.openai.serving_base import ServingContext
 from vllm_omni.entrypoints.openai.voices import model_voices
 
@@ -42,6 +43,7 @@ CLOSE_POLICY = 1008  # RFC 6455 "policy violation": bad key, unknown model
 CLOSE_TOO_BIG = 1009
 CLOSE_TRY_LATER = 1013
 OFF_LOOP_EVENT_BYTES = 64 * 1024  # larger events are parsed in a worker thread
+TRIM_AFTER_BYTES = 1024 * 1024  # after an event this large the heap's free pages go back to the OS
 CLOSE_WAIT_S = 2.0  # a session's last event and close frame are not waited for longer
 
 
@@ -159,6 +161,8 @@ class RealtimeEndpoint:
             logger.exception("realtime session %s: an event failed", session.id)
             await link.send(events.error(ProtocolError(f"internal error: {type(e).__name__}: {e}", code="server_error",
                                                        kind="server_error")))
+        if len(payload) >= TRIM_AFTER_BYTES:  # its copies are freed now; glibc would keep the pages
+            await asyncio.to_thread(release_free_memory)
 
 
 def same_origin(origin: str, host: str | None) -> bool:

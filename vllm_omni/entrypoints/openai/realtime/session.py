@@ -28,7 +28,9 @@ import numpy as np
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.media_fetch import fetch_media
 from vllm_omni.entrypoints.openai.realtime import events
-from vllm_omni.entrypoints.openai.realtime.audio import MODEL_RATE, AudioDecodeError, InputAudioStream, samples_to_ms
+from vllm_omni.entrypoints.openai.realtime.audio import (
+    MODEL_RATE, AudioDecodeError, InputAudioStream, model_samples, samples_to_ms,
+)
 from vllm_omni.entrypoints.openai.realtime.conversation import Conversation, Item, Part, new_id
 from vllm_omni.entrypoints.openai.realtime.input_buffer import BufferFull, InputBuffer
 from vllm_omni.entrypoints.openai.realtime.limits import RealtimeLimits
@@ -124,11 +126,11 @@ class RealtimeSession:
 
     async def _append(self, ev: BufferAppend) -> None:
         try:
+            self.buffer.check_room(model_samples(len(ev.audio), self.input.format))  # before decoding
             samples = await _off_loop(len(ev.audio), self.input.decode, ev.audio)
+            self.buffer.append(samples)
         except AudioDecodeError as e:
             raise ProtocolError(str(e), code="invalid_audio", param="audio") from None
-        try:
-            self.buffer.append(samples)
         except BufferFull as e:
             raise ProtocolError(str(e), code="input_audio_buffer_full", param="audio") from None
         if self.segmenter is not None:
@@ -252,6 +254,9 @@ class RealtimeSession:
         if kind == "input_audio":
             if c.audio is None:
                 raise ProtocolError("input_audio content needs 'audio' (base64)", param=f"{param}.audio")
+            if model_samples(len(c.audio), self.config.input_format) > self.limits.max_input_audio_s * MODEL_RATE:
+                raise ProtocolError(f"the item's audio is over the {self.limits.max_input_audio_s:.0f} s limit",
+                                    code="input_audio_too_long", param=f"{param}.audio")
             try:
                 wave = await asyncio.to_thread(_decode_whole, self.config.input_format, c.audio)
             except AudioDecodeError as e:
