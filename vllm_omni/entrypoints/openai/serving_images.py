@@ -186,6 +186,7 @@ def _client_error(exc: BaseException) -> APIError | None:
     message = str(exc)
     if "max_generated_image_size" in message:
         return APIError(400, message, param="size")
-    if any(m in message for m in ("cannot decode image", "image must be", "takes no input image", "edits an image")):
+    if any(m in message for m in ("cannot decode image", "image must be", "takes no input image", "edits an image",
+                                  "--max-image-pixels")):
         return APIError(400, message, param="image")
     return None
