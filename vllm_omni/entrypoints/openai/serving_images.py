@@ -8,8 +8,8 @@ OpenAI's fields: prompt, model, n, size ("WIDTHxHEIGHT" or "auto"), response_for
 "b64_json": there is no file store to serve URLs from), output_format (png, jpeg, webp), user
 (accepted, unused). vLLM-Omni's extensions: negative_prompt, num_inference_steps,
 guidance_scale, true_cfg_scale, seed. An unknown field is a 400; so is a bad size, step count
-or image, a size over --max-generated-image-size (unset: 2 megapixels), n over 10 (OpenAI's
-bound), and an edit without exactly one image. A prompt or negative prompt over
+or image, a size over --max-generated-image-size (unset: 2 megapixels), and an edit without
+exactly one image. A prompt or negative prompt over
 --max-diffusion-prompt-chars is a 413, before anything tokenizes it. The edit image is one
 media item under the server's media policy: its bytes, and its pixels read from its header
 before it is decoded (--max-image-pixels).
@@ -48,7 +48,7 @@ class ImageRequest(BaseModel):
 
     prompt: str = Field(min_length=1)
     model: str | None = None
-    n: int = Field(1, ge=1, le=10)
+    n: int = Field(1, ge=1)
     size: str = "auto"
     response_format: Literal["b64_json"] = "b64_json"
     output_format: Literal["png", "jpeg", "webp"] = "png"
