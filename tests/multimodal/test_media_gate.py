@@ -142,3 +142,10 @@ def test_a_request_cannot_ask_for_larger_images_than_the_limit(tiny_model):
              "max_pixels": 2 * 10**6}
     with pytest.raises(MediaError, match="max_pixels=2000000 is over"):
         proc.process_messages([{"role": "user", "content": [video]}])
+
+
+def test_a_video_given_as_frame_urls_counts_each_frame_as_an_item():
+    png = data_url(image_bytes(), "image/png")
+    with pytest.raises(MediaError, match="--max-media-items"):
+        load_video([png] * 5, replace(TRUSTED, max_items=4))
+    assert load_video([png] * 4, replace(TRUSTED, max_items=4)).frames.shape[0] == 4

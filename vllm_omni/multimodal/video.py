@@ -36,7 +36,7 @@ from vllm_omni.multimodal.media import (
     read_source,
     to_mono_resampled,
 )
-from vllm_omni.multimodal.media_policy import DecodeLimits
+from vllm_omni.multimodal.media_policy import DecodeLimits, MediaBudget
 from vllm_omni.multimodal.vision import (
     VideoSampling,
     frame_indices,
@@ -187,8 +187,10 @@ def _decode(data, sampling: VideoSampling, limits: DecodeLimits) -> tuple[np.nda
 def _frames_from_list(items: list[Any], sampling: VideoSampling, policy: MediaPolicy) -> np.ndarray:
     """A video given as its frames (images or HxWx3 arrays): all are kept, padded by repeating
     the last to a multiple of frame_factor (as qwen-omni-utils does for image lists)."""
-    frames, pixels = [], 0
+    frames, pixels, budget = [], 0, MediaBudget(policy)  # the frames named by URLs: one request's items
     for item in items:
+        if isinstance(item, str):
+            item = read_source(item, policy, "image", budget)
         frame = np.asarray(load_image(item, policy))
         pixels += _work(frame.shape[1], frame.shape[0])
         if pixels > policy.limits.max_video_pixels:
