@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 
 import numpy as np
@@ -83,6 +84,7 @@ def m4a_bytes(seconds: float = 1.0, sr: int = 44100) -> bytes:
     return buf.getvalue()
 
 
+@functools.lru_cache(maxsize=None)  # built once per test run (a second or so each)
 def flac_bomb(hours: float = 3.0, sr: int = 8000) -> bytes:
     """A FLAC of silence: a few hundred kilobytes that decode to `hours` of audio."""
     import soundfile as sf
@@ -94,6 +96,7 @@ def flac_bomb(hours: float = 3.0, sr: int = 8000) -> bytes:
     return buf.getvalue()
 
 
+@functools.lru_cache(maxsize=None)
 def png_bomb(width: int, height: int) -> bytes:
     """A valid black RGB PNG of width x height, built row by row (never held decoded): about
     a thousandth of its decoded size."""
