@@ -183,3 +183,15 @@ def test_a_client_that_never_reads_loses_its_session_at_the_idle_limit():
             sock.close()
             sender.join(10)
     assert outcome == "freed" and after < 15, (outcome, after)
+
+
+def test_allowed_origins_take_vllms_json_list_form_too():
+    import argparse
+
+    from vllm_omni.entrypoints.openai.realtime import limits
+
+    parser = argparse.ArgumentParser()
+    limits.add_arguments(parser)
+    assert limits.from_args(parser.parse_args([])).allowed_origins == ()
+    given = ["--allowed-origins", "https://a.example", '["https://b.example", "*"]']
+    assert limits.from_args(parser.parse_args(given)).allowed_origins == ("https://a.example", "https://b.example", "*")

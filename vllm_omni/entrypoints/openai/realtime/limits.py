@@ -11,6 +11,7 @@ and `max_text_chars` characters of text (the oldest items go first, as with audi
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 
 
@@ -65,13 +66,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--realtime-max-text-chars", type=positive(int), default=d.max_text_chars,
                    help="characters of text a conversation keeps (instructions included); the oldest items are "
                         "dropped first, and one item or instructions over it are refused")
-    g.add_argument("--allowed-origins", nargs="+", default=list(d.allowed_origins), metavar="ORIGIN",
-                   help="browser origins (e.g. https://app.example.com, or * for any) whose pages may open a "
-                        "realtime session; pages of the server's own origin and non-browser clients always may")
+    g.add_argument("--allowed-origins", nargs="+", type=_origins, default=[], metavar="ORIGIN",
+                   help="browser origins (e.g. https://app.example.com, or * for any; vLLM's JSON list form "
+                        "'[\"https://a.example\"]' too) whose pages may open a realtime session; pages of the "
+                        "server's own origin and non-browser clients always may")
+
+
+def _origins(text: str) -> list[str]:
+    if not text.startswith("["):
+        return [text]
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not a JSON list of origins: {e}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError("must be a JSON list of origin strings")
+    return value
 
 
 def from_args(args: argparse.Namespace) -> RealtimeLimits:
     return RealtimeLimits(args.realtime_max_sessions, args.realtime_max_session_s, args.realtime_idle_timeout_s,
                           args.realtime_max_input_audio_s, args.realtime_max_history_audio_s,
                           args.realtime_max_event_bytes, args.realtime_max_items, args.realtime_max_text_chars,
-                          tuple(args.allowed_origins))
+                          tuple(origin for given in args.allowed_origins for origin in given))
