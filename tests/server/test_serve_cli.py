@@ -148,8 +148,9 @@ def test_flags_reach_async_omni(monkeypatch):
         "--stage-init-timeout", "30", "--init-timeout", "60", "--shm-threshold-bytes", "1024", "--log-stats",
         "--max-num-seqs", "8", "--dtype", "float32", "--no-async-chunk", "--worker-backend", "ray",
         "--ray-address", "auto"])
-    serve._start_engine(args, "m")
-    assert seen == {"model": "m", "stage_configs_path": "s.yaml", "deploy_config": None,
+    policy = object()  # the server's MediaPolicy, which the input processor reads media under
+    serve._start_engine(args, "m", policy)
+    assert seen == {"media_policy": policy, "model": "m", "stage_configs_path": "s.yaml", "deploy_config": None,
                     "stage_overrides": '{"0": {"max_num_seqs": 2}}', "stage_init_timeout": 30.0,
                     "init_timeout": 60.0, "shm_threshold_bytes": 1024, "log_stats": True, "async_chunk": False,
                     "heartbeat_timeout": 5.0, "max_stage_restarts": 3, "lb_policy": "random",

@@ -29,6 +29,7 @@ import openai
 import pytest
 import soundfile as sf
 
+from tests.multimodal.media_files import flac_bomb
 from tests.server.conftest import REPO, ServerProcess
 
 SR = 24000
@@ -204,6 +205,11 @@ def test_voice_cloning(tiny_model, tmp_path_factory, http_dir):
             clone(b64)
         with pytest.raises(openai.BadRequestError, match="ref_audio"):
             client.audio.speech.create(model=model, voice="alloy", input=TEXTS[0])
+        # An hour of audio in a small FLAC: decoding stops at --max-audio-duration (600 s).
+        with pytest.raises(openai.BadRequestError, match="--max-audio-duration"):
+            clone(base64.b64encode(flac_bomb(hours=1.0)).decode(), ref_text="x")
+        with pytest.raises(openai.BadRequestError, match="cannot be audio media"):
+            clone(f"data:image/png;base64,{b64}", ref_text="x")
     finally:
         server.stop()
 

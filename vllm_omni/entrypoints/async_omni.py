@@ -9,9 +9,11 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vllm_omni.engine.messages import StageStats
@@ -20,6 +22,11 @@ from vllm_omni.entrypoints.omni_base import OmniBase
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = logging.getLogger(__name__)
+
+# Prompts processed at once (chat template, media decoding, features), each in a thread of its
+# own: a few requests with large media must not take every thread of the loop's default pool
+# (5 + cores) from the plain requests and the server's other work.
+PREPARE_THREADS = 32
 
 
 class RequestFailedError(RuntimeError):
@@ -71,9 +78,10 @@ class AsyncOmni(OmniBase):
         every stage.
         """
         request_id = request_id or f"omni-{uuid.uuid4().hex}"
-        sink = _AsyncSink(asyncio.get_running_loop(), wants_partial=output_partial)
-        sub = await asyncio.to_thread(self._runtime.prepare, request_id, prompt, sampling_params_list, sink,
-                                      modalities)
+        loop = asyncio.get_running_loop()
+        sink = _AsyncSink(loop, wants_partial=output_partial)
+        sub = await loop.run_in_executor(self._prepare_pool, functools.partial(
+            self._runtime.prepare, request_id, prompt, sampling_params_list, sink, modalities))
         self._runtime.submit(sub)
         done = False
         try:
@@ -90,6 +98,15 @@ class AsyncOmni(OmniBase):
         finally:
             if not done and not self._runtime.closed:
                 self._runtime.abort(request_id)
+
+    @functools.cached_property
+    def _prepare_pool(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="omni-prepare")
+
+    def close(self) -> None:
+        super().close()
+        if "_prepare_pool" in self.__dict__:
+            self._prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:

@@ -12,6 +12,7 @@ from vllm_omni.engine.orchestrator import RuntimeOptions
 from vllm_omni.engine.request_plan import available_modalities
 from vllm_omni.engine.runtime import OmniRuntime
 from vllm_omni.engine.stage_client import StageHealth
+from vllm_omni.multimodal.media_policy import TRUSTED, MediaPolicy
 
 _Self = TypeVar("_Self", bound="OmniBase")
 
@@ -62,7 +63,10 @@ class OmniBase:
     own (docs/deployment.md, "Ray").
 
     The stage-based CLI (docs/deployment.md): `stage_id` launches that stage only (engine
-    arguments apply to it alone); headless stages register at `master_address:master_port`."""
+    arguments apply to it alone); headless stages register at `master_address:master_port`.
+
+    `media_policy`: where the media of prompts may come from and how much they may decode to
+    (multimodal/media_policy.py; TRUSTED: any file or address, the default decode limits)."""
 
     def __init__(
         self,
@@ -84,6 +88,7 @@ class OmniBase:
         stage_id: int | None = None,
         master_address: str | None = None,
         master_port: int | None = None,
+        media_policy: MediaPolicy = TRUSTED,
         **engine_args: Any,
     ) -> None:
         model = os.fspath(model)
@@ -97,7 +102,7 @@ class OmniBase:
                                  max_stage_restarts=int(max_stage_restarts), lb_policy=lb_policy,
                                  worker_backend=worker_backend, ray_address=ray_address, local_stage=stage_id,
                                  master_address=master_address, master_port=master_port)
-        self._runtime = OmniRuntime(pipeline, model, options, output_modalities)
+        self._runtime = OmniRuntime(pipeline, model, options, output_modalities, media_policy)
 
     @property
     def pipeline(self) -> PipelineConfig:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from vllm_omni.inputs import OmniTokensPrompt
+from vllm_omni.multimodal.media_policy import TRUSTED, MediaPolicy
 from vllm_omni.model_executor.models.qwen3_tts.configuration import TaskType
 from vllm_omni.model_executor.models.qwen3_tts.tts_request import TTSRequest
 
@@ -41,34 +43,40 @@ def instruction_text(text: str) -> str:
     return f"<|im_start|>user\n{text}<|im_end|>\n"
 
 
-def load_reference_audio(source: Any) -> torch.Tensor:
+def load_reference_audio(source: Any, policy: MediaPolicy = TRUSTED) -> torch.Tensor:
     """Mono float32 [N] at 24 kHz from bytes, a (waveform, rate) pair, a path, an http(s) /
-    file / data URL, or a bare base64 string (qwen-tts accepts those too). MediaError: bad audio."""
+    file / data URL, or a bare base64 string (qwen-tts accepts those too), read and decoded
+    under `policy`. MediaError: bad audio."""
     from vllm_omni.multimodal.media import MediaError, decode_base64, load_audio
 
     if isinstance(source, str) and not source.startswith(("data:", "http://", "https://", "file:")) \
-            and not _is_existing_path(source):
+            and not _is_existing_path(source, policy):
         source = decode_base64(source, "ref_audio")
-    wave = load_audio(source, target_sr=SAMPLE_RATE)
+    wave = load_audio(source, policy, target_sr=SAMPLE_RATE)
     if wave.shape[0] < SAMPLE_RATE // 10:
         raise MediaError(f"ref_audio is too short ({wave.shape[0] / SAMPLE_RATE:.3f} s; at least 0.1 s)")
     return torch.from_numpy(wave)
 
 
-def _is_existing_path(text: str) -> bool:
+def _is_existing_path(text: str, policy: MediaPolicy) -> bool:
+    """Only where local files may be read: elsewhere a path is not looked at (no existence oracle)."""
+    root = policy.allowed_local_root
     try:
-        return len(text) < 4096 and Path(text).expanduser().is_file()
+        path = Path(text).expanduser().resolve()
+        return root is not None and len(text) < 4096 and path.is_relative_to(root.resolve()) and path.is_file()
     except OSError:
         return False
 
 
 class Qwen3TTSInputProcessor:
-    def __init__(self, model_dir: str | os.PathLike, tokenizer: Any = None) -> None:
+    def __init__(self, model_dir: str | os.PathLike, tokenizer: Any = None, media: MediaPolicy = TRUSTED) -> None:
         if tokenizer is None:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(os.fspath(model_dir))
         self.tokenizer = tokenizer
+        self.text_lock = threading.Lock()  # the tokenizer; reference audio is decoded outside it
+        self.media = media
         config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
         self.task_type = TaskType.from_model_type(config.get("tts_model_type"))
         # qwen-tts drops the instructions of the 0.6B CustomVoice model (trained without them).
@@ -121,7 +129,8 @@ class Qwen3TTSInputProcessor:
                           ref_audio=ref_audio, ref_ids=ref_ids, non_streaming=non_streaming)
 
     def _ids(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        with self.text_lock:
+            return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _task_type(self, requested: Any) -> TaskType:
         if requested is None:
@@ -166,4 +175,4 @@ class Qwen3TTSInputProcessor:
             raise ValueError("voice cloning needs 'ref_text' (the transcript of ref_audio), or "
                              "x_vector_only_mode to clone from the voice alone")
         ref_ids = None if x_vector_only else self._ids(reference_text(ref_text))
-        return load_reference_audio(source), ref_ids
+        return load_reference_audio(source, self.media), ref_ids

@@ -10,6 +10,7 @@ import logging
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 from vllm_omni.entrypoints.cli import serve_args, stage_cli
 from vllm_omni.entrypoints.cli.demo_defaults import SERVE_OVERRIDES, with_demo_overrides
@@ -111,14 +112,12 @@ def serve(args: argparse.Namespace) -> int:
             args.stage_overrides = with_demo_overrides(SERVE_OVERRIDES, args.stage_overrides)
         return stage_cli.run_headless(args, model, serve_args.stage_overrides(args), serve_args.engine_args(args))
 
+    from vllm_omni.entrypoints.openai import input_limits
     from vllm_omni.entrypoints.openai.api_server import ServerSettings, bind_socket, local_media_root, run_server
     from vllm_omni.entrypoints.openai.chat_options import ChatOptions, load_chat_template
-    from vllm_omni.entrypoints.openai.media_fetch import MediaPolicy
 
     try:
-        media = MediaPolicy(local_media_root(args.allowed_local_media_path), args.media_fetch_timeout,
-                            args.max_media_bytes, allowed_domains=tuple(args.allowed_media_domains or ()),
-                            allow_private=args.allow_private_media_urls)
+        media = input_limits.media_policy(args, local_media_root(args.allowed_local_media_path))
         chat = ChatOptions(chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
                            limit_mm_per_prompt=args.limit_mm_per_prompt or {},
                            audio_stream_shape=args.audio_stream_shape)
@@ -140,12 +139,12 @@ def serve(args: argparse.Namespace) -> int:
         admission_timeout_s=args.batch_timeout, max_request_bytes=args.max_request_bytes,
         uvicorn_log_level=args.uvicorn_log_level, realtime=serve_args.realtime_limits.from_args(args),
         chat=chat, log_requests=args.enable_log_requests, max_prompts_per_request=args.max_prompts_per_request,
-        shutdown_timeout_s=args.shutdown_timeout,
+        shutdown_timeout_s=args.shutdown_timeout, max_diffusion_prompt_chars=args.max_diffusion_prompt_chars,
         **({"tts_max_instructions_length": args.tts_max_instructions_length}
            if args.tts_max_instructions_length is not None else {}),
     )
     try:
-        engine = _start_engine(args, model)
+        engine = _start_engine(args, model, media)
     except Exception as e:  # noqa: BLE001 - config errors, a stage that failed or timed out: say why, exit 1
         logger.error("the pipeline failed to start: %s", e)
         sock.close()
@@ -201,7 +200,8 @@ def _model(args: argparse.Namespace) -> tuple[str, list[str]]:
     return path, args.served_model_name or [DEMO_SERVED_NAME]
 
 
-def _start_engine(args: argparse.Namespace, model: str):
+def _start_engine(args: argparse.Namespace, model: str, media: Any):
+    """`media`: the server's MediaPolicy, which the input processor reads and decodes under too."""
     from vllm_omni.entrypoints.async_omni import AsyncOmni
 
     return AsyncOmni(
@@ -210,5 +210,6 @@ def _start_engine(args: argparse.Namespace, model: str):
         init_timeout=args.init_timeout, shm_threshold_bytes=args.shm_threshold_bytes, log_stats=args.log_stats,
         async_chunk=args.async_chunk, heartbeat_timeout=args.omni_heartbeat_timeout,
         max_stage_restarts=args.max_stage_restarts, lb_policy=args.omni_lb_policy, worker_backend=args.worker_backend,
-        ray_address=args.ray_address, **stage_cli.head_arguments(args), **serve_args.engine_args(args),
+        ray_address=args.ray_address, media_policy=media, **stage_cli.head_arguments(args),
+        **serve_args.engine_args(args),
     )

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni.config.schema import DIFFUSION_FIELDS
+from vllm_omni.entrypoints.openai import input_limits
 from vllm_omni.entrypoints.openai.chat_options import parse_mm_limits
 from vllm_omni.entrypoints.openai.realtime import limits as realtime_limits
 
@@ -158,7 +159,8 @@ OMNI_FLAGS: tuple[Flag, ...] = (
        "{\"num_inference_steps\": 30}}' (diffusion models only; --stage-overrides wins).", type=_json_object,
        default=None),
     _f("--max-generated-image-size", "The max size of a generated image (height * width); larger requests are "
-       "answered 400.", type=int, default=None),
+       f"answered 400. Unset: {input_limits.DEFAULT_GENERATED_IMAGE_PIXELS} pixels (2 megapixels) on the server.",
+       type=int, default=None),
     _f("--tts-max-instructions-length", "Maximum length (characters) of TTS voice style instructions; longer "
        "ones get a 400 (default: 500).", type=int, default=None),
     _bool("--no-guardrails", "Disable Cosmos3 text/video safety guardrails.", "Cosmos3 is not supported"),
@@ -251,6 +253,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help_text = flag.help if flag.refused is None else f"{flag.help} [Not supported yet: {flag.refused}; " \
                                                                "any other value than the default is refused.]"
             group.add_argument(*flag.names, dest=flag.dest, help=help_text, **flag.kwargs)
+    input_limits.add_arguments(parser)
     realtime_limits.add_arguments(parser)
 
 

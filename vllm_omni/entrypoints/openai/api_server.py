@@ -15,12 +15,13 @@ from typing import Any
 from vllm_omni.entrypoints.openai.admission import AdmissionGate
 from vllm_omni.entrypoints.openai.app import build_app
 from vllm_omni.entrypoints.openai.chat_options import ChatOptions
-from vllm_omni.entrypoints.openai.media_fetch import MediaPolicy
+from vllm_omni.entrypoints.openai.input_limits import DEFAULT_DIFFUSION_PROMPT_CHARS
 from vllm_omni.entrypoints.openai.metrics import ServerMetrics
 from vllm_omni.entrypoints.openai.prompt_limits import PromptLimit
 from vllm_omni.entrypoints.openai.realtime.limits import RealtimeLimits
 from vllm_omni.entrypoints.openai.serving_base import PipelineShape, ServingContext
 from vllm_omni.entrypoints.openai.serving_speech import DEFAULT_MAX_INSTRUCTIONS
+from vllm_omni.multimodal.media_policy import MediaPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class ServerSettings:
     log_requests: bool = False  # --enable-log-requests (the access log reads it)
     max_prompts_per_request: int = 32
     shutdown_timeout_s: float = 30.0
+    max_diffusion_prompt_chars: int = DEFAULT_DIFFUSION_PROMPT_CHARS
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -71,6 +73,7 @@ def build_context(engine: Any, settings: ServerSettings) -> ServingContext:
                           gate=gate, metrics=ServerMetrics(names), media=settings.media,
                           model_path=settings.model_path, stage_names=names, chat=settings.chat,
                           max_prompts_per_request=settings.max_prompts_per_request,
+                          max_diffusion_prompt_chars=settings.max_diffusion_prompt_chars,
                           prompt_limit=PromptLimit.of(engine))  # the stages are up: they reported it
 
 
@@ -84,9 +87,11 @@ def run_server(engine: Any, settings: ServerSettings, sock: socket.socket) -> No
     app = build_app(ctx, api_key=settings.api_key, max_request_bytes=settings.max_request_bytes,
                     realtime=settings.realtime, tts_max_instructions_length=settings.tts_max_instructions_length)
     # log_config=None: uvicorn logs through the root logger, so --log-file and our format apply.
+    # ws_max_size: a realtime event over its limit is refused from its frame header, unread.
     config = uvicorn.Config(app, log_level=settings.uvicorn_log_level, log_config=None,
                             timeout_graceful_shutdown=ANSWER_AFTER_CLOSE_S,
-                            access_log=settings.uvicorn_log_level == "debug")
+                            access_log=settings.uvicorn_log_level == "debug",
+                            ws_max_size=settings.realtime.max_event_bytes)
     server = GracefulServer(config, ctx, settings.shutdown_timeout_s)
     host, port = sock.getsockname()[:2]
     logger.info("serving %s as %s on http://%s:%d", settings.model_path, settings.served_names, host, port)

@@ -118,10 +118,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def _location(err: dict[str, Any]) -> tuple[str, ...]:
     """pydantic's loc without its bookkeeping: the body prefix, union branch names, and a
-    discriminated part's tag (loc [..., 0, "input_audio", "input_audio", "format"])."""
+    discriminated part's tag (loc [..., 0, "input_audio", "input_audio", "format"], or
+    [..., 0, "image_url", "image"] for an unknown key "image" of the part)."""
     loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "str")
            and not str(p).startswith(("tagged-union", "list[", "function-"))]
-    return tuple(p for i, p in enumerate(loc) if i == 0 or p != loc[i - 1] or p.isdigit())
+    # After `content.<i>` comes the part's tag, not a key of the part: dropped.
+    return tuple(p for i, p in enumerate(loc) if not (i >= 2 and loc[i - 2] == "content" and loc[i - 1].isdigit()))
 
 
 def install_error_handlers(app: FastAPI) -> None:

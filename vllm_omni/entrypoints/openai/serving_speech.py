@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from vllm_omni.entrypoints.openai.accumulator import AudioEvent, RequestAccumulator
 from vllm_omni.entrypoints.openai.audio import OUTPUT_SAMPLE_RATE, check_format
 from vllm_omni.entrypoints.openai.errors import APIError
-from vllm_omni.entrypoints.openai.media_fetch import resolve_media
+from vllm_omni.entrypoints.openai.media_fetch import count_upload, fetch_media
 from vllm_omni.entrypoints.openai.serving_base import (
     EventStream, ServingContext, as_api_error, engine_error, first_output, race_disconnect, set_final_status,
 )
@@ -138,16 +138,16 @@ class SpeechService:
         return prompt
 
     async def _reference_audio(self, value: str) -> Any:
-        """URLs under the server's media policy; anything else is taken for bare base64."""
+        """URLs through the media gate; anything else is taken for bare base64."""
         if value.startswith(("data:", "http://", "https://", "file:")):
-            message = {"content": [{"type": "audio_url", "audio_url": value}]}
-            (resolved,) = await resolve_media([message], self.ctx.media)
-            return resolved["content"][0]["audio_url"]["url"]
+            return await fetch_media(value, "audio", self.ctx.media)
         try:
-            return base64.b64decode("".join(value.split()), validate=True)
+            data = base64.b64decode("".join(value.split()), validate=True)
         except ValueError:
             raise APIError(400, "ref_audio must be an http(s) URL, a data URL or base64 audio", param="ref_audio") \
                 from None
+        count_upload(len(data), self.ctx.media)
+        return data
 
     async def create(self, body: SpeechRequest, raw: Request) -> Any:
         ctx, arrived = self.ctx, time.monotonic()
