@@ -12,11 +12,20 @@ import zmq
 from vllm_omni.engine.messages import StageOutputBatch, StatsRequest
 from vllm_omni.stage_io import StageOutput, StageRequest
 from vllm_omni.engine.transport import (
-    OrchestratorChannel, WorkerChannel, make_ipc_dir, stage_addresses, sweep_shared_memory,
+    LinkGuard, OrchestratorChannel, WorkerChannel, make_ipc_dir, stage_addresses, sweep_shared_memory,
 )
 from vllm_omni.sampling_params import SamplingParams
 
 PREFIX = f"vomni-test-{os.getpid()}-"
+ORCH, WORKER = f"{PREFIX}o-", f"{PREFIX}w-"  # each side names its segments; each accepts the other's
+
+
+def orchestrator_channel(ctx, in_addr, out_addr):
+    return OrchestratorChannel(ctx, in_addr, out_addr, 1024, ORCH, LinkGuard(accept_shm_prefix=WORKER))
+
+
+def worker_channel(ctx, in_addr, out_addr):
+    return WorkerChannel(ctx, in_addr, out_addr, 1024, WORKER, LinkGuard(accept_shm_prefix=ORCH))
 
 
 def shm_segments():
@@ -34,8 +43,8 @@ def ipc_dir():
 def channels(ipc_dir):
     ctx = zmq.Context()
     in_addr, out_addr = stage_addresses(ipc_dir, 0)
-    orch = OrchestratorChannel(ctx, in_addr, out_addr, 1024, PREFIX)
-    worker = WorkerChannel(ctx, in_addr, out_addr, 1024, PREFIX)
+    orch = orchestrator_channel(ctx, in_addr, out_addr)
+    worker = worker_channel(ctx, in_addr, out_addr)
     yield orch, worker
     orch.close()
     worker.close()
@@ -96,10 +105,10 @@ def test_unreceived_segments_are_swept(channels):
 def test_messages_sent_before_the_worker_binds_are_delivered(ipc_dir):
     ctx = zmq.Context()
     in_addr, out_addr = stage_addresses(ipc_dir, 1)
-    orch = OrchestratorChannel(ctx, in_addr, out_addr, 1024, PREFIX)
+    orch = orchestrator_channel(ctx, in_addr, out_addr)
     orch.send_nowait(StatsRequest(1))  # queued: no worker yet
     assert asyncio.run(orch.recv(10)) is None
-    worker = WorkerChannel(ctx, in_addr, out_addr, 1024, PREFIX)
+    worker = worker_channel(ctx, in_addr, out_addr)
     assert worker.recv(5000) == StatsRequest(1)
     orch.close()
     worker.close()
