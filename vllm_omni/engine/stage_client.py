@@ -122,6 +122,7 @@ class StageClient:
         self.launcher.start(on_exit=self._on_exit)
         self.pid = self.launcher.pid
         self._reader = loop.create_task(self._read_loop(), name=f"{self.name} reader")
+        self._reader.add_done_callback(self._reader_ended)
 
     async def wait_ready(self, deadline: float, what: str) -> None:
         """Wait for StageReady until `deadline` (time.monotonic); `what` names the limit."""
@@ -240,26 +241,32 @@ class StageClient:
             self._fall_silent(silent)
         elif (self.silent or (self.state == StageState.STARTING and self.heartbeats_from_start)) \
                 and silent >= HANG_FACTOR * self.heartbeat_timeout_s:
-            self.mark_down(f"no heartbeat for {silent:.1f}s (deadline {self.heartbeat_timeout_s}s): hung, killed")
+            since = "since it started" if self._last_heard is None else f"(deadline {self.heartbeat_timeout_s}s)"
+            self.mark_down(f"no heartbeat for {silent:.1f}s {since}: hung, killed")
 
     async def _read_loop(self) -> None:
-        try:
-            while self.state != StageState.STOPPED:
-                wait_ms = max(1, int(self._next_check(time.monotonic()) * 1000) + 1)
-                msg = await self.channel.recv(wait_ms)
-                now = time.monotonic()
-                if msg is None:
-                    self._check_liveness(now)
-                    continue
-                if self.silent:
-                    self._revive(now - (self._last_heard or now))
-                self._last_heard = now
-                self._dispatch(msg)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - whatever ended the reader, the stage is not listened to
-            logger.exception("%s: its reader failed", self.name)
-            self.mark_down(f"its reader failed: {type(e).__name__}: {e}")
+        while self.state != StageState.STOPPED:
+            wait_ms = max(1, int(self._next_check(time.monotonic()) * 1000) + 1)
+            msg = await self.channel.recv(wait_ms)
+            now = time.monotonic()
+            if msg is None:
+                self._check_liveness(now)
+                continue
+            if self.silent:
+                self._revive(now - (self._last_heard or now))
+            self._last_heard = now
+            self._dispatch(msg)
+
+    def _reader_ended(self, task: asyncio.Task[None]) -> None:
+        """Only close() ends the reader; if anything else does (a bug, a broken socket, a stray
+        cancel), the stage is not listened to any more: DOWN, not a silent UP."""
+        if self.state == StageState.STOPPED:
+            return
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            logger.error("%s: its reader failed", self.name, exc_info=error)
+        why = f"{type(error).__name__}: {error}" if error is not None else "it was cancelled"
+        self.mark_down(f"its reader failed: {why}")
 
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, Heartbeat):
