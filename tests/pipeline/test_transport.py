@@ -180,12 +180,16 @@ def test_tensors_whose_sizes_do_not_add_up_are_dropped(shape, payload, reason):
     from vllm_omni.engine.transport import DroppedMessage, MessageCodec
 
     ref = msgspec.msgpack.Ext(1, msgspec.msgpack.encode(["torch.float32", shape, 1, ""]))
-    header = msgspec.msgpack.encode({"type": "outputs", "stage_id": 0,
-                                     "outputs": [{"request_id": "a", "multimodal_output": {"x": ref}}]})
+    header = msgspec.msgpack.encode({"type": "outputs", "stage_id": 0, "outputs": [
+        {"request_id": "a", "finished": True, "multimodal_output": {"x": ref}}]})
     receiver = MessageCodec(StageOutputBatch, 16, ORCH, LinkGuard(max_message_bytes=8192))
     with pytest.raises(DroppedMessage) as e:
         receiver.decode([zmq.Frame(header), zmq.Frame(payload)])
     assert e.value.reason == reason
+    ref = msgspec.msgpack.Ext(1, msgspec.msgpack.encode(["torch.float32", [2], 1, ""]))  # the same, well-formed
+    good = header.replace(msgspec.msgpack.encode(msgspec.msgpack.Ext(1, msgspec.msgpack.encode(
+        ["torch.float32", shape, 1, ""]))), msgspec.msgpack.encode(ref))
+    assert receiver.decode([zmq.Frame(good), zmq.Frame(b"\x00" * 8)]).outputs[0].multimodal_output["x"].shape == (2,)
 
 
 def test_a_sender_refuses_a_message_over_the_cap():
