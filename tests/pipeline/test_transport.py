@@ -198,7 +198,9 @@ def test_a_sender_refuses_a_message_over_the_cap():
     codec = MessageCodec(StageOutputBatch, 1 << 20, WORKER, LinkGuard(max_message_bytes=4096))
     with pytest.raises(ValueError, match="--omni-max-message-bytes"):
         codec.encode(StageOutputBatch(0, [StageOutput(request_id="a", finished=True, multimodal_output={"x": torch.zeros(2048)})]))
-    assert shm_segments() == []
+    assert shm_segments() == []  # the segment made for it went with it
+    with pytest.raises(ValueError, match="--omni-max-message-bytes"):  # the header alone, too
+        codec.encode(StageOutputBatch(0, [StageOutput(request_id="a", finished=True, new_token_ids=[7] * 5000)]))
 
 
 def test_garbage_in_a_stage_inbox_is_dropped_and_the_worker_reads_on(ipc_dir):

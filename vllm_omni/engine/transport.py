@@ -115,10 +115,7 @@ class MessageCodec:
         self._out_bytes = 0
         try:
             header = self._encoder.encode(msg)
-            total = len(header) + self._out_bytes
-            if total > self.guard.max_message_bytes:
-                raise ValueError(f"a {type(msg).__name__} of {total} bytes exceeds the stage links' message size "
-                                 f"limit of {self.guard.max_message_bytes} bytes (--omni-max-message-bytes)")
+            self._check_size(len(header) + self._out_bytes)
             return [header, *self._out_frames]
         except BaseException:
             # A message that fails halfway must not leave the segments of its earlier tensors.
@@ -141,15 +138,18 @@ class MessageCodec:
         raw = t.reshape(-1).view(torch.uint8)
         nbytes = raw.numel()
         self._out_bytes += nbytes
-        if self._out_bytes > self.guard.max_message_bytes:
-            raise ValueError(f"the message's tensors exceed the stage links' message size limit of "
-                             f"{self.guard.max_message_bytes} bytes (--omni-max-message-bytes)")
+        self._check_size(self._out_bytes)  # before a tensor over the limit is copied anywhere
         if nbytes >= self.shm_threshold_bytes and nbytes > 0:
             ref = [str(t.dtype), shape, -1, self._to_shm(raw)]
         else:
             self._out_frames.append(raw.numpy())  # zero-copy buffer; zmq keeps it alive until sent
             ref = [str(t.dtype), shape, len(self._out_frames), ""]
         return msgspec.msgpack.Ext(_TENSOR_EXT, msgspec.msgpack.encode(ref))
+
+    def _check_size(self, nbytes: int) -> None:
+        if nbytes > self.guard.max_message_bytes:
+            raise ValueError(f"a message of {nbytes} bytes or more exceeds the stage links' message size limit of "
+                             f"{self.guard.max_message_bytes} bytes (--omni-max-message-bytes)")
 
     def _to_shm(self, raw: torch.Tensor) -> str:
         name = f"{self.shm_prefix}{uuid.uuid4().hex[:16]}"
