@@ -74,6 +74,10 @@ def test_the_secret_comes_from_the_environment_or_a_private_file(tmp_path, monke
     assert zmq.curve_public(KEYS.server_secret) == KEYS.server_public
 
 
+# Should a check regress, these commands would start for real: the timeouts make them fail fast.
+FAIL_FAST = ["--init-timeout", "1", "--stage-init-timeout", "1", "--port", "0"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--stage-id", "0", "-oma", "0.0.0.0", "-omp", "26000"],
      "refusing to listen for stage traffic on 0.0.0.0 (--omni-master-address) without a cluster secret"),
@@ -82,7 +86,7 @@ def test_the_secret_comes_from_the_environment_or_a_private_file(tmp_path, monke
 ])
 def test_stages_listen_beyond_loopback_only_with_a_secret(capsys, monkeypatch, argv, message):
     monkeypatch.delenv(SECRET_ENV, raising=False)
-    assert main(["serve", *argv]) == 2
+    assert main(["serve", *argv, *FAIL_FAST]) == 2
     err = capsys.readouterr().err
     assert message in err and SECRET_ENV in err and "--omni-secret-file" in err
     monkeypatch.setenv(SECRET_ENV, SECRET)  # with one, the same flags pass the check
@@ -98,7 +102,7 @@ def test_a_secret_file_others_can_read_is_refused_at_startup(capsys, tmp_path):
     path.write_text(SECRET)
     path.chmod(0o640)
     argv = ["serve", "--stage-id", "0", "-oma", "127.0.0.1", "-omp", "26000", "--omni-secret-file", str(path)]
-    assert main(argv) == 2
+    assert main([*argv, *FAIL_FAST]) == 2
     assert "has mode 0640" in capsys.readouterr().err
 
 
@@ -182,9 +186,9 @@ def test_a_registration_flood_is_rate_limited_and_capped_and_a_real_stage_still_
         assert all(r.retry_after_s is not None for r in replies if isinstance(r, Refused))
         counts = drops(head)
         assert counts[("registration", "", "rate_limited")] >= 250 and counts[("registration", "1", "replica_cap")] >= 1
-        # The flood's replicas never send a heartbeat: they are down after the hang deadline and a
-        # real stage, retrying, takes a slot.
-        link = MasterLink.register(worker_ctx, attach(head.port, keys=KEYS), 1, INBOX, timeout_s=60.0)
+        # The flood's replicas never send a heartbeat: they are down after the hang deadline (3 s
+        # here), long before their stage_init_timeout (30 s), and a real stage, retrying, takes a slot.
+        link = MasterLink.register(worker_ctx, attach(head.port, keys=KEYS), 1, INBOX, timeout_s=20.0)
         assert link.accepted.replica < 4 and len(head.pools[1].replicas) == 4
         link.close("stopped")
     finally:
