@@ -221,3 +221,17 @@ def test_one_byte_to_a_replica_output_port_does_not_stop_its_reader(worker_ctx):
         link.close("stopped")
     finally:
         head.close()
+
+
+def test_a_registration_reader_that_dies_takes_its_replicas_down(worker_ctx):
+    head = Head(free_port())
+    head.call(head.master.start())
+    try:
+        link = MasterLink.register(worker_ctx, attach(head.port), 1, INBOX, timeout_s=10.0)
+        client = head.pools[1].replicas[0]
+        head.on_loop(head.master._task.cancel)  # as if it had died: nothing answers pings any more
+        assert wait_until(lambda: client.state == StageState.DOWN, 5.0)
+        assert client.reason == "the head's registration socket failed: its reader was cancelled"
+        link.close("stopped")
+    finally:
+        head.close()
