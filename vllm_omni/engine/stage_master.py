@@ -209,12 +209,15 @@ class StageMaster:
                 logger.exception("the registration socket could not handle a %s", type(msg).__name__)
 
     def _served(self, task: asyncio.Task[None]) -> None:
-        """The registration reader ended: on its own only by a bug. Its replicas can no longer be
-        pinged, so they are marked down (and /health says why) instead of failing later, silently."""
-        if task.cancelled() or task.exception() is None:
+        """Only close() ends the registration reader; if anything else does (a bug, a stray cancel),
+        its replicas can no longer be pinged: they are marked down, and /health says why, instead
+        of failing later, silently."""
+        if self._closing:
             return
-        reason = f"the head's registration socket failed: {type(task.exception()).__name__}: {task.exception()}"
-        logger.error("%s", reason, exc_info=task.exception())
+        error = None if task.cancelled() else task.exception()
+        reason = "the head's registration socket failed: " + (f"{type(error).__name__}: {error}" if error is not None
+                                                              else "its reader was cancelled")
+        logger.error("%s", reason, exc_info=error)
         for pool in self.pools.values():
             for client in pool.clients():
                 if self.is_remote(client):
