@@ -17,7 +17,7 @@ import time
 import pytest
 import zmq
 
-from tests.headless.test_headless_stages import NAME, READY_S, SPEECH, TEXT, Cluster, Headless, answer, head_args
+from tests.headless.test_headless_stages import READY_S, SPEECH, TEXT, Cluster, Headless, answer, head_args
 from tests.pipeline.conftest import wait_until
 from tests.server.conftest import ServerProcess
 
