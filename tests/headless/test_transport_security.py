@@ -235,3 +235,17 @@ def test_a_registration_reader_that_dies_takes_its_replicas_down(worker_ctx):
         link.close("stopped")
     finally:
         head.close()
+
+
+def test_a_registration_that_cannot_be_attached_holds_no_slot(worker_ctx):
+    head = Head(free_port(), MasterLimits(max_replicas_per_stage=1))
+    head.call(head.master.start())
+    try:
+        for _ in range(3):  # an inbox zmq cannot connect to: refused, and the stage's one slot stays free
+            with pytest.raises(RegistrationRefused, match="could not attach it"):
+                MasterLink.register(worker_ctx, attach(head.port), 1, "tcp://no port", timeout_s=10.0)
+        link = MasterLink.register(worker_ctx, attach(head.port), 1, INBOX, timeout_s=10.0)
+        assert link.accepted.replica == 0
+        link.close("stopped")
+    finally:
+        head.close()

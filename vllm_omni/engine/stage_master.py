@@ -258,7 +258,7 @@ class StageMaster:
             logger.error("refused a headless stage %d (%s): %s", reg.stage_id, where, problem)
             return Refused(problem)
         pool = self.pools[reg.stage_id]
-        replica = await self._free_slot(pool)
+        replica = self._free_slot(pool)
         if replica is None:
             self._drop("replica_cap", f"stage {reg.stage_id} has {pool.num_replicas} replicas, the most "
                                       f"--omni-max-replicas-per-stage allows ({where})", str(reg.stage_id))
@@ -267,6 +267,7 @@ class StageMaster:
         guard = LinkGuard(keys=self.limits.keys, max_message_bytes=self.limits.max_message_bytes,
                           counter=self.drops, stage=str(reg.stage_id))
         channel = OrchestratorChannel(self._ctx, reg.inbox, tcp(self.host, "*"), INLINE_ONLY, "", guard)
+        await self._take_slot(pool, replica)  # only now: a registration that fails above holds no slot
         session = uuid.uuid4().hex
         launcher = RemoteLauncher(self, session, reg)
         client = self._make_client(reg.stage_id, replica, launcher, channel)
@@ -295,18 +296,22 @@ class StageMaster:
                     "(the head's log shows both pipelines)")
         return None
 
-    async def _free_slot(self, pool: StagePool) -> int | None:
+    def _free_slot(self, pool: StagePool) -> int | None:
         """The slot of a headless replica of this stage that went down, else a new one (None: the
         stage has its maximum of replicas)."""
         for replica, client in enumerate(pool.replicas):
             # A silent one too: if it speaks again, its session is gone and it exits.
             if self.is_remote(client) and client.state in (StageState.DOWN, StageState.STOPPED):
-                await client.close(0.0)  # its reader and sockets
                 return replica
-        if pool.num_replicas >= self.limits.max_replicas_per_stage:
-            return None
-        pool.replicas.append(None)
-        return pool.num_replicas - 1
+        return pool.num_replicas if pool.num_replicas < self.limits.max_replicas_per_stage else None
+
+    async def _take_slot(self, pool: StagePool, replica: int) -> None:
+        if replica == pool.num_replicas:
+            pool.replicas.append(None)
+            return
+        old = pool.replicas[replica]
+        assert old is not None
+        await old.close(0.0)  # its reader and sockets
 
     async def _await_ready(self, client: StageClient) -> None:
         limit = self._stage_init_timeout_s

@@ -328,10 +328,14 @@ class WorkerChannel:
         # Outputs already produced are worth flushing on shutdown, for a bounded time.
         _configure(self.inbox, 0)
         _configure(self.outbox, 2000)
-        # Bound before StageReady is sent, so the orchestrator's queue drains here.
-        self._watch = _bind_server(ctx, self.inbox, in_addr, self.guard, "inbox")
-        if out_addr is not None:
-            self.connect_outbox(out_addr)
+        try:
+            # Bound before StageReady is sent, so the orchestrator's queue drains here.
+            self._watch = _bind_server(ctx, self.inbox, in_addr, self.guard, "inbox")
+            if out_addr is not None:
+                self.connect_outbox(out_addr)
+        except BaseException:  # an open socket would block the context's end
+            self.close()
+            raise
         self.codec = MessageCodec(ToWorker, shm_threshold_bytes, shm_prefix, self.guard)
 
     @property
@@ -383,8 +387,12 @@ class OrchestratorChannel:
         _configure(self.from_worker, 0)
         # Retry the connect quickly: the worker binds only once its process is up.
         self.to_worker.setsockopt(zmq.RECONNECT_IVL, 20)
-        _connect_client(self.to_worker, in_addr, self.guard)
-        self._watch = _bind_server(ctx, self.from_worker, out_addr, self.guard, "outputs")
+        try:
+            _connect_client(self.to_worker, in_addr, self.guard)
+            self._watch = _bind_server(ctx, self.from_worker, out_addr, self.guard, "outputs")
+        except BaseException:  # e.g. an address zmq refuses: an open socket would block the context's end
+            self.close()
+            raise
         self.codec = MessageCodec(FromWorker, shm_threshold_bytes, shm_prefix, self.guard)
 
     @property
