@@ -7,11 +7,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from vllm_omni.config.stage_config import PipelineConfig
+from vllm_omni.engine.cluster_secret import load_cluster_keys
 from vllm_omni.engine.load_balancer import DEFAULT_LB_POLICY
 from vllm_omni.engine.orchestrator import RuntimeOptions
 from vllm_omni.engine.request_plan import available_modalities
 from vllm_omni.engine.runtime import OmniRuntime
 from vllm_omni.engine.stage_client import StageHealth
+from vllm_omni.engine.transport_guard import (
+    DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_REPLICAS_PER_STAGE, DEFAULT_REGISTRATION_RATE, DropKey,
+)
 from vllm_omni.multimodal.media_policy import TRUSTED, MediaPolicy
 
 _Self = TypeVar("_Self", bound="OmniBase")
@@ -48,8 +52,8 @@ def load_pipeline(model: str, stage_configs_path: str | None, deploy_config: str
 class OmniBase:
     """Starts the pipeline (stages load their models, so this blocks).
 
-    `heartbeat_timeout`: seconds of silence after which a stage is declared hung, killed and
-    restarted; `max_stage_restarts`: restarts of a failed stage before it stays down (0: never).
+    `heartbeat_timeout`: seconds of silence after which a stage is declared down (its requests fail;
+    it is back at once if it speaks again; killed and restarted after 3x as long); `max_stage_restarts`: restarts of a failed stage before it stays down (0: never).
     `lb_policy` (random, round-robin, least-queue-length): which replica of a stage with several
     (`num_replicas=N` for every stage, or runtime.num_replicas per stage) takes a new request.
 
@@ -63,7 +67,11 @@ class OmniBase:
     own (docs/deployment.md, "Ray").
 
     The stage-based CLI (docs/deployment.md): `stage_id` launches that stage only (engine
-    arguments apply to it alone); headless stages register at `master_address:master_port`.
+    arguments apply to it alone); headless stages register at `master_address:master_port`. Their
+    links are authenticated and encrypted with the cluster secret (`omni_secret_file`, else the
+    environment variable VLLM_OMNI_SECRET; without one the master listens on loopback only), and
+    capped: `max_message_bytes` per message, `max_replicas_per_stage`, `registration_rate` per
+    second (docs/operations.md, "Security: the stage transport").
 
     `media_policy`: where the media of prompts may come from and how much they may decode to
     (multimodal/media_policy.py; TRUSTED: any file or address, the default decode limits)."""
@@ -80,7 +88,7 @@ class OmniBase:
         log_stats: bool = False,
         output_modalities: Sequence[str] | None = None,
         async_chunk: bool | None = None,
-        heartbeat_timeout: float = 5.0,
+        heartbeat_timeout: float = 3.0,
         max_stage_restarts: int = 3,
         lb_policy: str = DEFAULT_LB_POLICY,
         worker_backend: str = "multi_process",
@@ -89,6 +97,10 @@ class OmniBase:
         master_address: str | None = None,
         master_port: int | None = None,
         media_policy: MediaPolicy = TRUSTED,
+        omni_secret_file: str | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_replicas_per_stage: int = DEFAULT_MAX_REPLICAS_PER_STAGE,
+        registration_rate: float = DEFAULT_REGISTRATION_RATE,
         **engine_args: Any,
     ) -> None:
         model = os.fspath(model)
@@ -101,7 +113,11 @@ class OmniBase:
                                  heartbeat_timeout_s=float(heartbeat_timeout),
                                  max_stage_restarts=int(max_stage_restarts), lb_policy=lb_policy,
                                  worker_backend=worker_backend, ray_address=ray_address, local_stage=stage_id,
-                                 master_address=master_address, master_port=master_port)
+                                 master_address=master_address, master_port=master_port,
+                                 cluster_keys=load_cluster_keys(omni_secret_file) if master_address else None,
+                                 max_message_bytes=int(max_message_bytes),
+                                 max_replicas_per_stage=int(max_replicas_per_stage),
+                                 registration_rate=float(registration_rate))
         self._runtime = OmniRuntime(pipeline, model, options, output_modalities, media_policy)
 
     @property
@@ -119,6 +135,11 @@ class OmniBase:
     def stage_health(self) -> list[StageHealth]:
         """UP/DOWN (+ reason) per stage, for /health."""
         return self._runtime.health()
+
+    def transport_drops(self) -> dict[DropKey, int]:
+        """What this process's ends of the stage links dropped (by socket, stage, reason), for /metrics;
+        the stages' own counts come with their stats."""
+        return self._runtime.orchestrator.fleet.transport_drops()
 
     def close(self) -> None:
         self._runtime.close()

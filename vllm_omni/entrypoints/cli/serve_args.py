@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni.config.schema import DIFFUSION_FIELDS
+from vllm_omni.entrypoints.cli import stage_cli
 from vllm_omni.entrypoints.openai import input_limits
 from vllm_omni.entrypoints.openai.chat_options import parse_mm_limits
 from vllm_omni.entrypoints.openai.realtime import limits as realtime_limits
@@ -99,9 +100,11 @@ OMNI_FLAGS: tuple[Flag, ...] = (
        default=1),
     _f("--omni-lb-policy", "Per-stage load-balancing policy: which UP replica of a stage takes a new request.",
        choices=("random", "round-robin", "least-queue-length"), default="random"),
-    _f("--omni-heartbeat-timeout", "Seconds without a heartbeat before a stage is declared hung, killed and "
-       "restarted. (Spec 001 documents 30.0; stages here send a heartbeat every second from a thread of their own, "
-       "so a few seconds detect a frozen stage without mistaking a long step for one.)", type=float, default=5.0),
+    _f("--omni-heartbeat-timeout", "Seconds without a heartbeat before a stage is declared down (its requests "
+       "fail, /health answers 503); one that speaks again is back at once, one still silent after 3x as long is "
+       "killed and restarted. (Spec 001 documents 30.0; stages here send a heartbeat 4 times per timeout, at most "
+       "every second, from a thread of their own, so a few seconds detect a frozen stage without mistaking a long "
+       "step for one.)", type=float, default=3.0),
     _f("--num-gpus", "Number of GPUs to use for diffusion model inference.", _DIFFUSION, type=int, default=None),
     _f("--model-class-name", "Override the diffusion pipeline class name (a native pipeline such as "
        "QwenImagePipeline, or with --diffusion-load-format diffusers any diffusers pipeline class).", default=None),
@@ -255,6 +258,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(*flag.names, dest=flag.dest, help=help_text, **flag.kwargs)
     input_limits.add_arguments(parser)
     realtime_limits.add_arguments(parser)
+    stage_cli.add_arguments(parser)
 
 
 def refused_flags(args: argparse.Namespace) -> list[str]:
