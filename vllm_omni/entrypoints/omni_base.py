@@ -115,6 +115,11 @@ class OmniBase:
         """UP/DOWN (+ reason) per stage, for /health."""
         return self._runtime.health()
 
+    def stage_info(self, stage_id: int) -> Mapping[str, Any]:
+        """What stage `stage_id` reported when it came up: its engine's describe() (device,
+        model settings; a video model's frame rate). Empty until a replica is up."""
+        return self._runtime.orchestrator.pools[stage_id].info
+
     def close(self) -> None:
         self._runtime.close()
 

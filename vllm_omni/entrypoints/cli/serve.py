@@ -122,6 +122,7 @@ def serve(args: argparse.Namespace) -> int:
         chat = ChatOptions(chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
                            limit_mm_per_prompt=args.limit_mm_per_prompt or {},
                            audio_stream_shape=args.audio_stream_shape)
+        video = serve_args.video_store.from_args(args)
         sock = bind_socket(args.host, args.port)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -140,7 +141,7 @@ def serve(args: argparse.Namespace) -> int:
         admission_timeout_s=args.batch_timeout, max_request_bytes=args.max_request_bytes,
         uvicorn_log_level=args.uvicorn_log_level, realtime=serve_args.realtime_limits.from_args(args),
         chat=chat, log_requests=args.enable_log_requests, max_prompts_per_request=args.max_prompts_per_request,
-        shutdown_timeout_s=args.shutdown_timeout,
+        shutdown_timeout_s=args.shutdown_timeout, video=video,
         **({"tts_max_instructions_length": args.tts_max_instructions_length}
            if args.tts_max_instructions_length is not None else {}),
     )

@@ -21,6 +21,7 @@ from vllm_omni.entrypoints.openai.prompt_limits import PromptLimit
 from vllm_omni.entrypoints.openai.realtime.limits import RealtimeLimits
 from vllm_omni.entrypoints.openai.serving_base import PipelineShape, ServingContext
 from vllm_omni.entrypoints.openai.serving_speech import DEFAULT_MAX_INSTRUCTIONS
+from vllm_omni.entrypoints.openai.video_store import VideoStoreOptions
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class ServerSettings:
     log_requests: bool = False  # --enable-log-requests (the access log reads it)
     max_prompts_per_request: int = 32
     shutdown_timeout_s: float = 30.0
+    video: VideoStoreOptions = field(default_factory=VideoStoreOptions)  # --video-store-dir, --video-ttl-s, ...
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -82,7 +84,8 @@ def run_server(engine: Any, settings: ServerSettings, sock: socket.socket) -> No
 
     ctx = build_context(engine, settings)
     app = build_app(ctx, api_key=settings.api_key, max_request_bytes=settings.max_request_bytes,
-                    realtime=settings.realtime, tts_max_instructions_length=settings.tts_max_instructions_length)
+                    realtime=settings.realtime, tts_max_instructions_length=settings.tts_max_instructions_length,
+                    video=settings.video)
     # log_config=None: uvicorn logs through the root logger, so --log-file and our format apply.
     config = uvicorn.Config(app, log_level=settings.uvicorn_log_level, log_config=None,
                             timeout_graceful_shutdown=ANSWER_AFTER_CLOSE_S,
