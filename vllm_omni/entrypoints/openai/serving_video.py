@@ -67,7 +67,7 @@ class VideoService:
         info = self.ctx.engine.stage_info(self.stage.stage_id)
         fps = body.fps or info.get("fps", DEFAULT_FPS)
         frames = body.frame_count(fps, info.get("frame_step", DEFAULT_FRAME_STEP))
-        params = self._params(body, frames)
+        params = self._params(body, frames, info.get("size_multiple", 1))
         prompt: dict[str, Any] = {"prompt": body.prompt}
         if body.negative_prompt is not None:
             prompt["negative_prompt"] = body.negative_prompt
@@ -155,12 +155,16 @@ class VideoService:
             raise APIError(500, "the pipeline ended the request without a video")
         return video[0]
 
-    def _params(self, body: VideoRequest, frames: int) -> DiffusionSamplingParams:
+    def _params(self, body: VideoRequest, frames: int, size_multiple: int) -> DiffusionSamplingParams:
         try:
             params = self.stage.new_sampling_params(**body.param_changes(frames))
         except ValueError as e:
             name = next((f for f in DiffusionSamplingParams.__struct_fields__ if f".{f}=" in str(e)), None)
-            raise APIError(400, str(e), param=_API_NAME.get(name, name)) from None
+            message = f"size {body.size!r}: {e}" if name in _API_NAME else str(e)
+            raise APIError(400, message, param=_API_NAME.get(name, name)) from None
+        if params.width and params.height and (params.width % size_multiple or params.height % size_multiple):
+            raise APIError(400, f"size {params.width}x{params.height} is invalid for this model: width and height "
+                                f"must be multiples of {size_multiple}", param="size")
         limit = self.stage.engine_args.max_generated_image_size
         if limit is not None and params.height and params.width and params.height * params.width > limit:
             raise APIError(400, f"size {params.width}x{params.height} ({params.width * params.height} pixels) is over "

@@ -77,6 +77,11 @@ class WanModel:
     def fps(self) -> int:
         return FPS_TI2V if self.c.expand_timesteps else FPS_A14B
 
+    @property
+    def size_multiple(self) -> int:
+        """Heights and widths are multiples of a latent patch: 16 pixels (A14B), 32 (TI2V-5B's VAE)."""
+        return self.spatial * self.c.transformers[0].config.patch_size[1]
+
     # --- one request -----------------------------------------------------------------------
     def prepare(self, request: StageRequest, params: DiffusionSamplingParams) -> WanRequest:
         text = diffusion_inputs.prompt_text(request)
@@ -118,10 +123,10 @@ class WanModel:
     def _size(self, params: DiffusionSamplingParams) -> tuple[int, int, int]:
         height, width = params.height or DEFAULT_HEIGHT, params.width or DEFAULT_WIDTH
         frames = params.num_frames or DEFAULT_NUM_FRAMES
-        multiple = self.spatial * self.c.transformers[0].config.patch_size[1]
         for name, value in (("height", height), ("width", width)):
-            if value % multiple:
-                raise ValueError(f"{name}={value} is invalid for this model: must be a multiple of {multiple}")
+            if value % self.size_multiple:
+                raise ValueError(f"{name}={value} is invalid for this model: must be a multiple of "
+                                 f"{self.size_multiple}")
         if (frames - 1) % self.temporal:
             raise ValueError(f"num_frames={frames} is invalid: must be {self.temporal}k + 1 (e.g. 81)")
         return height, width, frames
@@ -213,7 +218,8 @@ class WanModel:
                 "transformer_layers": t.config.num_layers, "experts": len(self.c.transformers),
                 "boundary_ratio": self.c.boundary_ratio,
                 # What a video API needs before a request runs (entrypoints/openai/serving_video.py).
-                "fps": self.fps, "frame_step": self.temporal, "default_size": f"{DEFAULT_WIDTH}x{DEFAULT_HEIGHT}",
+                "fps": self.fps, "frame_step": self.temporal, "size_multiple": self.size_multiple,
+                "default_size": f"{DEFAULT_WIDTH}x{DEFAULT_HEIGHT}",
                 "image_input": "required" if self.c.needs_image else "optional" if self.c.takes_image else "none",
                 "dtype": str(t.dtype).removeprefix("torch."), "cpu_offload": self.offload,
                 **self.acceleration.describe(self.device)}
