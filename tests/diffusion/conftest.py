@@ -124,21 +124,9 @@ WAN_SIZES = {"a14b": dict(height=32, width=48), "i2v": dict(height=32, width=48)
 
 
 @dataclass
-class WanCase:
-    """One video request, as our engine gets it and as diffusers' Wan pipeline is called with it."""
-
-    request_id: str
-    prompt: str
-    negative: str | None = None
-    image: torch.Tensor | None = None  # uint8 [H, W, 3]: the first frame
-    params: dict[str, Any] = field(default_factory=dict)
-
-    def request(self) -> StageRequest:
-        info = {"negative_prompt": self.negative} if self.negative is not None else {}
-        mm = {"image": self.image} if self.image is not None else None
-        return StageRequest(request_id=self.request_id, prompt_token_ids=[], prompt=self.prompt,
-                            sampling_params=DiffusionSamplingParams(**self.params), additional_information=info,
-                            multi_modal_data=mm)
+class WanCase(Case):
+    """One video request (`image`: its first frame), as our engine gets it and as diffusers' Wan
+    pipeline is called with it."""
 
     def reference(self, pipes: dict[str, Any]) -> torch.Tensor:
         """diffusers' frames [n, F, 3, H, W]; `pipes`: the layout's {"t2v": ..., "i2v": ...}."""

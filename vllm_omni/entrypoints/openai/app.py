@@ -3,9 +3,9 @@
     app = build_app(ctx, api_key="secret")   # ctx: serving_base.ServingContext
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/audio/speech (text-to-speech
-models), POST /v1/images/generations and /v1/images/edits (diffusion models), GET
-/v1/audio/voices, /v1/videos (video models: create, list, retrieve, content, delete), GET /v1/models, GET /health (503 naming each stage that is down), GET
-/version, GET /metrics (Prometheus text format); the realtime WebSocket GET /v1/realtime, POST
+models), POST /v1/images/generations and /v1/images/edits (diffusion models), /v1/videos (video
+models: create, list, retrieve, content, delete), GET /v1/audio/voices, GET /v1/models, GET
+/health (503 naming each stage that is down), GET /version, GET /metrics (Prometheus text format); the realtime WebSocket GET /v1/realtime, POST
 /v1/audio/transcriptions and /v1/audio/translations, and the voice-chat page at / (static files
 under /static).
 With an API key, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise), as in

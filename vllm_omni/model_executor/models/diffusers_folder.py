@@ -8,14 +8,14 @@ keeping in float32 the parameters diffusers' loader keeps there (`_keep_in_fp32_
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from vllm_omni.model_executor.model_loader import default_dtype
 
 INDEX = "model_index.json"
 
@@ -43,7 +43,7 @@ def load_component(model_dir: Path, name: str, entry: list[str], device: torch.d
     if not dummy:
         return component_class(entry).from_pretrained(model_dir / name, dtype=dtype).to(device).eval()
     cls = component_class(entry)
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), default_dtype(dtype):  # a 20B model never exists in float32
         if entry[0] == "diffusers":
             model = cls.from_config(cls.load_config(model_dir / name))
         else:
@@ -71,12 +71,9 @@ def _keep_in_float32(model: torch.nn.Module, names: list[str] | None) -> None:
             param.data = param.data.float()
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    # Parameters are created in the target dtype: a 20B transformer never exists in float32.
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
+def set_vae_options(vae: Any, slicing: bool, tiling: bool) -> None:
+    """diffusers' VAE slicing (one sample at a time) and tiling (large frames in tiles)."""
+    if slicing:
+        vae.enable_slicing()
+    if tiling:
+        vae.enable_tiling()

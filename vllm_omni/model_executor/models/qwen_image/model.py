@@ -20,6 +20,7 @@ import torch
 
 from vllm_omni.model_executor.models import diffusion_inputs
 from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
+from vllm_omni.model_executor.models.diffusers_folder import set_vae_options
 from vllm_omni.model_executor.models.diffusion_offload import visiting
 from vllm_omni.model_executor.models.qwen_image import denoiser
 from vllm_omni.model_executor.models.qwen_image.block import CompilableBlock
@@ -66,10 +67,7 @@ class QwenImageModel:
             if value is not None:
                 raise ValueError(f"{name}={value}: Qwen-Image has no such setting (video models only: Wan2.2)")
         components = load_components(model_path, device=device, dtype=dtype, dummy=dummy)
-        if vae_use_slicing:
-            components.vae.enable_slicing()
-        if vae_use_tiling:
-            components.vae.enable_tiling()
+        set_vae_options(components.vae, vae_use_slicing, vae_use_tiling)
         return cls(components, device=device, cpu_offload=cpu_offload, acceleration=acceleration)
 
     # --- one request -----------------------------------------------------------------------

@@ -20,6 +20,7 @@ import torch
 
 from vllm_omni.model_executor.models import diffusion_inputs
 from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
+from vllm_omni.model_executor.models.diffusers_folder import set_vae_options
 from vllm_omni.model_executor.models.diffusion_offload import Experts, visiting
 from vllm_omni.model_executor.models.diffusion_solvers import solver_for
 from vllm_omni.model_executor.models.wan2_2 import denoiser
@@ -67,10 +68,7 @@ class WanModel:
              flow_shift: float | None = None) -> WanModel:
         components = load_components(model_path, device=device, dtype=dtype, dummy=dummy,
                                      boundary_ratio=boundary_ratio, flow_shift=flow_shift)
-        if vae_use_slicing:
-            components.vae.enable_slicing()
-        if vae_use_tiling:
-            components.vae.enable_tiling()
+        set_vae_options(components.vae, vae_use_slicing, vae_use_tiling)
         return cls(components, device=device, cpu_offload=cpu_offload, acceleration=acceleration)
 
     @property
