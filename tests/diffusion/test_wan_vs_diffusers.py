@@ -110,3 +110,14 @@ def test_prompt_cleaning_and_padding_match_diffusers(wan_model, wan_pipes):
         theirs, _ = pipe.encode_prompt(text, do_classifier_free_guidance=False, max_sequence_length=512)
     assert ours.shape == theirs.shape == (1, 512, 16)
     assert torch.equal(ours, theirs)
+
+
+def test_the_diffusers_adapter_gets_the_frames_and_both_guidance_scales(wan_pipes):
+    """--diffusion-load-format diffusers: a request's num_frames and guidance_scale_2 reach the pipeline call."""
+    from vllm_omni.diffusion.diffusers_engine import DiffusersPipelineEngine
+
+    case = WanCase("d", "a cat", params=_params("a14b", num_inference_steps=2, guidance_scale=3.0,
+                                                 guidance_scale_2=1.5, seed=7))
+    video = video_of(run_engine(DiffusersPipelineEngine(wan_pipes("a14b")["t2v"], stage_id=0, device="cpu"),
+                                [case])["d"])
+    assert torch.equal(video, case.reference(wan_pipes("a14b")))
