@@ -48,9 +48,9 @@ def setup(request, tiny_model):
     folder = tiny_model("wan2_2", layout=layout)
     model = WanModel.load(folder, device=CUDA, dtype=dtype, acceleration=DenoiserAcceleration(compile=True))
     assert model.compiled
-    pipes = {"t2v": WanPipeline.from_pretrained(folder, torch_dtype=dtype).to(CUDA)}
+    pipes = {"t2v": WanPipeline.from_pretrained(folder, dtype=dtype).to(CUDA)}
     if layout == "ti2v":
-        pipes["i2v"] = WanImageToVideoPipeline.from_pretrained(folder, torch_dtype=dtype).to(CUDA)
+        pipes["i2v"] = WanImageToVideoPipeline.from_pretrained(folder, dtype=dtype).to(CUDA)
     for pipe in pipes.values():
         pipe.set_progress_bar_config(disable=True)
     return layout, dtype, model, pipes

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,14 +45,12 @@ def load_component(model_dir: Path, name: str, entry: list[str], device: torch.d
         return component_class(entry).from_pretrained(model_dir / name, dtype=dtype).to(device).eval()
     cls = component_class(entry)
     with torch.device(device), default_dtype(dtype):  # a 20B model never exists in float32
-        if entry[0] == "diffusers":
-            model = cls.from_config(cls.load_config(model_dir / name))
-        else:
+        if entry[0] != "diffusers":
             from transformers import AutoConfig
 
-            model = cls._from_config(AutoConfig.from_pretrained(model_dir / name), dtype=dtype)
-    model = model.to(dtype).eval()
-    _keep_in_float32(model, getattr(cls, "_keep_in_fp32_modules", None) if entry[0] == "diffusers" else None)
+            return cls._from_config(AutoConfig.from_pretrained(model_dir / name), dtype=dtype).to(dtype).eval()
+        model = cls.from_config(cls.load_config(model_dir / name)).eval()
+    _set_dtypes(model, dtype, cls._keep_in_fp32_modules or ())
     return model
 
 
@@ -61,14 +60,12 @@ def load_scheduler(model_dir: Path, entry: list[str], **overrides: Any) -> Any:
     return cls.from_config({**cls.load_config(model_dir / "scheduler"), **overrides})
 
 
-def _keep_in_float32(model: torch.nn.Module, names: list[str] | None) -> None:
-    """diffusers' from_pretrained rule: a parameter whose dotted name has one of `names` as a
-    part stays float32 whatever the model's dtype."""
-    if not names:
-        return
+def _set_dtypes(model: torch.nn.Module, dtype: torch.dtype, keep_in_float32: Sequence[str]) -> None:
+    """diffusers' from_pretrained rule: parameters in `dtype`, except those with a name part in
+    keep_in_float32; buffers stay as the model made them (Wan's RoPE tables: float64)."""
     for name, param in model.named_parameters():
-        if any(part in names for part in name.split(".")):
-            param.data = param.data.float()
+        keep = any(part in keep_in_float32 for part in name.split("."))
+        param.data = param.data.to(torch.float32 if keep else dtype)
 
 
 def set_vae_options(vae: Any, slicing: bool, tiling: bool) -> None:
