@@ -104,3 +104,22 @@ def _diffusers_velocity(model: WanModel, r: DiffusionRequest, step: int) -> torc
     uncond = transformer(hidden_states=batch.hidden_states, timestep=batch.timestep,
                          encoder_hidden_states=p.negative, return_dict=False)[0]
     return uncond + p.cfg_scales[step] * (cond - uncond)
+
+
+def test_cpu_offload_keeps_only_the_running_expert_on_the_gpu(tiny_model):
+    """enable_cpu_offload: the same video, with the idle expert (and the text encoder, the VAE) on the CPU."""
+    folder = tiny_model("wan2_2", layout="a14b")
+    case = CASES["a14b"][0]
+    videos, resident = {}, []
+    for offload in (False, True):
+        model = WanModel.load(folder, device=CUDA, dtype=torch.float32, cpu_offload=offload)
+        engine = DiffusionEngine(model, stage_id=0, max_batch_size=1, device="cuda")
+        engine.add_request(case.request())
+        while engine.has_work():
+            for out in engine.step():
+                videos[offload] = out.multimodal_output["video"]
+            if offload:
+                resident.append(tuple(next(t.parameters()).device.type for t in model.c.transformers))
+    assert ("cuda", "cpu") in resident and ("cpu", "cuda") in resident  # steps 0-1 on the high-noise expert, 2-3 low
+    assert next(model.c.text_encoder.parameters()).device.type == "cpu"
+    torch.testing.assert_close(videos[True], videos[False], atol=1e-5, rtol=0)
