@@ -80,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--video-steps", type=int, default=4)
     p.add_argument("--skip-video", action="store_true")
     p.add_argument("--eager", action="store_true", help="ours without torch.compile (enforce_eager)")
+    p.add_argument("--variants", default="", help="more settings of ours to time one step with, comma-separated "
+                   "BACKEND[+compile] (e.g. TORCH_SDPA+compile,CUDNN_ATTN): attention kernel and compilation")
     p.add_argument("--json", default="bench_video.json")
     return p.parse_args(argv)
 
@@ -125,6 +127,12 @@ def bench_model(spec: Spec, args: argparse.Namespace, device: torch.device) -> d
             row[f"{name}_ms_per_step"] = round(statistics.median(times), 1)
         row["step_speedup"] = round(row["diffusers_ms_per_step"] / row["ours_ms_per_step"], 3)
         row["step_max_abs_diff"] = (ours_step().float() - theirs_step().float()).abs().max().item()
+        for variant in filter(None, args.variants.split(",")):
+            backend, _, compiled = variant.partition("+")
+            other = WanModel(model.c, device=device,
+                             acceleration=DenoiserAcceleration(attention_backend=backend, compile=bool(compiled)))
+            times = timed(ours_step_fn(other, request), device, args.warmup + args.iters)[args.warmup:]
+            row[f"ours_ms_per_step[{variant}]"] = round(statistics.median(times), 1)
     if not args.skip_video:
         row.update(bench_video(model, pipe, params, args.video_steps, device))
     return row
