@@ -20,6 +20,11 @@ def test_frame_count(body, fps, frames):
     assert VideoRequest(prompt="x", **body).frame_count(fps, frame_step=4) == frames
 
 
+def test_a_stage_default_frame_count_replaces_openais_four_seconds():
+    assert VideoRequest(prompt="x").frame_count(16, 4, default_frames=81) == 81
+    assert VideoRequest(prompt="x", seconds=1).frame_count(16, 4, default_frames=81) == 17
+
+
 @pytest.mark.parametrize("body", [{"num_frames": 16}, {"num_frames": 17, "seconds": 1}])
 def test_frame_count_refusals(body):
     with pytest.raises(APIError) as e:

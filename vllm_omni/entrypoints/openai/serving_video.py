@@ -66,7 +66,8 @@ class VideoService:
             raise APIError(400, f"this model produces {self.ctx.shape.modalities()}, not videos")
         info = self.ctx.engine.stage_info(self.stage.stage_id)
         fps = body.fps or info.get("fps", DEFAULT_FPS)
-        frames = body.frame_count(fps, info.get("frame_step", DEFAULT_FRAME_STEP))
+        frames = body.frame_count(fps, info.get("frame_step", DEFAULT_FRAME_STEP),
+                                  self.stage.default_sampling_params.num_frames)
         params = self._params(body, frames, info.get("size_multiple", 1))
         prompt: dict[str, Any] = {"prompt": body.prompt}
         if body.negative_prompt is not None:
@@ -136,7 +137,7 @@ class VideoService:
             job.complete(self.options.ttl_s)
         except asyncio.CancelledError:
             raise  # deleted, or the server is stopping
-        except BaseException as e:  # noqa: BLE001 - the job fails with the error a request would get
+        except Exception as e:  # noqa: BLE001 - the job fails with the error a request would get
             err = engine_error(self.ctx, e)
             job.fail(err if isinstance(err, APIError) else APIError(500, str(e)))
             logger.info("video %s failed: %s", job.id, job.error["message"])

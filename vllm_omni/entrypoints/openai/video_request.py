@@ -51,8 +51,9 @@ class VideoRequest(BaseModel):
             raise APIError(400, f"size {self.size!r} is invalid: use 'WIDTHxHEIGHT' (e.g. '832x480')", param="size")
         return int(match[1]), int(match[2])
 
-    def frame_count(self, fps: float, frame_step: int) -> int:
-        """num_frames, else `seconds` (default 4) at `fps` rounded to the model's frame_step k (k n + 1 frames)."""
+    def frame_count(self, fps: float, frame_step: int, default_frames: int | None = None) -> int:
+        """num_frames, else `seconds` at `fps` rounded to the model's frame_step k (k n + 1 frames),
+        else the stage's default num_frames, else OpenAI's default 4 seconds."""
         if self.num_frames is not None:
             if self.seconds is not None:
                 raise APIError(400, "give seconds or num_frames, not both", param="num_frames")
@@ -60,6 +61,8 @@ class VideoRequest(BaseModel):
                 raise APIError(400, f"num_frames={self.num_frames} is invalid for this model: it makes "
                                     f"{frame_step}k + 1 frames (e.g. {4 * frame_step + 1})", param="num_frames")
             return self.num_frames
+        if self.seconds is None and default_frames is not None:
+            return default_frames
         seconds = DEFAULT_SECONDS if self.seconds is None else self.seconds
         return frame_step * max(1, round(seconds * fps / frame_step)) + 1
 
