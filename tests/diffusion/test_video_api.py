@@ -102,6 +102,8 @@ def test_seconds_give_the_frame_count_at_the_models_rate(server):
     ({"num_frames": 5, "seconds": "4"}, "num_frames"),
     ({"num_inference_steps": 0}, "num_inference_steps"),
     ({"fps": 0}, "fps"),
+    ({"seconds": "inf"}, "seconds"),
+    ({"seconds": 500}, "num_frames"),  # 8000 frames at 16 fps: over the frame bound
     ({"input_reference": {"file_id": "file-1"}}, "input_reference"),
     ({"frames_per_second": 3}, "frames_per_second"),
 ])

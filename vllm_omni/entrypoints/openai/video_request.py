@@ -23,6 +23,7 @@ from vllm_omni.entrypoints.openai.errors import APIError
 _SIZE = re.compile(r"^(\d+)x(\d+)$")
 DEFAULT_SECONDS = 4.0  # OpenAI's default clip length
 MAX_FPS = 120.0
+MAX_SECONDS = 600.0  # a bound for the arithmetic; the frame count's own bound (MAX_NUM_FRAMES) is lower
 Status = Literal["queued", "in_progress", "completed", "failed"]
 
 
@@ -32,7 +33,7 @@ class VideoRequest(BaseModel):
     prompt: str = Field(min_length=1)
     model: str | None = None
     size: str | None = None  # None: the model's default size
-    seconds: float | None = Field(None, gt=0)  # OpenAI sends a string ("4"); any duration > 0
+    seconds: float | None = Field(None, gt=0, le=MAX_SECONDS)  # OpenAI sends a string ("4")
     input_reference: dict[str, str] | None = None  # JSON: {"image_url": "https://..." or a data URL}
     num_frames: int | None = None  # instead of seconds
     num_inference_steps: int | None = None
