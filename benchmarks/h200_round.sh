@@ -30,7 +30,7 @@
 #   benchmarks/h200_round.sh norm_linear  # RMSNorm fused into the next product vs apart, program shapes
 #   benchmarks/h200_round.sh stages    # code2wav / token2wav, Qwen3-TTS, Qwen-Image on their own
 #   benchmarks/h200_round.sh diffusion # Qwen-Image 1024^2, 50 steps vs diffusers; one step per attention/compile setting
-#   benchmarks/h200_round.sh video     # Wan2.2: compiled stage vs diffusers (GPU tests); T2V-A14B 832x480x81 step + video
+#   benchmarks/h200_round.sh video     # Wan2.2: compiled stage vs diffusers (GPU tests), T2V-A14B step + video
 #   benchmarks/h200_round.sh video_ti2v  # Wan2.2 TI2V-5B 1280x704x121: one step and a 4-step video vs diffusers
 # Logs and JSON go to $OUT (or ./h200_out). Each step has its own time limit, so one slow step
 # still leaves the others' results.

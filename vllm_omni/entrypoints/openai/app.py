@@ -5,9 +5,9 @@
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/audio/speech (text-to-speech
 models), POST /v1/images/generations and /v1/images/edits (diffusion models), /v1/videos (video
 models: create, list, retrieve, content, delete), GET /v1/audio/voices, GET /v1/models, GET
-/health (503 naming each stage that is down), GET /version, GET /metrics (Prometheus text format); the realtime WebSocket GET /v1/realtime, POST
-/v1/audio/transcriptions and /v1/audio/translations, and the voice-chat page at / (static files
-under /static).
+/health (503 naming each stage that is down), GET /version, GET /metrics (Prometheus text
+format); the realtime WebSocket GET /v1/realtime, POST /v1/audio/transcriptions and
+/v1/audio/translations, and the voice-chat page at / (static files under /static).
 With an API key, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise), as in
 vLLM; health, version and metrics stay open for probes and scrapers.
 """
