@@ -25,7 +25,7 @@ from vllm_omni.testing.cuda_syncs import format_syncs, trace_syncs  # noqa: E402
 
 CUDA = torch.device("cuda")
 VELOCITY_ATOL = {torch.float32: 2e-3, torch.bfloat16: 0.1}
-VIDEO_ATOL = {torch.float32: 2e-3, torch.bfloat16: 0.05}
+VIDEO_ATOL = {torch.float32: 2e-3, torch.bfloat16: 0.1}
 CASES = {
     "a14b": [WanCase("t", "a red fox in the snow", "blurry",
                      params=dict(height=64, width=96, num_frames=9, num_inference_steps=4, guidance_scale=4.0,
