@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         row = bench_model(SPECS[key], args, device)
         rows.append(row)
         print(json.dumps(row), flush=True)
-        torch.cuda.empty_cache() if device.type == "cuda" else None
+        release_memory(device)
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "command": "python benchmarks/bench_video.py " + " ".join(argv or []), "rows": rows}
     print(table(result), flush=True)
@@ -236,6 +236,16 @@ def timed(fn: Callable[[], Any], device: torch.device, n: int) -> list[float]:
         end.record()
     torch.cuda.synchronize()
     return [start.elapsed_time(end) for start, end in events]
+
+
+def release_memory(device: torch.device) -> None:
+    """The previous model's weights and compiled code go before the next model loads."""
+    import gc
+
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def wall_time(fn: Callable[[], Any], device: torch.device) -> float:
