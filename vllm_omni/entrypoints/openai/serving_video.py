@@ -94,7 +94,7 @@ class VideoService:
             raise APIError(409, f"video {video_id} is {job.status}, not completed: it has no content")
         return FileResponse(self.store.path(video_id), media_type="video/mp4", filename=f"{video_id}.mp4")
 
-    def list(self, after: str | None, limit: int, order: str) -> dict[str, Any]:
+    def list_videos(self, after: str | None, limit: int, order: str) -> dict[str, Any]:
         self._expire()
         if not 0 <= limit <= MAX_LIST_LIMIT:
             raise APIError(400, f"limit={limit} is invalid: must be in [0, {MAX_LIST_LIMIT}]", param="limit")
@@ -260,7 +260,7 @@ def add_video_routes(app: Any, service: VideoService) -> None:
 
     @app.get(VIDEOS)
     async def list_videos(after: str | None = None, limit: int = Query(20), order: str = "desc") -> Any:
-        return service.list(after, limit, order)
+        return service.list_videos(after, limit, order)
 
     @app.get(VIDEOS + "/{video_id}")
     async def retrieve_video(video_id: str) -> Any:
