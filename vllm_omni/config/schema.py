@@ -53,6 +53,18 @@ def check_fraction(v: Any) -> float:
     raise BadValue("a number in (0, 1]")
 
 
+def check_optional_fraction(v: Any) -> float | None:
+    return None if v is None else check_fraction(v)
+
+
+def check_positive_number(v: Any) -> float | None:
+    if v is None:
+        return None
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+        return float(v)
+    raise BadValue("a number > 0, or null")
+
+
 def check_str(optional: bool = True) -> Check:
     def check(v: Any) -> str | None:
         if v is None and optional:
@@ -218,6 +230,9 @@ DIFFUSION_FIELDS: dict[str, FieldSpec] = {
     "diffusion_attention_backend": FieldSpec(check_attention_backend, None),
     "diffusion_compile_granularity": FieldSpec(check_choice("regional"), "regional"),
     "diffusion_compile_dynamic": FieldSpec(check_bool, True),
+    # Video models (Wan2.2): the expert switch and the scheduler's shift; null: the checkpoint's.
+    "boundary_ratio": FieldSpec(check_optional_fraction, None),
+    "flow_shift": FieldSpec(check_positive_number, None),
 }
 
 # Topology fields describe the model's stage graph; a deploy YAML may not set them

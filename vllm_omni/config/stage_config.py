@@ -109,6 +109,8 @@ class StageEngineArgs:
     diffusion_attention_backend: str | None = None  # None: CUDNN_ATTN on CUDA, TORCH_SDPA elsewhere
     diffusion_compile_granularity: str = "regional"
     diffusion_compile_dynamic: bool = True
+    boundary_ratio: float | None = None  # None: the checkpoint's (model_index.json)
+    flow_shift: float | None = None  # None: the checkpoint's scheduler config
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,8 @@ class ModelSpec:
     vae_use_tiling: bool = False
     cpu_offload: bool = False
     acceleration: DenoiserAcceleration = DenoiserAcceleration()
+    boundary_ratio: float | None = None  # video models (Wan2.2): None keeps the checkpoint's
+    flow_shift: float | None = None
 
     def build(self, device: torch.device) -> Any:
         if self.dummy:
@@ -54,7 +56,7 @@ class ModelSpec:
         return import_dotted(self.class_path).load(
             self.model_path, device=device, dtype=getattr(torch, self.dtype), dummy=self.dummy,
             vae_use_slicing=self.vae_use_slicing, vae_use_tiling=self.vae_use_tiling, cpu_offload=self.cpu_offload,
-            acceleration=self.acceleration)
+            acceleration=self.acceleration, boundary_ratio=self.boundary_ratio, flow_shift=self.flow_shift)
 
 
 class CfgParallelGroup:

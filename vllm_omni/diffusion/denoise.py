@@ -2,7 +2,8 @@
 
 Conditional rows of every request and unconditional rows of the requests that use guidance
 go into ONE forward (rows of different prompt lengths are zero-padded and masked), so a batch
-of B guided requests costs one forward of 2B rows instead of 2B forwards. With
+of B guided requests costs one forward of 2B rows instead of 2B forwards (one per expert when
+the requests' steps run on different experts). With
 `cfg_parallel_size 2` the unconditional rows run on a second rank at the same time.
 """
 from __future__ import annotations
@@ -39,6 +40,17 @@ class Denoiser:
         self.cfg_group = cfg_group  # cfg_parallel.CfgParallelGroup: the unconditional rows' rank
 
     def velocities(self, requests: Sequence[DiffusionRequest]) -> list[torch.Tensor]:
+        """One guided velocity per request. Requests whose step runs on another expert (Wan2.2's
+        high- and low-noise transformers) make their own forward."""
+        by_expert: dict[int, list[DiffusionRequest]] = {}
+        for r in requests:
+            by_expert.setdefault(r.expert(), []).append(r)
+        if len(by_expert) == 1:
+            return self._guided(requests)
+        results = {id(r): v for group in by_expert.values() for r, v in zip(group, self._guided(group))}
+        return [results[id(r)] for r in requests]
+
+    def _guided(self, requests: Sequence[DiffusionRequest]) -> list[torch.Tensor]:
         cond = [self._group(r, uncond=False) for r in requests]
         guided = [r for r in requests if r.prepared.do_cfg]
         uncond = [self._group(r, uncond=True) for r in guided]
@@ -52,15 +64,15 @@ class Denoiser:
             cond_out, uncond_out = out[:len(cond_keys)], out[len(cond_keys):]
         cond_parts = torch.split(cond_out, [g.num_rows for g in cond])
         uncond_parts = dict(zip((id(r) for r in guided), torch.split(uncond_out, [g.num_rows for g in uncond])))
-        return [self.model.combine_cfg(c, uncond_parts[id(r)], r.prepared.true_cfg_scale) if r.prepared.do_cfg else c
-                for r, c in zip(requests, cond_parts)]
+        return [self.model.combine_cfg(c, uncond_parts[id(r)], r.prepared.cfg_scale(r.step)) if r.prepared.do_cfg
+                else c for r, c in zip(requests, cond_parts)]
 
     def _forward(self, groups: list[RowGroup], keys: list[Hashable]) -> torch.Tensor:
         return run_denoiser(self.model, self.model.make_batch(groups), self.cache, keys)
 
     @staticmethod
     def _group(request: DiffusionRequest, uncond: bool) -> RowGroup:
-        return RowGroup(request.prepared, request.latents, request.timestep(), uncond)
+        return RowGroup(request.prepared, request.latents, request.timestep(), uncond, request.expert())
 
 
 def _keys(requests: Sequence[DiffusionRequest], uncond: bool) -> list[Hashable]:

@@ -107,7 +107,9 @@ class DiffusersPipelineEngine:
             given["image"] = Image.fromarray(image.numpy())
         for name, call_name in (("height", "height"), ("width", "width"), ("num_inference_steps", "num_inference_steps"),
                                 ("true_cfg_scale", "true_cfg_scale"), ("guidance_scale", "guidance_scale"),
-                                ("num_outputs_per_prompt", "num_images_per_prompt")):
+                                ("num_outputs_per_prompt", "num_images_per_prompt"),
+                                ("num_outputs_per_prompt", "num_videos_per_prompt"), ("num_frames", "num_frames"),
+                                ("guidance_scale_2", "guidance_scale_2")):
             value = getattr(params, name)
             if value is not None and (value != getattr(_DEFAULTS, name) or call_name not in self.call_kwargs):
                 given[call_name] = value

@@ -141,6 +141,11 @@ class OmniBase:
         the stages' own counts come with their stats."""
         return self._runtime.orchestrator.fleet.transport_drops()
 
+    def stage_info(self, stage_id: int) -> Mapping[str, Any]:
+        """What stage `stage_id` reported when it came up: its engine's describe() (device,
+        model settings; a video model's frame rate). Empty until a replica is up."""
+        return self._runtime.orchestrator.pools[stage_id].info
+
     def close(self) -> None:
         self._runtime.close()
 

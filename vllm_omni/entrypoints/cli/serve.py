@@ -121,6 +121,7 @@ def serve(args: argparse.Namespace) -> int:
         chat = ChatOptions(chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
                            limit_mm_per_prompt=args.limit_mm_per_prompt or {},
                            audio_stream_shape=args.audio_stream_shape)
+        video = serve_args.video_store.from_args(args)
         sock = bind_socket(args.host, args.port)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -140,6 +141,7 @@ def serve(args: argparse.Namespace) -> int:
         uvicorn_log_level=args.uvicorn_log_level, realtime=serve_args.realtime_limits.from_args(args),
         chat=chat, log_requests=args.enable_log_requests, max_prompts_per_request=args.max_prompts_per_request,
         shutdown_timeout_s=args.shutdown_timeout, max_diffusion_prompt_chars=args.max_diffusion_prompt_chars,
+        video=video,
         **({"tts_max_instructions_length": args.tts_max_instructions_length}
            if args.tts_max_instructions_length is not None else {}),
     )

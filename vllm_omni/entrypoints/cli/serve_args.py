@@ -14,7 +14,7 @@ from typing import Any
 
 from vllm_omni.config.schema import DIFFUSION_FIELDS
 from vllm_omni.entrypoints.cli import stage_cli
-from vllm_omni.entrypoints.openai import input_limits
+from vllm_omni.entrypoints.openai import input_limits, video_store
 from vllm_omni.entrypoints.openai.chat_options import parse_mm_limits
 from vllm_omni.entrypoints.openai.realtime import limits as realtime_limits
 
@@ -144,12 +144,14 @@ OMNI_FLAGS: tuple[Flag, ...] = (
           "weights on one thread, which is what this (default-on) flag asks for.", default=True),
     _f("--num-weight-load-threads", "Number of threads for parallel weight loading.",
        "the weight loader is single-threaded", type=int, default=4),
-    _bool("--enable-cpu-offload", "Enable CPU offloading for diffusion models (the text encoder and the VAE wait "
-          "on the CPU between their calls)."),
+    _bool("--enable-cpu-offload", "Enable CPU offloading for diffusion models (the text encoder, the VAE and a "
+          "two-expert video model's idle transformer wait on the CPU between their calls)."),
     _bool("--enable-layerwise-offload", "Enable layerwise offloading on DiT modules.", _DIFFUSION),
-    _f("--boundary-ratio", "Boundary split ratio for low/high DiT in video models.", _DIFFUSION, type=float,
-       default=None),
-    _f("--flow-shift", "Scheduler flow_shift for video models.", _DIFFUSION, type=float, default=None),
+    _f("--boundary-ratio", "Boundary split ratio for low/high DiT in video models (Wan2.2 A14B: the high-noise "
+       "transformer runs while timestep >= ratio * 1000; default: the checkpoint's model_index.json, 0.875 for "
+       "T2V, 0.9 for I2V).", type=float, default=None),
+    _f("--flow-shift", "Scheduler flow_shift for video models (default: the checkpoint's scheduler config; 5.0 for "
+       "720p, 12.0 for 480p).", type=float, default=None),
     _f("--diffusion-kv-cache-dtype", "Diffusion attention KV cache dtype.", _DIFFUSION, default=None),
     _f("--diffusion-kv-cache-skip-steps", "Diffusion KV-cache quantization skip-step selector.", _DIFFUSION,
        default=None),
@@ -259,6 +261,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     input_limits.add_arguments(parser)
     realtime_limits.add_arguments(parser)
     stage_cli.add_arguments(parser)
+    video_store.add_arguments(parser)
 
 
 def refused_flags(args: argparse.Namespace) -> list[str]:

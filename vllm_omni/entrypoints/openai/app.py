@@ -3,11 +3,11 @@
     app = build_app(ctx, api_key="secret")   # ctx: serving_base.ServingContext
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/audio/speech (text-to-speech
-models), POST /v1/images/generations and /v1/images/edits (diffusion models), GET
-/v1/audio/voices, GET /v1/models, GET /health (503 naming each stage that is down), GET
-/version, GET /metrics (Prometheus text format); the realtime WebSocket GET /v1/realtime, POST
-/v1/audio/transcriptions and /v1/audio/translations, and the voice-chat page at / (static files
-under /static).
+models), POST /v1/images/generations and /v1/images/edits (diffusion models), /v1/videos (video
+models: create, list, retrieve, content, delete), GET /v1/audio/voices, GET /v1/models, GET
+/health (503 naming each stage that is down), GET /version, GET /metrics (Prometheus text
+format); the realtime WebSocket GET /v1/realtime, POST /v1/audio/transcriptions and
+/v1/audio/translations, and the voice-chat page at / (static files under /static).
 With an API key, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise), as in
 vLLM; health, version and metrics stay open for probes and scrapers.
 """
@@ -40,12 +40,14 @@ from vllm_omni.entrypoints.openai.realtime.limits import RealtimeLimits
 from vllm_omni.entrypoints.openai.serving_images import ImageRequest, ImageService
 from vllm_omni.entrypoints.openai.serving_speech import DEFAULT_MAX_INSTRUCTIONS, SpeechRequest, SpeechService
 from vllm_omni.entrypoints.openai.serving_transcription import TranscriptionService
+from vllm_omni.entrypoints.openai.serving_video import VideoService, add_video_routes
+from vllm_omni.entrypoints.openai.video_store import VideoStoreOptions
 
 TRIM_AFTER_BYTES = 1024 * 1024  # bodies this large leave enough freed heap to be worth a malloc_trim
 STATIC_DIR = Path(__file__).resolve().parent / "static"  # the voice-chat page (package data)
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version", "/metrics",
            "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/audio/speech", "/v1/audio/voices",
-           "/v1/images/generations", "/v1/images/edits")
+           "/v1/images/generations", "/v1/images/edits", "/v1/videos")
 
 
 class StatusMetricsMiddleware:
@@ -137,7 +139,8 @@ class BodyLimitMiddleware:
 
 def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes: int = 64 * 1024 * 1024,
               realtime: RealtimeLimits | None = None,
-              tts_max_instructions_length: int = DEFAULT_MAX_INSTRUCTIONS) -> FastAPI:
+              tts_max_instructions_length: int = DEFAULT_MAX_INSTRUCTIONS,
+              video: VideoStoreOptions | None = None) -> FastAPI:
     app = FastAPI(title="vllm-omni", version=__version__)
     install_error_handlers(app)
 
@@ -172,6 +175,8 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes
     @app.post("/v1/images/edits")
     async def edit_image(raw: Request) -> Any:  # multipart: parsed by the service
         return await images.edit(raw)
+
+    add_video_routes(app, VideoService(ctx, video or VideoStoreOptions()))  # /v1/videos (serving_video.py)
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

@@ -14,6 +14,7 @@ from vllm_omni.model_executor.models.qwen2_5_omni import FAMILY as QWEN2_5_OMNI
 from vllm_omni.model_executor.models.qwen3_omni import FAMILY as QWEN3_OMNI
 from vllm_omni.model_executor.models.qwen3_tts import FAMILY as QWEN3_TTS
 from vllm_omni.model_executor.models.qwen_image import FAMILY as QWEN_IMAGE
+from vllm_omni.model_executor.models.wan2_2 import FAMILY as WAN2_2
 
 
 def _llm(name: str, module: str, architecture: str) -> ModelFamily:
@@ -31,6 +32,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     QWEN3_OMNI,
     QWEN3_TTS,
     QWEN_IMAGE,
+    WAN2_2,
 )
 
 

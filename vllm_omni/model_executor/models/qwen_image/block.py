@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_omni.model_executor.models.diffusion_acceleration import fused_gelu_mlp
+
 Runs = Sequence[tuple[int, int, int]]  # (first row, end row, valid text length) of rows sharing a prompt length
 
 
@@ -50,14 +52,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     (re cos - im sin, im cos + re sin), written as one pointwise expression over the pairs."""
     pairs = x.float().unflatten(-1, (-1, 2))
     return (pairs * cos + pairs.flip(-1) * signed_sin).flatten(-2).type_as(x)
-
-
-def _gelu_mlp(ff: Any, x: torch.Tensor) -> torch.Tensor:
-    """diffusers' FeedForward (Linear + tanh GELU, then Linear) with the GELU in the first GEMM's
-    epilogue (cuBLASLt): the [tokens, 4 * dim] activation is written once instead of three times."""
-    proj, out = ff.net[0].proj, ff.net[2]
-    hidden = torch._addmm_activation(proj.bias, x.flatten(0, -2), proj.weight.t(), use_gelu=True)
-    return out(hidden.unflatten(0, x.shape[:-1]))
 
 
 def _modulate(x: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,7 +119,7 @@ class CompilableBlock(nn.Module):
         hidden = hidden + img_gate1 * attn.to_out[0](out[:, :seq_img].contiguous())
         encoder = encoder + txt_gate1 * attn.to_add_out(out[:, seq_img:].contiguous())
         img, img_gate2 = _modulate(b.img_norm2(hidden), img_mod2)
-        hidden = hidden + img_gate2 * _gelu_mlp(b.img_mlp, img)
+        hidden = hidden + img_gate2 * fused_gelu_mlp(b.img_mlp, img)
         txt, txt_gate2 = _modulate(b.txt_norm2(encoder), txt_mod2)
         encoder = encoder + txt_gate2 * b.txt_mlp(txt)
         if hidden.dtype == torch.float16:  # as diffusers: keep float16 finite

@@ -1,9 +1,12 @@
 """Typed payloads of the Qwen-Image stage model: one prepared request, one denoiser batch."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
+
+from vllm_omni.model_executor.models.diffusion_solvers import FlowEuler
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,17 @@ class QwenImageRequest:
     @property
     def do_cfg(self) -> bool:
         return self.negative is not None
+
+    @functools.cached_property
+    def solver(self) -> FlowEuler:
+        """The pipeline's FlowMatchEulerDiscreteScheduler steps, made once per request (its state)."""
+        return FlowEuler(self.sigmas)
+
+    def expert(self, step: int) -> int:
+        return 0  # one transformer
+
+    def cfg_scale(self, step: int) -> float:
+        return self.true_cfg_scale
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,8 @@ import torch
 
 from vllm_omni.model_executor.models import diffusion_inputs
 from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
+from vllm_omni.model_executor.models.diffusers_folder import set_vae_options
+from vllm_omni.model_executor.models.diffusion_offload import visiting
 from vllm_omni.model_executor.models.qwen_image import denoiser
 from vllm_omni.model_executor.models.qwen_image.block import CompilableBlock
 from vllm_omni.model_executor.models.qwen_image.components import QwenImageComponents, load_components
@@ -59,12 +61,13 @@ class QwenImageModel:
     @classmethod
     def load(cls, model_path: str | Path, *, device: torch.device, dtype: torch.dtype, dummy: bool = False,
              vae_use_slicing: bool = False, vae_use_tiling: bool = False, cpu_offload: bool = False,
-             acceleration: DenoiserAcceleration = DenoiserAcceleration()) -> QwenImageModel:
+             acceleration: DenoiserAcceleration = DenoiserAcceleration(), boundary_ratio: float | None = None,
+             flow_shift: float | None = None) -> QwenImageModel:
+        for name, value in (("boundary_ratio", boundary_ratio), ("flow_shift", flow_shift)):
+            if value is not None:
+                raise ValueError(f"{name}={value}: Qwen-Image has no such setting (video models only: Wan2.2)")
         components = load_components(model_path, device=device, dtype=dtype, dummy=dummy)
-        if vae_use_slicing:
-            components.vae.enable_slicing()
-        if vae_use_tiling:
-            components.vae.enable_tiling()
+        set_vae_options(components.vae, vae_use_slicing, vae_use_tiling)
         return cls(components, device=device, cpu_offload=cpu_offload, acceleration=acceleration)
 
     # --- one request -----------------------------------------------------------------------
@@ -227,16 +230,8 @@ class QwenImageModel:
                 "dtype": str(self.c.transformer.dtype).removeprefix("torch."), "cpu_offload": self.offload,
                 **self.acceleration.describe(self.device)}
 
-    @contextlib.contextmanager
-    def _on_device(self, module: Any) -> Iterator[None]:
-        if not self.offload:
-            yield
-            return
-        module.to(self.device)
-        try:
-            yield
-        finally:
-            module.to("cpu")
+    def _on_device(self, module: Any) -> contextlib.AbstractContextManager[None]:
+        return visiting(module, self.device, self.offload)
 
 
 def _pad(embeds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
