@@ -9,7 +9,9 @@ import argparse
 import logging
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from vllm_omni.entrypoints.cli import serve_args, stage_cli
 from vllm_omni.entrypoints.cli.demo_defaults import SERVE_OVERRIDES, with_demo_overrides
@@ -141,8 +143,6 @@ def serve(args: argparse.Namespace) -> int:
         uvicorn_log_level=args.uvicorn_log_level, realtime=serve_args.realtime_limits.from_args(args),
         chat=chat, log_requests=args.enable_log_requests, max_prompts_per_request=args.max_prompts_per_request,
         shutdown_timeout_s=args.shutdown_timeout,
-        **({"tts_max_instructions_length": args.tts_max_instructions_length}
-           if args.tts_max_instructions_length is not None else {}),
     )
     try:
         engine = _start_engine(args, model)
@@ -150,8 +150,16 @@ def serve(args: argparse.Namespace) -> int:
         logger.error("the pipeline failed to start: %s", e)
         sock.close()
         return 1
-    run_server(engine, settings, sock)
+    limit = _tts_instructions_limit(args.tts_max_instructions_length, engine.pipeline)
+    run_server(engine, settings if limit is None else replace(settings, tts_max_instructions_length=limit), sock)
     return 0
+
+
+def _tts_instructions_limit(flag: int | None, pipeline: Any) -> int | None:
+    """--tts-max-instructions-length, else a stage config's (upstream's tts_args), as upstream ranks them."""
+    if flag is not None:
+        return flag
+    return next((s.tts_max_instructions_length for s in pipeline.stages if s.tts_max_instructions_length), None)
 
 
 def _missing_hub_model(args: argparse.Namespace) -> str | None:
@@ -210,5 +218,6 @@ def _start_engine(args: argparse.Namespace, model: str):
         init_timeout=args.init_timeout, shm_threshold_bytes=args.shm_threshold_bytes, log_stats=args.log_stats,
         async_chunk=args.async_chunk, heartbeat_timeout=args.omni_heartbeat_timeout,
         max_stage_restarts=args.max_stage_restarts, lb_policy=args.omni_lb_policy, worker_backend=args.worker_backend,
-        ray_address=args.ray_address, **stage_cli.head_arguments(args), **serve_args.engine_args(args),
+        ray_address=args.ray_address, strategy_config=args.strategy_config, **stage_cli.head_arguments(args),
+        **serve_args.engine_args(args),
     )

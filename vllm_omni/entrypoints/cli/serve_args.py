@@ -66,6 +66,9 @@ OMNI_FLAGS: tuple[Flag, ...] = (
        "with --stage-configs-path.", default=None),
     _f("--stage-overrides", "Per-stage JSON overrides, e.g. '{\"0\": {\"gpu_memory_utilization\": 0.8}}'.",
        default=None),
+    _f("--strategy-config", "Upstream's parallel strategy YAML (`strategies: {thinker: [{axis: tp, size: 2}]}`): "
+       "tensor parallelism and replicas per model_stage, over the stage or deploy config; its stage_replica "
+       "routing sets the replica load balancer.", default=None),
     _f("--async-chunk", "Override the deploy YAML's async_chunk: bool. Unset leaves the YAML value in force.",
        action=argparse.BooleanOptionalAction, default=None),
     _f("--stage-id", "Select and launch a single stage by stage_id (the stage-based CLI: engine flags apply to "
@@ -238,6 +241,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     _f("--seed", "Random seed of the engines.", type=int, default=None),
     _f("--load-format", "How weights are loaded: auto (from the checkpoint) or dummy (random, for benchmarks).",
        choices=("auto", "dummy"), default=None),
+    _f("--max-tokens-limit", "The most max_tokens a client may ask of any stage (more is a 400). Unset: no cap, "
+       "the context (max_model_len) bounds it; per stage: max_tokens_limit in the config or --stage-overrides.",
+       type=int, default=None),
 )
 
 
