@@ -297,3 +297,13 @@ def test_native_pipeline_classes_come_from_the_family_records(write_yaml, monkey
     diffusers = write_yaml("pipeline: qwen_image\nstages: [{stage_id: 0, model_class_name: WanPipeline, "
                            "diffusion_load_format: diffusers}]\n", name="e.yaml")
     assert load_pipeline_config(diffusers).stages[0].engine_args.model_class_name == "WanPipeline"
+
+
+def test_subtalker_settings_on_a_stage_without_a_code_predictor_are_refused(write_yaml):
+    path = write_yaml("stages: [{stage_id: 1, subtalker_sampling_params: {do_sample: false}}]\n", name="d.yaml")
+    pipeline = load_pipeline_config(path, model=HF["qwen3_tts"])
+    with pytest.raises(ConfigError, match=r"stage 1: subtalker_sampling_params: is not supported by Qwen3TTSCode2Wav"):
+        validate_dotted_names(pipeline)
+    with pytest.raises(ConfigError, match=r"subtalker_sampling_params=\{'top_k': 'many'\}"):
+        load_pipeline_config(write_yaml("stages: [{stage_id: 0, subtalker_sampling_params: {top_k: many}}]\n",
+                                        name="e.yaml"), model=HF["qwen3_tts"])
