@@ -20,8 +20,8 @@ logger = logging.getLogger("vllm_omni.serve")
 
 DEMO_SERVED_NAME = "vllm-omni-demo"
 _HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")  # "org/name" (or a legacy "name"), as on the Hugging Face hub
-_VLLM_USAGE = ("this `vllm` command is vLLM-Omni's and only runs `vllm serve [MODEL] --omni [flags]`; "
-               "everything else is `vllm-omni --help`")
+_VLLM_USAGE = ("this `vllm` command is vLLM-Omni's and only runs `vllm serve [MODEL] --omni [flags]` and "
+               "`vllm bench serve [flags]`; everything else is `vllm-omni --help`")
 
 
 def add_parser(subparsers) -> None:
@@ -39,8 +39,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def vllm_main(argv: list[str] | None = None) -> int:
-    """The `vllm` console script: only `vllm serve ... --omni`."""
+    """The `vllm` console script: only `vllm serve ... --omni` and `vllm bench serve ...`."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "serve"]:  # upstream's benchmark client: `vllm bench serve --omni ...`
+        from vllm_omni.entrypoints.cli.main import main
+
+        return main(argv)
     if not argv or argv[0] != "serve":
         print(f"error: {_VLLM_USAGE}", file=sys.stderr)
         return 2
