@@ -8,7 +8,7 @@ OpenAI-compatible server over HTTP (ours, upstream's, vLLM's).
 Flags are upstream's (vLLM's `bench serve` plus the omni backends); the printed figures are
 upstream's, with tails (`--metric-percentiles`, default 50,90,95,99), the warm-up requests
 summarised apart (`--warmup-fraction`), and playback underruns and the worst gap of streamed
-audio (metrics.py). docs/benchmarks.md has the details.
+audio (metrics.py). docs/compatibility.md ("Benchmark client") has the details.
 """
 from __future__ import annotations
 
