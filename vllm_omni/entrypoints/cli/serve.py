@@ -222,6 +222,6 @@ def _start_engine(args: argparse.Namespace, model: str):
         init_timeout=args.init_timeout, shm_threshold_bytes=args.shm_threshold_bytes, log_stats=args.log_stats,
         async_chunk=args.async_chunk, heartbeat_timeout=args.omni_heartbeat_timeout,
         max_stage_restarts=args.max_stage_restarts, lb_policy=args.omni_lb_policy, worker_backend=args.worker_backend,
-        ray_address=args.ray_address, strategy_config=args.strategy_config, **stage_cli.head_arguments(args),
-        **serve_args.engine_args(args),
+        ray_address=args.ray_address, **stage_cli.head_arguments(args), **serve_args.engine_args(args),
+        **({"strategy_config": args.strategy_config} if args.strategy_config else {}),
     )

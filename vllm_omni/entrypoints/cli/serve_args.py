@@ -66,9 +66,6 @@ OMNI_FLAGS: tuple[Flag, ...] = (
        "with --stage-configs-path.", default=None),
     _f("--stage-overrides", "Per-stage JSON overrides, e.g. '{\"0\": {\"gpu_memory_utilization\": 0.8}}'.",
        default=None),
-    _f("--strategy-config", "Upstream's parallel strategy YAML (`strategies: {thinker: [{axis: tp, size: 2}]}`): "
-       "tensor parallelism and replicas per model_stage, over the stage or deploy config; its stage_replica "
-       "routing sets the replica load balancer.", default=None),
     _f("--async-chunk", "Override the deploy YAML's async_chunk: bool. Unset leaves the YAML value in force.",
        action=argparse.BooleanOptionalAction, default=None),
     _f("--stage-id", "Select and launch a single stage by stage_id (the stage-based CLI: engine flags apply to "
@@ -215,6 +212,9 @@ SERVER_FLAGS: tuple[Flag, ...] = (
     _bool("--enable-log-requests", "Log every request (the access log)."),
     _bool("--disable-log-requests", "[Deprecated: requests are not logged unless --enable-log-requests] "
           "vLLM's old flag, accepted."),
+    _f("--strategy-config", "Upstream's parallel strategy YAML (`strategies: {thinker: [{axis: tp, size: 2}]}`): "
+       "tensor parallelism and replicas per model_stage, over the stage or deploy config; its stage_replica "
+       "routing sets the replica load balancer.", default=None),
     _f("--audio-stream-shape", "Where streamed chat chunks carry audio: 'openai' puts it in delta.audio.data "
        "(OpenAI's shape); 'upstream' in delta.content, as upstream vLLM-Omni does, for clients written "
        "against it. Either way audio chunks are marked modality: \"audio\".",
