@@ -81,6 +81,10 @@ EXPECTED: dict[str, list[str] | str] = {
     "vllm_omni/deploy/qwen3_tts_batch.yaml": TTS,
     "vllm_omni/deploy/qwen3_tts_high_concurrency.yaml": TTS,
     "vllm_omni/deploy/qwen3_tts_no_async_chunk.yaml": TTS,
+    "vllm_omni/deploy/qwen3_tts_forced_aligner.yaml": r"is upstream's forced-aligner settings file "
+                                                      r"\(`forced_aligner:`, its --forced-aligner-config\): word "
+                                                      r"timestamps with a forced aligner \(Qwen3-ForcedAligner\) "
+                                                      r"are not supported",
     "vllm_omni/deploy/qwen_image.yaml": ["diffusion"],
     "vllm_omni/deploy/qwen_image_edit.yaml": ["diffusion"],
     "vllm_omni/deploy/qwen_image_edit_plus.yaml": ["diffusion"],
@@ -307,3 +311,20 @@ def test_subtalker_settings_on_a_stage_without_a_code_predictor_are_refused(writ
     with pytest.raises(ConfigError, match=r"subtalker_sampling_params=\{'top_k': 'many'\}"):
         load_pipeline_config(write_yaml("stages: [{stage_id: 0, subtalker_sampling_params: {top_k: many}}]\n",
                                         name="e.yaml"), model=HF["qwen3_tts"])
+
+
+def test_a_forced_aligner_section_in_a_deploy_file_is_refused_by_name(write_yaml):
+    path = write_yaml("base_config: qwen3_tts.yaml\nforced_aligner: {model: Qwen/Qwen3-ForcedAligner-0.6B}\n",
+                      name="d.yaml")
+    with pytest.raises(ConfigError, match=r"forced_aligner is not supported: word timestamps with a forced aligner"):
+        load_pipeline_config(path, model=HF["qwen3_tts"])
+
+
+def test_the_forced_aligner_flags_are_refused_by_name():
+    from vllm_omni.entrypoints.cli import serve_args
+
+    parser = __import__("argparse").ArgumentParser()
+    serve_args.add_arguments(parser)
+    args = parser.parse_args(["--forced-aligner-config", "aligner.yaml"])
+    assert serve_args.refused_flags(args) == ["--forced-aligner-config='aligner.yaml' is not supported: word "
+                                              "timestamps with a forced aligner are not supported"]

@@ -31,6 +31,7 @@ from vllm_omni.config.layers import Layer, read_stage_fields, read_stage_list
 from vllm_omni.config.overrides import cli_flags_layer, parse_stage_overrides
 from vllm_omni.config.stage_config import ConfigFormat, PipelineConfig
 from vllm_omni.config.strategy import is_strategy_data, strategy_layer
+from vllm_omni.config.upstream_keys import FORCED_ALIGNER, FORCED_ALIGNER_REASON
 from vllm_omni.config.yaml_io import load_yaml_file
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,9 @@ def _file_layers(path: Path, model: ModelRef, expected: str | None, platform: st
         if expected == "deploy":
             raise ConfigError("is a legacy stage_args config; pass it with --stage-configs-path", source=source)
         return [legacy_layer(data, source=source)], ConfigFormat.LEGACY, source, None
+    if FORCED_ALIGNER in data and not is_deploy_data(data):
+        raise ConfigError(f"is upstream's forced-aligner settings file (`{FORCED_ALIGNER}:`, its "
+                          f"--forced-aligner-config): {FORCED_ALIGNER_REASON}", source=source)
     if is_strategy_data(data):
         raise ConfigError("is upstream's parallel strategy file (`strategies:`), the companion of a stage or "
                           "deploy config: pass it with --strategy-config next to that config", source=source)

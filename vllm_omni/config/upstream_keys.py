@@ -72,6 +72,9 @@ _DIFFUSION = "our diffusion engine does not implement it (docs/diffusion.md list
 _DUPLEX = "full-duplex sessions are not supported (requests are turn based)"
 _TTS = "our Qwen3-TTS stages do not implement it (docs/tts.md)"
 _PD = "prefill/decode disaggregation (KV transfer between stages) is not supported"
+# Upstream's word timestamps for TTS: a Qwen3-ForcedAligner pooling model beside the pipeline.
+FORCED_ALIGNER = "forced_aligner"
+FORCED_ALIGNER_REASON = "word timestamps with a forced aligner (Qwen3-ForcedAligner) are not supported"
 
 # Keys of upstream's diffusion stages (its StageDeployConfig diffusion fields).
 DIFFUSION_KEYS = frozenset({
@@ -100,6 +103,7 @@ UNSUPPORTED_FEATURES: dict[str, Refusal] = {
     "custom_voice_dir": Refusal(_TTS, (None,)),
     "silence_ban_frames": Refusal(_TTS, (0,)),
     "default_pooling_params": Refusal("pooling models are not supported", (None,)),
+    FORCED_ALIGNER: Refusal(FORCED_ALIGNER_REASON, (None,)),
 }
 
 def is_policy_key(key: str) -> bool:

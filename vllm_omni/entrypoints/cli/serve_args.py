@@ -215,6 +215,10 @@ SERVER_FLAGS: tuple[Flag, ...] = (
     _f("--strategy-config", "Upstream's parallel strategy YAML (`strategies: {thinker: [{axis: tp, size: 2}]}`): "
        "tensor parallelism and replicas per model_stage, over the stage or deploy config; its stage_replica "
        "routing sets the replica load balancer.", default=None),
+    _f("--forced-aligner", "Upstream's word timestamps for TTS: the Qwen3-ForcedAligner model.",
+       "word timestamps with a forced aligner are not supported", default=None),
+    _f("--forced-aligner-config", "Upstream's forced-aligner settings YAML (`forced_aligner:`).",
+       "word timestamps with a forced aligner are not supported", default=None),
     _f("--audio-stream-shape", "Where streamed chat chunks carry audio: 'openai' puts it in delta.audio.data "
        "(OpenAI's shape); 'upstream' in delta.content, as upstream vLLM-Omni does, for clients written "
        "against it. Either way audio chunks are marked modality: \"audio\".",
