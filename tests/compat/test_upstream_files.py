@@ -328,3 +328,11 @@ def test_the_forced_aligner_flags_are_refused_by_name():
     args = parser.parse_args(["--forced-aligner-config", "aligner.yaml"])
     assert serve_args.refused_flags(args) == ["--forced-aligner-config='aligner.yaml' is not supported: word "
                                               "timestamps with a forced aligner are not supported"]
+
+
+def test_tts_args_instructions_limit_reaches_the_server_under_its_flag():
+    from vllm_omni.entrypoints.cli.serve import _tts_instructions_limit
+
+    pipeline = check("vllm_omni/model_executor/stage_configs/qwen3_tts.yaml")
+    assert _tts_instructions_limit(None, pipeline) == 500 and _tts_instructions_limit(40, pipeline) == 40
+    assert _tts_instructions_limit(None, check("vllm_omni/deploy/qwen3_tts.yaml")) is None  # the server's default
