@@ -102,3 +102,13 @@ def test_a_failed_request_keeps_the_servers_answer():
     r = _run(backends.chat, lambda request: httpx.Response(400, json={"error": {"message": "bad"}}),
              SampleRequest("x", 1, 1))
     assert not r.success and r.error.startswith("HTTP 400") and "bad" in r.error
+
+
+def test_images_backend_counts_the_images_returned():
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        assert (body["prompt"], body["n"], body["response_format"]) == ("a cat", 1, "b64_json")
+        return httpx.Response(200, json={"created": 0, "data": [{"b64_json": "AAAA"}]})
+
+    r = _run(backends.images, handler, SampleRequest("a cat", 2, None))
+    assert r.success and r.images == 1 and r.latency > 0
