@@ -64,6 +64,10 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     # Filled by the engine from the tokenizer / generation config; not user-facing.
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+    # Set by the API server when max_tokens is a request's own `max_tokens` /
+    # `max_completion_tokens`: a prompt that leaves less room fails the request, as vLLM's
+    # server does. A default or a sampling_params_list value only runs up to max_model_len.
+    _max_tokens_must_fit: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -256,9 +256,12 @@ STAGE_FIELDS: dict[str, FieldSpec] = {
     "final_output": FieldSpec(check_bool, None),  # derived, see above
     "final_output_type": FieldSpec(check_enum(FinalOutputType), FinalOutputType.TEXT),
     "requires_multimodal_data": FieldSpec(check_bool, False),
-    # The most tokens a client may ask of this stage (None: its default max_tokens). Not in
-    # spec 000: a server limit, so any layer (deploy YAML, --stage-overrides) may set it.
+    # The most max_tokens a client may ask of this stage (None: no cap; the context bounds it). Not
+    # in spec 000: a server limit, so any layer (YAML, --stage-overrides, --max-tokens-limit) sets it.
     "max_tokens_limit": FieldSpec(check_int(1, optional=True), None),
+    # Upstream's TTS stage setting (deploy key, or `tts_args: {max_instructions_length}` in its
+    # legacy files): the longest voice instructions a speech request may send; the server flag wins.
+    "tts_max_instructions_length": FieldSpec(check_int(1, optional=True), None),
     "runtime.process": FieldSpec(check_bool, True),
     "runtime.devices": FieldSpec(check_devices, "0"),
     "runtime.max_batch_size": FieldSpec(check_int(1), 1),

@@ -10,6 +10,7 @@ SUBCOMMANDS = {
     "generate": "vllm_omni.entrypoints.cli.generate",
     "check-config": "vllm_omni.entrypoints.cli.check_config",
     "serve": "vllm_omni.entrypoints.cli.serve",
+    "bench": "vllm_omni.entrypoints.cli.bench",
 }
 
 

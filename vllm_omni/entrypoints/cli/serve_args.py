@@ -219,6 +219,13 @@ SERVER_FLAGS: tuple[Flag, ...] = (
     _bool("--enable-log-requests", "Log every request (the access log)."),
     _bool("--disable-log-requests", "[Deprecated: requests are not logged unless --enable-log-requests] "
           "vLLM's old flag, accepted."),
+    _f("--strategy-config", "Upstream's parallel strategy YAML (`strategies: {thinker: [{axis: tp, size: 2}]}`): "
+       "tensor parallelism and replicas per model_stage, over the stage or deploy config; its stage_replica "
+       "routing sets the replica load balancer.", default=None),
+    _f("--forced-aligner", "Upstream's word timestamps for TTS: the Qwen3-ForcedAligner model.",
+       "word timestamps with a forced aligner are not supported", default=None),
+    _f("--forced-aligner-config", "Upstream's forced-aligner settings YAML (`forced_aligner:`).",
+       "word timestamps with a forced aligner are not supported", default=None),
     _f("--audio-stream-shape", "Where streamed chat chunks carry audio: 'openai' puts it in delta.audio.data "
        "(OpenAI's shape); 'upstream' in delta.content, as upstream vLLM-Omni does, for clients written "
        "against it. Either way audio chunks are marked modality: \"audio\".",
@@ -245,6 +252,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     _f("--seed", "Random seed of the engines.", type=int, default=None),
     _f("--load-format", "How weights are loaded: auto (from the checkpoint) or dummy (random, for benchmarks).",
        choices=("auto", "dummy"), default=None),
+    _f("--max-tokens-limit", "The most max_tokens a client may ask of any stage (more is a 400). Unset: no cap, "
+       "the context (max_model_len) bounds it; per stage: max_tokens_limit in the config or --stage-overrides.",
+       type=int, default=None),
 )
 
 

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vllm_omni.entrypoints.openai.accumulator import AudioEvent, RequestAccumulator
 from vllm_omni.entrypoints.openai.audio import OUTPUT_SAMPLE_RATE, check_format
@@ -66,6 +66,14 @@ class SpeechRequest(BaseModel):
     x_vector_only_mode: bool | None = None
     non_streaming_mode: bool | None = None
     max_new_tokens: int | None = Field(None, ge=1)
+    # upstream vLLM-Omni's spelling of stream_format "audio" (its benchmark client sends it)
+    stream: bool | None = None
+
+    @model_validator(mode="after")
+    def _upstream_stream(self) -> SpeechRequest:
+        if self.stream and self.stream_format is None:
+            self.stream_format = "audio"
+        return self
 
 
 @dataclass(frozen=True)

@@ -46,3 +46,21 @@ def family_by_name(name: str) -> ModelFamily:
         if family.name == name:
             return family
     raise KeyError(f"unknown model family {name!r}; known: {[f.name for f in FAMILIES]}")
+
+
+def canonical_stage(architecture: str | None, model_stage: str | None) -> tuple[str | None, str | None]:
+    """A stage config's (model_arch, model_stage) in the family's own names (upstream vLLM-Omni's
+    per-stage architectures and stage names are aliases, ModelFamily.canonical_stage); names of
+    no family (a user's dotted class, a typo) come back as they are."""
+    if architecture is not None:
+        for family in FAMILIES:
+            found = family.canonical_stage(architecture, model_stage)
+            if found is not None:
+                return found
+    return architecture, model_stage
+
+
+def diffusion_pipelines() -> tuple[str, ...]:
+    """Pipeline class names (diffusers' `_class_name`, a stage's `model_class_name`) that our
+    diffusion engine runs: the architectures of every family with a diffusion stage model."""
+    return tuple(sorted(a for f in FAMILIES if "diffusion" in f.stage_models for a in f.architectures))

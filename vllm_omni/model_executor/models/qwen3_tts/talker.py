@@ -34,6 +34,7 @@ from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_moe_talker import Res
 from vllm_omni.model_executor.models.qwen3_tts.code_predictor import Qwen3TTSCodePredictor
 from vllm_omni.model_executor.models.qwen3_tts.configuration import TaskType, TTSConfig
 from vllm_omni.model_executor.models.predictor_graphs import GraphedPredictor
+from vllm_omni.model_executor.models.predictor_sampling import PredictorSampling
 from vllm_omni.model_executor.models.qwen3_tts.prompt import TalkerPrompt, build_prompt, prompt_length
 from vllm_omni.model_executor.models.qwen3_tts.reference_cache import ReferenceCache
 from vllm_omni.model_executor.models.qwen3_tts.reference_graphs import REFERENCE_GRAPHS_ENV, ReferenceGraphs
@@ -42,12 +43,12 @@ from vllm_omni.model_executor.models.qwen3_tts.speech_encoder import ENCODER_PRE
 from vllm_omni.model_executor.models.qwen3_tts.tts_request import CODES_KEY, REF_CODES_KEY, TTSRequest
 from vllm_omni.model_executor.models.stage_model import StageModel
 from vllm_omni.model_executor.models.utils import load_weights_strict, map_stacked_name
-from vllm_omni.sampling_params import SamplingParams
 
 _STATE_KEY = "qwen3_tts_talker"
 _NUM_SPECIAL_CODES = 1024  # the talker vocabulary's trailing control codes
-# qwen-tts' code predictor sampling (subtalker_*) when the talker samples; greedy when it is greedy.
-PREDICTOR_SAMPLING = SamplingParams(temperature=0.9, top_k=50, top_p=1.0, max_tokens=None)
+# qwen-tts' code predictor sampling (subtalker_*) when the talker samples; greedy when it is greedy
+# (the stage config's subtalker_sampling_params change it: predictor_sampling.py).
+PREDICTOR_SAMPLING = PredictorSampling(temperature=0.9, top_k=50, top_p=1.0)
 SPEECH_TOKENIZER_DIR = "speech_tokenizer"
 
 
@@ -71,6 +72,7 @@ def read_speech_tokenizer_config(model_dir: str) -> dict:
 class Qwen3TTSTalkerForConditionalGeneration(StageModel):
     embeds_requests = True
     exports_hidden_states = False  # it exports its codes (request_outputs)
+    has_code_predictor = True
     # The decode step (embeddings in, logits out) is graph-safe; the code predictor runs after it
     # (eagerly, or as its own graphs: predictor_graphs.py).
 
@@ -138,6 +140,9 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
             self.speech_encoder.load_released(tensors)
             self.speech_encoder.eval()
         return loaded
+
+    def set_predictor_sampling(self, values) -> None:
+        self.graphed_predictor.configure(PredictorSampling.parse(values, defaults=PREDICTOR_SAMPLING))
 
     def capture_graphs(self) -> None:
         self.graphed_predictor.capture(self.model.embed_tokens.weight)
