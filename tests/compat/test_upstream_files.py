@@ -106,7 +106,7 @@ EXPECTED: dict[str, list[str] | str] = {
     "vllm_omni/model_executor/stage_configs/qwen_image_dit_2gpu_fp8.yaml": r"tensor_parallel_size is not supported",
     "vllm_omni/model_executor/stage_configs/rocm/qwen2_5_omni.yaml": OMNI,
     "vllm_omni/model_executor/stage_configs/rocm/qwen3_omni_moe.yaml": OMNI,
-    # the quantization is the checkpoint's (ModelOpt), read when it loads
+    # the quantization is the checkpoint's (ModelOpt): such a checkpoint is refused when it loads
     "vllm_omni/model_executor/stage_configs/wan2_2_ti2v_dit_fp8.yaml": ["dit"],
     "vllm_omni/model_executor/stage_configs/wan2_2_ti2v_dit_nvfp4.yaml": ["dit"],
 }

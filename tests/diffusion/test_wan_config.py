@@ -81,3 +81,15 @@ def test_the_engine_reports_the_video_settings(wan_model):
     info = wan_model("ti2v").describe()
     assert (info["fps"], info["frame_step"], info["image_input"], info["experts"]) == (24, 4, "optional", 1)
     assert wan_model("a14b").describe()["image_input"] == "none"
+
+
+def test_a_quantized_component_is_refused_by_name_when_it_loads(tmp_path):
+    """Upstream's Wan2.2 FP8 / NVFP4 stage configs expect a ModelOpt checkpoint: its
+    `quantization_config` is refused at load, not read as plain weights."""
+    from vllm_omni.model_executor.models.diffusers_folder import refuse_quantized
+
+    (tmp_path / "config.json").write_text('{"quantization_config": {"quant_method": "modelopt"}}')
+    with pytest.raises(ValueError, match=r"quantized checkpoint \(quantization_config: modelopt\) is not supported"):
+        refuse_quantized(tmp_path)
+    (tmp_path / "config.json").write_text('{"num_layers": 2}')
+    refuse_quantized(tmp_path)

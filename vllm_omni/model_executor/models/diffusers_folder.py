@@ -42,6 +42,7 @@ def load_component(model_dir: Path, name: str, entry: list[str], device: torch.d
                    dummy: bool) -> Any:
     """The model of subfolder `name`, on `device`, evaluation mode."""
     if not dummy:
+        refuse_quantized(model_dir / name)
         return component_class(entry).from_pretrained(model_dir / name, dtype=dtype).to(device).eval()
     cls = component_class(entry)
     with torch.device(device), default_dtype(dtype):  # a 20B model never exists in float32
@@ -52,6 +53,19 @@ def load_component(model_dir: Path, name: str, entry: list[str], device: torch.d
         model = cls.from_config(cls.load_config(model_dir / name)).eval()
     _set_dtypes(model, dtype, cls._keep_in_fp32_modules or ())
     return model
+
+
+def refuse_quantized(component_dir: Path) -> None:
+    """A component saved quantized (ModelOpt FP8 / NVFP4, ...: a `quantization_config` in its
+    config.json) is refused by name: loading it as plain weights would compute garbage."""
+    config = component_dir / "config.json"
+    if not config.is_file():
+        return
+    quant = json.loads(config.read_text(encoding="utf-8")).get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method", quant.get("quant_algo", "?")) if isinstance(quant, dict) else quant
+        raise ValueError(f"{component_dir}: a quantized checkpoint (quantization_config: {method}) is not "
+                         "supported by the native diffusion engine; use the unquantized weights")
 
 
 def load_scheduler(model_dir: Path, entry: list[str], **overrides: Any) -> Any:
