@@ -32,11 +32,12 @@ from pydantic import ValidationError
 from vllm_omni.config.stage_config import WorkerType
 from vllm_omni.entrypoints.openai.admission import Ticket
 from vllm_omni.entrypoints.openai.errors import APIError
-from vllm_omni.entrypoints.openai.media_fetch import resolve_media
+from vllm_omni.entrypoints.openai.input_limits import DEFAULT_GENERATED_IMAGE_PIXELS
+from vllm_omni.entrypoints.openai.media_fetch import count_upload, resolve_media
 from vllm_omni.entrypoints.openai.serving_base import ServingContext, engine_error
 from vllm_omni.entrypoints.openai.video_request import VideoJob, VideoRequest
 from vllm_omni.entrypoints.openai.video_store import VideoStore, VideoStoreOptions
-from vllm_omni.multimodal.media import MediaError, MediaOptions, load_image
+from vllm_omni.multimodal.media import MediaError, load_image
 from vllm_omni.multimodal.video_output import DEFAULT_FPS, write_mp4
 from vllm_omni.sampling_params import DiffusionSamplingParams
 
@@ -166,15 +167,15 @@ class VideoService:
         if params.width and params.height and (params.width % size_multiple or params.height % size_multiple):
             raise APIError(400, f"size {params.width}x{params.height} is invalid for this model: width and height "
                                 f"must be multiples of {size_multiple}", param="size")
-        limit = self.stage.engine_args.max_generated_image_size
-        if limit is not None and params.height and params.width and params.height * params.width > limit:
+        limit = self.stage.engine_args.max_generated_image_size or DEFAULT_GENERATED_IMAGE_PIXELS
+        if params.height and params.width and params.height * params.width > limit:
             raise APIError(400, f"size {params.width}x{params.height} ({params.width * params.height} pixels) is over "
                                 f"this server's limit of {limit} pixels (--max-generated-image-size)", param="size")
         return params
 
     async def _reference_image(self, body: VideoRequest, upload: bytes | None, image_input: str) -> Any:
-        """The input_reference image, decoded under the server's media rules (one place: switch it
-        to the media gate when that lands), or None. 400: bad image, or wrong for this model."""
+        """The input_reference image, fetched and decoded through the media gate, or None. 400: bad
+        image, or wrong for this model."""
         source: Any = upload
         if body.input_reference is not None:
             url = body.input_reference.get("image_url")
@@ -182,7 +183,9 @@ class VideoService:
                 raise APIError(400, "input_reference takes {'image_url': URL or data URL} (file ids are not "
                                     "supported) or an uploaded image file", param="input_reference")
             message = await resolve_media([{"content": [{"type": "image_url", "image_url": url}]}], self.ctx.media)
-            source = message[0]["content"][0]["image_url"]
+            source = message[0]["content"][0]["image_url"]["url"]
+        elif upload is not None:
+            count_upload(len(upload), self.ctx.media)
         if source is None:
             if image_input == "required":
                 raise APIError(400, "this model makes videos from an image: give input_reference",
@@ -191,11 +194,8 @@ class VideoService:
         if image_input == "none":
             raise APIError(400, "this model makes videos from text only: it takes no input_reference",
                            param="input_reference")
-        root = self.ctx.media.allowed_local_root  # resolve_media let through only files under it
-        options = MediaOptions(timeout_s=self.ctx.media.timeout_s, max_bytes=self.ctx.media.max_bytes,
-                               allow_local_files=root is not None, local_root=str(root) if root else None)
         try:
-            return await asyncio.to_thread(load_image, source, options)
+            return await asyncio.to_thread(load_image, source, self.ctx.media)
         except MediaError as e:
             raise APIError(400, str(e), param="input_reference") from None
 
