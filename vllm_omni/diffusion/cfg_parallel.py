@@ -137,6 +137,8 @@ def _rank1_main(spec: ModelSpec, tea_cache: dict[str, Any] | None, device_name: 
             if message[0] is None:
                 break
             batch, keys = message[0]
+            if cache is not None:
+                cache.retain(keys)  # rank 1 sees its rows one forward at a time
             out = run_denoiser(model, _to(batch, device), cache, keys)
             dist.send(out.to("cpu" if device.type == "cpu" else device).contiguous(), dst=0)
     dist.destroy_process_group()
