@@ -15,10 +15,20 @@ import torch
 
 from vllm_omni.diffusion.model import DiffusionModel, RowGroup
 from vllm_omni.diffusion.request import DiffusionRequest
-from vllm_omni.diffusion.db_cache import DBCache
-from vllm_omni.diffusion.tea_cache import TeaCache
+from vllm_omni.diffusion.db_cache import DBCache, DBCacheConfig
+from vllm_omni.diffusion.tea_cache import TeaCache, TeaCacheConfig
 
 Cache = TeaCache | DBCache
+
+
+def build_cache(spec: tuple[str, dict[str, Any], bool] | None, transformer_class: str) -> Cache | None:
+    """The cache of `spec` = (cache_backend, cache_config, enable_cache_dit_summary); None: no cache."""
+    if spec is None:
+        return None
+    backend, settings, summary = spec
+    if backend == "tea_cache":
+        return TeaCache(TeaCacheConfig.for_model(transformer_class, settings))
+    return DBCache(DBCacheConfig.from_settings(settings), summary=summary)
 
 
 def run_denoiser(model: DiffusionModel, batch: Any, cache: Cache | None = None,
