@@ -76,7 +76,8 @@ class QwenImageModel:
         for name, value in (("boundary_ratio", boundary_ratio), ("flow_shift", flow_shift)):
             if value is not None:
                 raise ValueError(f"{name}={value}: Qwen-Image has no such setting (video models only: Wan2.2)")
-        components = load_components(model_path, device=device, dtype=dtype, dummy=dummy)
+        components = load_components(model_path, device=device, dtype=dtype, dummy=dummy,
+                                     quantization=acceleration.quantization)
         set_vae_options(components.vae, vae_use_slicing, vae_use_tiling)
         return cls(components, device=device, cpu_offload=cpu_offload, acceleration=acceleration)
 

@@ -79,7 +79,8 @@ class WanModel:
              acceleration: DenoiserAcceleration = DenoiserAcceleration(), boundary_ratio: float | None = None,
              flow_shift: float | None = None) -> WanModel:
         components = load_components(model_path, device=device, dtype=dtype, dummy=dummy,
-                                     boundary_ratio=boundary_ratio, flow_shift=flow_shift)
+                                     boundary_ratio=boundary_ratio, flow_shift=flow_shift,
+                                     quantization=acceleration.quantization)
         set_vae_options(components.vae, vae_use_slicing, vae_use_tiling)
         return cls(components, device=device, cpu_offload=cpu_offload, acceleration=acceleration)
 
