@@ -1,12 +1,13 @@
 """FP8 weights (`--diffusion-quantization-config '{"method": "fp8"}'`, `--force-cutlass-fp8`): the
-linear layer's math against float32, and whole tiny generations against the unquantized ones."""
+linear layer's math against float32, and a whole tiny Qwen-Image generation against the unquantized
+one (Wan2.2's, with FP8 weights and FP8 attention together: test_diffusion_attention.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
 
-from tests.diffusion.conftest import Case, WanCase, image_of, run_engine, video_of
+from tests.diffusion.conftest import Case, image_of, run_engine
 from tests.diffusion.test_tea_cache import psnr
 from vllm_omni.model_executor.layers.fp8_linear import FP8_DTYPE, Fp8Linear, quantize_linears
 from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
@@ -92,19 +93,3 @@ def test_qwen_image_generates_with_fp8_weights_close_to_float32(fp8_t2i_model, m
     print(f"\nFP8 weights vs float32: {quality:.1f} dB PSNR (two seeds of the tiny model: ~20 dB)")
     assert not torch.equal(fp8, exact)
     assert quality >= 35.0
-
-
-def test_wan_generates_with_fp8_weights_close_to_float32(wan_dir, wan_model):
-    from vllm_omni.diffusion.engine import DiffusionEngine
-    from vllm_omni.model_executor.models.wan2_2.model import WanModel
-
-    model = WanModel.load(wan_dir("a14b"), device=torch.device("cpu"), dtype=torch.float32,
-                          acceleration=DenoiserAcceleration(quantization=FP8))
-    assert all(isinstance(t.blocks[0].attn1.to_q, Fp8Linear) for t in model.c.transformers)  # both experts
-    case = WanCase("w", "a red fox running", negative="blurry",
-                   params=dict(height=32, width=48, num_frames=5, num_inference_steps=3, seed=5))
-    exact = video_of(run_engine(DiffusionEngine(wan_model("a14b"), stage_id=0, max_batch_size=2), [case])["w"])
-    fp8 = video_of(run_engine(DiffusionEngine(model, stage_id=0, max_batch_size=2), [case])["w"])
-    quality = psnr(fp8, exact)
-    print(f"\nWan FP8 weights vs float32: {quality:.1f} dB PSNR")
-    assert not torch.equal(fp8, exact) and quality >= 30.0

@@ -10,8 +10,8 @@ into pixels (images or videos).
 The denoiser forward is split in four parts so that a cache (TeaCache) can skip the
 transformer blocks per row: `embed` (inputs -> block inputs), `modulated_input` (the signal
 TeaCache compares between steps), `run_blocks` (the expensive part, for a subset of rows),
-`finish` (output head); DBCache (db_cache.py) runs block ranges (`run_block_range`). Models implement the protocols structurally; nothing here is imported
-by model code.
+`finish` (output head); DBCache (db_cache.py) runs block ranges (`run_block_range`). Models
+implement the protocols structurally; nothing here is imported by model code.
 """
 from __future__ import annotations
 

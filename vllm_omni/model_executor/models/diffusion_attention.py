@@ -166,7 +166,8 @@ class DiffusionAttentionConfig:
         roles = value.get("per_role") or {}
         if not isinstance(roles, dict):
             raise ValueError("per_role: expected an object of role -> spec")
-        per_role = tuple(sorted((str(role), AttentionSpec.parse(spec, f"per_role.{role}")) for role, spec in roles.items()))
+        per_role = tuple(sorted((str(role), AttentionSpec.parse(spec, f"per_role.{role}"))
+                                for role, spec in roles.items()))
         return cls(default, per_role)
 
     def spec_for(self, role: str, category: str) -> AttentionSpec:
