@@ -73,11 +73,12 @@ CACHE_DIT_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
                                "a non-empty list of 0 (reuse) and 1 (compute), one per step"),
     "steps_computation_policy": (lambda v: v in ("dynamic", "static"), "\"dynamic\" or \"static\""),
     "scm_steps_policy": (lambda v: v in ("dynamic", "static"), "\"dynamic\" or \"static\""),
+    # Upstream's configs carry it next to enable_taylorseer: false (then it has nothing to order).
+    "taylorseer_order": (_int(1), "an integer >= 1 (used by TaylorSeer, which is not implemented)"),
 }
 # Upstream vLLM-Omni's cache-dit keys that are not implemented, and why.
 CACHE_DIT_REFUSED = {
     "enable_taylorseer": "TaylorSeer calibration is not implemented (the cached residual is reused as is)",
-    "taylorseer_order": "TaylorSeer calibration is not implemented",
     "scm_steps_mask_policy": "cache-dit's predefined step masks are not implemented; give steps_computation_mask "
                              "(one 0/1 per step)",
 }

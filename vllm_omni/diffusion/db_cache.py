@@ -56,7 +56,8 @@ class DBCacheConfig:
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> DBCacheConfig:
         """`settings`: --cache-config, checked by the config layer (config/schema.py)."""
-        values = dict(settings)
+        # enable_taylorseer false and its order (upstream writes them) leave nothing to run.
+        values = {k: v for k, v in settings.items() if k not in ("enable_taylorseer", "taylorseer_order")}
         if values.get("steps_computation_mask") is not None:
             values["steps_computation_mask"] = tuple(values["steps_computation_mask"])
         if "scm_steps_policy" in values:  # upstream vLLM-Omni's name of steps_computation_policy
