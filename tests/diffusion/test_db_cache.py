@@ -124,3 +124,20 @@ def test_cache_dit_settings_reach_the_stage_and_the_summary_needs_cache_dit():
     with pytest.raises(ConfigError, match="enable_cache_dit_summary.*cache_backend is tea_cache"):
         load_pipeline_config(model=QWEN_IMAGE, platform="cpu",
                              cli_args={"cache_backend": "tea_cache", "enable_cache_dit_summary": True})
+
+
+def test_the_worker_builds_a_stage_with_every_acceleration_setting(qwen_image_dir):
+    """From the stage config to the engine: DBCache with its summary, FP8 weights, FP8 K/V, roles."""
+    from vllm_omni.worker.gpu_diffusion_worker import GPUDiffusionWorker
+
+    stage = load_pipeline_config(model=qwen_image_dir, platform="cpu", cli_args={
+        "cache_backend": "cache_dit", "cache_config": {"Fn_compute_blocks": 1}, "enable_cache_dit_summary": True,
+        "diffusion_quantization_config": {"method": "fp8"}, "diffusion_kv_cache_dtype": "fp8",
+        "diffusion_kv_cache_skip_layers": "0", "diffusion_attention_config": {"per_role": {"joint": {
+            "backend": "TORCH_SDPA"}}}}).stage(0)
+    engine = GPUDiffusionWorker(stage, str(qwen_image_dir), device="cpu").build_engine()
+    info = engine.describe()
+    assert (info["cache_backend"], info["quantization"], info["kv_cache_dtype"]) == ("cache_dit", "fp8", "fp8")
+    assert isinstance(engine.cache, DBCache) and engine.cache.summary
+    sites = [b.site for b in engine.model.blocks]
+    assert [s.quantize for s in sites] == [False, True] and {s.backend for s in sites} == {"TORCH_SDPA"}
