@@ -133,7 +133,8 @@ OMNI_FLAGS: tuple[Flag, ...] = (
     _f("--hsdp-shard-size", "Number of GPUs to shard weights across (-1: auto).", _DIFFUSION, type=int, default=-1),
     _f("--hsdp-replicate-size", "Number of replica groups for HSDP.", _DIFFUSION, type=int, default=1),
     _f("--diffusion-attention-backend", "Attention kernel of the diffusion transformer: TORCH_SDPA (PyTorch "
-       "chooses) or CUDNN_ATTN (cuDNN first). Default: CUDNN_ATTN on CUDA, TORCH_SDPA elsewhere.", default=None),
+       "chooses), CUDNN_ATTN (cuDNN first) or FLASH_ATTN (PyTorch's FlashAttention-2 kernel). Default: CUDNN_ATTN "
+       "on CUDA, TORCH_SDPA elsewhere. Shorthand of --diffusion-attention-config.default.backend.", default=None),
     _f("--diffusion-attention-config -dac", "Diffusion attention config per role (self, cross, joint): JSON, e.g. "
        "'{\"default\": {\"backend\": \"CUDNN_ATTN\"}, \"per_role\": {\"cross\": {\"backend\": "
        "\"TORCH_SDPA\", \"quant\": {\"method\": \"fp8\"}}}}', or dotted flags such as "
