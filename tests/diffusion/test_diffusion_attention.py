@@ -108,13 +108,14 @@ def _components(path):
 
 def test_fp8_kv_skips_the_selected_steps_and_layers(qwen_image_dir, make_engine):
     """Two layers, 4 steps, CFG (2 rows): layer 0 skipped, steps 0 and 1 skipped: only layer 1 in
-    steps 2 and 3 quantizes (2 rows each); the image moves a little."""
+    steps 2 and 3 quantizes (2 rows each); the image moves a little. (PyTorch's flash kernel.)"""
     from vllm_omni.model_executor.models.qwen_image.model import QwenImageModel
 
-    settings = AttentionSettings(kv_cache_dtype="fp8", kv_skip_steps=(0, 1), kv_skip_layers=(0,))
+    config = DiffusionAttentionConfig.parse({"per_role": {"self": {"backend": "FLASH_ATTN"}}})  # joint's category
+    settings = AttentionSettings(config, kv_cache_dtype="fp8", kv_skip_steps=(0, 1), kv_skip_layers=(0,))
     model = QwenImageModel(_components(qwen_image_dir), device=torch.device("cpu"),
                            acceleration=DenoiserAcceleration(attention=settings))
-    assert model.own_blocks and len(model.blocks) == 2
+    assert model.own_blocks and len(model.blocks) == 2 and {b.site.backend for b in model.blocks} == {"FLASH_ATTN"}
     case = Case("k", "a red fox", negative="blurry", params=dict(height=64, width=64, num_inference_steps=4, seed=2))
     quantized = image_of(run_engine(make_engine(model), [case])["k"])
     stats = model.blocks[0].site.stats
