@@ -218,6 +218,14 @@ def row_steps(steps: Sequence[int] | None) -> Iterator[None]:
         _ROW_STEPS.reset(token)
 
 
+def rows_steps(steps: Sequence[int], rows: torch.Tensor | None) -> Sequence[int] | None:
+    """The steps of a batch's `rows` (None: all). Reading an index tensor waits for the device:
+    models ask only when a site quantizes by step."""
+    if not steps:
+        return None
+    return steps if rows is None else tuple(steps[i] for i in rows.tolist())
+
+
 @dataclass
 class AttentionSite:
     """One attention call site (a role in one block) with its resolved backend and quantization."""

@@ -20,7 +20,7 @@ import torch
 
 from vllm_omni.model_executor.models import diffusion_inputs
 from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
-from vllm_omni.model_executor.models.diffusion_attention import row_steps
+from vllm_omni.model_executor.models.diffusion_attention import row_steps, rows_steps
 from vllm_omni.model_executor.models.diffusers_folder import set_vae_options
 from vllm_omni.model_executor.models.diffusion_offload import visiting
 from vllm_omni.model_executor.models.qwen_image import denoiser
@@ -212,9 +212,9 @@ class QwenImageModel:
 
     def run_block_range(self, emb: Embedded, rows: torch.Tensor | None, state: tuple[torch.Tensor, torch.Tensor] | None,
                         start: int, end: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        steps = emb.steps if rows is None or not emb.steps else tuple(emb.steps[i] for i in rows.tolist())
+        steps = rows_steps(emb.steps, rows) if self.acceleration.attention.active else None
         kernels = contextlib.nullcontext() if self.own_blocks else self.acceleration.attention_context(self.device)
-        with kernels, row_steps(steps or None):
+        with kernels, row_steps(steps):
             return denoiser.run_block_range(self.blocks, emb, rows, self.own_blocks, state, start, end)
 
     def finish(self, emb: Embedded, hidden: torch.Tensor) -> torch.Tensor:

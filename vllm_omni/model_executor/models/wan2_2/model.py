@@ -21,7 +21,7 @@ import torch
 
 from vllm_omni.model_executor.models import diffusion_inputs
 from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
-from vllm_omni.model_executor.models.diffusion_attention import row_steps
+from vllm_omni.model_executor.models.diffusion_attention import row_steps, rows_steps
 from vllm_omni.model_executor.models.diffusers_folder import set_vae_options
 from vllm_omni.model_executor.models.diffusion_offload import Experts, visiting
 from vllm_omni.model_executor.models.diffusion_solvers import solver_for
@@ -204,9 +204,9 @@ class WanModel:
 
     def run_block_range(self, emb: Embedded, rows: torch.Tensor | None, state: tuple[torch.Tensor, None] | None,
                         start: int, end: int | None) -> tuple[torch.Tensor, None]:
-        steps = emb.steps if rows is None or not emb.steps else tuple(emb.steps[i] for i in rows.tolist())
+        steps = rows_steps(emb.steps, rows) if self.acceleration.attention.active else None
         kernels = contextlib.nullcontext() if self.own_blocks else self.acceleration.attention_context(self.device)
-        with kernels, row_steps(steps or None):
+        with kernels, row_steps(steps):
             hidden = denoiser.run_block_range(self.blocks[emb.expert], emb, rows, self.own_blocks,
                                               None if state is None else state[0], start, end)
         return hidden, None
