@@ -106,7 +106,7 @@ def _components(path):
     return load_components(path, device=torch.device("cpu"), dtype=torch.float32)
 
 
-def test_fp8_kv_skips_the_selected_steps_and_layers(qwen_image_dir, make_engine):
+def test_fp8_kv_skips_the_selected_steps_and_layers(qwen_image_dir, make_engine, monkeypatch):
     """Two layers, 4 steps, CFG (2 rows): layer 0 skipped, steps 0 and 1 skipped: only layer 1 in
     steps 2 and 3 quantizes (2 rows each); the image moves a little. (PyTorch's flash kernel.)"""
     from vllm_omni.model_executor.models.qwen_image.model import QwenImageModel
@@ -117,7 +117,13 @@ def test_fp8_kv_skips_the_selected_steps_and_layers(qwen_image_dir, make_engine)
                            acceleration=DenoiserAcceleration(attention=settings))
     assert model.own_blocks and len(model.blocks) == 2 and {b.site.backend for b in model.blocks} == {"FLASH_ATTN"}
     case = Case("k", "a red fox", negative="blurry", params=dict(height=64, width=64, num_inference_steps=4, seed=2))
+    from vllm_omni.model_executor.models import diffusion_attention
+
+    calls = []  # the quantizer seen from outside: one call for K, one for V, per quantizing forward
+    real = diffusion_attention.fp8_per_head
+    monkeypatch.setattr(diffusion_attention, "fp8_per_head", lambda x: calls.append(x.shape[0]) or real(x))
     quantized = image_of(run_engine(make_engine(model), [case])["k"])
+    assert calls == [2] * 4  # layer 1 in steps 2 and 3, K and V of both CFG rows
     stats = model.blocks[0].site.stats
     assert dict(stats) == {("joint", 1): 4}
     exact = image_of(run_engine(make_engine(), [case])["k"])
