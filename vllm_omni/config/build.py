@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vllm_omni.config import graph, resolve, schema, support
+from vllm_omni.config.diffusion_accel import combination_problems
 from vllm_omni.config.errors import ConfigError
 from vllm_omni.config.layers import STAGE_STREAMS, Layer
 from vllm_omni.config.strategy import LB_POLICY_PATH
@@ -213,6 +214,7 @@ def _check_diffusion_settings(stages: tuple[StageConfig, ...], merged: dict[int,
     if any(s.worker_type == WorkerType.DIFFUSION for s in stages):
         for stage in stages:
             _check_pipeline_class(stage, merged[stage.stage_id])
+            _check_acceleration(stage, merged[stage.stage_id])
         return
     for stage in stages:
         m = merged[stage.stage_id]
@@ -221,6 +223,14 @@ def _check_diffusion_settings(stages: tuple[StageConfig, ...], merged: dict[int,
             if m.has(path) and m.get(path) != schema.STAGE_FIELDS[path].default:
                 raise ConfigError("is a diffusion setting and this pipeline has no diffusion stage",
                                   source=m.source(path), stage_id=stage.stage_id, field=path, value=m.get(path))
+
+
+def _check_acceleration(stage: StageConfig, m: _Merged) -> None:
+    """Diffusion settings that contradict each other (config/diffusion_accel.py)."""
+    values = {name: getattr(stage.engine_args, name) for name in schema.DIFFUSION_FIELDS}
+    for name, problem in combination_problems(values):
+        path = f"engine_args.{name}"
+        raise ConfigError(problem, source=m.source(path), stage_id=stage.stage_id, field=path, value=m.get(path))
 
 
 def _check_pipeline_class(stage: StageConfig, m: _Merged) -> None:

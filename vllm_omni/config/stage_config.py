@@ -111,6 +111,16 @@ class StageEngineArgs:
     diffusion_compile_dynamic: bool = True
     boundary_ratio: float | None = None  # None: the checkpoint's (model_index.json)
     flow_shift: float | None = None  # None: the checkpoint's scheduler config
+    # Acceleration (config/diffusion_accel.py): typed values from models/diffusion_quantization.py
+    # and models/diffusion_attention.py; selectors as sorted indices.
+    enable_cache_dit_summary: bool = False
+    diffusion_quantization_config: Any = None  # DiffusionQuantization | None
+    force_cutlass_fp8: bool = False
+    diffusion_kv_cache_dtype: str | None = None  # "fp8"
+    diffusion_kv_cache_skip_steps: tuple[int, ...] = ()
+    diffusion_kv_cache_skip_layers: tuple[int, ...] = ()
+    diffusion_attention_config: Any = None  # DiffusionAttentionConfig | None
+    auxiliary_text_encoder: str | None = None
 
 
 @dataclass(frozen=True)

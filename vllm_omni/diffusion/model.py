@@ -10,8 +10,8 @@ into pixels (images or videos).
 The denoiser forward is split in four parts so that a cache (TeaCache) can skip the
 transformer blocks per row: `embed` (inputs -> block inputs), `modulated_input` (the signal
 TeaCache compares between steps), `run_blocks` (the expensive part, for a subset of rows),
-`finish` (output head). Models implement the protocols structurally; nothing here is imported
-by model code.
+`finish` (output head); DBCache (db_cache.py) runs block ranges (`run_block_range`). Models
+implement the protocols structurally; nothing here is imported by model code.
 """
 from __future__ import annotations
 
@@ -55,6 +55,7 @@ class RowGroup:
     timestep: torch.Tensor  # 0-dim: the request's current timestep
     uncond: bool  # conditioned on the negative prompt (the unconditional branch of CFG)
     expert: int = 0  # the denoiser that runs it: the groups of one batch share it
+    step: int = 0  # the request's denoising step (attention quantization skips steps)
 
     @property
     def num_rows(self) -> int:
@@ -79,6 +80,19 @@ class DiffusionModel(Protocol):
 
     def run_blocks(self, embedded: Any, rows: torch.Tensor | None) -> torch.Tensor:
         """The blocks' output for `rows` (an index tensor; None: all rows)."""
+        ...
+
+    def num_blocks(self, embedded: Any) -> int: ...  # of the transformer (expert) the batch runs on
+
+    def blocks_state(self, embedded: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What the blocks update: the image stream, and the text stream of joint blocks (None
+        where the text only conditions, e.g. Wan's cross-attention)."""
+        ...
+
+    def run_block_range(self, embedded: Any, rows: torch.Tensor | None,
+                        state: tuple[torch.Tensor, torch.Tensor | None], start: int,
+                        end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Blocks [start, end) over `rows` (None: all) from `state` (those rows' streams): DBCache."""
         ...
 
     def finish(self, embedded: Any, hidden: torch.Tensor) -> torch.Tensor:

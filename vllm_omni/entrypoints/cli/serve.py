@@ -51,7 +51,7 @@ def vllm_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                      description="vLLM-Omni's OpenAI-compatible API server (needs --omni).")
     serve_args.add_arguments(parser)
-    args = parser.parse_args(argv[1:])
+    args = parser.parse_args(serve_args.fold_dotted_flags(argv[1:]))
     if not args.omni:
         print(f"error: add --omni: {_VLLM_USAGE}", file=sys.stderr)
         return 2

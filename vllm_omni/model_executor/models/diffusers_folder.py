@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from vllm_omni.model_executor.model_loader import default_dtype
+from vllm_omni.model_executor.models.quantized_checkpoints import (load_gguf_transformer, load_modelopt_fp8,
+                                                                    modelopt_fp8_algo, quantization_of)
 
 INDEX = "model_index.json"
 
@@ -39,33 +41,40 @@ def component_class(entry: list[str]) -> type:
 
 
 def load_component(model_dir: Path, name: str, entry: list[str], device: torch.device, dtype: torch.dtype,
-                   dummy: bool) -> Any:
-    """The model of subfolder `name`, on `device`, evaluation mode."""
-    if not dummy:
-        refuse_quantized(model_dir / name)
-        return component_class(entry).from_pretrained(model_dir / name, dtype=dtype).to(device).eval()
+                   dummy: bool, quantization: Any = None) -> Any:
+    """The model of subfolder `name`, on `device`, evaluation mode. A transformer comes from a
+    GGUF file with `quantization` {"method": "gguf"}; a ModelOpt FP8 folder loads with its FP8
+    layers (models/quantized_checkpoints.py)."""
     cls = component_class(entry)
-    with torch.device(device), default_dtype(dtype):  # a 20B model never exists in float32
-        if entry[0] != "diffusers":
-            from transformers import AutoConfig
+    if quantization is not None and quantization.method == "gguf" and name.startswith("transformer"):
+        return load_gguf_transformer(cls, quantization.gguf_model, model_dir, name, dtype, device)
+    if not dummy:
+        if refuse_quantized(model_dir / name) is not None:
+            return load_modelopt_fp8(cls, model_dir / name, device, dtype,
+                                     lambda c, config: _random(c, config, device, dtype))
+        return cls.from_pretrained(model_dir / name, dtype=dtype).to(device).eval()
+    if entry[0] != "diffusers":
+        from transformers import AutoConfig
 
+        with torch.device(device), default_dtype(dtype):  # a 20B model never exists in float32
             return cls._from_config(AutoConfig.from_pretrained(model_dir / name), dtype=dtype).to(dtype).eval()
-        model = cls.from_config(cls.load_config(model_dir / name)).eval()
+    return _random(cls, cls.load_config(model_dir / name), device, dtype)
+
+
+def _random(cls: type, config: dict[str, Any], device: torch.device, dtype: torch.dtype) -> Any:
+    """A diffusers model of `config` with random weights, built on the device in `dtype`."""
+    with torch.device(device), default_dtype(dtype):
+        model = cls.from_config(config).eval()
     _set_dtypes(model, dtype, cls._keep_in_fp32_modules or ())
     return model
 
 
-def refuse_quantized(component_dir: Path) -> None:
-    """A component saved quantized (ModelOpt FP8 / NVFP4, ...: a `quantization_config` in its
-    config.json) is refused by name: loading it as plain weights would compute garbage."""
-    config = component_dir / "config.json"
-    if not config.is_file():
-        return
-    quant = json.loads(config.read_text(encoding="utf-8")).get("quantization_config")
-    if quant is not None:
-        method = quant.get("quant_method", quant.get("quant_algo", "?")) if isinstance(quant, dict) else quant
-        raise ValueError(f"{component_dir}: a quantized checkpoint (quantization_config: {method}) is not "
-                         "supported by the native diffusion engine; use the unquantized weights")
+def refuse_quantized(component_dir: Path) -> str | None:
+    """A component saved quantized (a `quantization_config` in its config.json): its ModelOpt FP8
+    algorithm, which loads; any other format is refused by name (loading it as plain weights
+    would compute garbage). None: not quantized."""
+    quant = quantization_of(component_dir)
+    return None if quant is None else modelopt_fp8_algo(component_dir, quant)
 
 
 def load_scheduler(model_dir: Path, entry: list[str], **overrides: Any) -> Any:

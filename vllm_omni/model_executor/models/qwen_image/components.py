@@ -29,10 +29,10 @@ class QwenImageComponents:
 
 
 def load_components(model_dir: str | Path, *, device: torch.device, dtype: torch.dtype,
-                    dummy: bool = False) -> QwenImageComponents:
+                    dummy: bool = False, quantization: Any = None) -> QwenImageComponents:
     model_dir = Path(model_dir)
     index = read_index(model_dir, PIPELINES, "Qwen-Image")
-    models = {name: load_component(model_dir, name, index[name], device, dtype, dummy)
+    models = {name: load_component(model_dir, name, index[name], device, dtype, dummy, quantization)
               for name in ("transformer", "vae", "text_encoder")}
     tokenizer = component_class(index["tokenizer"]).from_pretrained(model_dir / "tokenizer")
     from diffusers import FlowMatchEulerDiscreteScheduler

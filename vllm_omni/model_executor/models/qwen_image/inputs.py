@@ -63,6 +63,7 @@ class QwenImageBatch:
     timestep: torch.Tensor  # [rows], already / 1000 as the pipeline passes it
     img_shapes: list[list[tuple[int, int, int]]]
     num_latent_tokens: int  # the prediction covers the sample only, not the edit's image tokens
+    steps: tuple[int, ...] = ()  # each row's denoising step (attention quantization skips steps)
 
 
 @dataclass
@@ -76,3 +77,4 @@ class Embedded:
     temb: torch.Tensor
     rope: tuple[torch.Tensor, torch.Tensor]  # complex tables of the image and the (padded) text positions
     num_latent_tokens: int
+    steps: tuple[int, ...] = ()

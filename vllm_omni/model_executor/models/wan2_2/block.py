@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_omni.model_executor.models.diffusion_acceleration import fused_gelu_mlp
+from vllm_omni.model_executor.models.diffusion_attention import AttentionSite
 
 
 def real_rope(rotary: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,9 +41,16 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return (pairs * cos + pairs.flip(-1) * signed_sin).flatten(-2).type_as(x)
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """SDPA on [B, S, H, D] tensors through heads-first views; [B, S, H * D]."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, site: AttentionSite | None = None) -> torch.Tensor:
+    """SDPA on [B, S, H, D] tensors through heads-first views; [B, S, H * D]. `site`: this
+    attention's settings (kernel, FP8 K/V; models/diffusion_attention.py), None: the caller's."""
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if site is None:
+        out = F.scaled_dot_product_attention(q, k, v)
+    else:
+        k, v = site.kv(k, v)
+        with site.kernel(q.device):
+            out = F.scaled_dot_product_attention(q, k, v)
     return out.transpose(1, 2).flatten(2, 3).type_as(q)
 
 
@@ -52,9 +60,10 @@ def _modulation(block: Any, proj: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 class CompilableWanBlock(nn.Module):
-    def __init__(self, block: Any, compile_fn: Any = None) -> None:
+    def __init__(self, block: Any, compile_fn: Any = None, sites: tuple[AttentionSite, AttentionSite] | None = None) -> None:
         super().__init__()
         self.block = block
+        self.self_site, self.cross_site = sites or (None, None)
         compile_fn = compile_fn or (lambda f: f)
         self.before_self_attention = compile_fn(self._before_self_attention)
         self.before_cross_attention = compile_fn(self._before_cross_attention)
@@ -64,8 +73,8 @@ class CompilableWanBlock(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """hidden [rows, tokens, dim]; proj [rows, T, 6, dim] with T dividing tokens (1 or frames)."""
         q, k, v = self.before_self_attention(hidden, proj, *rope)
-        hidden, q, k, v = self.before_cross_attention(_attention(q, k, v), hidden, encoder, proj)
-        return self.after_cross_attention(_attention(q, k, v), hidden, proj)
+        hidden, q, k, v = self.before_cross_attention(_attention(q, k, v, self.self_site), hidden, encoder, proj)
+        return self.after_cross_attention(_attention(q, k, v, self.cross_site), hidden, proj)
 
     def _before_self_attention(self, hidden: torch.Tensor, proj: torch.Tensor, cos: torch.Tensor,
                                signed_sin: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -49,13 +49,17 @@ class WanComponents:
 
 
 def load_components(model_dir: str | Path, *, device: torch.device, dtype: torch.dtype, dummy: bool = False,
-                    boundary_ratio: float | None = None, flow_shift: float | None = None) -> WanComponents:
+                    boundary_ratio: float | None = None, flow_shift: float | None = None,
+                    quantization: Any = None) -> WanComponents:
     model_dir = Path(model_dir)
     index = read_index(model_dir, PIPELINES, "Wan")
     names = ["transformer", "transformer_2"] if _present(index, "transformer_2") else ["transformer"]
     boundary = boundary_ratio if boundary_ratio is not None else index.get("boundary_ratio")
     _check_experts(model_dir, len(names), boundary, boundary_ratio)
-    load = {name: load_component(model_dir, name, index[name], device, dtype, dummy)
+    if quantization is not None and quantization.method == "gguf" and len(names) == 2:
+        raise ValueError(f"{model_dir}: a GGUF file holds one transformer and this Wan2.2 model has two (A14B's "
+                         "experts); GGUF runs Wan2.2 TI2V-5B")
+    load = {name: load_component(model_dir, name, index[name], device, dtype, dummy, quantization)
             for name in (*names, "vae", "text_encoder")}
     tokenizer = component_class(index["tokenizer"]).from_pretrained(model_dir / "tokenizer")
     scheduler = load_scheduler(model_dir, index["scheduler"], **_shift(index["scheduler"][1], flow_shift))

@@ -32,18 +32,29 @@ def embed(transformer: Any, batch: WanBatch, per_frame: bool) -> Embedded:
     temb, proj, encoder, _ = transformer.condition_embedder(timestep, batch.encoder_hidden_states, None,
                                                             timestep_seq_len=steps_per_row)
     proj = proj.unflatten(2 if steps_per_row is not None else 1, (6, -1))
-    return Embedded(hidden, encoder, temb, proj, rotary, grid, batch.expert)
+    return Embedded(hidden, encoder, temb, proj, rotary, grid, batch.expert, batch.steps)
 
 
 def run_blocks(blocks: Sequence[Any], emb: Embedded, compiled: bool) -> torch.Tensor:
     """The blocks: diffusers' own, or their CompilableWanBlock wrappers (`compiled`), which take
     real RoPE tables and the modulation as [rows, T, 6, dim]."""
-    hidden, proj, rope = emb.hidden, emb.timestep_proj, emb.rotary
+    return run_block_range(blocks, emb, None, compiled)
+
+
+def run_block_range(blocks: Sequence[Any], emb: Embedded, rows: torch.Tensor | None, compiled: bool,
+                    hidden: torch.Tensor | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
+    """Blocks [start, end) over `rows` of the batch (None: all), from `hidden` (those rows' image
+    stream; None: the block input)."""
+    encoder, proj, rope = emb.encoder, emb.timestep_proj, emb.rotary
+    if rows is not None:
+        encoder, proj = encoder[rows], proj[rows]
+    if hidden is None:
+        hidden = emb.hidden if rows is None else emb.hidden[rows]
     if compiled:
         rope = real_rope(rope)
         proj = proj if proj.ndim == 4 else proj.unsqueeze(1)
-    for block in blocks:
-        hidden = block(hidden, emb.encoder, proj, rope)
+    for block in blocks[start:end]:
+        hidden = block(hidden, encoder, proj, rope)
     return hidden
 
 

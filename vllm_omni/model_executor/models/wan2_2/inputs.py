@@ -66,6 +66,7 @@ class WanBatch:
     timestep: torch.Tensor  # [rows], or [rows, tokens] with expand_timesteps (TI2V-5B)
     encoder_hidden_states: torch.Tensor  # [rows, max_sequence_length, text_dim]
     expert: int
+    steps: tuple[int, ...] = ()  # each row's denoising step (attention quantization skips steps)
 
 
 @dataclass
@@ -79,3 +80,4 @@ class Embedded:
     rotary: tuple[torch.Tensor, torch.Tensor]  # diffusers' (cos, sin) tables [1, tokens, 1, head_dim]
     grid: tuple[int, int, int]  # tokens per axis after patching: (frames, height, width)
     expert: int
+    steps: tuple[int, ...] = ()

@@ -11,6 +11,7 @@ loop; each request's solver (models/diffusion_solvers.py) does the scheduler's u
 """
 from __future__ import annotations
 
+import contextlib
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 
 from vllm_omni.model_executor.models import diffusion_inputs
 from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
+from vllm_omni.model_executor.models.diffusion_attention import row_steps, rows_steps
 from vllm_omni.model_executor.models.diffusers_folder import set_vae_options
 from vllm_omni.model_executor.models.diffusion_offload import Experts, visiting
 from vllm_omni.model_executor.models.diffusion_solvers import solver_for
@@ -36,6 +38,7 @@ from vllm_omni.stage_io import StageRequest
 DEFAULT_HEIGHT, DEFAULT_WIDTH, DEFAULT_NUM_FRAMES, DEFAULT_GUIDANCE_SCALE = 480, 832, 81, 5.0
 # Wan2.2's sample_fps (its own configs; diffusers' folders do not say): A14B 16, TI2V-5B 24.
 FPS_A14B, FPS_TI2V = 16, 24
+ROLES = {"self": "self", "cross": "cross"}  # attention roles (models/diffusion_attention.py) of each block
 
 
 class WanModel:
@@ -50,9 +53,13 @@ class WanModel:
         # Offload: the text encoder, the VAE and the expert not in use wait on the CPU.
         self.offload = cpu_offload and device.type != "cpu"
         self.experts = Experts(components.transformers, device, self.offload)
-        # Compiled: one wrapper per block, all running the same compiled code (regional compilation).
-        self.blocks = [[CompilableWanBlock(b, acceleration.compile_fn) for b in t.blocks] if self.compiled
-                       else t.blocks for t in components.transformers]
+        self.own_blocks = acceleration.own_blocks(device)
+        dtype = components.transformers[0].dtype
+        acceleration.prepare_transformers([t.blocks for t in components.transformers], device, dtype)
+        # Our blocks: one wrapper per block, compiled all running the same compiled code (regional
+        # compilation), each with its self- and cross-attention sites (models/diffusion_attention.py).
+        self.blocks = [self._own_blocks(t.blocks, dtype) if self.own_blocks else t.blocks
+                       for t in components.transformers]
         vae = components.vae.config
         self.temporal, self.spatial = vae.scale_factor_temporal, vae.scale_factor_spatial
         self.video_processor = VideoProcessor(vae_scale_factor=self.spatial)
@@ -61,13 +68,19 @@ class WanModel:
             components.text_encoder.to("cpu")
             components.vae.to("cpu")
 
+    def _own_blocks(self, blocks: Any, dtype: torch.dtype) -> list[CompilableWanBlock]:
+        sites = self.acceleration.attention_sites(ROLES, len(blocks), self.device, dtype, "Wan2.2")
+        compile_fn = self.acceleration.compile_fn if self.compiled else None
+        return [CompilableWanBlock(b, compile_fn, (sites["self"][i], sites["cross"][i])) for i, b in enumerate(blocks)]
+
     @classmethod
     def load(cls, model_path: str | Path, *, device: torch.device, dtype: torch.dtype, dummy: bool = False,
              vae_use_slicing: bool = False, vae_use_tiling: bool = False, cpu_offload: bool = False,
              acceleration: DenoiserAcceleration = DenoiserAcceleration(), boundary_ratio: float | None = None,
              flow_shift: float | None = None) -> WanModel:
         components = load_components(model_path, device=device, dtype=dtype, dummy=dummy,
-                                     boundary_ratio=boundary_ratio, flow_shift=flow_shift)
+                                     boundary_ratio=boundary_ratio, flow_shift=flow_shift,
+                                     quantization=acceleration.quantization)
         set_vae_options(components.vae, vae_use_slicing, vae_use_tiling)
         return cls(components, device=device, cpu_offload=cpu_offload, acceleration=acceleration)
 
@@ -159,7 +172,8 @@ class WanModel:
             hidden.append(sample.to(dtype))
             timesteps.append(self._timesteps(p, g.timestep, g.num_rows, sample))
             prompts.append((p.negative if g.uncond else p.prompt).expand(g.num_rows, -1, -1))
-        return WanBatch(torch.cat(hidden), torch.cat(timesteps), torch.cat(prompts), groups[0].expert)
+        return WanBatch(torch.cat(hidden), torch.cat(timesteps), torch.cat(prompts), groups[0].expert,
+                        tuple(g.step for g in groups for _ in range(g.num_rows)))
 
     def _timesteps(self, p: WanRequest, t: torch.Tensor, rows: int, sample: torch.Tensor) -> torch.Tensor:
         """[rows], or with expand_timesteps one per token [rows, tokens]: 0 on an input image's frame."""
@@ -171,7 +185,7 @@ class WanModel:
         return (mask[:, ::p_h, ::p_w] * t).flatten().unsqueeze(0).expand(rows, -1)
 
     def embed(self, batch: WanBatch) -> Embedded:
-        return denoiser.embed(self.experts[batch.expert], batch, per_frame=self.compiled)
+        return denoiser.embed(self.experts[batch.expert], batch, per_frame=self.own_blocks)
 
     def modulated_input(self, emb: Embedded) -> torch.Tensor:
         raise ValueError("TeaCache does not support Wan (refused at startup: diffusion/tea_cache.py)")
@@ -180,9 +194,22 @@ class WanModel:
         return emb.hidden
 
     def run_blocks(self, emb: Embedded, rows: torch.Tensor | None) -> torch.Tensor:
-        """All rows (`rows` is a TeaCache subset, and Wan runs without TeaCache)."""
-        with self.acceleration.attention(self.device):
-            return denoiser.run_blocks(self.blocks[emb.expert], emb, self.compiled)
+        return self.run_block_range(emb, rows, None, 0, None)[0]
+
+    def num_blocks(self, emb: Embedded) -> int:
+        return len(self.blocks[emb.expert])
+
+    def blocks_state(self, emb: Embedded) -> tuple[torch.Tensor, None]:
+        return emb.hidden, None  # the prompt only conditions (cross-attention): the blocks do not update it
+
+    def run_block_range(self, emb: Embedded, rows: torch.Tensor | None, state: tuple[torch.Tensor, None] | None,
+                        start: int, end: int | None) -> tuple[torch.Tensor, None]:
+        steps = rows_steps(emb.steps, rows) if self.acceleration.attention.active else None
+        kernels = contextlib.nullcontext() if self.own_blocks else self.acceleration.attention_context(self.device)
+        with kernels, row_steps(steps):
+            hidden = denoiser.run_block_range(self.blocks[emb.expert], emb, rows, self.own_blocks,
+                                              None if state is None else state[0], start, end)
+        return hidden, None
 
     def finish(self, emb: Embedded, hidden: torch.Tensor) -> torch.Tensor:
         return denoiser.finish(self.experts[emb.expert], emb, hidden)
@@ -220,4 +247,4 @@ class WanModel:
                 "default_size": f"{DEFAULT_WIDTH}x{DEFAULT_HEIGHT}",
                 "image_input": "required" if self.c.needs_image else "optional" if self.c.takes_image else "none",
                 "dtype": str(t.dtype).removeprefix("torch."), "cpu_offload": self.offload,
-                **self.acceleration.describe(self.device)}
+                **self.acceleration.describe(self.device, list(self.c.transformers))}
