@@ -14,6 +14,7 @@ from typing import Any
 
 from vllm_omni.config.schema import DIFFUSION_FIELDS
 from vllm_omni.entrypoints.openai.chat_options import parse_mm_limits
+from vllm_omni.entrypoints.openai import tts_limits
 from vllm_omni.entrypoints.openai.realtime import limits as realtime_limits
 
 _DIFFUSION = "the diffusion engine does not implement it yet"
@@ -252,6 +253,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                "any other value than the default is refused.]"
             group.add_argument(*flag.names, dest=flag.dest, help=help_text, **flag.kwargs)
     realtime_limits.add_arguments(parser)
+    tts_limits.add_arguments(parser)
 
 
 def refused_flags(args: argparse.Namespace) -> list[str]:

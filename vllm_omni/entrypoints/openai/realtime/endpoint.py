@@ -48,16 +48,8 @@ class RealtimeEndpoint:
         self.api_key = api_key.encode() if api_key else None
         self.open_sessions = 0
 
-    def _authorized(self, ws: WebSocket) -> bool:
-        if self.api_key is None:
-            return True
-        scheme, _, token = ws.headers.get("authorization", "").partition(" ")
-        offered = [p[len(KEY_PROTOCOL):] for p in ws.scope.get("subprotocols", []) if p.startswith(KEY_PROTOCOL)]
-        candidates = ([token.strip()] if scheme.lower() == "bearer" else []) + offered
-        return any(hmac.compare_digest(c.encode(), self.api_key) for c in candidates)
-
     async def __call__(self, ws: WebSocket) -> None:
-        if not self._authorized(ws):
+        if not authorized(ws, self.api_key):
             await ws.close(CLOSE_POLICY)  # before accept: the handshake fails with 403
             return
         offered = ws.scope.get("subprotocols", [])
@@ -127,6 +119,16 @@ class RealtimeEndpoint:
             logger.exception("realtime session %s: an event failed", session.id)
             await link.send(events.error(ProtocolError(f"internal error: {type(e).__name__}: {e}", code="server_error",
                                                        kind="server_error")))
+
+
+def authorized(ws: WebSocket, api_key: bytes | None) -> bool:
+    """The socket's handshake carries the key (a Bearer header, or the browser's subprotocol)."""
+    if api_key is None:
+        return True
+    scheme, _, token = ws.headers.get("authorization", "").partition(" ")
+    offered = [p[len(KEY_PROTOCOL):] for p in ws.scope.get("subprotocols", []) if p.startswith(KEY_PROTOCOL)]
+    candidates = ([token.strip()] if scheme.lower() == "bearer" else []) + offered
+    return any(hmac.compare_digest(c.encode(), api_key) for c in candidates)
 
 
 class _Link:
