@@ -166,7 +166,7 @@ class SpeechService:
         try:
             first = await first_output(ctx, raw, gen)
             if body.stream_format is not None:
-                stream = self._stream(raw, body, acc, first, gen, ticket)
+                stream = self._stream(raw, body, prompt, acc, first, gen, ticket)
                 response = EventStream(stream, raw, partial(_close, ticket, gen))
                 if body.stream_format == "audio":
                     _set_media_type(response, SPEECH_MEDIA_TYPES[body.response_format])
@@ -179,19 +179,20 @@ class SpeechService:
         ticket.release()
         ctx.record_finished(ENDPOINT, acc)
         wave = change_speed(acc.audio(), OUTPUT_SAMPLE_RATE, body.speed)
-        usage = self._usage(body, acc)
+        usage = self._usage(prompt, acc)
         headers = {f"x-vllm-omni-{k.replace('_', '-')}": str(v) for k, v in usage.items()}
         return Response(encode_speech(wave, OUTPUT_SAMPLE_RATE, body.response_format),
                         media_type=SPEECH_MEDIA_TYPES[body.response_format], headers=headers)
 
-    def _usage(self, body: SpeechRequest, acc: RequestAccumulator) -> dict[str, int]:
+    def _usage(self, prompt: dict[str, Any], acc: RequestAccumulator) -> dict[str, int]:
         tokenizer = self.ctx.engine.get_tokenizer()
-        texts = [body.input, body.instructions or ""]
+        texts = [prompt["prompt"], prompt.get("instructions") or ""]  # (a designed voice's too)
         text_tokens = sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in texts if t)
         frames = math.ceil(acc.audio_samples / self._tts().samples_per_frame)
         return {"input_tokens": text_tokens, "output_tokens": frames, "total_tokens": text_tokens + frames}
 
-    async def _stream(self, raw: Request, body: SpeechRequest, acc: RequestAccumulator, first: OmniRequestOutput,
+    async def _stream(self, raw: Request, body: SpeechRequest, prompt: dict[str, Any], acc: RequestAccumulator,
+                      first: OmniRequestOutput,
                       gen: AsyncIterator[OmniRequestOutput], ticket: Any) -> AsyncIterator[Any]:
         sse, status = body.stream_format == "sse", 200
 
@@ -214,7 +215,7 @@ class SpeechService:
             if not acc.audio_finished:
                 raise APIError(500, "the pipeline ended the request without audio")
             if sse:
-                done = {"type": "speech.audio.done", "usage": self._usage(body, acc)}
+                done = {"type": "speech.audio.done", "usage": self._usage(prompt, acc)}
                 yield f"event: speech.audio.done\ndata: {json.dumps(done)}\n\n"
             self.ctx.record_finished(ENDPOINT, acc)
         except BaseException as e:  # noqa: BLE001 - a stream's failure can only be reported in-band

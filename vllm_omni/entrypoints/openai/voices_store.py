@@ -93,8 +93,7 @@ class VoiceStore:
     @classmethod
     def open(cls, limits: VoiceLimits, fingerprint: str, model_label: str) -> VoiceStore:
         store = cls(limits, fingerprint, model_label)
-        store.folder.mkdir(parents=True, exist_ok=True)
-        for path in sorted(store.folder.glob(f"*{SUFFIX}")):
+        for path in sorted(store.folder.glob(f"*{SUFFIX}")):  # (made with the first voice)
             store._load(path)
         logger.info("voices: %d of this model and %d of others in %s", len(store.voices), len(store.foreign),
                     store.folder)
@@ -160,6 +159,7 @@ class VoiceStore:
 
         self.check_new(voice.name, reserved)  # again: another request may have taken the name meanwhile
         tensors = voice.cloned.tensors() if voice.cloned is not None else {}
+        self.folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=SUFFIX)
         os.close(fd)
         try:
