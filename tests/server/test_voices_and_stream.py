@@ -252,12 +252,15 @@ def test_text_at_speaking_pace_is_heard_before_it_ends_and_speaks_as_the_whole_t
     assert pcm == client.speak(text, voice="alice", non_streaming_mode=False)
 
 
-def test_a_flush_ends_an_utterance_and_the_next_text_starts_another(client):
-    got = asyncio.run(stream_session(client.server, ["Hi there", FLUSH, " and again."], 0.0, voice="alice"))
+def test_each_flush_ends_an_utterance_and_the_next_text_starts_another(client):
+    # (the flushes come while the first utterance is still being spoken: each ends its own)
+    got = asyncio.run(stream_session(client.server, ["Hi there", FLUSH, " and again.", FLUSH, " Third."], 0.0,
+                                     voice="dora", sampling={"max_tokens": 12}))
     done = of(got["events"], "speech.audio.done")
-    assert [d["status"] for d in done] == ["completed", "completed"]
-    assert [(d["text_start"], d["text_end"]) for d in done] == [(0, 8), (8, 19)]
-    assert len({d["utterance_id"] for d in done}) == 2
+    assert [d["status"] for d in done] == ["completed"] * 3
+    assert [(d["text_start"], d["text_end"]) for d in done] == [(0, 8), (8, 19), (19, 26)]
+    assert len({d["utterance_id"] for d in done}) == 3
+    assert all(d["usage"]["output_tokens"] <= 12 for d in done)
 
 
 def test_docs_examples_run_as_written(client, tmp_path):

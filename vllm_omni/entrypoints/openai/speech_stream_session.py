@@ -28,6 +28,7 @@ import dataclasses
 import json
 import logging
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,7 +95,7 @@ class SpeechStreamSession:
         self.text = ""  # every text delta received, in order (offsets index into it)
         self.handed = 0  # text handed to utterances; the rest waits for a phrase boundary
         self.utterance: Utterance | None = None  # the one being made (at most one)
-        self.flush_pending = False  # a flush came while the previous utterance was finishing
+        self.flushes: deque[int] = deque()  # offsets of the flushes not yet handed to an utterance
         self.ending = False  # input_text.end: close once the last audio is out
         self.progress = asyncio.Event()  # audio went out, or an utterance ended
         self.finished = asyncio.Event()  # ended and every utterance done
@@ -114,6 +115,7 @@ class SpeechStreamSession:
             elif isinstance(event, TextEnd):
                 self.ending = True
                 await self._flush()
+                self._check_finished()
         except ProtocolError as e:
             e.event_id = e.event_id or event.event_id
             raise
@@ -153,35 +155,40 @@ class SpeechStreamSession:
             raise ProtocolError(f"the session's text would exceed {self.limits.max_text_chars} characters "
                                 "(--speech-stream-max-text-chars)", code="input_text_too_long")
         self.text += text
-        await self._advance(flush=False)
+        await self._advance()
 
     async def _flush(self) -> None:
-        self.flush_pending = True
-        await self._advance(flush=True)
+        self.flushes.append(len(self.text))
+        await self._advance()
 
     # ------------------------------------------------------------------ utterances
-    async def _advance(self, flush: bool) -> None:
-        """Hand what the buffer allows to the talker: start an utterance, or append to it."""
-        u = self.utterance
-        if u is not None and u.final:
-            return  # the next utterance starts when this one ends (_finished)
-        buffered = self.text[self.handed:]
-        cut = len(buffered) if flush else PhraseCutter(self.config.max_phrase_chars).cut(buffered)
-        piece = buffered[:cut]
-        if u is None:
-            if not piece.strip():
-                self.flush_pending = False
-                self._maybe_done()
-                return
-            if not flush and self.processor.count_tokens(piece) < self._start_tokens():
-                return  # a cloned voice's reference must be covered by text first
-            await self._start(piece, final=flush)
-        elif piece or flush:
-            self.ctx.engine.append_input(self._request_id(u), {"prompt": piece} if piece else {}, final=flush)
-            self._hand(u, piece)
-            u.final = flush
-        if flush:
-            self.flush_pending = False
+    async def _advance(self) -> None:
+        """Hand what the buffer allows to the talker: start an utterance, or append to it. A
+        flush ends the utterance at its offset; text after it waits for the next utterance."""
+        while True:
+            u = self.utterance
+            if u is not None and u.final:
+                return  # the next utterance starts when this one ends (_done)
+            flush = bool(self.flushes)
+            buffered = self.text[self.handed:self.flushes[0] if flush else len(self.text)]
+            piece = buffered if flush else buffered[:PhraseCutter(self.config.max_phrase_chars).cut(buffered)]
+            if u is None and not piece.strip():
+                if not flush:
+                    return
+                self.handed += len(buffered)  # nothing to say before this flush
+                self.flushes.popleft()
+                continue
+            if u is None:
+                if not flush and self.processor.count_tokens(piece) < self._start_tokens():
+                    return  # a cloned voice's reference must be covered by text first
+                await self._start(piece, final=flush)
+            elif piece or flush:
+                self.ctx.engine.append_input(self._request_id(u), {"prompt": piece} if piece else {}, final=flush)
+                self._hand(u, piece)
+                u.final = flush
+            if flush:
+                self.flushes.popleft()
+            return
 
     async def _start(self, text: str, final: bool) -> None:
         options = self._options(self.config)
@@ -247,12 +254,11 @@ class SpeechStreamSession:
         self.ctx.metrics.observe_status(ENDPOINT, 200 if error is None else error.status)
         self.utterance = None
         self.progress.set()
-        if self.handed < len(self.text) or self.flush_pending:
-            await self._advance(flush=self.flush_pending)
-        self._maybe_done()
+        await self._advance()
+        self._check_finished()
 
-    def _maybe_done(self) -> None:
-        if self.ending and self.utterance is None and self.handed >= len(self.text):
+    def _check_finished(self) -> None:
+        if self.ending and self.utterance is None and self.handed >= len(self.text) and not self.flushes:
             self.finished.set()
 
     # ------------------------------------------------------------------ helpers
