@@ -10,7 +10,8 @@ audio), with --api-key, through real sockets (`openai`, httpx, `websockets`):
 - the socket: a client that writes text at speaking pace hears the first audio before its text
   ends; the chunks' text spans run in order over the whole text; the speech equals that of the
   whole text spoken at once (the talker waits for text: max_frames_per_token 0); the
-  docs/tts.md examples run as written; a too-large message and too much text end the session;
+  docs/tts.md examples run as written; a too-large message, too much text and an idle client
+  end the session;
 - a voice written to the folder before the server started (by the store, in the test process)
   is listed and speaks as its reference inline: voices outlive the server.
 """
@@ -45,6 +46,7 @@ MAX_VOICE_AUDIO_S = 3
 MAX_VOICES = 5
 MAX_TEXT_CHARS = 2000
 MAX_FRAME_BYTES = 4096
+IDLE_S = 4  # --realtime-idle-timeout-s (the socket shares the realtime session limits)
 REF_TEXT = "Hello there."
 SPF = 1920  # samples per codec frame
 # Phrases whose tokens are those of the whole text (each later phrase starts with its space).
@@ -88,7 +90,8 @@ def launch(ckpt: Path, voices: Path, log: Path) -> ServerProcess:
         str(ckpt), "--served-model-name", "tts", "--api-key", KEY, "--stage-overrides", OVERRIDES,
         "--voices-dir", str(voices), "--max-voices", str(MAX_VOICES), "--max-voice-bytes", str(MAX_VOICE_BYTES),
         "--max-voice-audio-s", str(MAX_VOICE_AUDIO_S), "--speech-stream-max-text-chars", str(MAX_TEXT_CHARS),
-        "--speech-stream-max-frame-bytes", str(MAX_FRAME_BYTES)], log).wait_ready()
+        "--speech-stream-max-frame-bytes", str(MAX_FRAME_BYTES), "--realtime-idle-timeout-s", str(IDLE_S)],
+        log).wait_ready()
 
 
 @pytest.fixture(scope="module")
@@ -307,11 +310,19 @@ def test_the_socket_bounds(client):
             unknown = json.loads(await ws.recv())
             await ws.send(json.dumps({"type": "input_text.push", "text": "x"}))
             bad_type = json.loads(await ws.recv())
+            await ws.send(json.dumps({"type": "session.update", "session": {"language": "Klingon"}}))
+            language = json.loads(await ws.recv())
+            started = time.monotonic()
+            idle = json.loads(await asyncio.wait_for(ws.recv(), IDLE_S + 30))
+            await ws.wait_closed()
+            idle_after = time.monotonic() - started
         with pytest.raises(websockets.InvalidStatus):
             await websockets.connect(ws_url(client.server))
-        return big, too_much, unknown, bad_type
+        return big, too_much, unknown, bad_type, language, idle, idle_after
 
-    big, too_much, unknown, bad_type = asyncio.run(go())
+    big, too_much, unknown, bad_type, language, idle, idle_after = asyncio.run(go())
+    assert "unsupported language 'Klingon'" in language["error"]["message"]
+    assert idle["error"]["code"] == "session_idle_timeout" and IDLE_S - 1 < idle_after < IDLE_S + 30
     assert big == ("message_too_big", 1009)
     assert too_much == (["input_text_too_long"], 1008)
     assert unknown["type"] == "error" and "unknown voice 'nobody'" in unknown["error"]["message"]

@@ -36,15 +36,37 @@ _MAX_TEXT_FIELD = 64 * 1024
 def decode_sample(data: bytes, max_seconds: float) -> Any:
     """An uploaded voice sample -> [N] float32 at 24 kHz, as the talker's input processor decodes
     an inline ref_audio (so a stored voice speaks as the same file given inline). MediaError:
-    undecodable or too long. The one place a voice sample is decoded (the media gate's spot)."""
+    undecodable or too long. The one place a voice sample is decoded (the media gate's spot):
+    the duration its header declares is checked before decoding, the decoded one after."""
     from vllm_omni.multimodal.media import MediaError
     from vllm_omni.multimodal.qwen3_tts_input import SAMPLE_RATE, load_reference_audio
 
-    wave = load_reference_audio(data)
-    if wave.shape[0] > max_seconds * SAMPLE_RATE:
-        raise MediaError(f"the voice sample is {wave.shape[0] / SAMPLE_RATE:.1f} s long; the limit is "
-                         f"{max_seconds:g} s (--max-voice-audio-s)")
-    return wave
+    seconds = _declared_seconds(data)
+    if seconds is None or seconds <= max_seconds:
+        wave = load_reference_audio(data)
+        seconds = wave.shape[0] / SAMPLE_RATE
+        if seconds <= max_seconds:
+            return wave
+    raise MediaError(f"the voice sample is {seconds:.1f} s long; the limit is {max_seconds:g} s "
+                     "(--max-voice-audio-s)")
+
+
+def _declared_seconds(data: bytes) -> float | None:
+    """The duration a file's header declares (None: it declares none, or is not audio)."""
+    import io
+
+    import av
+    import soundfile as sf
+
+    try:
+        return sf.info(io.BytesIO(data)).duration
+    except Exception:  # noqa: BLE001 - not a libsndfile format: ask FFmpeg
+        pass
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            return container.duration / 1e6 if container.duration else None
+    except Exception:  # noqa: BLE001 - undecodable: load_reference_audio says why
+        return None
 
 
 class VoicesService:

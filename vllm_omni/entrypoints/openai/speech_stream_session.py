@@ -119,6 +119,10 @@ class SpeechStreamSession:
         except ProtocolError as e:
             e.event_id = e.event_id or event.event_id
             raise
+        except APIError as e:  # a stage the utterance needs is down, the server is overloaded
+            raise ProtocolError(e.message, code="server_error" if e.status >= 500 else "invalid_value",
+                                kind="server_error" if e.status >= 500 else "invalid_request_error",
+                                event_id=event.event_id) from None
 
     @property
     def pending_chars(self) -> int:
@@ -239,11 +243,12 @@ class SpeechStreamSession:
         self.progress.set()
 
     async def _done(self, u: Utterance, status: str, error: APIError | None) -> None:
-        if not u.final:  # the talker stopped before the text's end: what it did not read goes on
+        if error is None and not u.final:  # the talker stopped before the text's end: the rest goes on
             self.handed = u.spoken_to = max(u.start, min(u.read_to(), u.end))
-            status = status if error is not None else "stopped"
-        else:
+            status = "stopped"
+        else:  # (a failed utterance's text is dropped with the error: it would fail again)
             u.spoken_to = u.end
+            self.handed = max(self.handed, u.end)
         fields: dict[str, Any] = {"utterance_id": u.id, "status": status, "text_start": u.start,
                                   "text_end": u.spoken_to,
                                   "usage": {"input_tokens": len(u.token_ends), "output_tokens": u.frames}}
@@ -272,6 +277,9 @@ class SpeechStreamSession:
         if config.instructions is not None and "instructions" not in options:
             options["instructions"] = config.instructions
         if config.language is not None:
+            if config.language.lower() not in self.processor.languages:
+                raise ProtocolError(f"unsupported language {config.language!r}; supported: {self.processor.languages}",
+                                    param="session.language")
             options["language"] = config.language
         return options
 
