@@ -9,11 +9,14 @@
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
 
 from vllm_omni.model_executor.models.qwen3_tts.text_feed import TextFeed
+from vllm_omni.sampling_params import SamplingParams
 from vllm_omni.model_executor.models.qwen3_tts.tts_request import CODES_KEY, REF_CODES_KEY
 from vllm_omni.model_executor.models.qwen3_tts.voice_encoder import VoiceEncoder, voice_fingerprint
 from vllm_omni.multimodal.qwen3_tts_input import Qwen3TTSInputProcessor, load_reference_audio
@@ -22,6 +25,7 @@ from tests.models.test_qwen3_tts import (
 )
 
 TEXT = ["A journey of a thousand miles", " begins with a single step.", " Then another one,", " and more."]
+WORDS = re.findall(r"\s*\S+", "".join(TEXT))
 
 
 @pytest.fixture(scope="module")
@@ -79,13 +83,18 @@ def test_the_fingerprint_follows_the_encoders_weights(base, tmp_path):
     assert voice_fingerprint(copy) != voice_fingerprint(base)
 
 
+def long_greedy() -> SamplingParams:
+    """Greedy for 48 frames: longer than the text's tokens, so the talker reads all of it."""
+    return SamplingParams(temperature=0.0, max_tokens=48, repetition_penalty=1.05, min_tokens=2)
+
+
 def streamed(engine, processor, prompt: dict, chunks: list[str], steps_between: int, per_token: float = 0.0):
     """The talker request of chunks[0], the others appended every `steps_between` steps
     (the last one final), run to the end."""
     first = processor.process({**prompt, "prompt": chunks[0], "text_complete": False,
                                "max_frames_per_token": per_token})
-    assert engine.add_request("s", first["prompt_token_ids"], greedy(), model_inputs=first["additional_information"],
-                              input_complete=False) is None
+    assert engine.add_request("s", first["prompt_token_ids"], long_greedy(),
+                              model_inputs=first["additional_information"], input_complete=False) is None
     rest, done = list(chunks[1:]), None
     for step in range(1, 500):
         outs = [o for o in engine.step() if o.finished]
@@ -97,17 +106,21 @@ def streamed(engine, processor, prompt: dict, chunks: list[str], steps_between: 
     raise AssertionError(f"the streamed request did not finish ({done})")
 
 
-@pytest.mark.parametrize("steps_between", [1, 6])
-def test_streamed_text_speaks_as_the_whole_text(tiny_model, steps_between):
+@pytest.mark.parametrize("chunks, steps_between", [(TEXT, 1), (WORDS, 5)], ids=["phrases-ahead", "words-behind"])
+def test_streamed_text_speaks_as_the_whole_text(tiny_model, chunks, steps_between):
+    """Phrases that stay ahead of the talker, and words it catches up with (a word every 5
+    frames: it reads one a frame, then waits)."""
     ckpt = tiny_model("qwen3_tts", seed=SEED, task_type="CustomVoice")
     engine = talker_engine(ckpt)
     processor = Qwen3TTSInputProcessor(ckpt, engine.tokenizer)
-    ids = [processor.count_tokens(t) for t in TEXT]
-    assert sum(ids) == processor.count_tokens("".join(TEXT))  # the chunks split where the tokens split
+    ids = [processor.count_tokens(t) for t in chunks]
+    assert sum(ids) == processor.count_tokens("".join(TEXT)) < 46  # they split where the tokens split
     prompt = {"speaker": "vivian", "language": "english", "non_streaming_mode": False}
-    whole = run_talker(engine, {"w": processor.process({**prompt, "prompt": "".join(TEXT)})}, {"w": greedy()})["w"]
-    out = streamed(engine, processor, prompt, TEXT, steps_between)
-    assert codes_of(out) == codes_of(whole)
+    whole = run_talker(engine, {"w": processor.process({**prompt, "prompt": "".join(TEXT)})}, {"w": long_greedy()})["w"]
+    out = streamed(engine, processor, prompt, chunks, steps_between)
+    assert len(codes_of(whole)) == 48 and codes_of(out) == codes_of(whole)
+    padded = streamed(engine, processor, prompt, chunks, steps_between, per_token=4.0)
+    assert (codes_of(padded) == codes_of(whole)) == (steps_between == 1)  # pads while it waits: other speech
 
 
 def test_streamed_text_with_a_stored_voice_cloned_in_context(base):
@@ -123,7 +136,7 @@ def test_streamed_text_with_a_stored_voice_cloned_in_context(base):
     head = next(" ".join(words[:n]) for n in range(1, len(words)) if processor.count_tokens(" ".join(words[:n])) >= needed)
     with pytest.raises(ValueError, match="streamed text needs"):
         processor.process({**options, "prompt": words[0], "text_complete": False})
-    whole = run_talker(engine, {"w": processor.process({**options, "prompt": text})}, {"w": greedy()})["w"]
+    whole = run_talker(engine, {"w": processor.process({**options, "prompt": text})}, {"w": long_greedy()})["w"]
     out = streamed(engine, processor, options, [head, text[len(head):]], 3)
     assert codes_of(out) == codes_of(whole)
 
