@@ -14,7 +14,7 @@ from typing import Any
 
 from vllm_omni.config.schema import DIFFUSION_FIELDS
 from vllm_omni.entrypoints.cli import stage_cli
-from vllm_omni.entrypoints.openai import input_limits, video_store
+from vllm_omni.entrypoints.openai import input_limits, tts_limits, video_store
 from vllm_omni.entrypoints.openai.chat_options import parse_mm_limits
 from vllm_omni.entrypoints.openai.realtime import limits as realtime_limits
 
@@ -284,6 +284,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     realtime_limits.add_arguments(parser)
     stage_cli.add_arguments(parser)
     video_store.add_arguments(parser)
+    tts_limits.add_arguments(parser)
 
 
 # Flags that also take vLLM-style dotted sub-keys (--diffusion-attention-config.per_role.self.backend X).
