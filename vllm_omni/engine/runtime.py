@@ -135,8 +135,7 @@ class OmniRuntime:
     def process_delta(self, delta: Any) -> dict[str, Any]:
         """More input of a request submitted with input_complete=False -> the entry stage's chunk
         (its input processor's `process_delta`; ValueError on bad input)."""
-        with self._processing:
-            return self._input_processor.process_delta(delta) if delta else {}
+        return self._input_processor.process_delta(delta) if delta else {}  # it guards its tokenizer
 
     def append_input(self, request_id: str, info: dict[str, Any], final: bool) -> None:
         self._call_soon(self.orchestrator.append_input, request_id, info, final)
