@@ -39,7 +39,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def batches(model: Any, size: int) -> dict[str, Any]:
-    from vllm_omni.diffusion.model import RowGroup
+    from vllm_omni.model_executor.models.diffusion_model import RowGroup
     from vllm_omni.sampling_params import DiffusionSamplingParams
     from vllm_omni.stage_io import StageRequest
 

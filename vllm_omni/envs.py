@@ -67,6 +67,9 @@ DECODE_LANES = _switch("DECODE_LANES", bool, True,
                        "chunks behind later ones (A/B runs; worker/decode_lanes.py)")
 
 # --- the runtime ---------------------------------------------------------------------------------
+SECRET = _switch("SECRET", str, None,
+                 "the cluster secret of the stage transport, unless `--omni-secret-file` names a file "
+                 "(unset: the stage master listens on loopback only; engine/cluster_secret.py)")
 LOCK_DIR = _switch("LOCK_DIR", str, None,
                    "directory of the per-device start-up locks (unset: `vllm_omni_locks` in the temp dir)")
 REPLICA_ID = _switch("REPLICA_ID", str, None,

@@ -92,6 +92,16 @@ class StageOutput(msgspec.Struct, kw_only=True):
     num_cached_tokens: int = 0  # prompt tokens an AR stage served from its prefix cache
 
 
+class VideoInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """What a video model tells a video API before a request runs (DiffusionModel.video_info)."""
+
+    fps: int  # the frame rate its videos are made for
+    frame_step: int  # frame counts are 1 + a multiple of this (the VAE's temporal factor)
+    size_multiple: int  # heights and widths are multiples of this (pixels)
+    default_size: str  # "WxH" when a request names none
+    image_input: str  # a reference image: "required", "optional" or "none"
+
+
 class StageInfo(msgspec.Struct, kw_only=True, frozen=True):
     """What a stage engine reports about itself once it is ready (`StageEngine.describe`, sent in
     engine.messages.StageReady). The typed fields drive decisions; `details` is only shown."""
@@ -107,6 +117,7 @@ class StageInfo(msgspec.Struct, kw_only=True, frozen=True):
     vocab_size: int | None = None
     max_batch_size: int | None = None
     kv_total_blocks: int | None = None
+    video: VideoInfo | None = None  # a video model's (diffusion stages)
     details: dict[str, Any] = {}  # what else it says of itself (dtype, a diffusion model's parts)
 
 

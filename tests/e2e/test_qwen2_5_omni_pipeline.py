@@ -69,7 +69,7 @@ def test_matches_transformers_generate(omni, omni_dir):
 OTHER_SHAPES = dict(thinker_hidden_size=96, thinker_num_attention_heads=2, thinker_num_key_value_heads=1,
                     thinker_num_hidden_layers=3, dit_block_size=8, dit_num_hidden_layers=3,
                     dit_look_ahead_layers=[0, 2], dit_look_backward_layers=[1], bigvgan_upsample_rates=[4, 3, 2],
-                    bigvgan_upsample_kernel_sizes=[8, 7, 4])
+                    bigvgan_upsample_kernel_sizes=[8, 6, 4])
 
 
 def test_other_shapes_stream_what_transformers_generates(tiny_model):

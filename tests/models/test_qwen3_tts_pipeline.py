@@ -4,6 +4,8 @@ reference waveforms of tests/reference/qwen_tts/fixtures), and refuse bad voices
 stage runs."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import soundfile as sf
@@ -76,3 +78,20 @@ def test_streaming_edge_starts_code2wav_early_and_changes_nothing(custom_voice):
         assert streamed.prompt_token_ids == whole.prompt_token_ids, rid
         np.testing.assert_allclose(streamed.outputs[0].multimodal_output["audio"].numpy(),
                                    whole.outputs[0].multimodal_output["audio"].numpy(), rtol=0, atol=1e-4, err_msg=rid)
+
+
+def test_stages_as_threads_speak_like_qwen_tts(custom_voice):
+    """Both stages as threads of this process (`runtime.process: false`), the streaming edge of
+    the bundled deploy config: the same waveforms as qwen-tts, as the stage processes above give
+    them (tests/gpu/test_in_process_stages.py compares threads with processes on the GPU)."""
+    cases = CASES["CustomVoice"]
+    overrides = {stage: {"process": False, "max_num_seqs": 4} for stage in "01"}
+    with Omni(model=str(custom_voice), stage_overrides=overrides) as omni:
+        assert {h.pid for h in omni.stage_health()} == {os.getpid()}
+        outputs = omni.generate([case_prompt("CustomVoice", c) for c in cases], GREEDY, use_tqdm=False)
+        assert omni._runtime.orchestrator.stage_counters[1]["early_starts"] == len(cases)
+    audio = {int(o.request_id): o.request_output.outputs[0].multimodal_output["audio"] for o in outputs}
+    assert all(o.error is None for o in outputs) and sorted(audio) == list(range(len(cases)))
+    for i, case in enumerate(cases):
+        np.testing.assert_allclose(audio[i].numpy(), reference_wave("CustomVoice", case["name"]), rtol=0,
+                                   atol=WAVE_ATOL, err_msg=case["name"])

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from vllm_omni.diffusion.denoise import Denoiser
-from vllm_omni.model_executor.models.diffusion_model import DiffusionModel
+from vllm_omni.diffusion.denoise import Cache, Denoiser
 from vllm_omni.diffusion.request import DiffusionRequest
 from vllm_omni.diffusion.scheduler import DiffusionScheduler
 from vllm_omni.diffusion.tea_cache import TeaCache
+from vllm_omni.model_executor.models.diffusion_model import DiffusionModel
 from vllm_omni.sampling_params import DiffusionSamplingParams
 from vllm_omni.stage_io import StageInfo, StageInputChunk, StageOutput, StageRequest, error_output
 
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 class DiffusionEngine:
     def __init__(self, model: DiffusionModel, *, stage_id: int, max_batch_size: int, device: str = "cpu",
-                 cache: TeaCache | None = None, cfg_group: Any = None, max_image_pixels: int | None = None) -> None:
+                 cache: Cache | None = None, cfg_group: Any = None, max_image_pixels: int | None = None) -> None:
         self.model = model
         self.stage_id = stage_id
         self.device = device
@@ -56,6 +56,7 @@ class DiffusionEngine:
 
     def abort(self, request_ids: Sequence[str]) -> None:
         self.scheduler.abort(request_ids)
+        self.denoiser.retain(self.scheduler.running)
 
     @torch.inference_mode()
     def step(self) -> list[StageOutput]:
@@ -92,8 +93,9 @@ class DiffusionEngine:
 
     def describe(self) -> StageInfo:
         return StageInfo(engine="diffusion", device=self.device, max_batch_size=self.scheduler.max_batch_size,
-                         details={"tea_cache": self.cache is not None, "cfg_parallel_size": 2 if self.cfg_group else 1,
-                                  **self.model.describe()})
+                         video=self.model.video_info(),
+                         details={"tea_cache": isinstance(self.cache, TeaCache), "cache_backend": _cache_name(self.cache),
+                                  "cfg_parallel_size": 2 if self.cfg_group else 1, **self.model.describe()})
 
     # --- internals ------------------------------------------------------------------------
     def _prepare(self, r: DiffusionRequest) -> bool:
@@ -124,6 +126,7 @@ class DiffusionEngine:
         finished = [r for r in running if r.finished]
         if finished:
             self.scheduler.finish(finished)
+            self.denoiser.retain(self.scheduler.running)
             self._decode(finished)
 
     def _decode(self, finished: list[DiffusionRequest]) -> None:
@@ -147,3 +150,7 @@ class DiffusionEngine:
     def _size_error(self, height: int, width: int) -> str:
         return (f"the image size {width}x{height} ({height * width} pixels) is over max_generated_image_size="
                 f"{self.max_image_pixels}")
+
+
+def _cache_name(cache: Cache | None) -> str:
+    return "none" if cache is None else "tea_cache" if isinstance(cache, TeaCache) else "cache_dit"

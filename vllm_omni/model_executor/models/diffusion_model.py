@@ -1,20 +1,23 @@
 """The contract between the diffusion engine and a diffusion model (e.g. Qwen-Image).
 
-The engine owns the loop: which requests share a step, the flow-matching update, caches,
-CFG parallelism. The model owns everything model-specific: prompt encoding, initial latents
-and the timestep schedule (`prepare`), one denoiser forward over a batch of rows, how the
-conditional and unconditional predictions combine, and decoding latents into pixels.
+The engine owns the loop: which requests share a step, the sampler update (the request's
+solver), caches, CFG parallelism. The model owns everything model-specific: prompt encoding,
+initial latents, the timestep schedule and its solver (`prepare`), which of its denoisers runs
+a step (Wan2.2 has two experts) and with which guidance scale, one denoiser forward over a
+batch of rows, how the conditional and unconditional predictions combine, and decoding latents
+into pixels (images or videos).
 
 The denoiser forward is split in four parts so that a cache (TeaCache) can skip the
 transformer blocks per row: `embed` (inputs -> block inputs), `modulated_input` (the signal
 TeaCache compares between steps), `run_blocks` (the expensive part, for a subset of rows),
-`finish` (output head). A diffusion model subclasses `DiffusionModel` (as AR models subclass
+`finish` (output head); DBCache (diffusion/db_cache.py) runs block ranges (`run_block_range`
+over `blocks_state`, `num_blocks` of them). A diffusion model subclasses `DiffusionModel` (as AR models subclass
 `StageModel` and single-pass ones `GenerationModel`); the engine calls its hooks and never probes
 it. `PreparedRequest` is a protocol: each model keeps its own per-request state.
 
 The runtime calls, in order:
   model = cls.load(model_path, device=..., dtype=..., dummy=..., ...)   # once (diffusion/cfg_parallel.ModelSpec)
-  model.describe()                           # once, what the stage reports when it is ready
+  model.describe(), model.video_info()      # once, what the stage reports when it is ready
   prepared = model.prepare(request, params)  # once a request, when it reaches the head of the queue
   batch = model.make_batch(groups)           # each step, rows of requests sharing a batch_key
   embedded = model.embed(batch)              # each step: the denoiser's forward, in parts
@@ -24,6 +27,8 @@ The runtime calls, in order:
   model.finish(embedded, hidden)
   model.combine_cfg(cond, uncond, scale)     # each step of a request with CFG
   model.decode(prepared, latents)            # once a request, after its last step
+With DBCache, a step runs `num_blocks`, `blocks_state` and `run_block_range` (for ranges of the
+blocks) in place of `block_input` and `run_blocks`.
 """
 from __future__ import annotations
 
@@ -33,21 +38,29 @@ from typing import Any, Protocol
 
 import torch
 
+from vllm_omni.model_executor.models.diffusion_solvers import FlowSolver
 from vllm_omni.sampling_params import DiffusionSamplingParams
-from vllm_omni.stage_io import StageRequest
+from vllm_omni.stage_io import StageRequest, VideoInfo
 
 
 class PreparedRequest(Protocol):
     """What `DiffusionModel.prepare` returns for one request (model inputs + its schedule)."""
 
     batch_key: Hashable  # requests with equal keys can share one denoiser forward
-    latents: torch.Tensor  # [n_outputs, seq, channels]: the initial noise
-    sigmas: torch.Tensor  # [steps + 1] float32, ends at 0 (flow matching)
-    timesteps: torch.Tensor  # [steps] float32, sigma * num_train_timesteps
+    latents: torch.Tensor  # [n_outputs, ...]: the initial noise (Qwen-Image: [n, seq, channels])
+    timesteps: torch.Tensor  # [steps], sigma * num_train_timesteps
+    solver: FlowSolver  # this request's sampler update, with its own state (models/diffusion_solvers.py)
     do_cfg: bool  # whether an unconditional branch runs
-    true_cfg_scale: float
     height: int  # output size in pixels
     width: int
+
+    def expert(self, step: int) -> int:
+        """Which denoiser runs `step` (0 unless the model has several, e.g. Wan2.2's two experts)."""
+        ...
+
+    def cfg_scale(self, step: int) -> float:
+        """The guidance scale of `step` (Wan2.2: one per expert)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -55,9 +68,11 @@ class RowGroup:
     """The rows one request contributes to a denoiser batch for one CFG branch (n_outputs rows)."""
 
     prepared: Any  # the model's PreparedRequest
-    latents: torch.Tensor  # [n_outputs, seq, channels], the current sample
-    timestep: torch.Tensor  # 0-dim float32: the request's current timestep
+    latents: torch.Tensor  # [n_outputs, ...], the current sample
+    timestep: torch.Tensor  # 0-dim: the request's current timestep
     uncond: bool  # conditioned on the negative prompt (the unconditional branch of CFG)
+    expert: int = 0  # the denoiser that runs it: the groups of one batch share it
+    step: int = 0  # the request's denoising step (attention quantization skips steps)
 
     @property
     def num_rows(self) -> int:
@@ -81,7 +96,8 @@ class DiffusionModel:
         raise NotImplementedError
 
     def make_batch(self, groups: Sequence[RowGroup]) -> Any:
-        """A picklable batch (tensors only) of the groups' rows, in order; the groups share a batch_key."""
+        """A picklable batch (tensors only) of the groups' rows, in order; the groups share a
+        batch_key and an expert."""
         raise NotImplementedError
 
     def embed(self, batch: Any) -> Any:
@@ -100,6 +116,21 @@ class DiffusionModel:
         """The blocks' output for `rows` (an index tensor; None: all rows)."""
         raise NotImplementedError
 
+    def num_blocks(self, embedded: Any) -> int:
+        """How many blocks the transformer (expert) the batch runs on has (DBCache)."""
+        raise NotImplementedError
+
+    def blocks_state(self, embedded: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What the blocks update: the image stream, and the text stream of joint blocks (None
+        where the text only conditions, e.g. Wan's cross-attention)."""
+        raise NotImplementedError
+
+    def run_block_range(self, embedded: Any, rows: torch.Tensor | None,
+                        state: tuple[torch.Tensor, torch.Tensor | None], start: int,
+                        end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Blocks [start, end) over `rows` (None: all) from `state` (those rows' streams): DBCache."""
+        raise NotImplementedError
+
     def finish(self, embedded: Any, hidden: torch.Tensor) -> torch.Tensor:
         """Output head: the velocity prediction [rows, seq, channels] of the latents."""
         raise NotImplementedError
@@ -109,9 +140,15 @@ class DiffusionModel:
         return uncond + scale * (cond - uncond)
 
     def decode(self, prepared: Sequence[Any], latents: Sequence[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """Final latents -> one dict of typed tensors per request ({"image": [n, 3, H, W] in [0, 1]})."""
+        """Final latents -> one dict of typed tensors per request ({"image": [n, 3, H, W]} or
+        {"video": [n, frames, 3, H, W]}, floats in [0, 1])."""
         raise NotImplementedError
 
     def describe(self) -> dict[str, Any]:
         """What the stage reports when it is ready ("transformer": its name, which TeaCache keys on)."""
         raise NotImplementedError
+
+    def video_info(self) -> VideoInfo | None:
+        """A video model's frame rate, frame step, size multiple... (StageInfo.video); None: it
+        makes images."""
+        return None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,32 @@ class SpeechModel:
     task_type: str  # how it makes its voice (Qwen3-TTS: "CustomVoice", "VoiceDesign", "Base")
     voices: tuple[str, ...]  # the named voices a request may pick; empty: it takes none
     samples_per_frame: int  # audio samples per codec frame (usage counts frames)
+    # What a stored voice of this checkpoint is made from (POST /v1/audio/voices): "audio" (a
+    # recording and its transcript, encoded by `voice_cloning`), "instructions" (a description
+    # spoken inline), None: its voices are its named ones.
+    voices_from: str | None = None
+    # "module:Class" of the family's VoiceCloning (with voices_from "audio"); see that protocol.
+    voice_cloning: str | None = None
+
+
+class VoiceCloning(Protocol):
+    """How a family clones a voice from a recording, for the server's voices endpoint (a class
+    of static methods, named by SpeechModel.voice_cloning; Qwen3-TTS: multimodal/qwen3_tts_voices.py)."""
+
+    sample_rate: int  # of what load_sample returns
+
+    @staticmethod
+    def load_sample(data: bytes) -> Any:
+        """The recording -> [N] float32 at sample_rate, decoded as the input processor decodes
+        an inline reference (MediaError: bad audio)."""
+
+    @staticmethod
+    def fingerprint(model_dir: str) -> str:
+        """What a cloned voice depends on (its encoders): voices of another fingerprint are refused."""
+
+    @staticmethod
+    def encoder(model_dir: str) -> Any:
+        """The loaded encoders: `.encode(wave, ref_text)` -> models/cloned_voice.ClonedVoice."""
 
 
 class PipelineVariant(str, enum.Enum):
@@ -63,11 +89,21 @@ class ModelFamily:
     # "module:function" (model_dir -> SpeechModel) for a family that speaks its text prompt
     # (text to speech: /v1/audio/speech, `generate` without a chat template); None: it does not.
     speech_model: str | None = None
+    # Upstream vLLM-Omni's names in stage configs, read as ours (config/build.py): a per-stage
+    # architecture (`model_arch: Qwen3TTSCode2Wav`) -> the model_stage it is, and upstream's
+    # model_stage spellings (`qwen3_tts` for the talker) -> ours.
+    upstream_stage_architectures: Mapping[str, str] = field(default_factory=dict)
+    upstream_model_stages: Mapping[str, str] = field(default_factory=dict)
+    # Upstream's pipeline registry keys (a deploy file's `pipeline:`) -> our bundled pipeline name.
+    upstream_pipelines: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (self.single_stage_model is None) == (not self.stage_models):
             raise ValueError(f"family {self.name}: give stage_models or single_stage_model, not both or neither")
-        for stage in (*self.stage_checkpoints.values(), *self.bridges, *self.stream_bridges):
+        if unknown := set(self.upstream_pipelines.values()) - set(self.pipelines.values()):
+            raise ValueError(f"family {self.name}: upstream_pipelines name no pipeline of its own: {sorted(unknown)}")
+        for stage in (*self.stage_checkpoints.values(), *self.bridges, *self.stream_bridges,
+                      *self.upstream_stage_architectures.values(), *self.upstream_model_stages.values()):
             if stage not in self.stage_models:
                 raise ValueError(f"family {self.name}: stage {stage!r} has no entry in stage_models")
 
@@ -100,3 +136,18 @@ class ModelFamily:
         if model_stage not in self.stage_models:
             raise ValueError(f"{architecture} has no model_stage {model_stage!r}; stages: {sorted(self.stage_models)}")
         return self.stage_models[model_stage]
+
+    def canonical_stage(self, architecture: str, model_stage: str | None) -> tuple[str, str | None] | None:
+        """(architecture, model_stage) in this family's own names, for a stage config that may use
+        upstream's (see `upstream_stage_architectures`); None when `architecture` is not this
+        family's. ValueError: a per-stage architecture contradicted by its model_stage."""
+        if architecture in self.upstream_stage_architectures:
+            stage = self.upstream_stage_architectures[architecture]
+            given = self.upstream_model_stages.get(model_stage, model_stage)
+            if given not in (None, stage):
+                raise ValueError(f"{architecture} is the {stage!r} stage of {self.architectures[0]}; "
+                                 f"model_stage {model_stage!r} contradicts it")
+            return self.architectures[0], stage
+        if architecture in self.architectures:
+            return architecture, self.upstream_model_stages.get(model_stage, model_stage)
+        return None

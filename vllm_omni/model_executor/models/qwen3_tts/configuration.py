@@ -151,4 +151,8 @@ def speech_model(model_dir: str) -> SpeechModel:
     task = TaskType.from_model_type(config.get("tts_model_type"))
     # Only CustomVoice speaks in named voices (the others design or clone theirs).
     voices = (config.get("talker_config") or {}).get("spk_id") or {} if task is TaskType.CUSTOM_VOICE else {}
-    return SpeechModel(task.value, tuple(sorted(voices)), int(codec.get("decode_upsample_rate", 1920)))
+    # Base clones its stored voices from a recording, VoiceDesign describes them, CustomVoice has its own.
+    voices_from = {TaskType.BASE: "audio", TaskType.VOICE_DESIGN: "instructions"}.get(task)
+    cloning = "vllm_omni.multimodal.qwen3_tts_voices:Qwen3TTSVoiceCloning" if task is TaskType.BASE else None
+    return SpeechModel(task.value, tuple(sorted(voices)), int(codec.get("decode_upsample_rate", 1920)),
+                       voices_from, cloning)
