@@ -1,7 +1,30 @@
+"""What every test folder shares, and why.
+
+- One torch thread per process (OMP_NUM_THREADS=1, below), inherited by every child process.
+- `tiny_model(arch, seed=0, **overrides)`: each tiny random checkpoint is built once per
+  session (a folder under pytest's tmp dir) and reused by every test that asks for it.
+- `in_threads(n_stages, overrides)`: stage overrides that run a pipeline's stages as threads of
+  the process that starts them (`runtime.process: false`, the product's own in-process mode:
+  the same worker loop, sockets and messages as a stage process). A 3-stage `Omni` then starts
+  in about a second instead of spawning three processes that each import torch (~10 s of CPU);
+  a server started with `--stage-overrides` of them is one process. Use it wherever the test
+  is not about processes; keep real stage processes for supervision, shutdown, kills, death
+  signals, headless stages, replicas and Ray, and for one end-to-end test per model family.
+
+Folder conftests share servers and pipelines the same way (see their docstrings): start one per
+module or session, never one per test, and reuse it when a new test only needs what it serves.
+"""
 import os
 
 # Nothing can be downloaded: make any accidental hub lookup fail fast.
 os.environ["HF_HUB_OFFLINE"] = "1"
+# One torch (OpenMP) thread in this process and in every process it starts (servers, stages),
+# set before torch is imported. The tiny models' ops are too small to gain from a second
+# thread, while threads of several busy processes spin-wait against each other on CI's 2 cores:
+# tests/core/test_llm_config_sweep.py took 69-81 s with 6 s of CPU at 1 thread, 249-267 s with
+# 25 s of CPU at 2 (a loaded 2-core machine). It also gives stages in threads and in processes
+# the same float rounding, so their outputs compare exactly. An explicit setting is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from pathlib import Path  # noqa: E402
 
@@ -26,3 +49,12 @@ def tiny_model(tmp_path_factory):
         return built[key]
 
     return build
+
+
+def in_threads(n_stages: int, overrides: dict | None = None) -> dict:
+    """`overrides` (stage id -> fields, as `stage_overrides` / `--stage-overrides` take them) with
+    stages 0..n_stages-1 run as threads (`process: false`); other fields are kept."""
+    merged = {str(k): dict(v) for k, v in (overrides or {}).items()}
+    for stage in range(n_stages):
+        merged.setdefault(str(stage), {})["process"] = False
+    return merged
