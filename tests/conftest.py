@@ -10,6 +10,8 @@
   a server started with `--stage-overrides` of them is one process. Use it wherever the test
   is not about processes; keep real stage processes for supervision, shutdown, kills, death
   signals, headless stages, replicas and Ray, and for one end-to-end test per model family.
+- `demo_server`: one `vllm serve --omni` of the embedded demo model for the session, shared by
+  every test that only needs the demo served (tests/realtime, tests/server/test_server_demo.py).
 
 Folder conftests share servers and pipelines the same way (see their docstrings): start one per
 module or session, never one per test, and reuse it when a new test only needs what it serves.
@@ -30,6 +32,12 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+# The demo server's realtime caps, which tests/realtime reaches on purpose.
+DEMO_MAX_INPUT_AUDIO_S = 10
+DEMO_MAX_HISTORY_AUDIO_S = 25
+# Replies of at most 24 thinker tokens (unless a request says otherwise) keep every demo test short.
+DEMO_OVERRIDES = {"0": {"default_sampling_params": {"max_tokens": 24}}}
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
@@ -49,6 +57,26 @@ def tiny_model(tmp_path_factory):
         return built[key]
 
     return build
+
+
+@pytest.fixture(scope="session")
+def demo_server(tmp_path_factory):
+    """`vllm serve --omni` with no MODEL (the upstream spelling): the server builds the embedded
+    demo model in a fresh cache, as on a new user's machine, and runs it with real stage
+    processes. Started at its first use, stopped (stages checked gone) at the end of the session."""
+    import json
+
+    from tests.server.conftest import ServerProcess
+
+    tmp = tmp_path_factory.mktemp("demo-server")
+    srv = ServerProcess.launch(["--omni", "--realtime-max-input-audio-s", str(DEMO_MAX_INPUT_AUDIO_S),
+                                "--realtime-max-history-audio-s", str(DEMO_MAX_HISTORY_AUDIO_S),
+                                "--stage-overrides", json.dumps(DEMO_OVERRIDES)],
+                               tmp / "server.log", env={"VLLM_OMNI_CACHE": str(tmp / "cache")}, entry="vllm")
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
 
 
 def in_threads(n_stages: int, overrides: dict | None = None) -> dict:
