@@ -2,7 +2,9 @@
 
 - One torch thread per process (OMP_NUM_THREADS=1, below), inherited by every child process.
 - `tiny_model(arch, seed=0, **overrides)`: each tiny random checkpoint is built once per
-  session (a folder under pytest's tmp dir) and reused by every test that asks for it.
+  session (a folder under pytest's tmp dir) and reused by every test that asks for it;
+  `omni_dir` and `qwen3_omni_dir` are the two omni families' default ones.
+- `write_yaml(text, name)`: a dedented YAML file in the test's tmp_path.
 - `in_threads(n_stages, overrides)`: stage overrides that run a pipeline's stages as threads of
   the process that starts them (`runtime.process: false`, the product's own in-process mode:
   the same worker loop, sockets and messages as a stage process). A 3-stage `Omni` then starts
@@ -17,6 +19,7 @@ Folder conftests share servers and pipelines the same way (see their docstrings)
 module or session, never one per test, and reuse it when a new test only needs what it serves.
 """
 import os
+import textwrap
 
 # Nothing can be downloaded: make any accidental hub lookup fail fast.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -77,6 +80,27 @@ def demo_server(tmp_path_factory):
         yield srv.wait_ready()
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="session")
+def omni_dir(tiny_model) -> Path:
+    return tiny_model("qwen2_5_omni")
+
+
+@pytest.fixture(scope="session")
+def qwen3_omni_dir(tiny_model) -> Path:
+    return tiny_model("qwen3_omni_moe")
+
+
+@pytest.fixture
+def write_yaml(tmp_path):
+    """write_yaml(text, name="stages.yaml") -> Path of a dedented YAML file in tmp_path."""
+    def write(text: str, name: str = "stages.yaml") -> Path:
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+        return path
+    return write
 
 
 def in_threads(n_stages: int, overrides: dict | None = None) -> dict:

@@ -1,4 +1,4 @@
-"""Shared pieces of the end-to-end tests: the tiny Qwen2.5-Omni and Qwen3-Omni checkpoints,
+"""Shared pieces of the end-to-end tests: the tiny Qwen3-Omni checkpoint with audible voices,
 one pipeline of each with real stage processes for the whole package (`omni25`, `omni3`),
 media as a client sends them (data URLs, base64 audio, raw arrays) and small per-stage
 sampling params.
@@ -26,16 +26,6 @@ BATCH_8 = {str(s): {"max_num_seqs": 8} for s in range(3)}
 # Video frames of 2x2 merged patches instead of the default minimum of 128 (the vision tower's
 # cost on CPU); also exercises per-request video sampling options.
 SMALL_VIDEO = {"min_pixels": 28 * 28, "max_pixels": 4 * 28 * 28}
-
-
-@pytest.fixture(scope="session")
-def omni_dir(tiny_model):
-    return tiny_model("qwen2_5_omni")
-
-
-@pytest.fixture(scope="session")
-def qwen3_omni_dir(tiny_model):
-    return tiny_model("qwen3_omni_moe")
 
 
 @pytest.fixture(scope="session")

@@ -47,11 +47,6 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def omni_dir(tiny_model) -> Path:
-    return tiny_model("qwen2_5_omni")
-
-
-@pytest.fixture(scope="module")
 def two_stages(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tp-pipeline") / "two_stages.yaml"
     path.write_text(TWO_STAGES)
