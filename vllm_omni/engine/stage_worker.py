@@ -172,7 +172,7 @@ def _build_engine(spec: WorkerSpec, device: str) -> StageEngine:
     # they take a lock of the process, which also keeps a neighbour's CUDA graph captures away
     # from this stage's memory profiling (a device-wide wait during a capture is an error).
     if spec.in_process:
-        with _IN_PROCESS_INIT:
+        with IN_PROCESS_INIT:
             return worker_cls(spec.stage, spec.model, device=device).build_engine()
     locks: list[int] = []
     if torch.cuda.is_available():
@@ -184,7 +184,10 @@ def _build_engine(spec: WorkerSpec, device: str) -> StageEngine:
         siu.release_device_locks(locks)
 
 
-_IN_PROCESS_INIT = threading.Lock()
+# Held while a stage that is a thread of this process builds its engine, and by the caller's
+# own startup beside it (runtime.py): first imports of transformers' lazy modules in two threads
+# at once can fail ("cannot import name 'AutoTokenizer' from 'transformers'").
+IN_PROCESS_INIT = threading.Lock()
 
 
 def _worker_class(stage: StageConfig) -> type:
