@@ -277,3 +277,40 @@ def test_admission_holds_new_streams_past_the_playback_load_and_lets_them_in_as_
     gate.load.admitted("e")  # three streams now: with one more 0.6 x 4 / 2
     reject.submit("f", "f", audio=True)
     assert refused[-1][0] == "f" and "playback load" in refused[-1][1] and reject.counters["refused"] == 1
+
+
+@pytest.fixture(scope="module")
+def tts_code2wav(tiny_model):
+    """The real Qwen3-TTS code2wav of the tiny checkpoint, with the bundled chunks (1 frame first)."""
+    from vllm_omni.model_executor.models.qwen3_omni.code2wav_stream import Code2WavStreamConfig
+    from vllm_omni.model_executor.models.qwen3_tts.code2wav import Qwen3TTSCode2Wav
+
+    return Qwen3TTSCode2Wav.load(str(tiny_model("qwen3_tts")), device="cpu", stream_config=Code2WavStreamConfig(
+        initial_chunk_frames=1, chunk_frames=25, left_context_frames=25))
+
+
+def test_tiny_tts_code2wav_decodes_a_stream_running_dry_before_a_new_first_chunk(tts_code2wav):
+    """The real Qwen3-TTS code2wav (tiny checkpoint) in its stage engine: "low" has played most
+    of its first chunk when its next frame and a new stream's first frame are both ready. Low is
+    due first (before, first chunks always went first): its chunk is decoded first, the new
+    stream's first chunk in the next step."""
+    model = tts_code2wav
+    clock = FakeClock()
+    engine = GenerationStageEngine(model, OmniGenerationScheduler(8), stage_id=1, lanes=HostLanes(),
+                                   deadlines=StreamDeadlines(0.1, clock))
+    frames = torch.randint(0, model.decoder.codebook_size, (2, model.decoder.num_quantizers))
+
+    def send(rid, frame, opens=False):
+        if opens:
+            engine.add_request(StageRequest(request_id=rid, prompt_token_ids=[], input_complete=False,
+                                            sampling_params=SamplingParams()))
+        engine.add_input(StageInputChunk(request_id=rid, additional_information={"units": frame[None]}, final=False))
+
+    send("low", frames[0], opens=True)
+    (first,) = engine.step()
+    chunk_s = first.multimodal_output["audio"].numel() / int(first.multimodal_output["sample_rate"])
+    assert first.request_id == "low" and chunk_s > 0
+    clock.now = 0.9 * chunk_s  # low has a tenth of its first chunk left
+    send("low", frames[1])
+    send("new", frames[0], opens=True)
+    assert [out.request_id for _ in range(2) for out in engine.step()] == ["low", "new"]
