@@ -19,10 +19,12 @@ pipeline) it is admitted. Batching makes a new stream cost less than the average
 errs towards waiting), and a stream whose producer runs ahead of its consumer (flow control)
 measures the consumer.
 
-Policies (`--admission-policy`): `queue` (default): a request that does not fit waits, first in
-first out, until it fits or `max_wait_s` passes (then it fails as overloaded: HTTP 429);
-`reject`: it fails at once; `off`: no load-based admission. Requests without audio output are
-never held.
+Policies (`--admission-policy`): `queue`: a request that does not fit waits, first in first out,
+until it fits or `max_wait_s` passes (then it fails as overloaded: HTTP 429); `reject`: it fails
+at once; `off` (the default): no load-based admission. Requests without audio output are never
+held, and neither is one that would be the only stream (nothing else to protect). Off by default
+because on a pipeline slower than real time at one stream (the CPU, tiny models) the estimate,
+which assumes a new stream costs as much as the average one, would run requests one at a time.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class AdmissionOptions:
-    policy: str = "queue"
+    policy: str = "off"
     headroom: float = 0.2  # admit while the estimated load with the new stream is <= 1 - headroom
     max_wait_s: float = 600.0  # the longest a request waits in the queue (then: overloaded)
     window_s: float = 3.0  # how far back the load is measured
@@ -91,9 +93,9 @@ class PlaybackLoad:
         return sum(t for _, _, t, _ in self._samples) / audio, len({key for _, key, _, _ in self._samples})
 
     def with_one_more(self) -> float:
-        """The load if one more stream started now (0.0: nothing measured)."""
+        """The load if one more stream started now (0.0: nothing measured, or no stream to protect)."""
         measured = self.measured()
-        if measured is None:
+        if measured is None or self.active == 0:
             return 0.0
         rtf, streams = measured
         return rtf * (self.active + 1) / streams

@@ -60,8 +60,6 @@ class AsyncOmni(OmniBase):
     """The asyncio API; constructor arguments: `OmniBase`. Construction blocks while the stages
     load their models: from async code, run it in a thread."""
 
-    default_admission_policy = "queue"
-
     async def generate(
         self,
         prompt: Any,

@@ -80,12 +80,9 @@ class OmniBase:
     `media_policy`: where the media of prompts may come from and how much they may decode to
     (multimodal/media_policy.py; TRUSTED: any file or address, the default decode limits).
 
-    `admission_policy` ("queue", "reject" or "off"; None: "queue" for AsyncOmni, whose callers
-    listen as the audio comes, "off" for Omni's offline batches), `admission_headroom`,
-    `admission_max_wait`: new audio requests wait (or fail as overloaded) while the pipeline is at
-    its playback load (engine/playback_admission.py, docs/streaming.md)."""
-
-    default_admission_policy = "off"
+    `admission_policy` ("queue", "reject" or "off"), `admission_headroom`, `admission_max_wait`:
+    new audio requests wait (or fail as overloaded) while the pipeline is at its playback load
+    (engine/playback_admission.py, docs/streaming.md)."""
 
     def __init__(
         self,
@@ -113,7 +110,7 @@ class OmniBase:
         max_replicas_per_stage: int = DEFAULT_MAX_REPLICAS_PER_STAGE,
         registration_rate: float = DEFAULT_REGISTRATION_RATE,
         strategy_config: str | os.PathLike | None = None,
-        admission_policy: str | None = None,
+        admission_policy: str = AdmissionOptions.policy,
         admission_headroom: float = AdmissionOptions.headroom,
         admission_max_wait: float = AdmissionOptions.max_wait_s,
         **engine_args: Any,
@@ -134,8 +131,8 @@ class OmniBase:
                                  max_message_bytes=int(max_message_bytes),
                                  max_replicas_per_stage=int(max_replicas_per_stage),
                                  registration_rate=float(registration_rate),
-                                 admission=AdmissionOptions(admission_policy or self.default_admission_policy,
-                                                            float(admission_headroom), float(admission_max_wait)))
+                                 admission=AdmissionOptions(admission_policy, float(admission_headroom),
+                                                            float(admission_max_wait)))
         self._runtime = OmniRuntime(pipeline, model, options, output_modalities, media_policy)
 
     @property
