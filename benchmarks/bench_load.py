@@ -170,6 +170,21 @@ def print_rows(rows: Sequence[dict[str, Any]], title: str = "") -> None:
               f"{f(r['warmup_ttfa_ms'], 'max'):>10}", flush=True)
 
 
+def measure(runs: Sequence[Run], run_one: Callable[[Run], tuple[list[RequestResult], float]], title: str,
+            request_id: Callable[[Run, int], str] | None = None, stage_log: StageLog | None = None,
+            save: Callable[[list[dict[str, Any]]], None] = lambda rows: None) -> list[dict[str, Any]]:
+    """Each run in turn, its figures printed and `save`d as soon as it ends (a run cut short by a
+    time limit leaves the ones before it)."""
+    rows: list[dict[str, Any]] = []
+    for run in runs:
+        row = summarize(run, *run_one(run))
+        rows.append(row)
+        print_rows([row], title=f"[{title}] ")
+        print_timelines(row, (lambda i, run=run: request_id(run, i)) if request_id else str, stage_log)
+        save(rows)
+    return rows
+
+
 class StageLog(logging.Handler):
     """Keeps the orchestrator's per-request stage timings (its log_stats lines), by request id."""
 
@@ -267,9 +282,12 @@ def compare_http(inproc: dict[str, Any], http: dict[str, Any]) -> dict[str, Any]
         return (row.get("ttfa_ms") or {}).get("p50")
 
     a, b = p50(inproc), p50(http)
-    delta = None if a is None or b is None else b - a
-    print(f"\nHTTP vs AsyncOmni, {inproc['run']}: first audio p50 {a} ms in-process, {b} ms over HTTP: "
-          f"{'-' if delta is None else f'{delta:+.1f}'} ms (target <= +5 ms)", flush=True)
+    if a is None or b is None:
+        print(f"\nHTTP vs AsyncOmni, {inproc['run']}: no first audio to compare", flush=True)
+        return {"run": inproc["run"], "inproc_ttfa_p50_ms": a, "http_ttfa_p50_ms": b, "http_overhead_ms": None}
+    delta = b - a
+    print(f"\nHTTP vs AsyncOmni, {inproc['run']}: first audio p50 {a:.1f} ms in-process, {b:.1f} ms over HTTP: "
+          f"{delta:+.1f} ms (target <= +5 ms)", flush=True)
     return {"run": inproc["run"], "inproc_ttfa_p50_ms": a, "http_ttfa_p50_ms": b, "http_overhead_ms": delta}
 
 

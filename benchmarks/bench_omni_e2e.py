@@ -163,18 +163,16 @@ def bench_inproc(model: str, args: argparse.Namespace, runs: list[Run], async_ch
         prompts = make_prompts(run.num_requests, args.prompt_words, http=http_prompts)
         return bench_load.drive(lambda i: bench_load.inproc_request(omni, prompts[i], params, f"{run.name}-{i}"), run)
 
+    loop = asyncio.new_event_loop()
     try:
-        async def run_all() -> list[tuple[list, float]]:
-            await bench_load.warm_up(send)
-            return [await send(run) for run in runs]
-        results = asyncio.run(run_all())
+        loop.run_until_complete(bench_load.warm_up(send))
+        rows = bench_load.measure(runs, lambda run: loop.run_until_complete(send(run)),
+                                  f"in-process, async_chunk {'on' if async_chunk else 'off'}",
+                                  lambda run, i: f"{run.name}-{i}", stage_log)
         stages = stage_counters(omni)
     finally:
+        loop.close()
         omni.close()
-    rows = [bench_load.summarize(run, rs, wall) for run, (rs, wall) in zip(runs, results)]
-    bench_load.print_rows(rows, title=f"[in-process, async_chunk {'on' if async_chunk else 'off'}] ")
-    for run, row in zip(runs, rows):
-        bench_load.print_timelines(row, lambda i, name=run.name: f"{name}-{i}", stage_log)
     return {"startup_s": startup, "async_chunk": async_chunk, "rows": rows, "stages": stages}
 
 
@@ -199,14 +197,11 @@ def bench_http(model: str, args: argparse.Namespace, runs: list[Run], async_chun
             return await runner.run("openai-chat-omni", target, samples, rate=float("inf"), burstiness=1.0,
                                     max_concurrency=run.concurrency, seed=0, timeout_s=600.0)
 
-        async def run_all() -> list[tuple[list, float]]:
-            await bench_load.warm_up(send)
-            return [await send(run) for run in runs]
-        results = asyncio.run(run_all())
-    rows = [bench_load.summarize(run, rs, wall) for run, (rs, wall) in zip(runs, results)]
-    bench_load.print_rows(rows, title=f"[HTTP, async_chunk {'on' if async_chunk else 'off'}] ")
-    for row in rows:
-        bench_load.print_timelines(row, str, None)
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(bench_load.warm_up(send))
+        rows = bench_load.measure(runs, lambda run: loop.run_until_complete(send(run)),
+                                  f"HTTP, async_chunk {'on' if async_chunk else 'off'}")
+        loop.close()
     return {"startup_s": startup, "async_chunk": async_chunk, "rows": rows}
 
 

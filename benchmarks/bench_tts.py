@@ -240,15 +240,7 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
     return [bench_load.sustain(run, args.allow_short) for run in runs]
 
 
-def report(mode: str, runs: list[Run], results: list[tuple[list, float]], stage_log: Any) -> list[dict[str, Any]]:
-    rows = [bench_load.summarize(run, rs, wall) for run, (rs, wall) in zip(runs, results)]
-    bench_load.print_rows(rows, title=f"[{mode}] ")
-    for run, row in zip(runs, rows):
-        bench_load.print_timelines(row, lambda i, name=run.name: f"{request_id(i)}-{name}", stage_log)
-    return rows
-
-
-def bench_inproc(model: Path, args: argparse.Namespace, runs: list[Run]) -> dict[str, Any]:
+def bench_inproc(model: Path, args: argparse.Namespace, runs: list[Run], save) -> dict[str, Any]:
     from stage_stats import print_stage_table, stage_counters
 
     from vllm_omni.entrypoints.async_omni import AsyncOmni
@@ -259,15 +251,16 @@ def bench_inproc(model: Path, args: argparse.Namespace, runs: list[Run]) -> dict
         work = Workload(args.task, engine.pipeline.stages[0], args.frames, args.voices)
         loop = asyncio.new_event_loop()
         loop.run_until_complete(bench_load.warm_up(lambda run: run_inproc(engine, work, run)))
-        results = [loop.run_until_complete(run_inproc(engine, work, run)) for run in runs]
+        rows = bench_load.measure(runs, lambda run: loop.run_until_complete(run_inproc(engine, work, run)),
+                                  "in-process", lambda run, i: f"{request_id(i)}-{run.name}", stage_log,
+                                  lambda rows: save({"rows": rows}))
         loop.close()
         stages = stage_counters(engine)
-    rows = report("in-process", runs, results, stage_log)
     print_stage_table({"ours": stages})
     return {"rows": rows, "stages": stages}
 
 
-def bench_http(model: Path, args: argparse.Namespace, runs: list[Run], log_dir: Path) -> dict[str, Any]:
+def bench_http(model: Path, args: argparse.Namespace, runs: list[Run], log_dir: Path, save) -> dict[str, Any]:
     if args.task != "CustomVoice":
         raise SystemExit("--mode http / both: CustomVoice only (the speech client sends a named voice)")
     serve_args = ["--stage-overrides", json.dumps(stage_overrides(args, runs)), "--log-stats",
@@ -280,9 +273,10 @@ def bench_http(model: Path, args: argparse.Namespace, runs: list[Run], log_dir: 
         work = Workload(args.task, None, args.frames, args.voices)
         loop = asyncio.new_event_loop()
         loop.run_until_complete(bench_load.warm_up(lambda run: run_http(server, work, run)))
-        results = [loop.run_until_complete(run_http(server, work, run)) for run in runs]
+        rows = bench_load.measure(runs, lambda run: loop.run_until_complete(run_http(server, work, run)), "HTTP",
+                                  save=lambda rows: save({"rows": rows}))
         loop.close()
-    return {"rows": report("HTTP", runs, results, None)}
+    return {"rows": rows}
 
 
 def main() -> None:
@@ -298,10 +292,17 @@ def main() -> None:
             model = real_arch_checkpoint(Path(tmp) / "real", args.task)
         else:
             model = tiny_checkpoint(args.task, Path(tmp) / "tiny")
+        def saver(key: str):
+            def save(value: dict[str, Any]) -> None:
+                result[key] = value
+                bench_load.write_json(args.json, result)
+            return save
+
         if args.mode in ("inproc", "both"):
-            result["inproc"] = bench_inproc(model, args, runs)
+            result["inproc"] = bench_inproc(model, args, runs, saver("inproc"))
         if args.mode in ("http", "both"):
-            result["http"] = bench_http(model, args, runs, Path(args.json).parent if args.json else Path(tmp))
+            log_dir = Path(args.json).resolve().parent if args.json else Path(tmp)
+            result["http"] = bench_http(model, args, runs, log_dir, saver("http"))
         if args.mode == "both":
             result["http_vs_inproc"] = [bench_load.compare_http(a, b) for a, b in
                                         zip(result["inproc"]["rows"], result["http"]["rows"])]
