@@ -54,6 +54,15 @@ class Run:
         return cls(f"poisson {rate:g}/s", num_requests, rate=rate)
 
 
+def serving_process() -> None:
+    """This process now serves (its AsyncOmni is up): freeze the start-up heap and log long
+    collections, as `vllm-omni serve` does (engine/serving_stalls.py)."""
+    from vllm_omni.engine.serving_stalls import freeze_startup_heap, log_long_pauses
+
+    freeze_startup_heap()
+    log_long_pauses("benchmark")
+
+
 def sustain(run: Run, allow_short: bool) -> Run:
     """The run with enough requests for sustained load (unchanged with `allow_short`)."""
     short = why_short(run.num_requests, concurrency=run.concurrency, rate=run.rate)

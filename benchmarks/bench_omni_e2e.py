@@ -156,6 +156,7 @@ def bench_inproc(model: str, args: argparse.Namespace, runs: list[Run], async_ch
                      stage_overrides=stage_overrides(args, runs, http=False), async_chunk=async_chunk, log_stats=True,
                      admission_policy=args.admission_policy, **engine_args)
     startup = time.perf_counter() - t0
+    bench_load.serving_process()
     params = fixed_length_params(args)
     http_prompts = args.mode == "both"  # the same chat text as the HTTP run
 

@@ -248,6 +248,7 @@ def bench_inproc(model: Path, args: argparse.Namespace, runs: list[Run], save) -
     stage_log = bench_load.StageLog.install()
     with AsyncOmni(model=str(model), deploy_config=args.deploy_config, stage_overrides=stage_overrides(args, runs),
                    log_stats=True, admission_policy=args.admission_policy) as engine:
+        bench_load.serving_process()
         work = Workload(args.task, engine.pipeline.stages[0], args.frames, args.voices)
         loop = asyncio.new_event_loop()
         loop.run_until_complete(bench_load.warm_up(lambda run: run_inproc(engine, work, run)))

@@ -17,7 +17,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from vllm_omni.config.stage_config import PipelineConfig, StageConfig, WorkerType
-from vllm_omni.engine.serving_stalls import freeze_startup_heap, log_long_pauses
 from vllm_omni.engine.orchestrator import Orchestrator, RuntimeOptions, Submission
 from vllm_omni.engine.request_plan import check_modalities, plan_request
 from vllm_omni.engine.request_state import RequestSink
@@ -66,10 +65,6 @@ class OmniRuntime:
             self._stop_loop()
             raise
         atexit.register(self.close)
-        # The caller's process (the API server, a benchmark) routes every output on this thread:
-        # a full collection over its start-up heap stalled them all (serving_stalls.py).
-        freeze_startup_heap()
-        log_long_pauses("orchestrator")
 
     def _abandon_start(self, future: Any) -> None:
         # Let the start finish (or fail) so that close() meets stages in a known state.

@@ -6,7 +6,9 @@ modules, the model's parameters and their Python wrappers, configs, tokenizers. 
 loaded host, tens to hundreds of milliseconds during which the stage does not step, i.e. one
 request now and then waits that much longer for its first audio (issue 44: one Qwen3-Omni request
 in eight at one in flight). `freeze_startup_heap` moves everything alive after start-up to the
-permanent generation (vLLM does the same), so later collections walk only what serving makes.
+permanent generation (vLLM does the same), so later collections walk only what serving makes:
+the stage processes and `vllm-omni serve`'s process do it once they are up (not a library
+caller's process, whose later garbage cycles it would keep).
 `log_long_pauses` reports each collection over `threshold_s` (WARNING), so a benchmark's log
 shows whether a slow request met one.
 
