@@ -314,3 +314,25 @@ def test_tiny_tts_code2wav_decodes_a_stream_running_dry_before_a_new_first_chunk
     send("low", frames[1])
     send("new", frames[0], opens=True)
     assert [out.request_id for _ in range(2) for out in engine.step()] == ["low", "new"]
+
+
+def test_a_first_chunk_due_after_a_launched_chunk_waits_for_it_without_spinning():
+    """Overlapping lanes: a and b's second chunks are on the device when a new stream comes whose
+    first-audio target lies past their deadlines. Its first chunk waits (no step output, no work:
+    the worker polls) until the launch is collected, then goes."""
+    from tests.pipeline.test_stage_units import HeldLanes, OneUnitChunks, _open
+
+    clock = FakeClock()
+    lanes = HeldLanes()
+    engine = GenerationStageEngine(OneUnitChunks(), OmniGenerationScheduler(8), stage_id=2, lanes=lanes,
+                                   deadlines=StreamDeadlines(0.1, clock))
+    _open(engine, "a", 3)
+    _open(engine, "b", 3)
+    assert sorted(o.request_id for o in engine.step()) == ["a", "b"]  # first chunks: 1 s of sound each
+    assert engine.step() == [] and len(lanes.launched) == 1  # their second chunks, on the device
+    clock.now = 0.95  # a and b have 50 ms left; a new stream is due 100 ms after it comes
+    _open(engine, "new", 2)
+    assert engine.step() == [] and not engine.has_work() and engine.poll_ms() == 1
+    lanes.launched[0].released = True
+    assert engine.has_work()
+    assert sorted(o.request_id for o in engine.step()) == ["a", "b", "new"]  # collected, then new's first chunk
