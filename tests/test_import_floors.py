@@ -17,7 +17,7 @@ ROOT = Path(vllm_omni.__file__).parent
 # Lowest first. A top-level module or folder of vllm_omni belongs to exactly one floor.
 FLOORS: list[set[str]] = [
     {"stage_io", "sampling_params", "outputs", "output_accumulator", "inputs", "imports", "logging_filters",
-     "version", "growing_tensor", "envs", "deploy"},  # the vocabulary, the env switches, the deploy YAMLs
+     "version", "growing_tensor", "envs", "deploy", "playback"},  # the vocabulary, the env switches, the deploy YAMLs
     {"model_executor"},  # layers, models, family records, bridges
     {"multimodal"},  # prompt and media processing (reads model files: speakers, templates)
     {"config"},  # stage configs; finds bundled pipelines through the family records

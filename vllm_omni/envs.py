@@ -83,6 +83,9 @@ PROFILE_SKIP = _switch("PROFILE_SKIP", str, "50",
 PROFILE_STEPS = _switch("PROFILE_STEPS", int, 200, "engine steps the profiler records")
 PROFILE_OPS = _switch("PROFILE_OPS", bool, True,
                       "`0`: the profiler keeps the step timeline only (no torch profiler)")
+LOG_COMPILES = _switch("LOG_COMPILES", bool, False,
+                       "`1`: a stage logs each Triton kernel it compiles (or loads from the disk cache) "
+                       "after start-up, with how long it took (engine/serving_stalls.py)")
 PROFILE_PYTHON = _switch("PROFILE_PYTHON", bool, False,
                          "`1`: the profiler also runs cProfile over the same steps")
 
