@@ -78,9 +78,10 @@ def test_wan_settings_are_refused_where_they_mean_nothing(wan_dir, qwen_image_di
 
 
 def test_the_engine_reports_the_video_settings(wan_model):
-    info = wan_model("ti2v").describe()
-    assert (info["fps"], info["frame_step"], info["image_input"], info["experts"]) == (24, 4, "optional", 1)
-    assert wan_model("a14b").describe()["image_input"] == "none"
+    model = wan_model("ti2v")
+    video = model.video_info()
+    assert (video.fps, video.frame_step, video.image_input, model.describe()["experts"]) == (24, 4, "optional", 1)
+    assert wan_model("a14b").video_info().image_input == "none"
 
 
 def test_a_quantized_component_is_refused_by_name_when_it_loads(tmp_path):

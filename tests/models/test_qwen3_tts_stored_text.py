@@ -91,13 +91,16 @@ def long_greedy() -> SamplingParams:
 def streamed(engine, processor, prompt: dict, chunks: list[str], steps_between: int, per_token: float = 0.0):
     """The talker request of chunks[0], the others appended every `steps_between` steps
     (the last one final), run to the end."""
+    from vllm_omni.testing.engine_runs import EngineRun
+
     first = processor.process({**prompt, "prompt": chunks[0], "text_complete": False,
                                "max_frames_per_token": per_token})
-    assert engine.add_request("s", first["prompt_token_ids"], long_greedy(),
-                              model_inputs=first["additional_information"], input_complete=False) is None
+    run = EngineRun(engine)
+    assert run.add("s", first["prompt_token_ids"], long_greedy(), model_inputs=first["additional_information"],
+                   input_complete=False)
     rest, done = list(chunks[1:]), None
     for step in range(1, 500):
-        outs = [o for o in engine.step() if o.finished]
+        outs = run.step()
         if outs:
             return outs[0]
         if step % steps_between == 0 and rest:
@@ -158,3 +161,16 @@ def test_a_talker_that_runs_out_of_text_goes_on_with_pads_within_its_budget():
                                                                pad.tolist()]
     waiting = TextFeed(rows[:1], pad, complete=False, text_read=1)
     assert waiting.decidable() == 1 and waiting.row(0).tolist() == rows[0].tolist() and not waiting.can_read(1)
+
+
+def test_the_family_says_what_its_stored_voices_are_made_from(base, tiny_model):
+    """The server's voices endpoint asks the family (SpeechModel), never the task type's name."""
+    from vllm_omni.imports import import_dotted
+    from vllm_omni.model_executor.models.families import speech_model
+
+    cloning_model = speech_model(base)
+    assert (cloning_model.task_type, cloning_model.voices_from) == ("Base", "audio")
+    cloning = import_dotted(cloning_model.voice_cloning)
+    assert cloning.fingerprint(str(base)) == voice_fingerprint(base)
+    presets = speech_model(tiny_model("qwen3_tts", seed=SEED, task_type="CustomVoice"))
+    assert presets.voices and (presets.voices_from, presets.voice_cloning) == (None, None)

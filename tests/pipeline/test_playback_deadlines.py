@@ -14,6 +14,7 @@ import torch
 from vllm_omni.core.sched.omni_generation_scheduler import OmniGenerationScheduler
 from vllm_omni.engine.playback_admission import AdmissionOptions, PlaybackAdmission
 from vllm_omni.entrypoints.cli.bench.metrics import playback
+from vllm_omni.model_executor.models.generation_model import GenerationModel
 from vllm_omni.playback import PlaybackTimeline, token_deadline
 from vllm_omni.sampling_params import SamplingParams
 from vllm_omni.stage_io import StageInputChunk, StageRequest
@@ -107,9 +108,10 @@ class RampStream:
         return self.final and self.pending == 0
 
 
-class CostlyDecoder:
+class CostlyDecoder(GenerationModel):
     """Every call costs fake time: a fixed part and a part per stream (a GPU-bound decoder)."""
 
+    accepts_streamed_input = True
     max_units_per_chunk = RAMP[-1]
 
     def __init__(self, clock: FakeClock, fixed_s: float, per_stream_s: float) -> None:
@@ -282,7 +284,7 @@ def test_admission_holds_new_streams_past_the_playback_load_and_lets_them_in_as_
 @pytest.fixture(scope="module")
 def tts_code2wav(tiny_model):
     """The real Qwen3-TTS code2wav of the tiny checkpoint, with the bundled chunks (1 frame first)."""
-    from vllm_omni.model_executor.models.qwen3_omni.code2wav_stream import Code2WavStreamConfig
+    from vllm_omni.model_executor.models.code2wav_stream import Code2WavStreamConfig
     from vllm_omni.model_executor.models.qwen3_tts.code2wav import Qwen3TTSCode2Wav
 
     return Qwen3TTSCode2Wav.load(str(tiny_model("qwen3_tts")), device="cpu", stream_config=Code2WavStreamConfig(
