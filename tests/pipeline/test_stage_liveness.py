@@ -16,6 +16,7 @@ import zmq
 from vllm_omni.engine.messages import AbortRequests, Heartbeat, StageReady
 from vllm_omni.engine.stage_client import HANG_FACTOR, StageClient, StageState
 from vllm_omni.engine.transport import OrchestratorChannel, WorkerChannel, make_ipc_dir, stage_addresses
+from vllm_omni.stage_io import StageInfo
 
 TIMEOUT_S = 0.4
 
@@ -55,7 +56,7 @@ class Link:
 
     async def up(self) -> None:
         self.client.start()
-        self.worker.send(StageReady(0, os.getpid(), {}))
+        self.worker.send(StageReady(0, os.getpid(), StageInfo(engine="ar", device="cpu")))
         await self.client.wait_ready(time.monotonic() + 5, "5s")
 
     async def until(self, check, within_s: float) -> float:

@@ -22,8 +22,8 @@ import torch
 from vllm_omni.model_executor.models import diffusion_inputs
 from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
 from vllm_omni.model_executor.models.diffusion_attention import row_steps, rows_steps
-from vllm_omni.model_executor.models.diffusion_model import DiffusionModel
 from vllm_omni.model_executor.models.diffusers_folder import set_vae_options
+from vllm_omni.model_executor.models.diffusion_model import DiffusionModel
 from vllm_omni.model_executor.models.diffusion_offload import Experts, visiting
 from vllm_omni.model_executor.models.diffusion_solvers import solver_for
 from vllm_omni.model_executor.models.wan2_2 import denoiser
