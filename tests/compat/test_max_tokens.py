@@ -75,9 +75,9 @@ def test_engine_answers_a_request_max_tokens_over_the_context_as_vllm(engine):
 
 
 def test_engine_runs_any_other_max_tokens_up_to_the_context(engine):
-    assert engine.add_request("bounded", list(range(3, 13)), SamplingParams(max_tokens=25, temperature=0.0,
-                                                                            ignore_eos=True)) is None
-    done = None
-    while done is None:
-        done = next((o for o in engine.step() if o.finished), None)
+    from vllm_omni.testing.engine_runs import EngineRun
+
+    run = EngineRun(engine)
+    assert run.add("bounded", list(range(3, 13)), SamplingParams(max_tokens=25, temperature=0.0, ignore_eos=True))
+    done = run.run()["bounded"]
     assert len(done.outputs[0].token_ids) == 32 - 10 and done.outputs[0].finish_reason == "length"
