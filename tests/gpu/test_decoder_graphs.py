@@ -24,7 +24,7 @@ def _chunks(model, frames: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     for stream, f in zip(streams, frames):
         stream.push(f, final=True)
     chunks: list[list[torch.Tensor]] = [[] for _ in frames]
-    plan = getattr(model, "streams_per_step", len)
+    plan = model.streams_per_step  # (GenerationModel: every stream by default)
     while any(s.ready() for s in streams):
         ready = [i for i, s in enumerate(streams) if s.ready()]
         ready = ready[: plan([streams[i] for i in ready])]

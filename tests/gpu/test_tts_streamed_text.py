@@ -27,14 +27,16 @@ def cuda_engine(path) -> LLMEngine:
 
 
 def run(engine, requests: dict, appends: dict[str, list[str]], processor, every: int = 5) -> dict[str, list]:
+    from vllm_omni.testing.engine_runs import EngineRun
+
+    runs = EngineRun(engine)
     for rid, (prompt, complete) in requests.items():
-        assert engine.add_request(rid, prompt["prompt_token_ids"], long_greedy(),
-                                  model_inputs=prompt["additional_information"], input_complete=complete) is None
+        assert runs.add(rid, prompt["prompt_token_ids"], long_greedy(), model_inputs=prompt["additional_information"],
+                        input_complete=complete)
     done: dict[str, list] = {}
     for step in range(1, 1000):
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].multimodal_output[CODES_KEY].tolist()
+        for out in runs.step():
+            done[out.request_id] = out.outputs[0].multimodal_output[CODES_KEY].tolist()
         if len(done) == len(requests):
             return done
         if step % every == 0:
