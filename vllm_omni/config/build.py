@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vllm_omni.config import graph, resolve, schema, support
+from vllm_omni.config.diffusion_parallel import ParallelConfigError
 from vllm_omni.config.errors import ConfigError
 from vllm_omni.config.layers import Layer
 from vllm_omni.config.stage_config import (ConfigFormat, IgnoredSetting, PipelineConfig,
@@ -122,6 +123,7 @@ def build_stage(stage_id: int, m: _Merged, *, feeds_another_stage: bool) -> Stag
     engine_values = {p.split(".", 1)[1]: get(p) for p in schema.STAGE_FIELDS if p.startswith("engine_args.")}
     engine_values.update(worker_type=worker_type, worker_cls=worker_cls, scheduler_cls=scheduler_cls)
     engine_args = StageEngineArgs(**engine_values)
+    _check_diffusion_parallel(stage_id, engine_args, m)
     _check_devices(stage_id, runtime, engine_args, m)
     return StageConfig(
         stage_id=stage_id, runtime=runtime, engine_args=engine_args,
@@ -195,16 +197,37 @@ def _sampling(stage_id: int, m: _Merged, *, diffusion: bool) -> SamplingParams |
                           stage_id=stage_id) from None
 
 
+def _check_diffusion_parallel(stage_id: int, args: StageEngineArgs, m: _Merged) -> None:
+    """The diffusion world (CFG x sequence parallelism x HSDP, VAE patches, num_gpus) can be laid out."""
+    try:
+        parallel = args.diffusion_parallel.check()
+    except ParallelConfigError as exc:
+        path = f"engine_args.{exc.field}"
+        raise ConfigError(exc.problem, source=m.source(path), stage_id=stage_id, field=path,
+                          value=getattr(args, exc.field), allowed=exc.allowed) from None
+    if parallel.world_size > 1 and args.diffusion_load_format == "diffusers":
+        raise ConfigError(f"a diffusion world of {parallel.world_size} ranks ({parallel.describe_world()}) needs "
+                          "our diffusion engine; the diffusers adapter runs a whole pipeline in one process",
+                          source=m.source("engine_args.diffusion_load_format"), stage_id=stage_id,
+                          field="engine_args.diffusion_load_format", value=args.diffusion_load_format,
+                          allowed="'default' or 'dummy'")
+    if parallel.vae_patch_parallel_size > 1 and args.vae_use_tiling:
+        raise ConfigError("vae_use_tiling and vae_patch_parallel_size > 1 both split the VAE decode; choose one",
+                          source=m.source("engine_args.vae_use_tiling"), stage_id=stage_id,
+                          field="engine_args.vae_use_tiling", value=True, allowed="false")
+
+
 def _check_devices(stage_id: int, runtime: StageRuntimeConfig, args: StageEngineArgs, m: _Merged) -> None:
     # One replica uses tensor_parallel_size devices; a replica pool lists them all (spec 002).
-    # A diffusion stage with cfg_parallel_size 2 runs its two guidance branches on two devices.
-    n, tp, replicas = len(runtime.device_ids), args.tensor_parallel_size * args.cfg_parallel_size, runtime.num_replicas
-    if n == tp or n == tp * replicas:
+    # A diffusion stage runs one rank per device: CFG branches x sequence parallelism (x HSDP replicas).
+    n, per_replica, replicas = len(runtime.device_ids), args.devices_per_replica, runtime.num_replicas
+    if n == per_replica or n == per_replica * replicas:
         return
-    need = f"{tp}" + (f" (template) or {tp * replicas} (pool of {replicas} replicas)" if replicas > 1 else "")
+    need = f"{per_replica}" + (f" (template) or {per_replica * replicas} (pool of {replicas} replicas)"
+                               if replicas > 1 else "")
     raise ConfigError(f"lists {n} device(s) but tensor_parallel_size={args.tensor_parallel_size} "
-                      f"(from {m.source('engine_args.tensor_parallel_size')}) x cfg_parallel_size="
-                      f"{args.cfg_parallel_size} needs {need}",
+                      f"(from {m.source('engine_args.tensor_parallel_size')}) x "
+                      f"{args.diffusion_parallel.describe_world()} needs {need}",
                       source=m.source("runtime.devices"), stage_id=stage_id, field="runtime.devices",
                       value=runtime.devices, allowed=f"exactly {need} device indices")
 

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from vllm_omni.config import schema, upstream_keys
+from vllm_omni.config import schema, upstream_keys, upstream_parallel
 from vllm_omni.config.errors import BadValue, ConfigError, bad_value, unknown_keys
 from vllm_omni.config.upstream_keys import IGNORED_PREFIX
 
@@ -103,6 +103,8 @@ def read_stage_fields(entry: dict[str, Any], *, source: str, stage_id: int | Non
             # per stage (upstream deploy): streaming is decided for the whole pipeline here
             check_bool_field("async_chunk", value, source=source, stage_id=stage_id)
             out[f"{IGNORED_PREFIX}async_chunk"] = upstream_keys.PER_STAGE_STREAMING
+        elif key == upstream_parallel.KEY:
+            out.update(upstream_parallel.read_parallel_config(value, source=source, stage_id=stage_id, shown=key))
         elif key in _FLAT or key in schema.TOP_STAGE_KEYS:
             path = _FLAT.get(key, key)
             _check_not_topology(path, key, style, source=source, stage_id=stage_id)
@@ -113,7 +115,7 @@ def read_stage_fields(entry: dict[str, Any], *, source: str, stage_id: int | Non
 
 
 def _allowed_keys(style: Style) -> set[str]:
-    common = {"default_sampling_params", "stage_type", "max_tokens_limit", *_CONNECTOR_KEY}
+    common = {"default_sampling_params", "stage_type", "max_tokens_limit", upstream_parallel.KEY, *_CONNECTOR_KEY}
     if style == "legacy":
         return common | set(schema.TOP_STAGE_KEYS) | set(_SECTIONS)
     deploy_flat = {k for k, p in _FLAT.items() if p not in schema.TOPOLOGY_FIELDS}
@@ -150,11 +152,15 @@ def _read_section(section: str, value: Any, out: dict[str, Any], *, source: str,
         raise ConfigError("must be a mapping", source=source, stage_id=stage_id, field=shown, value=value)
     known = schema.RUNTIME_KEYS if section == "runtime" else schema.ENGINE_KEYS
     policy = section == "engine_args"
-    unknown = [k for k in value if k not in known and not (policy and upstream_keys.is_policy_key(k))]
+    unknown = [k for k in value if k not in known and not (policy and (upstream_keys.is_policy_key(k)
+                                                                     or k == upstream_parallel.KEY))]
     if unknown:
         raise unknown_keys(unknown, known, source=source, stage_id=stage_id, section=shown)
     for key, v in value.items():
         where = f"{shown}.{key}"
+        if key == upstream_parallel.KEY:
+            out.update(upstream_parallel.read_parallel_config(v, source=source, stage_id=stage_id, shown=where))
+            continue
         if key not in known:
             _read_policy_key(key, v, out, source=source, stage_id=stage_id, shown=where)
             continue

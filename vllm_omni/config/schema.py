@@ -213,6 +213,15 @@ DIFFUSION_FIELDS: dict[str, FieldSpec] = {
     "vae_use_tiling": FieldSpec(check_bool, False),
     "enable_cpu_offload": FieldSpec(check_bool, False),
     "cfg_parallel_size": FieldSpec(check_cfg_parallel_size, 1),
+    # Sequence parallelism, HSDP, VAE patches and the world they make (config/diffusion_parallel.py).
+    "ulysses_degree": FieldSpec(check_int(1), 1),
+    "ulysses_mode": FieldSpec(check_choice("strict", "advanced_uaa"), "strict"),
+    "ring_degree": FieldSpec(check_int(1), 1),
+    "vae_patch_parallel_size": FieldSpec(check_int(1), 1),
+    "use_hsdp": FieldSpec(check_bool, False),
+    "hsdp_shard_size": FieldSpec(check_int(1, extra=(-1,)), -1),
+    "hsdp_replicate_size": FieldSpec(check_int(1), 1),
+    "num_gpus": FieldSpec(check_int(1, optional=True), None),
     "max_generated_image_size": FieldSpec(check_int(1, optional=True), None),
     # With enforce_eager false the transformer blocks are compiled (docs/diffusion.md).
     "diffusion_attention_backend": FieldSpec(check_attention_backend, None),

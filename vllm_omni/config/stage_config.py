@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from vllm_omni.config.diffusion_parallel import DiffusionParallelConfig
 from vllm_omni.sampling_params import DiffusionSamplingParams, SamplingParams
 
 
@@ -105,10 +106,27 @@ class StageEngineArgs:
     vae_use_tiling: bool = False
     enable_cpu_offload: bool = False
     cfg_parallel_size: int = 1
+    ulysses_degree: int = 1
+    ulysses_mode: str = "strict"
+    ring_degree: int = 1
+    vae_patch_parallel_size: int = 1
+    use_hsdp: bool = False
+    hsdp_shard_size: int = -1
+    hsdp_replicate_size: int = 1
+    num_gpus: int | None = None  # the diffusion world size, checked against the degrees
     max_generated_image_size: int | None = None
     diffusion_attention_backend: str | None = None  # None: CUDNN_ATTN on CUDA, TORCH_SDPA elsewhere
     diffusion_compile_granularity: str = "regional"
     diffusion_compile_dynamic: bool = True
+
+    @property
+    def diffusion_parallel(self) -> DiffusionParallelConfig:
+        return DiffusionParallelConfig.from_engine_args(self)
+
+    @property
+    def devices_per_replica(self) -> int:
+        """Devices one replica of the stage uses: its tensor-parallel ranks x its diffusion world."""
+        return self.tensor_parallel_size * self.diffusion_parallel.world_size
 
 
 @dataclass(frozen=True)

@@ -158,7 +158,7 @@ def replica_configs(stage: StageConfig) -> list[StageConfig]:
     """Each replica's stage config: its share of the stage's devices (spec 002 pool or template
     mode) and VLLM_OMNI_REPLICA_ID in its environment (a hook or a log may tell replicas apart)."""
     runtime = stage.runtime
-    per_replica = stage.engine_args.tensor_parallel_size * stage.engine_args.cfg_parallel_size
+    per_replica = stage.engine_args.devices_per_replica
     try:
         devices = split_devices_for_replicas(runtime.devices, runtime.num_replicas, per_replica, stage.stage_id)
     except ValueError as e:

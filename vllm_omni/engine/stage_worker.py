@@ -165,8 +165,9 @@ def _build_engine(spec: WorkerSpec, device: str) -> StageEngine:
             return worker_cls(spec.stage, spec.model, device=device).build_engine()
     locks: list[int] = []
     if torch.cuda.is_available():
-        tp = {"tensor_parallel_size": spec.stage.engine_args.tensor_parallel_size}
-        locks = siu.acquire_device_locks(spec.stage_id, tp, spec.stage_init_timeout_s)
+        # Every device of the replica: its tensor-parallel ranks, or a diffusion stage's world.
+        world = {"parallel_config": {"world_size": spec.stage.engine_args.devices_per_replica}}
+        locks = siu.acquire_device_locks(spec.stage_id, world, spec.stage_init_timeout_s)
     try:
         return worker_cls(spec.stage, spec.model, device=device).build_engine()
     finally:

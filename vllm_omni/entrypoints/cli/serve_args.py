@@ -102,7 +102,8 @@ OMNI_FLAGS: tuple[Flag, ...] = (
     _f("--omni-heartbeat-timeout", "Seconds without a heartbeat before a stage is declared hung, killed and "
        "restarted. (Spec 001 documents 30.0; stages here send a heartbeat every second from a thread of their own, "
        "so a few seconds detect a frozen stage without mistaking a long step for one.)", type=float, default=5.0),
-    _f("--num-gpus", "Number of GPUs to use for diffusion model inference.", _DIFFUSION, type=int, default=None),
+    _f("--num-gpus", "Number of GPUs to use for diffusion model inference: the diffusion stage's world size, "
+       "which must equal cfg_parallel_size x ulysses x ring (x standalone HSDP).", type=int, default=None),
     _f("--model-class-name", "Override the diffusion pipeline class name (a native pipeline such as "
        "QwenImagePipeline, or with --diffusion-load-format diffusers any diffusers pipeline class).", default=None),
     _f("--diffusion-load-format", "How to load the diffusion pipeline: default (our engine), dummy (our engine, "
@@ -113,18 +114,22 @@ OMNI_FLAGS: tuple[Flag, ...] = (
        default={}),
     _f("--diffusers-call-kwargs", "JSON object passed to pipeline.__call__() (diffusers load format); a "
        "request's own parameters override it.", type=_json_object, default={}),
-    _f("--usp --ulysses-degree", "Ulysses Sequence Parallelism degree for diffusion models.", _DIFFUSION,
-       type=int, default=None),
-    _f("--ulysses-mode", "Ulysses sequence-parallel mode for diffusion models.", _DIFFUSION,
+    _f("--usp --ulysses-degree", "Ulysses Sequence Parallelism degree for diffusion models (all-to-all over "
+       "heads; docs/diffusion.md, Parallelism).", type=int, default=None),
+    _f("--ulysses-mode", "Ulysses sequence-parallel mode for diffusion models: 'strict' needs heads and sequence "
+       "lengths divisible by the degrees; 'advanced_uaa' pads heads and splits sequences unevenly.",
        choices=("strict", "advanced_uaa"), default="strict"),
-    _f("--ring --ring-degree", "Ring Sequence Parallelism degree for diffusion models.", _DIFFUSION, type=int,
+    _f("--ring --ring-degree", "Ring Sequence Parallelism degree for diffusion models (K/V blocks passed around a "
+       "ring, partial outputs merged by log-sum-exp); with --usp: Ulysses inside, ring across.", type=int,
        default=None),
     _f("--diffusion-quantization-config", "JSON string for diffusion quantization_config.", _DIFFUSION,
        default=None),
     _bool("--force-cutlass-fp8", "Diffusion-only: force CUTLASS FP8 linear kernels.", _DIFFUSION, default=None),
-    _bool("--use-hsdp", "Enable HSDP (Hybrid Sharded Data Parallel) for diffusion models.", _DIFFUSION),
-    _f("--hsdp-shard-size", "Number of GPUs to shard weights across (-1: auto).", _DIFFUSION, type=int, default=-1),
-    _f("--hsdp-replicate-size", "Number of replica groups for HSDP.", _DIFFUSION, type=int, default=1),
+    _bool("--use-hsdp", "Enable HSDP (Hybrid Sharded Data Parallel) for diffusion models: the transformer blocks' "
+          "weights sharded with FSDP2, gathered block by block in each forward."),
+    _f("--hsdp-shard-size", "Number of GPUs to shard weights across (-1: auto, the world / replicate size).",
+       type=int, default=-1),
+    _f("--hsdp-replicate-size", "Number of replica groups for HSDP.", type=int, default=1),
     _f("--diffusion-attention-backend", "Attention kernel of the diffusion transformer: TORCH_SDPA (PyTorch "
        "chooses) or CUDNN_ATTN (cuDNN first). Default: CUDNN_ATTN on CUDA, TORCH_SDPA elsewhere.", default=None),
     _f("--diffusion-attention-config -dac", "Diffusion attention config (JSON).", _DIFFUSION, default=None),
@@ -154,7 +159,9 @@ OMNI_FLAGS: tuple[Flag, ...] = (
        default=None),
     _f("--cfg-parallel-size", "Number of devices for CFG parallel computation (2: the unconditional branch on a "
        "second device).", type=int, choices=(1, 2), default=1),
-    _f("--vae-patch-parallel-size", "VAE Patch Parallelism degree.", _DIFFUSION, type=int, default=1),
+    _f("--vae-patch-parallel-size", "VAE Patch Parallelism degree: the latent's rows split across that many of "
+       "the stage's ranks for the VAE decode (with a halo, so the image is the one-process image).", type=int,
+       default=1),
     _f("--default-sampling-params", "JSON default sampling parameters per stage, e.g. '{\"0\": "
        "{\"num_inference_steps\": 30}}' (diffusion models only; --stage-overrides wins).", type=_json_object,
        default=None),
