@@ -30,15 +30,15 @@ logger = logging.getLogger(__name__)
 
 class DiffusionEngine:
     def __init__(self, model: DiffusionModel, *, stage_id: int, max_batch_size: int, device: str = "cpu",
-                 cache: TeaCache | None = None, cfg_group: Any = None, max_image_pixels: int | None = None) -> None:
+                 cache: TeaCache | None = None, group: Any = None, max_image_pixels: int | None = None) -> None:
         self.model = model
         self.stage_id = stage_id
         self.device = device
         self.cache = cache
-        self.cfg_group = cfg_group
+        self.group = group  # process_group.DiffusionProcessGroup: the stage's other ranks, or None
         self.max_image_pixels = max_image_pixels  # --max-generated-image-size (height * width)
         self.scheduler = DiffusionScheduler(max_batch_size)
-        self.denoiser = Denoiser(model, cache, cfg_group)
+        self.denoiser = Denoiser(model, cache, group)
         self.steps_done = 0  # request-steps denoised since start (/metrics)
         self._ready: list[StageOutput] = []
 
@@ -89,7 +89,8 @@ class DiffusionEngine:
 
     def describe(self) -> dict[str, Any]:
         return {"engine": "diffusion", "device": self.device, "max_batch_size": self.scheduler.max_batch_size,
-                "tea_cache": self.cache is not None, "cfg_parallel_size": 2 if self.cfg_group else 1,
+                "tea_cache": self.cache is not None,
+                "parallel": self.group.layout.describe() if self.group else {"world_size": 1},
                 **self.model.describe()}
 
     # --- internals ------------------------------------------------------------------------
@@ -125,7 +126,9 @@ class DiffusionEngine:
 
     def _decode(self, finished: list[DiffusionRequest]) -> None:
         try:
-            results = self.model.decode([r.prepared for r in finished], [r.latents for r in finished])
+            prepared, latents = [r.prepared for r in finished], [r.latents for r in finished]
+            results = self.group.decode(self.model.decode, prepared, latents) if self.group else \
+                self.model.decode(prepared, latents)
         except Exception as e:  # noqa: BLE001 - these requests fail; the others go on
             logger.exception("stage %d: decoding %d images failed", self.stage_id, len(finished))
             for r in finished:

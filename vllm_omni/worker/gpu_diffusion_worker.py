@@ -48,29 +48,27 @@ class GPUDiffusionWorker:
             return DiffusersPipelineEngine(pipe, stage_id=self.stage.stage_id, device=str(self.device),
                                            call_kwargs=dict(ea.diffusers_call_kwargs),
                                            max_image_pixels=ea.max_generated_image_size)
-        from vllm_omni.diffusion.cfg_parallel import CfgParallelGroup, ModelSpec
         from vllm_omni.diffusion.engine import DiffusionEngine
-        from vllm_omni.diffusion.tea_cache import TeaCache, TeaCacheConfig
+        from vllm_omni.diffusion.process_group import DiffusionProcessGroup, ModelSpec, make_tea_cache
 
         spec = ModelSpec(model_class_path(self.stage, self.model_path), self.model_path, str(dtype).removeprefix("torch."),
                          dummy=load_format(ea) == "dummy", seed=ea.seed or 0, vae_use_slicing=ea.vae_use_slicing,
                          vae_use_tiling=ea.vae_use_tiling, cpu_offload=ea.enable_cpu_offload,
                          acceleration=acceleration(ea))
-        cfg_group = CfgParallelGroup.start(spec, self._tea_cache_settings(), self.device) \
-            if ea.cfg_parallel_size == 2 else None
-        try:
-            model = spec.build(self.device)
-        except BaseException:
-            if cfg_group is not None:
-                cfg_group.close()
-            raise
-        cache = None
-        if ea.cache_backend == "tea_cache":
-            cache = TeaCache(TeaCacheConfig.for_model(model.describe()["transformer"], self._tea_cache_settings()))
-        if cfg_group is not None:
-            cfg_group.wait_ready()
+        layout = ea.diffusion_parallel
+        if layout.world_size == 1:
+            model, group = spec.build(self.device), None
+        else:  # the other ranks load their models while this one does
+            group = DiffusionProcessGroup.start(spec, self._tea_cache_settings(), self.device, layout)
+            try:
+                model = spec.build(self.device, group.join())
+                group.wait_loaded()
+            except BaseException:
+                group.close()
+                raise
+        cache = make_tea_cache(model, self._tea_cache_settings(), group.groups if group else None)
         return DiffusionEngine(model, stage_id=self.stage.stage_id, max_batch_size=batch, device=str(self.device),
-                               cache=cache, cfg_group=cfg_group, max_image_pixels=ea.max_generated_image_size)
+                               cache=cache, group=group, max_image_pixels=ea.max_generated_image_size)
 
     def _tea_cache_settings(self) -> dict[str, Any] | None:
         ea = self.stage.engine_args

@@ -17,7 +17,7 @@ diffusers block up to float rounding; the GPU suite compares the two.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 Runs = Sequence[tuple[int, int, int]]  # (first row, end row, valid text length) of rows sharing a prompt length
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 def real_rope(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +66,7 @@ def _modulate(x: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, torc
     return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1), gate.unsqueeze(1)
 
 
-def joint_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image_tokens: int, text_tokens: int,
+def joint_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image_tokens: int, *, text_tokens: int,
                     runs: Runs) -> torch.Tensor:
     """SDPA over [B, S, H, D] tensors in [image, text] order; each run attends over its valid
     prefix. SDPA takes heads-first views and returns a view of a [B, S, H, D] buffer (its
@@ -81,6 +82,20 @@ def joint_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image_tok
     return out.transpose(1, 2)
 
 
+def sequence_parallel_joint_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image_tokens: int, *,
+                                      attention: Any, plan: Any, runs: Runs) -> torch.Tensor:
+    """joint_attention with the image tokens split across the sequence-parallel ranks: this rank's
+    `image_tokens` image tokens, then the whole prompt (every rank holds it). The prompt's valid
+    tokens join each run's attention as the wrapper's joint tokens (layers/sequence_parallel.py)."""
+    out = torch.zeros_like(q)
+    for start, end, length in runs:
+        rows, text = slice(start, end), slice(image_tokens, image_tokens + length)
+        out[rows, :image_tokens], out[rows, text] = attention(
+            q[rows, :image_tokens], k[rows, :image_tokens], v[rows, :image_tokens], plan,
+            joint=(q[rows, text], k[rows, text], v[rows, text]))
+    return out
+
+
 class CompilableBlock(nn.Module):
     def __init__(self, block: Any, compile_fn: Any = None) -> None:
         super().__init__()
@@ -90,9 +105,11 @@ class CompilableBlock(nn.Module):
         self.after_attention = compile_fn(self._after_attention)
 
     def forward(self, hidden: torch.Tensor, encoder: torch.Tensor, temb: torch.Tensor,
-                rope: tuple[torch.Tensor, ...], runs: Runs) -> tuple[torch.Tensor, torch.Tensor]:
+                rope: tuple[torch.Tensor, ...], attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """`attend(q, k, v, image_tokens)`: joint_attention or its sequence-parallel form, bound
+        to the forward's prompt lengths."""
         q, k, v, img_gate1, img_mod2, txt_gate1, txt_mod2 = self.before_attention(hidden, encoder, temb, rope)
-        out = joint_attention(q, k, v, hidden.shape[1], encoder.shape[1], runs)
+        out = attend(q, k, v, hidden.shape[1])
         return self.after_attention(out, hidden, encoder, img_gate1, img_mod2, txt_gate1, txt_mod2)
 
     def _before_attention(self, hidden: torch.Tensor, encoder: torch.Tensor, temb: torch.Tensor,

@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_omni.model_executor.layers.diffusion_parallel import DiffusionParallelism, gathered, shard_with_hsdp
 from vllm_omni.model_executor.models import diffusion_inputs
 from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
-from vllm_omni.model_executor.models.qwen_image import denoiser
+from vllm_omni.model_executor.models.qwen_image import denoiser, vae_decode
 from vllm_omni.model_executor.models.qwen_image.block import CompilableBlock
 from vllm_omni.model_executor.models.qwen_image.components import QwenImageComponents, load_components
 from vllm_omni.model_executor.models.qwen_image.inputs import (Embedded, PromptEmbeds, QwenImageBatch,
@@ -35,17 +36,26 @@ EDIT_TARGET_AREA = 1024 * 1024  # the edit pipeline resizes the input image to a
 
 class QwenImageModel:
     def __init__(self, components: QwenImageComponents, *, device: torch.device, cpu_offload: bool = False,
-                 acceleration: DenoiserAcceleration = DenoiserAcceleration()) -> None:
+                 acceleration: DenoiserAcceleration = DenoiserAcceleration(),
+                 parallel: DiffusionParallelism = DiffusionParallelism()) -> None:
         from diffusers.image_processor import VaeImageProcessor
 
         denoiser.check_supported(components.transformer)
         self.c = components
         self.device = device
         self.acceleration = acceleration
+        self.parallel = parallel
+        if parallel.sequence is not None:
+            parallel.sequence.check_heads(components.transformer.config.num_attention_heads)
         self.compiled = acceleration.compiles(device)
         blocks = components.transformer.transformer_blocks
         # Compiled: one wrapper per block, all running the same compiled code (regional compilation).
-        self.blocks = [CompilableBlock(b, acceleration.compile_fn) for b in blocks] if self.compiled else blocks
+        # Sequence parallelism runs the wrappers too (compiled or not): their attention is pluggable.
+        self.wrapped = self.compiled or parallel.sequence is not None
+        compile_fn = acceleration.compile_fn if self.compiled else None
+        self.blocks = [CompilableBlock(b, compile_fn) for b in blocks] if self.wrapped else blocks
+        if parallel.hsdp_mesh is not None:
+            shard_with_hsdp(self.blocks, parallel.hsdp_mesh)
         # Offload: the text encoder and the VAE wait on the CPU and visit the device for their calls;
         # the transformer, used every step, stays.
         self.offload = cpu_offload and device.type != "cpu"
@@ -59,13 +69,14 @@ class QwenImageModel:
     @classmethod
     def load(cls, model_path: str | Path, *, device: torch.device, dtype: torch.dtype, dummy: bool = False,
              vae_use_slicing: bool = False, vae_use_tiling: bool = False, cpu_offload: bool = False,
-             acceleration: DenoiserAcceleration = DenoiserAcceleration()) -> QwenImageModel:
+             acceleration: DenoiserAcceleration = DenoiserAcceleration(),
+             parallel: DiffusionParallelism = DiffusionParallelism()) -> QwenImageModel:
         components = load_components(model_path, device=device, dtype=dtype, dummy=dummy)
         if vae_use_slicing:
             components.vae.enable_slicing()
         if vae_use_tiling:
             components.vae.enable_tiling()
-        return cls(components, device=device, cpu_offload=cpu_offload, acceleration=acceleration)
+        return cls(components, device=device, cpu_offload=cpu_offload, acceleration=acceleration, parallel=parallel)
 
     # --- one request -----------------------------------------------------------------------
     def prepare(self, request: StageRequest, params: DiffusionSamplingParams) -> QwenImageRequest:
@@ -88,6 +99,7 @@ class QwenImageModel:
             prompt = self.encoder.encode_text(text, self.device)
             neg = self.encoder.encode_text(negative, self.device) if negative is not None else None
         latents = self._noise(params.num_outputs_per_prompt, height, width, prompt.embeds.dtype, generator)
+        self._check_sequence(latents.shape[1])
         sigmas, timesteps = self._schedule(params.num_inference_steps, latents.shape[1])
         shapes = ((1, height // self.vae_scale_factor // 2, width // self.vae_scale_factor // 2),)
         return QwenImageRequest((height, width, None), latents, sigmas, timesteps, prompt, neg, params.true_cfg_scale,
@@ -115,11 +127,17 @@ class QwenImageModel:
         packed_image = QwenImagePipeline._pack_latents(image_latents, n, image_latents.shape[1],
                                                        *image_latents.shape[3:])
         latents = self._noise(n, height, width, prompt.embeds.dtype, generator)
+        self._check_sequence(latents.shape[1] + packed_image.shape[1])
         sigmas, timesteps = self._schedule(params.num_inference_steps, latents.shape[1])
         f = self.vae_scale_factor * 2
         shapes = ((1, height // f, width // f), (1, cond_height // f, cond_width // f))
         return QwenImageRequest((height, width, (cond_height, cond_width)), latents, sigmas, timesteps, prompt, neg,
                                 params.true_cfg_scale, height, width, shapes, image_latents=packed_image)
+
+    def _check_sequence(self, image_tokens: int) -> None:
+        """Sequence parallelism: a length its mode cannot split fails this request (ValueError)."""
+        if self.parallel.sequence is not None:
+            self.parallel.sequence.check_length(image_tokens)
 
     def _noise(self, n: int, height: int, width: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
         from diffusers import QwenImagePipeline
@@ -181,14 +199,15 @@ class QwenImageModel:
         return denoiser.embed(self.c.transformer, batch)
 
     def modulated_input(self, emb: Embedded) -> torch.Tensor:
-        return denoiser.modulated_input(self.c.transformer, emb)
+        with gathered(self.blocks[0]):  # HSDP: the first block's modulation weights, gathered
+            return denoiser.modulated_input(self.c.transformer, emb)
 
     def block_input(self, emb: Embedded) -> torch.Tensor:
         return emb.hidden
 
     def run_blocks(self, emb: Embedded, rows: torch.Tensor | None) -> torch.Tensor:
         with self.acceleration.attention(self.device):
-            return denoiser.run_blocks(self.blocks, emb, rows, self.compiled)
+            return denoiser.run_blocks(self.blocks, emb, rows, self.wrapped, self.parallel.sequence)
 
     def finish(self, emb: Embedded, hidden: torch.Tensor) -> torch.Tensor:
         return denoiser.finish(self.c.transformer, emb, hidden)
@@ -215,8 +234,10 @@ class QwenImageModel:
             packed = packed.to(vae.device, vae.dtype)
             mean, std = self._latent_stats(packed)
             # The pipeline divides by 1 / std (not the same rounding as multiplying by std).
-            images = vae.decode(packed / (1.0 / std) + mean, return_dict=False)[0][:, :, 0]
-        images = self.image_processor.postprocess(images, output_type="pt").float().cpu()
+            images = vae_decode.decode(vae, packed / (1.0 / std) + mean, self.parallel.vae)
+        if images is None:  # another rank of a patch-parallel decode: rank 0 has the images
+            return []
+        images = self.image_processor.postprocess(images[:, :, 0], output_type="pt").float().cpu()
         sizes = [lat.shape[0] for lat in latents]
         return [{"image": part} for part in torch.split(images, sizes)]
 
