@@ -116,3 +116,11 @@ def test_strict_mode_refuses_at_startup_and_per_request(t2i_model, make_engine):
     model = QwenImageModel(t2i_model.c, device=CPU, parallel=DiffusionParallelism(sequence=ring))
     out = run_engine(make_engine(model=model), [_case("odd", (48, 48))])["odd"]
     assert "sequence length (9 tokens) divisible by ulysses_degree x ring_degree = 2" in out.error
+
+
+def test_only_rank_zero_loads_the_text_encoder(qwen_image_dir):
+    """Rank 0 prepares every request; the other ranks leave out the (7B, in Qwen-Image) text encoder."""
+    from vllm_omni.model_executor.models.qwen_image.model import QwenImageModel
+
+    other = QwenImageModel.load(qwen_image_dir, device=CPU, dtype=torch.float32, parallel=DiffusionParallelism(rank=1))
+    assert other.c.text_encoder is None and other.c.transformer is not None

@@ -64,18 +64,18 @@ class ModelSpec:
     acceleration: DenoiserAcceleration = DenoiserAcceleration()
 
     def build(self, device: torch.device, parallel: DiffusionParallelism | None = None) -> Any:
-        """`parallel`: the model's groups (sequence parallelism, VAE patches, HSDP). A model class
-        whose `load` takes no `parallel` runs alone or as a CFG-parallel rank (that needs no model
-        support), and is refused with the others."""
+        """`parallel`: the rank and the model's groups (sequence parallelism, VAE patches, HSDP). A
+        model class whose `load` takes no `parallel` runs alone or as a CFG-parallel rank (that
+        needs no model support), and is refused with the others."""
         if self.dummy:
             torch.manual_seed(self.seed)
         cls = import_dotted(self.class_path)
         extra = {}
-        if parallel is not None and parallel.active:
-            if "parallel" not in inspect.signature(cls.load).parameters:
-                raise ValueError(f"{cls.__name__} does not implement sequence parallelism, HSDP or patch-parallel "
-                                 "VAE decoding (its load() takes no `parallel`); use cfg_parallel_size alone")
+        if parallel is not None and "parallel" in inspect.signature(cls.load).parameters:
             extra["parallel"] = parallel
+        elif parallel is not None and parallel.active:
+            raise ValueError(f"{cls.__name__} does not implement sequence parallelism, HSDP or patch-parallel VAE "
+                             "decoding (its load() takes no `parallel`); use cfg_parallel_size alone")
         return cls.load(
             self.model_path, device=device, dtype=getattr(torch, self.dtype), dummy=self.dummy,
             vae_use_slicing=self.vae_use_slicing, vae_use_tiling=self.vae_use_tiling, cpu_offload=self.cpu_offload,

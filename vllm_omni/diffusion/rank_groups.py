@@ -60,7 +60,8 @@ def build_groups(layout: DiffusionParallelConfig, rank: int, device: torch.devic
         replicate, shard = layout.hsdp_shape
         shape, names = ((replicate, shard), ("replicate", "shard")) if replicate > 1 else ((shard,), ("shard",))
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
-    return RankGroups(layout, rank, device, cfg_rank, branch_group, DiffusionParallelism(sequence, vae, mesh))
+    return RankGroups(layout, rank, device, cfg_rank, branch_group,
+                      DiffusionParallelism(rank, sequence, vae, mesh))
 
 
 def _sequence_group(layout: DiffusionParallelConfig, rank: int, ring_rank: int,

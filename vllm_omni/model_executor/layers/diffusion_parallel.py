@@ -32,6 +32,7 @@ class PatchGroup:
 
 @dataclass(frozen=True, eq=False)
 class DiffusionParallelism:
+    rank: int = 0  # in the stage's world; rank 0 alone prepares requests (encodes prompts)
     sequence: SequenceParallelGroup | None = None
     vae: PatchGroup | None = None  # None: this rank does not decode in parallel
     hsdp_mesh: Any = None  # torch.distributed DeviceMesh (replicate x shard), or None

@@ -25,7 +25,7 @@ class QwenImageComponents:
     pipeline_class: str
     transformer: Any  # diffusers QwenImageTransformer2DModel
     vae: Any  # diffusers AutoencoderKLQwenImage
-    text_encoder: Any  # transformers Qwen2_5_VLForConditionalGeneration
+    text_encoder: Any  # transformers Qwen2_5_VLForConditionalGeneration (None: not loaded, see load_components)
     tokenizer: Any
     scheduler_config: dict[str, Any]  # FlowMatchEulerDiscreteScheduler's
     image_processor: Any | None  # Qwen2-VL's image processor (edit pipeline)
@@ -46,12 +46,14 @@ def read_index(model_dir: Path) -> dict[str, Any]:
     return index
 
 
-def load_components(model_dir: str | Path, *, device: torch.device, dtype: torch.dtype,
-                    dummy: bool = False) -> QwenImageComponents:
+def load_components(model_dir: str | Path, *, device: torch.device, dtype: torch.dtype, dummy: bool = False,
+                    text_encoder: bool = True) -> QwenImageComponents:
+    """`text_encoder=False`: a rank of a parallel stage that never encodes a prompt (rank 0
+    prepares every request) leaves out the 7B text encoder."""
     model_dir = Path(model_dir)
     index = read_index(model_dir)
-    models = {name: (_build if dummy else _load)(model_dir, name, index[name], device, dtype)
-              for name in ("transformer", "vae", "text_encoder")}
+    names = ("transformer", "vae", "text_encoder") if text_encoder else ("transformer", "vae")
+    models = {name: (_build if dummy else _load)(model_dir, name, index[name], device, dtype) for name in names}
     tokenizer = _component_class(index["tokenizer"]).from_pretrained(model_dir / "tokenizer")
     from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -62,7 +64,7 @@ def load_components(model_dir: str | Path, *, device: torch.device, dtype: torch
         from transformers import Qwen2VLImageProcessorPil
 
         image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir / "processor")
-    return QwenImageComponents(index["_class_name"], models["transformer"], models["vae"], models["text_encoder"],
+    return QwenImageComponents(index["_class_name"], models["transformer"], models["vae"], models.get("text_encoder"),
                                tokenizer, scheduler_config, image_processor)
 
 

@@ -62,7 +62,7 @@ class QwenImageModel:
         self.vae_scale_factor = 2 ** len(components.vae.temperal_downsample)
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
         self.encoder = PromptEncoder(components.text_encoder, components.tokenizer, components.image_processor)
-        if self.offload:
+        if self.offload and components.text_encoder is not None:
             components.text_encoder.to("cpu")
             components.vae.to("cpu")
 
@@ -71,7 +71,9 @@ class QwenImageModel:
              vae_use_slicing: bool = False, vae_use_tiling: bool = False, cpu_offload: bool = False,
              acceleration: DenoiserAcceleration = DenoiserAcceleration(),
              parallel: DiffusionParallelism = DiffusionParallelism()) -> QwenImageModel:
-        components = load_components(model_path, device=device, dtype=dtype, dummy=dummy)
+        # Only rank 0 of a parallel stage prepares requests: the others need no text encoder.
+        components = load_components(model_path, device=device, dtype=dtype, dummy=dummy,
+                                     text_encoder=parallel.rank == 0)
         if vae_use_slicing:
             components.vae.enable_slicing()
         if vae_use_tiling:
