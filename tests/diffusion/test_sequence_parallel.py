@@ -4,8 +4,8 @@ One world of 4 ranks runs layouts of 2 and 4 ranks on tiny random tensors (a 2-r
 of two CFG branches) and compares each rank's slice with one process's result on the whole
 tensors: Ulysses (all-to-all), ring (K/V blocks around the ring, log-sum-exp merge) and both
 (Ulysses inside, ring across), with joint (replicated) tokens as Qwen-Image's prompt and without
-(Wan2.2's self-attention), even and uneven sequence lengths and head counts (advanced_uaa), and
-the VAE's row bands with a halo, on 2 and 4 ranks.
+(Wan2.2's self-attention), even and uneven sequence lengths and head counts (advanced_uaa), the
+VAE's row bands with a halo on 2 and 4 ranks, and standalone HSDP (2 replicas x 2 shards).
 """
 from __future__ import annotations
 
@@ -85,6 +85,28 @@ def _check_row_bands(rank: int, bands: int) -> None:
         assert out is None and short is None
 
 
+def _check_standalone_hsdp(rank: int) -> None:
+    """HSDP alone over the 4 ranks, (replicate 2 x shard 2): one branch of 4 replicas of the
+    computation; each rank keeps half of each sharded module and a forward gathers it."""
+    from vllm_omni.model_executor.layers.diffusion_parallel import gathered, shard_with_hsdp
+
+    layout = DiffusionParallelConfig(use_hsdp=True, hsdp_shard_size=2, hsdp_replicate_size=2)
+    groups = build_groups(layout, rank, CPU)
+    assert (groups.branch, groups.branch_leader, groups.model.hsdp_mesh.shape) == (0, 0, (2, 2))
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.GELU(), torch.nn.Linear(8, 6))
+    x = torch.randn(3, 6)
+    with torch.no_grad():
+        expected, first = blocks(x), blocks[0](x)
+        shard_with_hsdp([blocks[0], blocks[2]], groups.model.hsdp_mesh)
+        assert blocks[0].weight.to_local().shape == (4, 6)
+        torch.testing.assert_close(blocks(x), expected, atol=0, rtol=0)
+        with gathered(blocks[0]):  # the full weights, for code that does not call the module
+            torch.testing.assert_close(F.linear(x, blocks[0].weight, blocks[0].bias), first, atol=0, rtol=0)
+        assert blocks[0].weight.to_local().shape == (4, 6)
+    assert groups.agree([rank == 0, rank != 0]) == [True, False]  # the branch leader's decisions
+
+
 def _world(rank: int, port: int) -> None:
     torch.set_num_threads(1)  # four ranks on a small machine
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
@@ -94,6 +116,7 @@ def _world(rank: int, port: int) -> None:
             _check_attention(rank, *layout)
         for bands in (2, 4):
             _check_row_bands(rank, bands)
+        _check_standalone_hsdp(rank)
     finally:
         dist.destroy_process_group()
 

@@ -9,7 +9,9 @@ The denoiser forward is split in four parts so that a cache (TeaCache) can skip 
 transformer blocks per row: `embed` (inputs -> block inputs), `modulated_input` (the signal
 TeaCache compares between steps), `run_blocks` (the expensive part, for a subset of rows),
 `finish` (output head). Models implement the protocols structurally; nothing here is imported
-by model code.
+by model code. In a stage of several ranks (process_group.py) rank 0 alone prepares requests;
+every rank runs the denoiser forwards of its CFG branch (and the decode, patch-parallel) on its
+own model, which splits the work with the groups it was loaded with (`load(..., parallel=...)`).
 """
 from __future__ import annotations
 
@@ -76,7 +78,8 @@ class DiffusionModel(Protocol):
     def combine_cfg(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor: ...
 
     def decode(self, prepared: Sequence[Any], latents: Sequence[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """Final latents -> one dict of typed tensors per request ({"image": [n, 3, H, W] in [0, 1]})."""
+        """Final latents -> one dict of typed tensors per request ({"image": [n, 3, H, W] in [0, 1]}).
+        In a patch-parallel decode every decoding rank calls it; only rank 0 gets the outputs."""
         ...
 
     def describe(self) -> dict[str, Any]: ...
