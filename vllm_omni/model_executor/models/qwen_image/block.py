@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_omni.model_executor.layers.sequence_parallel import SequenceParallelAttention, SequencePlan
+
 Runs = Sequence[tuple[int, int, int]]  # (first row, end row, valid text length) of rows sharing a prompt length
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
@@ -83,7 +85,8 @@ def joint_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image_tok
 
 
 def sequence_parallel_joint_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image_tokens: int, *,
-                                      attention: Any, plan: Any, runs: Runs) -> torch.Tensor:
+                                      attention: SequenceParallelAttention, plan: SequencePlan,
+                                      runs: Runs) -> torch.Tensor:
     """joint_attention with the image tokens split across the sequence-parallel ranks: this rank's
     `image_tokens` image tokens, then the whole prompt (every rank holds it). The prompt's valid
     tokens join each run's attention as the wrapper's joint tokens (layers/sequence_parallel.py)."""

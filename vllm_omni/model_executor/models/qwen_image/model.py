@@ -62,9 +62,10 @@ class QwenImageModel:
         self.vae_scale_factor = 2 ** len(components.vae.temperal_downsample)
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
         self.encoder = PromptEncoder(components.text_encoder, components.tokenizer, components.image_processor)
-        if self.offload and components.text_encoder is not None:
-            components.text_encoder.to("cpu")
-            components.vae.to("cpu")
+        if self.offload:
+            for module in (components.text_encoder, components.vae):  # no text encoder on ranks > 0
+                if module is not None:
+                    module.to("cpu")
 
     @classmethod
     def load(cls, model_path: str | Path, *, device: torch.device, dtype: torch.dtype, dummy: bool = False,
