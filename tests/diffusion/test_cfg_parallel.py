@@ -25,8 +25,9 @@ CFG2 = DiffusionParallelConfig(cfg_parallel_size=2)
 
 @pytest.fixture(scope="module")
 def cfg_group(qwen_image_dir):
-    group = DiffusionProcessGroup.start(ModelSpec(QWEN_IMAGE, str(qwen_image_dir), "float32"), {"rel_l1_thresh": 0.2},
-                                        torch.device("cpu"), CFG2, init_timeout_s=120)
+    group = DiffusionProcessGroup.start(ModelSpec(QWEN_IMAGE, str(qwen_image_dir), "float32"),
+                                        ("tea_cache", {"rel_l1_thresh": 0.2}, False), torch.device("cpu"), CFG2,
+                                        init_timeout_s=120)
     group.join()
     group.wait_loaded()
     yield group

@@ -1,6 +1,6 @@
 """The diffusion parallel settings at the config edge: serve flags, stage fields, upstream's nested
 `parallel_config`, the world they make and every combination that is refused (with the field and
-the reason); TeaCache following its branch leader's decisions."""
+the reason); TeaCache and cache-dit following their branch leader's decisions."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +10,7 @@ import torch
 
 from vllm_omni.config import ConfigError, load_pipeline_config
 from vllm_omni.config.diffusion_parallel import DiffusionParallelConfig
+from vllm_omni.diffusion.db_cache import DBCache, DBCacheConfig
 from vllm_omni.diffusion.tea_cache import TeaCache, TeaCacheConfig
 from vllm_omni.entrypoints.cli import serve_args
 
@@ -71,6 +72,12 @@ def test_upstream_parallel_config_sets_the_same_fields():
      "choose one"),
     (dict(ring_degree=2, diffusion_load_format="diffusers"), 2, "engine_args.diffusion_load_format",
      "the diffusers adapter runs a whole pipeline in one process"),
+    # Ring attention merges key blocks by the log-sum-exp that cuDNN's SDPA path does not return.
+    (dict(ring_degree=2, diffusion_attention_config={"per_role": {"joint": {"backend": "CUDNN_ATTN"}}}), 2,
+     "engine_args.ring_degree", "the CUDNN_ATTN backend is set"),
+    (dict(ring_degree=2, diffusion_attention_backend="cudnn_attn"), 2, "engine_args.ring_degree", "CUDNN_ATTN"),
+    (dict(ulysses_degree=2, use_hsdp=True, diffusion_quantization_config={"method": "fp8"}), 2,
+     "engine_args.use_hsdp", "FSDP2.* shards float weights"),
 ])
 def test_combinations_that_cannot_run_are_refused_naming_the_field(cli, devices, field, message):
     with pytest.raises(ConfigError, match=message) as e:
@@ -104,3 +111,22 @@ def test_tea_cache_follows_the_agreed_decisions():
         step(cache, torch.ones(2, 4, 8))  # unchanged input: its own rule would skip both rows
         followers[decision] = (cache.computed, cache.skipped)
     assert followers == {True: (4, 0), False: (2, 2)}
+
+
+def test_db_cache_follows_the_agreed_decisions():
+    """cache-dit's DBCache too: a rank reuses (or computes) the rows its branch leader does,
+    whatever its own residual diffs say."""
+    config = DBCacheConfig(Fn_compute_blocks=1, max_warmup_steps=0, residual_diff_threshold=0.1,
+                           max_continuous_cached_steps=-1)
+
+    def run_range(rows, state, start, end):
+        return state[0] * (1 + end - start), None  # each block doubles: the Fn residual is the input
+
+    followers = {}
+    for decision in (True, False):
+        cache = DBCache(config, agree=lambda flags, d=decision: [d] * len(flags) if any(
+            r.residual is not None for r in cache._rows.values()) else flags)
+        cache.run(["a", "b"], 2, (torch.ones(2, 4, 3), None), run_range)
+        cache.run(["a", "b"], 2, (torch.full((2, 4, 3), 5.0), None), run_range)  # its own rule: compute
+        followers[decision] = (cache.computed, cache.skipped)
+    assert followers == {True: (2, 2), False: (4, 0)}

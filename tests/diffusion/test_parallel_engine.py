@@ -2,7 +2,7 @@
 
 One run per layout that matters, each a real world of spawned ranks that load the model:
 Ulysses 2 (uneven tokens and heads, with HSDP over both ranks, TeaCache and a patch-parallel VAE
-decode, built from a stage config by the worker), ring 2, Ulysses 2 x ring 2 (standalone HSDP
+decode, built from a stage config by the worker), ring 2, Ulysses 2 x ring 2 with FP8 K/V (standalone HSDP
 is checked on its own in test_sequence_parallel.py). Images agree within float32 rounding:
 sequence parallelism runs the CompilableBlock form of the blocks and attention over split key
 blocks.
@@ -20,15 +20,18 @@ from tests.diffusion.conftest import Case, image_of, run_engine
 from vllm_omni.config import load_pipeline_config
 from vllm_omni.config.diffusion_parallel import DiffusionParallelConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
-from vllm_omni.diffusion.process_group import DiffusionProcessGroup, ModelSpec, make_tea_cache
+from vllm_omni.config.diffusion_attention_spec import AttentionSettings
+from vllm_omni.diffusion.process_group import DiffusionProcessGroup, ModelSpec
 from vllm_omni.diffusion.tea_cache import TeaCache, TeaCacheConfig
 from vllm_omni.model_executor.layers.diffusion_parallel import DiffusionParallelism
 from vllm_omni.model_executor.layers.sequence_parallel import SequenceParallelGroup
+from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
 from vllm_omni.worker.gpu_diffusion_worker import GPUDiffusionWorker
 
 QWEN_IMAGE = "vllm_omni.model_executor.models.qwen_image.model:QwenImageModel"
 CPU = torch.device("cpu")
 TOLERANCE = 1e-4  # pixels in [0, 1]; measured differences are ~1e-5
+FP8_KV = DenoiserAcceleration(attention=AttentionSettings(kv_cache_dtype="fp8"))
 
 
 def _case(rid: str, size: tuple[int, int], steps: int = 3, guided: bool = True, seed: int = 1) -> Case:
@@ -38,8 +41,9 @@ def _case(rid: str, size: tuple[int, int], steps: int = 3, guided: bool = True, 
 
 
 @contextlib.contextmanager
-def _parallel_engine(model_dir: Any, layout: DiffusionParallelConfig) -> Iterator[DiffusionEngine]:
-    spec = ModelSpec(QWEN_IMAGE, str(model_dir), "float32")
+def _parallel_engine(model_dir: Any, layout: DiffusionParallelConfig,
+                     acceleration: DenoiserAcceleration = DenoiserAcceleration()) -> Iterator[DiffusionEngine]:
+    spec = ModelSpec(QWEN_IMAGE, str(model_dir), "float32", acceleration=acceleration)
     group = DiffusionProcessGroup.start(spec, None, CPU, layout, init_timeout_s=120)
     try:
         model = spec.build(CPU, group.join())
@@ -80,18 +84,26 @@ def test_ulysses_with_hsdp_tea_cache_and_vae_patches_from_a_stage_config(qwen_im
         engine.group.close()
 
 
-@pytest.mark.parametrize("layout, cases", [
+@pytest.mark.parametrize("layout, cases, fp8_kv", [
     # Ring only: uneven blocks (5 + 4 tokens), every key block seen once around the ring.
-    (DiffusionParallelConfig(ring_degree=2, ulysses_mode="advanced_uaa"), [_case("ring", (48, 48))]),
-    # Ulysses inside, ring across: 8 tokens (2 per rank) and 9 (ring chunks 5 + 4, then 3 + 2, 2 + 2).
+    (DiffusionParallelConfig(ring_degree=2, ulysses_mode="advanced_uaa"), [_case("ring", (48, 48))], False),
+    # Ulysses inside, ring across: 8 tokens (2 per rank) and 9 (ring chunks 5 + 4, then 3 + 2, 2 + 2), with
+    # FP8 K/V at every joint attention (the scales' absmax reduced over the ranks, padded prompt tokens too).
     (DiffusionParallelConfig(ulysses_degree=2, ring_degree=2, ulysses_mode="advanced_uaa"),
-     [_case("usp8", (32, 64)), _case("usp9", (48, 48), guided=False, seed=3)]),
-], ids=["ring2", "ulysses2xring2"])
-def test_sequence_parallel_layouts_give_the_images_of_one_process(qwen_image_dir, make_engine, layout, cases):
-    one = run_engine(make_engine(), cases)
-    with _parallel_engine(qwen_image_dir, layout) as engine:
+     [_case("usp8", (32, 64)), _case("usp9", (48, 48), guided=False, seed=3)], True),
+], ids=["ring2", "ulysses2xring2_fp8kv"])
+def test_sequence_parallel_layouts_give_the_images_of_one_process(qwen_image_dir, make_engine, layout, cases, fp8_kv):
+    from vllm_omni.model_executor.models.qwen_image.model import QwenImageModel
+
+    acceleration = FP8_KV if fp8_kv else DenoiserAcceleration()
+    reference = QwenImageModel.load(qwen_image_dir, device=CPU, dtype=torch.float32, acceleration=acceleration) \
+        if fp8_kv else None
+    one = run_engine(make_engine(model=reference), cases)
+    with _parallel_engine(qwen_image_dir, layout, acceleration) as engine:
         many = run_engine(engine, cases)
+        quantized = engine.model.blocks[0].site.stats if fp8_kv else None
     _assert_same_images(one, many, cases)
+    assert not fp8_kv or sum(quantized.values()) > 0
 
 
 def test_strict_mode_refuses_at_startup_and_per_request(t2i_model, make_engine):

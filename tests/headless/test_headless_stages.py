@@ -39,14 +39,15 @@ READY_S = 240.0  # 2 busy CPU cores, several processes importing torch at once
 class Headless:
     """One `vllm-omni serve MODEL --headless --stage-id N` process."""
 
-    def __init__(self, model: Path, stage_id: int, master_port: int, log: Path, *extra: str) -> None:
+    def __init__(self, model: Path, stage_id: int, master_port: int, log: Path, *extra: str,
+                 env: dict[str, str] | None = None) -> None:
         cmd = [sys.executable, "-m", "vllm_omni.entrypoints.cli.main", "serve", str(model), "--headless",
                "--stage-id", str(stage_id), "--omni-master-address", "127.0.0.1", "--omni-master-port",
                str(master_port), "--stage-overrides", json.dumps(OVERRIDES), *extra]
         self.log = log
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                                         env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")

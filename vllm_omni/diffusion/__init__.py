@@ -6,6 +6,7 @@
     denoise.py      the denoiser forward of a step, classifier-free guidance
     model.py        the contract a diffusion model implements (Qwen-Image: models/qwen_image)
     tea_cache.py    TeaCache, per row
+    db_cache.py     cache-dit's DBCache (--cache-backend cache_dit), per row
     process_group.py the stage's other ranks (torch.distributed): CFG parallelism, sequence
                     parallelism, HSDP, patch-parallel VAE decode
     rank_groups.py  the groups of one rank in that world

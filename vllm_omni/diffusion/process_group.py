@@ -46,7 +46,8 @@ logger = logging.getLogger(__name__)
 _PARENT_POLL_S = 1.0
 _EXIT_TIMEOUT_S = 30.0  # a rank told to stop exits at once; its interpreter's teardown can take seconds
 STEP, DECODE = "step", "decode"
-Branch = tuple[Any, Sequence[Any]]  # (a model batch, its TeaCache row keys)
+Branch = tuple[Any, Sequence[Any]]  # (a model batch, its cache row keys)
+CacheSpec = tuple[str, dict[str, Any], bool]  # (cache_backend, cache_config, enable_cache_dit_summary)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,8 @@ class ModelSpec:
     vae_use_tiling: bool = False
     cpu_offload: bool = False
     acceleration: DenoiserAcceleration = DenoiserAcceleration()
+    boundary_ratio: float | None = None  # video models (Wan2.2): None keeps the checkpoint's
+    flow_shift: float | None = None
 
     def build(self, device: torch.device, parallel: DiffusionParallelism | None = None) -> Any:
         """`parallel`: the rank and the model's groups (sequence parallelism, VAE patches, HSDP). A
@@ -79,17 +82,18 @@ class ModelSpec:
         return cls.load(
             self.model_path, device=device, dtype=getattr(torch, self.dtype), dummy=self.dummy,
             vae_use_slicing=self.vae_use_slicing, vae_use_tiling=self.vae_use_tiling, cpu_offload=self.cpu_offload,
-            acceleration=self.acceleration, **extra)
+            acceleration=self.acceleration, boundary_ratio=self.boundary_ratio, flow_shift=self.flow_shift, **extra)
 
 
-def make_tea_cache(model: Any, settings: dict[str, Any] | None, groups: RankGroups | None) -> Any:
-    """The rank's TeaCache (None without one); ranks of one branch follow its leader's decisions."""
-    if settings is None:
-        return None
-    from vllm_omni.diffusion.tea_cache import TeaCache, TeaCacheConfig
+def make_cache(model: Any, cache_spec: CacheSpec | None, groups: RankGroups | None) -> Any:
+    """The rank's cache (None without one, denoise.build_cache); ranks of one branch follow its
+    leader's skip decisions, and rank 0 alone logs cache-dit's summary."""
+    from vllm_omni.diffusion.denoise import build_cache
 
-    config = TeaCacheConfig.for_model(model.describe()["transformer"], settings)
-    return TeaCache(config, agree=groups.agree if groups is not None and groups.branch_group is not None else None)
+    if cache_spec is not None and groups is not None and groups.rank != 0:
+        cache_spec = (cache_spec[0], cache_spec[1], False)
+    agree = groups.agree if groups is not None and groups.branch_group is not None else None
+    return build_cache(cache_spec, model.describe()["transformer"], agree)
 
 
 class DiffusionProcessGroup:
@@ -106,7 +110,7 @@ class DiffusionProcessGroup:
         self._serving = False
 
     @classmethod
-    def start(cls, spec: ModelSpec, tea_cache: dict[str, Any] | None, device: torch.device,
+    def start(cls, spec: ModelSpec, cache_spec: CacheSpec | None, device: torch.device,
               layout: DiffusionParallelConfig, init_timeout_s: float = 600.0) -> DiffusionProcessGroup:
         """Start ranks 1..N-1; `join` makes rank 0 a member, `wait_loaded` waits for their models."""
         import torch.multiprocessing as mp
@@ -116,7 +120,7 @@ class DiffusionProcessGroup:
         for rank in range(1, layout.world_size):
             process = mp.get_context("spawn").Process(
                 target=_rank_main, name=f"diffusion-rank{rank}", daemon=True,
-                args=(spec, tea_cache, str(rank_device(device, rank)), address, os.getpid(), init_timeout_s, layout,
+                args=(spec, cache_spec, str(rank_device(device, rank)), address, os.getpid(), init_timeout_s, layout,
                       rank))
             process.start()
             processes.append(process)
@@ -143,14 +147,15 @@ class DiffusionProcessGroup:
     def cfg_size(self) -> int:
         return self.layout.cfg_parallel_size
 
-    def forward(self, compute: Callable[[Any, Sequence[Any]], torch.Tensor],
-                branches: Sequence[Branch | None]) -> list[torch.Tensor | None]:
+    def forward(self, compute: Callable[[Any, Sequence[Any]], torch.Tensor], branches: Sequence[Branch | None],
+                retained: Sequence[Any] = ()) -> list[torch.Tensor | None]:
         """Each CFG branch's velocities: branch 0 computed here by `compute(batch, keys)` (with the
-        other ranks of its branch), the others received from their branch's leader."""
+        other ranks of its branch), the others received from their branch's leader. `retained`:
+        the cache rows of the running requests, which every rank's cache keeps (rank 0's did)."""
         self._check_alive()
         shared = [None if b is None or (i == 0 and self.layout.branch_size == 1) else (_moved(b[0], "cpu"), b[1])
                   for i, b in enumerate(branches)]
-        dist.broadcast_object_list([(STEP, shared)], src=0)
+        dist.broadcast_object_list([(STEP, (shared, list(retained)))], src=0)
         first = compute(*branches[0])
         outputs: list[torch.Tensor | None] = [first]
         for branch, item in enumerate(branches[1:], start=1):
@@ -199,7 +204,7 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
 
 
-def _rank_main(spec: ModelSpec, tea_cache: dict[str, Any] | None, device_name: str, address: str, parent_pid: int,
+def _rank_main(spec: ModelSpec, cache_spec: CacheSpec | None, device_name: str, address: str, parent_pid: int,
                init_timeout_s: float, layout: DiffusionParallelConfig, rank: int) -> None:
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     device = torch.device(device_name)
@@ -216,7 +221,7 @@ def _rank_main(spec: ModelSpec, tea_cache: dict[str, Any] | None, device_name: s
     dist.all_gather_object([None] * layout.world_size, error)
     if error is None:
         with torch.inference_mode():
-            _serve(model, make_tea_cache(model, tea_cache, groups), groups)
+            _serve(model, make_cache(model, cache_spec, groups), groups)
     dist.destroy_process_group()
 
 
@@ -233,7 +238,10 @@ def _serve(model: Any, cache: Any, groups: RankGroups) -> None:
             if groups.model.vae is not None:
                 model.decode(*_moved(payload, groups.device))
             continue
-        item = payload[groups.branch]
+        branches, retained = payload
+        if cache is not None:
+            cache.retain(retained)
+        item = branches[groups.branch]
         if item is None:
             continue
         batch, keys = item

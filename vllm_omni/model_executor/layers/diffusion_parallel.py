@@ -45,11 +45,13 @@ class DiffusionParallelism:
 
 def shard_with_hsdp(modules: Iterable[torch.nn.Module], mesh: Any) -> None:
     """FSDP2: each module's parameters sharded over the mesh, gathered when its forward runs
-    (reshard_after_forward), so a rank holds one block's full weights at a time."""
+    (reshard_after_forward), so a rank holds one block's full weights at a time. Said explicitly:
+    each block is its own FSDP root, and by default a root keeps its weights gathered after its
+    forward (for training's backward), which would leave every block whole."""
     from torch.distributed.fsdp import fully_shard
 
     for module in modules:
-        fully_shard(module, mesh=mesh)
+        fully_shard(module, mesh=mesh, reshard_after_forward=True)
 
 
 @contextlib.contextmanager

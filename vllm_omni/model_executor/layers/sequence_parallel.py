@@ -89,6 +89,13 @@ class SequenceParallelGroup:
                              f"ulysses_degree x ring_degree = {self.size}; choose a size whose token count is, or "
                              "ulysses_mode 'advanced_uaa' (uneven splits)")
 
+    def all_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum of `x` over the grid's ranks (e.g. FP8 scales' absmax over
+        every rank's tokens)."""
+        out = x.contiguous().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
+        return out
+
     def plan(self, seq_len: int) -> SequencePlan:
         """The split of a sequence: ring chunks first, each cut among its Ulysses group."""
         self.check_length(seq_len)

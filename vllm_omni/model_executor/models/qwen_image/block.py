@@ -17,6 +17,7 @@ diffusers block up to float rounding; the GPU suite compares the two.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,9 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_omni.model_executor.layers.sequence_parallel import SequenceParallelAttention, SequencePlan
+from vllm_omni.model_executor.models.diffusion_acceleration import fused_gelu_mlp
+from vllm_omni.model_executor.models.diffusion_attention import AttentionSite
 
 Runs = Sequence[tuple[int, int, int]]  # (first row, end row, valid text length) of rows sharing a prompt length
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, AttentionSite | None], torch.Tensor]
 
 
 def real_rope(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,25 +58,27 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return (pairs * cos + pairs.flip(-1) * signed_sin).flatten(-2).type_as(x)
 
 
-def _gelu_mlp(ff: Any, x: torch.Tensor) -> torch.Tensor:
-    """diffusers' FeedForward (Linear + tanh GELU, then Linear) with the GELU in the first GEMM's
-    epilogue (cuBLASLt): the [tokens, 4 * dim] activation is written once instead of three times."""
-    proj, out = ff.net[0].proj, ff.net[2]
-    hidden = torch._addmm_activation(proj.bias, x.flatten(0, -2), proj.weight.t(), use_gelu=True)
-    return out(hidden.unflatten(0, x.shape[:-1]))
-
-
 def _modulate(x: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     shift, scale, gate = params.chunk(3, dim=-1)
     return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1), gate.unsqueeze(1)
 
 
-def joint_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image_tokens: int, *, text_tokens: int,
-                    runs: Runs) -> torch.Tensor:
+def joint_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image_tokens: int,
+                    site: AttentionSite | None = None, *, text_tokens: int, runs: Runs) -> torch.Tensor:
     """SDPA over [B, S, H, D] tensors in [image, text] order; each run attends over its valid
     prefix. SDPA takes heads-first views and returns a view of a [B, S, H, D] buffer (its
-    layout follows the query's), so no transpose is copied on either side."""
+    layout follows the query's), so no transpose is copied on either side. `site`: the block's
+    attention settings (kernel, FP8 K/V; models/diffusion_attention.py), None: the caller's."""
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if site is not None:
+        k, v = site.kv(k, v)
+        with site.kernel(q.device):
+            return _runs_attention(q, k, v, image_tokens, text_tokens, runs)
+    return _runs_attention(q, k, v, image_tokens, text_tokens, runs)
+
+
+def _runs_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image_tokens: int, text_tokens: int,
+                    runs: Runs) -> torch.Tensor:
     if len(runs) == 1 and runs[0][2] == text_tokens:  # no padding
         return F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
     out = torch.zeros_like(q)
@@ -84,35 +89,40 @@ def joint_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image_tok
     return out.transpose(1, 2)
 
 
-def sequence_parallel_joint_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image_tokens: int, *,
-                                      attention: SequenceParallelAttention, plan: SequencePlan,
-                                      runs: Runs) -> torch.Tensor:
+def sequence_parallel_joint_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image_tokens: int,
+                                      site: AttentionSite | None = None, *, attention: SequenceParallelAttention,
+                                      plan: SequencePlan, runs: Runs) -> torch.Tensor:
     """joint_attention with the image tokens split across the sequence-parallel ranks: this rank's
     `image_tokens` image tokens, then the whole prompt (every rank holds it). The prompt's valid
-    tokens join each run's attention as the wrapper's joint tokens (layers/sequence_parallel.py)."""
+    tokens join each run's attention as the wrapper's joint tokens (layers/sequence_parallel.py).
+    A `site`'s FP8 K/V scales take their absmax over every rank's tokens (as one process over all)."""
+    if site is not None:
+        k, v = (x.transpose(1, 2) for x in site.kv(k.transpose(1, 2), v.transpose(1, 2), plan.group.all_max))
     out = torch.zeros_like(q)
-    for start, end, length in runs:
-        rows, text = slice(start, end), slice(image_tokens, image_tokens + length)
-        out[rows, :image_tokens], out[rows, text] = attention(
-            q[rows, :image_tokens], k[rows, :image_tokens], v[rows, :image_tokens], plan,
-            joint=(q[rows, text], k[rows, text], v[rows, text]))
+    with site.kernel(q.device) if site is not None else contextlib.nullcontext():
+        for start, end, length in runs:
+            rows, text = slice(start, end), slice(image_tokens, image_tokens + length)
+            out[rows, :image_tokens], out[rows, text] = attention(
+                q[rows, :image_tokens], k[rows, :image_tokens], v[rows, :image_tokens], plan,
+                joint=(q[rows, text], k[rows, text], v[rows, text]))
     return out
 
 
 class CompilableBlock(nn.Module):
-    def __init__(self, block: Any, compile_fn: Any = None) -> None:
+    def __init__(self, block: Any, compile_fn: Any = None, site: AttentionSite | None = None) -> None:
         super().__init__()
         self.block = block
+        self.site = site
         compile_fn = compile_fn or (lambda f: f)
         self.before_attention = compile_fn(self._before_attention)
         self.after_attention = compile_fn(self._after_attention)
 
     def forward(self, hidden: torch.Tensor, encoder: torch.Tensor, temb: torch.Tensor,
                 rope: tuple[torch.Tensor, ...], attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
-        """`attend(q, k, v, image_tokens)`: joint_attention or its sequence-parallel form, bound
-        to the forward's prompt lengths."""
+        """`attend(q, k, v, image_tokens, site)`: joint_attention or its sequence-parallel form,
+        bound to the forward's prompt lengths."""
         q, k, v, img_gate1, img_mod2, txt_gate1, txt_mod2 = self.before_attention(hidden, encoder, temb, rope)
-        out = attend(q, k, v, hidden.shape[1])
+        out = attend(q, k, v, hidden.shape[1], self.site)
         return self.after_attention(out, hidden, encoder, img_gate1, img_mod2, txt_gate1, txt_mod2)
 
     def _before_attention(self, hidden: torch.Tensor, encoder: torch.Tensor, temb: torch.Tensor,
@@ -145,7 +155,7 @@ class CompilableBlock(nn.Module):
         hidden = hidden + img_gate1 * attn.to_out[0](out[:, :seq_img].contiguous())
         encoder = encoder + txt_gate1 * attn.to_add_out(out[:, seq_img:].contiguous())
         img, img_gate2 = _modulate(b.img_norm2(hidden), img_mod2)
-        hidden = hidden + img_gate2 * _gelu_mlp(b.img_mlp, img)
+        hidden = hidden + img_gate2 * fused_gelu_mlp(b.img_mlp, img)
         txt, txt_gate2 = _modulate(b.txt_norm2(encoder), txt_mod2)
         encoder = encoder + txt_gate2 * b.txt_mlp(txt)
         if hidden.dtype == torch.float16:  # as diffusers: keep float16 finite
