@@ -20,12 +20,12 @@ from tests.diffusion.conftest import Case, image_of, run_engine
 from vllm_omni.config import load_pipeline_config
 from vllm_omni.config.diffusion_parallel import DiffusionParallelConfig
 from vllm_omni.diffusion.engine import DiffusionEngine
-from vllm_omni.config.diffusion_attention_spec import AttentionSettings
 from vllm_omni.diffusion.process_group import DiffusionProcessGroup, ModelSpec
 from vllm_omni.diffusion.tea_cache import TeaCache, TeaCacheConfig
 from vllm_omni.model_executor.layers.diffusion_parallel import DiffusionParallelism
 from vllm_omni.model_executor.layers.sequence_parallel import SequenceParallelGroup
 from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
+from vllm_omni.model_executor.models.diffusion_attention_spec import AttentionSettings
 from vllm_omni.worker.gpu_diffusion_worker import GPUDiffusionWorker
 
 QWEN_IMAGE = "vllm_omni.model_executor.models.qwen_image.model:QwenImageModel"

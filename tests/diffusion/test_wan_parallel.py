@@ -17,7 +17,7 @@ from vllm_omni.diffusion.denoise import build_cache
 from vllm_omni.diffusion.engine import DiffusionEngine
 from vllm_omni.diffusion.process_group import DiffusionProcessGroup, ModelSpec, make_cache
 from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
-from vllm_omni.config.diffusion_attention_spec import AttentionSettings
+from vllm_omni.model_executor.models.diffusion_attention_spec import AttentionSettings
 
 WAN = "vllm_omni.model_executor.models.wan2_2.model:WanModel"
 CPU = torch.device("cpu")
