@@ -129,7 +129,8 @@ def test_default_demo_model_is_the_tiny_omni():
     import vllm_omni.testing.tiny_models as tm
 
     # What `vllm-omni generate` runs without a model (built in tests/e2e/test_cli_generate.py).
-    assert tm.DEMO_ARCH == "qwen2_5_omni" and tm.DEMO_MODEL_NAMES[tm.DEMO_ARCH] == "demo-qwen2_5_omni-v2"
+    assert tm.DEMO_ARCH == "qwen2_5_omni" and tm.DEMO_MODELS[tm.DEMO_ARCH] == ("qwen2_5_omni_demo",
+                                                                            "demo-qwen2_5_omni-v3")
 
 
 def test_cli(tmp_path, capsys):
