@@ -12,6 +12,7 @@ from vllm_omni.engine.orchestrator import RuntimeOptions
 from vllm_omni.engine.request_plan import available_modalities
 from vllm_omni.engine.runtime import OmniRuntime
 from vllm_omni.engine.stage_client import StageHealth
+from vllm_omni.entrypoints.main_guard import check_main_module_guarded
 
 _Self = TypeVar("_Self", bound="OmniBase")
 
@@ -91,6 +92,8 @@ class OmniBase:
             output_modalities = [output_modalities]
         pipeline = load_pipeline(model, stage_configs_path, deploy_config, stage_overrides, engine_args,
                                  output_modalities, async_chunk, stage_id)
+        if worker_backend == "multi_process" and any(s.runtime.process for s in pipeline.stages):
+            check_main_module_guarded(type(self).__name__)  # before any stage starts
         options = RuntimeOptions(stage_init_timeout_s=float(stage_init_timeout), init_timeout_s=float(init_timeout),
                                  shm_threshold_bytes=int(shm_threshold_bytes), log_stats=log_stats,
                                  heartbeat_timeout_s=float(heartbeat_timeout),
