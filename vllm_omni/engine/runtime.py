@@ -184,10 +184,10 @@ class OmniRuntime:
         """The first comprehension stage's tokenizer (None when no stage is one); loaded on first use."""
         stage = self.pipeline.comprehension_stage
         if self._tokenizer is None and stage is not None:
-            from transformers import AutoTokenizer
+            from vllm_omni.model_executor.model_loader import load_tokenizer
 
             ea = stage.engine_args
-            self._tokenizer = AutoTokenizer.from_pretrained(ea.tokenizer or ea.model or self.model)
+            self._tokenizer = load_tokenizer(ea.tokenizer or ea.model or self.model)
         return self._tokenizer
 
     # --- introspection --------------------------------------------------------

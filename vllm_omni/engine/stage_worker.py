@@ -72,6 +72,7 @@ def stage_process_main(spec: WorkerSpec) -> None:
     if spec.remote is not None:  # the headless parent stops us with SIGTERM: say goodbye to the head first
         signal.signal(signal.SIGTERM, _raise_terminated)
     logging.basicConfig(level=spec.log_level, format=f"[stage {spec.stage_id}] %(levelname)s %(name)s: %(message)s")
+    _thread_lock_for_progress_bars()
     runtime = {"env": spec.stage.runtime.env_dict(), "devices": spec.stage.runtime.devices}
     # Visible devices are set before anything initializes CUDA (torch does so lazily).
     with siu.stage_runtime_setup(spec.stage_id, runtime):
@@ -89,6 +90,16 @@ def stage_process_main(spec: WorkerSpec) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _thread_lock_for_progress_bars() -> None:
+    # tqdm's default lock holds a multiprocessing RLock, a named semaphore that the os._exit
+    # ending this process never releases: the resource tracker then warns of "leaked semaphore
+    # objects" at shutdown. The loaders' progress bars here are this process's own: a thread
+    # lock serves them, and no semaphore is made.
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
 
 def run_stage_worker(spec: WorkerSpec, device: str) -> int:

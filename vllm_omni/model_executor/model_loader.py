@@ -6,6 +6,7 @@ import json
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -23,6 +24,23 @@ INDEX_FILE = "model.safetensors.index.json"
 def load_hf_config(model: str | Path) -> PretrainedConfig:
     """`AutoConfig.from_pretrained`, also for families whose config class transformers lacks."""
     from transformers import AutoConfig
+
+    _register_config_classes()
+    return AutoConfig.from_pretrained(model)
+
+
+def load_tokenizer(model: str | Path) -> Any:
+    """`AutoTokenizer.from_pretrained`, which reads the model's config first: with our config classes
+    registered it finds them, rather than falling back to a bare PretrainedConfig with a warning
+    ("You are using a model of type `qwen3_tts` to instantiate a model of type ``")."""
+    from transformers import AutoTokenizer
+
+    _register_config_classes()
+    return AutoTokenizer.from_pretrained(model)
+
+
+def _register_config_classes() -> None:
+    from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from vllm_omni.imports import import_dotted
@@ -31,7 +49,15 @@ def load_hf_config(model: str | Path) -> PretrainedConfig:
     for family in FAMILIES:
         if family.hf_config_class is not None and family.model_types[0] not in CONFIG_MAPPING:
             AutoConfig.register(family.model_types[0], import_dotted(family.hf_config_class))
-    return AutoConfig.from_pretrained(model)
+
+
+def diffusers_low_cpu_mem_usage() -> bool:
+    """diffusers' `low_cpu_mem_usage` for from_pretrained: its default (True) needs accelerate, which
+    is not our dependency, and without it diffusers falls back to False with a "pip install
+    accelerate" warning per component; ask only for what it can do."""
+    from diffusers.utils import is_accelerate_available
+
+    return is_accelerate_available()
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:

@@ -65,9 +65,9 @@ def _is_existing_path(text: str) -> bool:
 class Qwen3TTSInputProcessor:
     def __init__(self, model_dir: str | os.PathLike, tokenizer: Any = None) -> None:
         if tokenizer is None:
-            from transformers import AutoTokenizer
+            from vllm_omni.model_executor.model_loader import load_tokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(os.fspath(model_dir))
+            tokenizer = load_tokenizer(os.fspath(model_dir))
         self.tokenizer = tokenizer
         config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
         self.task_type = TaskType.from_model_type(config.get("tts_model_type"))

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from vllm_omni.model_executor.model_loader import diffusers_low_cpu_mem_usage
+
 EDIT_PIPELINE = "QwenImageEditPipeline"
 PIPELINES = ("QwenImagePipeline", EDIT_PIPELINE)
 
@@ -72,7 +74,8 @@ def _component_class(entry: list[str]) -> type:
 
 
 def _load(model_dir: Path, name: str, entry: list[str], device: torch.device, dtype: torch.dtype) -> Any:
-    return _component_class(entry).from_pretrained(model_dir / name, dtype=dtype).to(device).eval()
+    extra = {"low_cpu_mem_usage": diffusers_low_cpu_mem_usage()} if entry[0] == "diffusers" else {}
+    return _component_class(entry).from_pretrained(model_dir / name, dtype=dtype, **extra).to(device).eval()
 
 
 def _build(model_dir: Path, name: str, entry: list[str], device: torch.device, dtype: torch.dtype) -> Any:
