@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import in_threads
 from tests.pipeline.conftest import pid_alive, wait_until
 from tests.server.under_load import assert_each_ended, post_until
 from tests.server.conftest import REPO, ServerProcess, free_port
@@ -39,14 +40,15 @@ READY_S = 240.0  # 2 busy CPU cores, several processes importing torch at once
 class Headless:
     """One `vllm-omni serve MODEL --headless --stage-id N` process."""
 
-    def __init__(self, model: Path, stage_id: int, master_port: int, log: Path, *extra: str) -> None:
+    def __init__(self, model: Path, stage_id: int, master_port: int, log: Path, *extra: str,
+                 env: dict[str, str] | None = None) -> None:
         cmd = [sys.executable, "-m", "vllm_omni.entrypoints.cli.main", "serve", str(model), "--headless",
                "--stage-id", str(stage_id), "--omni-master-address", "127.0.0.1", "--omni-master-port",
                str(master_port), "--stage-overrides", json.dumps(OVERRIDES), *extra]
         self.log = log
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                                         env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -84,10 +86,10 @@ def model(tiny_model) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(model, tmp_path_factory) -> dict[str, tuple]:
-    """The same requests on the one-process deployment (every stage launched by the server)."""
+    """The same requests on the one-process deployment (every stage a thread of the server)."""
     tmp = tmp_path_factory.mktemp("one-process")
-    proc = ServerProcess.launch([str(model), "--served-model-name", NAME, "--stage-overrides", json.dumps(OVERRIDES)],
-                                tmp / "server.log")
+    proc = ServerProcess.launch([str(model), "--served-model-name", NAME, "--stage-overrides",
+                                 json.dumps(in_threads(3, OVERRIDES))], tmp / "server.log")
     try:
         proc.wait_ready(READY_S)
         return {"speech": answer(proc, SPEECH), "text": answer(proc, TEXT)}

@@ -19,7 +19,8 @@ from vllm_omni.engine.registration import (
 )
 from vllm_omni.engine.replica_pool import StagePool
 from vllm_omni.engine.stage_client import StageClient, StageState
-from vllm_omni.engine.stage_master import StageMaster
+from vllm_omni.engine.stage_master import MasterLimits, StageMaster
+from vllm_omni.engine.transport_guard import ZapGuard
 from vllm_omni.entrypoints.cli.main import main
 from vllm_omni.entrypoints.omni_base import load_pipeline
 
@@ -29,24 +30,27 @@ INBOX = "tcp://127.0.0.1:9"  # nothing listens there: the head's sends to it jus
 
 
 class Head:
-    """A StageMaster with two empty stage pools, on a loop thread of its own."""
+    """A StageMaster with two empty stage pools, on a loop thread of its own (with `limits.keys`,
+    behind the ZAP handler that the stage fleet runs)."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, limits: MasterLimits | None = None, address: str = "127.0.0.1") -> None:
         self.port = port
         self.ctx = zmq.Context()
+        self.zap = ZapGuard(self.ctx, limits.keys) if limits is not None and limits.keys is not None else None
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.pools = {sid: StagePool(sid, None, 0, make_policy("round-robin")) for sid in (0, 1)}
         self.downs: list[tuple[int, str]] = []
-        self.master = StageMaster(self.ctx, "127.0.0.1", port, "m", SUMMARY, self.pools, self._client,
+        self.master = StageMaster(self.ctx, address, port, "m", SUMMARY, self.pools, self._client,
                                   heartbeat_interval_s=0.1, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
-                                  stage_init_timeout_s=30.0)
+                                  stage_init_timeout_s=30.0, limits=limits)
 
     def _client(self, stage_id, replica, launcher, channel) -> StageClient:
         client = StageClient(stage_id, None, launcher, channel, on_message=lambda *a: None,
                              on_down=lambda sid, reason: self.downs.append((replica, reason)),
-                             heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, name=f"stage {stage_id} replica {replica}")
+                             heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, name=f"stage {stage_id} replica {replica}",
+                             heartbeats_from_start=True)
         self.pools[stage_id].replicas[replica] = client
         return client
 
@@ -65,6 +69,8 @@ class Head:
         self.call(close())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        if self.zap is not None:
+            self.zap.stop()
         self.ctx.term()
 
 
@@ -87,8 +93,8 @@ def worker_ctx():
     ctx.destroy(linger=0)  # also the sockets of a link a failed test left open
 
 
-def attach(port: int, summary: str = SUMMARY) -> RemoteAttach:
-    return RemoteAttach("127.0.0.1", port, pipeline_fingerprint(summary), summary)
+def attach(port: int, summary: str = SUMMARY, keys=None) -> RemoteAttach:
+    return RemoteAttach("127.0.0.1", port, pipeline_fingerprint(summary), summary, keys)
 
 
 def test_a_replica_registers_before_or_after_the_head_starts(worker_ctx):
@@ -114,11 +120,13 @@ def test_a_replica_registers_before_or_after_the_head_starts(worker_ctx):
         head.close()
 
 
-def test_refusals_name_the_reason(head, worker_ctx):
+def test_refusals_name_the_reason(head, worker_ctx, caplog):
     other = "model another; async_chunk=False; stages 0:thinker, 1:talker"
     with pytest.raises(RegistrationRefused, match="pipeline config differs") as e:
         MasterLink.register(worker_ctx, attach(head.port, other), 1, INBOX, timeout_s=5.0)
-    assert SUMMARY in str(e.value) and other in str(e.value)
+    # The peer learns nothing of the head's pipeline; the head's log shows both.
+    assert SUMMARY not in str(e.value) and other in str(e.value)
+    assert SUMMARY in caplog.text and other in caplog.text
     with pytest.raises(RegistrationRefused, match="no stage 5"):
         MasterLink.register(worker_ctx, attach(head.port), 5, INBOX, timeout_s=5.0)
     assert head.pools[1].replicas == []

@@ -211,3 +211,33 @@ def test_stream_errors(ckpt):
     assert Token2WavStreamConfig.from_options({"chunk_blocks": 4}) == Token2WavStreamConfig(chunk_blocks=4)
     with pytest.raises(ValueError, match="does not read codec_chunk_frames"):  # 12.5 Hz frames: not this decoder's
         Token2WavStreamConfig.from_options({"codec_chunk_frames": 25})
+
+
+@torch.inference_mode()
+def test_a_failed_call_leaves_its_streams_as_they_were(ckpt, monkeypatch):
+    """The engine retries the streams of a failed `decode_streams` call one by one
+    (generation_stage_engine `_isolate`), so the call must not have moved them on: after a
+    vocoder failure (injected, after the DiT ran), each stream retried alone gives exactly the
+    audio of an undisturbed run (before, a one-window stream had nothing left to decode)."""
+    from vllm_omni.model_executor.models.qwen2_5_omni import token2wav
+
+    model = load(ckpt)
+    codes = {"a": random_codes(40, seed=1), "b": random_codes(150, seed=2)}
+    undisturbed = {rid: torch.cat(stream_audio(model, c, seed=3)) for rid, c in codes.items()}
+    streams = {rid: open_empty(model, rid, seed=3, num_steps=STEPS) for rid in codes}
+    for rid, stream in streams.items():
+        stream.push(codes[rid], final=True)
+    vocode_windows = token2wav.vocode_windows
+
+    def fail_once(*args):
+        monkeypatch.setattr(token2wav, "vocode_windows", vocode_windows)
+        raise RuntimeError("injected vocoder failure")
+
+    monkeypatch.setattr(token2wav, "vocode_windows", fail_once)
+    with pytest.raises(RuntimeError, match="injected"):
+        model.decode_streams(list(streams.values()))
+    for rid, stream in streams.items():
+        retried = []
+        while stream.ready():
+            retried.extend(audio_of(model.decode_streams([stream])))
+        assert retried and torch.equal(torch.cat(retried), undisturbed[rid]), rid

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 
 import numpy as np
@@ -81,3 +82,31 @@ def m4a_bytes(seconds: float = 1.0, sr: int = 44100) -> bytes:
         for packet in [*stream.encode(frame), *stream.encode(None)]:
             c.mux(packet)
     return buf.getvalue()
+
+
+@functools.lru_cache(maxsize=None)  # built once per test run (a second or so each)
+def flac_bomb(hours: float = 3.0, sr: int = 8000) -> bytes:
+    """A FLAC of silence: a few hundred kilobytes that decode to `hours` of audio."""
+    import soundfile as sf
+
+    buf, block = io.BytesIO(), np.zeros(sr * 60, dtype=np.int16)
+    with sf.SoundFile(buf, "w", samplerate=sr, channels=1, format="FLAC", subtype="PCM_16") as f:
+        for _ in range(int(hours * 60)):
+            f.write(block)
+    return buf.getvalue()
+
+
+@functools.lru_cache(maxsize=None)
+def png_bomb(width: int, height: int) -> bytes:
+    """A valid black RGB PNG of width x height, built row by row (never held decoded): about
+    a thousandth of its decoded size."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    z, row = zlib.compressobj(9), b"\0" * (1 + 3 * width)  # filter byte + RGB
+    idat = b"".join(z.compress(row) for _ in range(height)) + z.flush()
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")

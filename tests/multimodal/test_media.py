@@ -3,6 +3,7 @@
 import base64
 import threading
 import time
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -12,7 +13,7 @@ import soxr
 from PIL import Image
 
 from tests.multimodal.media_files import audio_bytes, image_bytes, m4a_bytes, mp4_bytes, sine
-from vllm_omni.multimodal.media import MediaOptions, load_audio, load_image
+from vllm_omni.multimodal.media import TRUSTED, MediaPolicy, load_audio, load_image
 from vllm_omni.multimodal.video import load_video
 from vllm_omni.multimodal.vision import VideoSampling
 
@@ -51,7 +52,7 @@ def test_undecodable_image(bad):
 def test_bad_sources():
     with pytest.raises(ValueError, match="invalid base64"):
         load_image("data:image/png;base64,@@@not-base64@@@")
-    with pytest.raises(ValueError, match="no such file"):
+    with pytest.raises(ValueError, match="no such media file"):
         load_image("/nonexistent/x.png")
     with pytest.raises(ValueError, match="scheme"):
         load_image("ftp://host/x.png")
@@ -65,10 +66,10 @@ def test_local_files_policy(tmp_path):
     path = tmp_path / "x.png"
     path.write_bytes(image_bytes())
     with pytest.raises(ValueError, match="not allowed"):
-        load_image(str(path), MediaOptions(allow_local_files=False))
+        load_image(str(path), MediaPolicy())
     with pytest.raises(ValueError, match="outside"):
-        load_image(str(path), MediaOptions(local_root=str(tmp_path / "sub")))
-    assert load_image(str(path), MediaOptions(local_root=str(tmp_path))).size == (90, 60)
+        load_image(str(path), MediaPolicy(allowed_local_root=tmp_path / "sub"))
+    assert load_image(str(path), MediaPolicy(allowed_local_root=tmp_path)).size == (90, 60)
 
 
 # ------------------------------------------------------------------------------- audio
@@ -227,6 +228,6 @@ def test_http_fetch(http_server):
     with pytest.raises(ValueError, match="HTTP 404"):
         load_image(f"{base}/missing.png")
     with pytest.raises(ValueError, match="limit"):
-        load_image(f"{base}/x.png", MediaOptions(max_bytes=100))
+        load_image(f"{base}/x.png", replace(TRUSTED, max_bytes=100))
     with pytest.raises(ValueError, match="timed out"):
-        load_image(f"{base}/slow.png", MediaOptions(timeout_s=0.2))
+        load_image(f"{base}/slow.png", replace(TRUSTED, timeout_s=0.2))

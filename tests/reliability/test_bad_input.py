@@ -121,6 +121,16 @@ CASES = [
     ("completion-stream-batch", COMPLETIONS, completion(prompt=["a", "b"], stream=True), 400, "prompt"),
     ("completion-lone-surrogate", COMPLETIONS, completion(prompt=f"x{LONE}"), 400, "prompt"),
     ("completion-seed-2**64", COMPLETIONS, completion(prompt="hi", seed=2**64), 400, "seed"),
+    ("completion-multi_modal_data", COMPLETIONS, completion(prompt="hi", multi_modal_data={"image": "x"}), 400,
+     "multi_modal_data"),
+    ("image_url-second-source", CHAT, parts({"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="},
+                                             "image": "/etc/passwd"}), 400, "messages.0.content.0.image"),
+    ("video_url-unknown-key", CHAT, parts({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AA=="},
+                                           "frames": 8}), 400, "messages.0.content.0.frames"),
+    ("image_url-audio-data-url", CHAT, parts({"type": "image_url", "image_url": {"url": "data:audio/wav;base64,AA=="}}),
+     400, "cannot be image media"),
+    ("image_url-min_pixels-0", CHAT, parts({"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="},
+                                            "min_pixels": 0}), 400, "messages.0.content.0.min_pixels"),
 ]
 
 

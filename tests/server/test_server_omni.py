@@ -2,8 +2,9 @@
 `openai` client: text and speech equal to what `Omni.generate` returns for the same request,
 streaming, input media, every error status, 16 concurrent requests, disconnects, /metrics.
 
-The reference `Omni` runs in this process (started while the server boots) with the same
-stage overrides; outputs are compared exactly (speech after the 16-bit PCM encoding).
+The server runs real stage processes (the last test kills one); the reference `Omni` runs in
+this process (started while the server boots) with the same stage overrides and its stages as
+threads; outputs are compared exactly (speech after the 16-bit PCM encoding).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import openai
 import pytest
 import soundfile as sf
 
+from tests.conftest import in_threads
 from tests.multimodal.media_files import audio_bytes, image_bytes, mp4_bytes
 from tests.pipeline.conftest import wait_until
 from tests.server.conftest import ServerProcess, free_port
@@ -82,7 +84,7 @@ def env(tiny_model, tmp_path_factory):
     httpd = ThreadingHTTPServer(("127.0.0.1", free_port()), partial(_QuietHandler, directory=str(media)))
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
-        omni = Omni(model=str(model), stage_overrides=OVERRIDES)  # loads while the server starts
+        omni = Omni(model=str(model), stage_overrides=in_threads(3, OVERRIDES))  # loads while the server starts
         try:
             server.wait_ready()
             client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
@@ -385,3 +387,98 @@ def test_dead_stage_is_503(env):
     with pytest.raises(openai.APIStatusError, match="stage 1") as e:
         env.client.chat.completions.create(model=NAME, messages=user("hi"))
     assert e.value.status_code == 503
+
+
+# ------------------------------------------- the media gate with --allow-private-media-urls
+# After test_dead_stage_is_503: text only (the thinker), which needs no talker.
+
+
+class _SlowDecoy(SimpleHTTPRequestHandler):
+    """Serves cat.png after SLOW_S seconds and counts the requests."""
+
+    hits: list[str] = []
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        _SlowDecoy.hits.append(self.path)
+        time.sleep(SLOW_S)
+        body = image_bytes(seed=1)
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+SLOW_S = 4.0
+
+
+@pytest.fixture(scope="module")
+def slow_url():
+    httpd = ThreadingHTTPServer(("127.0.0.1", free_port()), _SlowDecoy)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/slow.png"
+    httpd.shutdown()
+
+
+def _plain_chat_seconds(env) -> float:
+    started = time.monotonic()
+    env.client.chat.completions.create(model=NAME, messages=user("hi"), modalities=["text"], max_tokens=2)
+    return time.monotonic() - started
+
+
+def test_a_slow_media_url_holds_up_no_other_request(env, slow_url):
+    """Media are fetched outside anything other requests wait on: a plain chat beside a request
+    whose image takes SLOW_S seconds to arrive takes about as long as alone."""
+    alone = _plain_chat_seconds(env)
+    slow = threading.Thread(target=env.client.chat.completions.create, kwargs=dict(
+        model=NAME, messages=user([{"type": "image_url", "image_url": {"url": slow_url}}]), modalities=["text"]))
+    started = time.monotonic()
+    slow.start()
+    time.sleep(0.3)
+    beside = _plain_chat_seconds(env)
+    slow.join()
+    assert time.monotonic() - started >= SLOW_S  # the slow request did wait for its image
+    assert beside < max(5 * alone, alone + 2.0) and beside < SLOW_S, (beside, alone)
+
+
+def test_a_realtime_image_is_fetched_once_and_holds_up_no_one(env, slow_url):
+    """Fetched when its item is created (through the gate, off the event loop), not again on
+    every turn, and not while other requests wait."""
+    import json
+
+    import websockets
+
+    _SlowDecoy.hits.clear()
+    alone = _plain_chat_seconds(env)
+
+    async def session() -> list[dict]:
+        url = f"ws://127.0.0.1:{env.server.port}/v1/realtime"
+        async with websockets.connect(url, additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+            async def until(kind: str) -> dict:
+                while True:
+                    event = json.loads(await asyncio.wait_for(ws.recv(), 120))
+                    assert event["type"] != "error", event
+                    if event["type"] == kind:
+                        return event
+
+            await until("session.created")
+            await ws.send(json.dumps({"type": "session.update", "session": {"output_modalities": ["text"]}}))
+            await until("session.updated")
+            await ws.send(json.dumps({"type": "conversation.item.create", "item": {
+                "type": "message", "role": "user",
+                "content": [{"type": "input_image", "image_url": slow_url}, {"type": "input_text", "text": "hi"}]}}))
+            beside = await asyncio.to_thread(_plain_chat_seconds, env)  # while the image is on its way
+            await until("conversation.item.done")
+            replies = []
+            for _ in range(2):
+                await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 2}}))
+                replies.append((await until("response.done"))["response"])
+            return beside, replies
+
+    beside, replies = asyncio.run(session())
+    assert [r["status"] for r in replies] == ["incomplete", "incomplete"]  # max_output_tokens: 2
+    assert replies[0]["usage"]["input_tokens"] > 20  # the image is in the prompt
+    assert _SlowDecoy.hits == ["/slow.png"]  # once, for both turns
+    assert beside < max(5 * alone, alone + 2.0) and beside < SLOW_S, (beside, alone)

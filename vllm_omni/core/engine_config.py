@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm_omni.model_executor.dtypes import DTYPE_SPELLINGS
 
@@ -33,6 +34,8 @@ class EngineConfig:
     architecture: str | None = None  # override config.architectures[0] (spec 000 `model_arch`)
     model_stage: str | None = None  # which stage model of a multi-stage checkpoint (thinker, talker, ...)
     load_format: str = "auto"  # "dummy": random weights of the real shapes (benchmarks)
+    # A talker's code predictor sampling (the stage's subtalker_sampling_params); empty: the model's.
+    predictor_sampling: tuple[tuple[str, Any], ...] = ()
     # Ranks that split the model (one process each, rank 0 in this one; core/tp_executor.py).
     tensor_parallel_size: int = 1
     # vLLM's async scheduling: the next step is scheduled and launched before the host reads the

@@ -17,12 +17,14 @@ import signal
 import uuid
 
 from vllm_omni.config.stage_config import PipelineConfig
+from vllm_omni.engine.cluster_secret import CurveKeys, require_secret_to_listen
 from vllm_omni.engine.registration import RemoteAttach, pipeline_fingerprint, pipeline_summary, routable_address, tcp
 from vllm_omni.engine.replica_pool import replica_configs
 from vllm_omni.engine.stage_init_utils import prepare_engine_environment
 from vllm_omni.engine.stage_launcher import ProcessLauncher
 from vllm_omni.engine.stage_worker import WorkerSpec
 from vllm_omni.engine.transport import INLINE_ONLY
+from vllm_omni.engine.transport_guard import DEFAULT_MAX_MESSAGE_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,8 @@ class HeadlessOptions:
     replica_address: str | None = None  # None: this host's address on the route to the master
     stage_init_timeout_s: float = 300.0
     shutdown_timeout_s: float = 10.0
+    keys: CurveKeys | None = dataclasses.field(default=None, repr=False)  # the cluster secret's
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
 
 def run_headless(pipeline: PipelineConfig, model: str, options: HeadlessOptions) -> int:
@@ -47,13 +51,16 @@ def run_headless(pipeline: PipelineConfig, model: str, options: HeadlessOptions)
 def worker_specs(pipeline: PipelineConfig, model: str, options: HeadlessOptions) -> list[WorkerSpec]:
     stage = pipeline.stage(options.stage_id)
     summary = pipeline_summary(pipeline, model)
-    attach = RemoteAttach(options.master_address, options.master_port, pipeline_fingerprint(summary), summary)
+    attach = RemoteAttach(options.master_address, options.master_port, pipeline_fingerprint(summary), summary,
+                          options.keys)
     bind = options.replica_address or routable_address(options.master_address)
+    require_secret_to_listen(bind, options.keys, "--omni-replica-address, or the route to --omni-master-address")
     replicas = replica_configs(stage)
     # Only this stage's replicas share the host's cores here; one core stays with this process.
     threads = None if "OMP_NUM_THREADS" in os.environ else max(1, ((os.cpu_count() or 1) - 1) // len(replicas))
     return [WorkerSpec(stage=replica, model=model, in_addr=tcp(bind, "*"), out_addr="",  # the head says where
                        shm_threshold_bytes=INLINE_ONLY, shm_prefix=f"vomni-{os.getpid()}-{uuid.uuid4().hex[:6]}-",
+                       max_message_bytes=options.max_message_bytes,
                        heartbeat_interval_s=1.0, stage_init_timeout_s=options.stage_init_timeout_s,
                        parent_pid=os.getpid(), in_process=False, torch_threads=threads,
                        log_level=logging.getLogger().getEffectiveLevel(), remote=attach)

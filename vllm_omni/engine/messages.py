@@ -89,6 +89,9 @@ class StageStats(msgspec.Struct, tag="stats", kw_only=True):
     num_waiting: int | None = None  # generation stages: queued requests
     num_running: int | None = None  # diffusion stages: requests in the running batch
     diffusion_steps: int | None = None  # diffusion stages: request-steps denoised since the stage started
+    # The stage's inbox: messages and connections it dropped since it started, by reason (/metrics;
+    # engine/transport_guard.py).
+    transport_drops: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 FromWorker = Union[StageReady, StageInitFailed, Heartbeat, StageFatal, StageOutputBatch, StageStats]

@@ -20,10 +20,11 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni.config.stage_config import PipelineConfig, StageConfig
+from vllm_omni.engine.cluster_secret import CurveKeys
 from vllm_omni.engine.messages import AbortRequests, PauseRequests, StageOutputBatch
 from vllm_omni.engine.load_balancer import DEFAULT_LB_POLICY
 from vllm_omni.engine.streaming import EdgeFlow, StreamingEdge, resolve_streaming_edges
@@ -33,6 +34,9 @@ from vllm_omni.engine.request_state import RequestDone, RequestSink, RequestStat
 from vllm_omni.engine.stage_client import StageDownError, StageState
 from vllm_omni.engine.ray_cluster import worker_backend_problem
 from vllm_omni.engine.stage_fleet import StageFleet
+from vllm_omni.engine.transport_guard import (
+    DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_REPLICAS_PER_STAGE, DEFAULT_REGISTRATION_RATE,
+)
 from vllm_omni.engine.stage_input import build_stage_input, resolve_input_processor
 from vllm_omni.sampling_params import SamplingParams
 
@@ -45,7 +49,7 @@ class RuntimeOptions:
     init_timeout_s: float = 600.0
     shm_threshold_bytes: int = 65536
     heartbeat_interval_s: float = 1.0
-    heartbeat_timeout_s: float = 5.0  # a stage silent this long is DOWN (and restarted)
+    heartbeat_timeout_s: float = 3.0  # a stage silent this long is DOWN; 3x as long: killed, restarted
     shutdown_timeout_s: float = 10.0
     log_stats: bool = False
     # Flow control of streaming edges: units sent but not consumed before the producer pauses.
@@ -59,8 +63,15 @@ class RuntimeOptions:
     local_stage: int | None = None
     master_address: str | None = None
     master_port: int | None = None
+    # The stage transport's guards (docs/operations.md, "Security: the stage transport").
+    cluster_keys: CurveKeys | None = field(default=None, repr=False)  # None: the master listens on loopback only
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_replicas_per_stage: int = DEFAULT_MAX_REPLICAS_PER_STAGE
+    registration_rate: float = DEFAULT_REGISTRATION_RATE
 
     def __post_init__(self) -> None:
+        if self.max_message_bytes < 1:
+            raise ValueError(f"max_message_bytes={self.max_message_bytes} must be >= 1")
         problem = worker_backend_problem(self.worker_backend, self.ray_address)
         if problem is not None:
             raise ValueError(problem)
@@ -79,6 +90,7 @@ class Submission:
     params: list[SamplingParams]  # one per stage
     sink: RequestSink
     plan: RequestPlan  # which stages run, which outputs are returned
+    input_complete: bool = True  # False: more input follows (append_input), e.g. text as it is typed
 
 
 class Orchestrator:
@@ -148,8 +160,22 @@ class Orchestrator:
             if stage.stage_id not in state.stages:
                 continue
             if not self._send(state, stage.stage_id, sub.prompt_token_ids, text, info,
-                              sub.prompt.get("multi_modal_data")):
+                              sub.prompt.get("multi_modal_data"), input_complete=sub.input_complete):
                 return
+
+    def append_input(self, request_id: str, info: dict[str, Any], final: bool) -> None:
+        """More input for a request submitted with input_complete=False: a chunk to each entry
+        stage still running it (one that finished early, e.g. at max_tokens, gets nothing)."""
+        key = self._keys.get(request_id)
+        if key is None:
+            return  # finished or aborted meanwhile
+        state = self._requests[key]
+        for stage in self.pipeline.entry_stages:
+            sid = stage.stage_id
+            if sid in state.stages and sid not in state.finished_stages:
+                chunk = StageInputChunk(request_id=state.key, additional_information=info, final=final)
+                if not self._send_message(state, sid, chunk):
+                    return
 
     def abort(self, request_id: str) -> None:
         key = self._keys.get(request_id)

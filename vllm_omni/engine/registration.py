@@ -14,6 +14,13 @@ two), retrying until `--stage-init-timeout`, so the head and its stages start in
 fingerprint covers what head and stage must agree on (the model's config and the stage graph),
 not per-process tuning such as `--gpu-memory-utilization`. A replica exits when the head stops
 answering its pings for the heartbeat timeout, or answers that it no longer knows it.
+
+Every link is CurveZMQ with the cluster secret's keys (cluster_secret.py). A CURVE handshake that
+fails is silent to the connecting side, so the replica watches its registration socket's
+handshake events: a head that refuses its key (or has another secret, or none) makes it exit at
+once, saying so, instead of retrying until its deadline. A refusal the head marks retryable
+(`retry_after_s`: registrations come too fast, or the stage has its maximum of replicas) is
+retried until the deadline; any other ends the replica.
 """
 from __future__ import annotations
 
@@ -24,18 +31,24 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from vllm_omni.config.stage_config import PipelineConfig
+from vllm_omni.engine.cluster_secret import HOW_TO_SET, CurveKeys
+from vllm_omni.engine.transport_guard import cap_size, secure_client
 
 logger = logging.getLogger(__name__)
 
 _ATTEMPT_S = 10.0  # one registration attempt: the message waits in the socket while the head is down
+# Registration messages are a few hundred bytes; the sockets take no more than this (ZMQ_MAXMSGSIZE).
+CONTROL_MAX_BYTES = 64 * 1024
 
 
 class Register(msgspec.Struct, tag="register"):
@@ -57,6 +70,7 @@ class Accepted(msgspec.Struct, tag="accepted"):
 
 class Refused(msgspec.Struct, tag="refused"):
     reason: str
+    retry_after_s: float | None = None  # set: the head is busy or full now; try again after this long
 
 
 class Ping(msgspec.Struct, tag="ping"):
@@ -143,6 +157,7 @@ class RemoteAttach:
     master_port: int
     fingerprint: str
     summary: str
+    keys: CurveKeys | None = field(default=None, repr=False)  # the cluster secret's (None: loopback, plain)
 
     @property
     def master(self) -> str:
@@ -170,24 +185,28 @@ class MasterLink:
     @classmethod
     def register(cls, ctx: zmq.Context, attach: RemoteAttach, stage_id: int, inbox: str,
                  timeout_s: float) -> MasterLink:
-        """Register with the head, retrying until `timeout_s`; raises RegistrationRefused or TimeoutError."""
+        """Register with the head, retrying until `timeout_s`; raises RegistrationRefused (refused, or
+        the handshake failed: another secret) or TimeoutError (no head answered)."""
         msg = encode(Register(stage_id, inbox, socket.gethostname(), os.getpid(), attach.fingerprint, attach.summary))
         deadline = time.monotonic() + timeout_s
+        refused: Refused | None = None
         while True:
-            # A fresh socket per attempt: a reply lost with an old one cannot register us twice later.
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(attach.master)
-            sock.send(msg)
             wait_s = min(_ATTEMPT_S, max(0.0, deadline - time.monotonic()))
-            if sock.poll(int(wait_s * 1000)):
-                reply = FROM_MASTER.decode(sock.recv())
-                if isinstance(reply, Accepted):
-                    return cls(sock, reply, attach, stage_id)
-                sock.close()
-                reason = reply.reason if isinstance(reply, Refused) else f"unexpected {type(reply).__name__}"
-                raise RegistrationRefused(f"the head at {attach.master} refused stage {stage_id}: {reason}")
+            # A fresh socket per attempt: a reply lost with an old one cannot register us twice later.
+            sock, reply = _attempt(ctx, attach, msg, wait_s)
+            if isinstance(reply, Accepted):
+                return cls(sock, reply, attach, stage_id)
             sock.close()
+            if isinstance(reply, Refused) and (reply.retry_after_s is None or time.monotonic() >= deadline):
+                raise RegistrationRefused(f"the head at {attach.master} refused stage {stage_id}: {reply.reason} "
+                                          f"(this stage's pipeline: {attach.summary})")
+            if isinstance(reply, Refused):
+                if refused is None or refused.reason != reply.reason:
+                    logger.warning("stage %d: the head at %s cannot take it yet (%s); trying again", stage_id,
+                                   attach.master, reply.reason)
+                refused = reply
+                time.sleep(min(reply.retry_after_s or 0.0, max(0.0, deadline - time.monotonic())))
+                continue
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"no head answered at {attach.master} within stage_init_timeout={timeout_s}s "
                                    "(is `vllm-omni serve MODEL --stage-id 0 --omni-master-address ... "
@@ -208,20 +227,23 @@ class MasterLink:
 
     def _run(self) -> None:
         interval, timeout = self.accepted.heartbeat_interval_s, self.accepted.heartbeat_timeout_s
-        last_answer = time.monotonic()
+        # The head's silence is counted in pings it left unanswered, not in wall time: a replica
+        # that was itself stopped (SIGSTOP) for a while must not take its own pause for the head's.
+        unanswered = 0
         ping = encode(Ping(self.accepted.session))
         while not self._stop.is_set() and self.lost is None:
             self._sock.send(ping)
+            unanswered += 1
             wait_until = time.monotonic() + interval
             while (left := wait_until - time.monotonic()) > 0 and not self._stop.is_set():
                 if not self._sock.poll(int(left * 1000) + 1):
                     continue
-                reply = FROM_MASTER.decode(self._sock.recv())
+                reply = _decode_reply(self._sock.recv())
                 if isinstance(reply, Pong):
-                    last_answer = time.monotonic()
+                    unanswered = 0
                     if not reply.known:
                         self.lost = "the head no longer knows this replica (it marked it down, or restarted)"
-            silent = time.monotonic() - last_answer
+            silent = unanswered * interval
             if self.lost is None and silent >= timeout:
                 self.lost = f"the head at {self.attach.master} did not answer for {silent:.1f}s"
         if self.lost is not None:
@@ -238,3 +260,67 @@ class MasterLink:
         finally:
             self._sock.setsockopt(zmq.LINGER, 1000)  # a moment for the goodbye to go out
             self._sock.close()
+
+
+# --------------------------------------------------------------------------- one registration attempt
+
+_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+def _attempt(ctx: zmq.Context, attach: RemoteAttach, msg: bytes,
+             wait_s: float) -> tuple[zmq.Socket, Accepted | Refused | None]:
+    """Send one Register and wait up to `wait_s` for the answer (None: none came). Raises
+    RegistrationRefused at the first failed handshake (the head's ZAP handler refused our key, or
+    the CURVE handshake failed: another secret, or none). Waiting for ZMQ's own reconnect to fail
+    a second time cost up to 10 s on a loaded machine and tells nothing more: a lost connection
+    is not a failed handshake."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    cap_size(sock, CONTROL_MAX_BYTES)
+    secure_client(sock, attach.keys)
+    address = f"inproc://vomni-handshake-{uuid.uuid4().hex}"
+    sock.monitor(address, _HANDSHAKE_EVENTS)
+    events = ctx.socket(zmq.PAIR)
+    events.connect(address)
+    try:
+        sock.connect(attach.master)
+        sock.send(msg)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(events, zmq.POLLIN)
+        deadline = time.monotonic() + wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            ready = dict(poller.poll(int(left * 1000) + 1))
+            if sock in ready:
+                reply = _decode_reply(sock.recv())
+                if isinstance(reply, (Accepted, Refused)):
+                    return sock, reply
+            if events in ready:
+                kind = recv_monitor_message(events)["event"]
+                sock.close()
+                raise RegistrationRefused(_handshake_refusal(attach, kind))
+        return sock, None
+    finally:
+        if not sock.closed:
+            sock.disable_monitor()
+        events.close(linger=0)
+
+
+def _handshake_refusal(attach: RemoteAttach, event: int) -> str:
+    if attach.keys is None:
+        return (f"the head at {attach.master} refused the connection: it requires a cluster secret and this "
+                f"process has none; {HOW_TO_SET}")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (f"the head at {attach.master} refused this process's key: its cluster secret differs from the "
+                f"head's; {HOW_TO_SET}")
+    return (f"the encrypted handshake with the head at {attach.master} failed: the head has another cluster "
+            f"secret, or none; {HOW_TO_SET}")
+
+
+def _decode_reply(payload: bytes) -> Accepted | Refused | Pong | None:
+    try:
+        return FROM_MASTER.decode(payload)
+    except msgspec.DecodeError as e:
+        logger.warning("ignored a reply from the head that does not decode: %s", e)
+        return None

@@ -148,10 +148,13 @@ def _sum_stats(stage_id: int, stats: list[StageStats]) -> StageStats:
         values = [getattr(s, name) for s in stats]
         return None if any(v is None for v in values) else sum(values)
 
+    drops: Counter[str] = Counter()
+    for s in stats:
+        drops.update(s.transport_drops)
     return StageStats(nonce=stats[0].nonce, stage_id=stage_id, num_unfinished=sum(s.num_unfinished for s in stats),
                       kv_free_blocks=total("kv_free_blocks"), kv_total_blocks=total("kv_total_blocks"),
                       num_waiting=total("num_waiting"), num_running=total("num_running"),
-                      diffusion_steps=total("diffusion_steps"))
+                      diffusion_steps=total("diffusion_steps"), transport_drops=dict(drops))
 
 
 def replica_configs(stage: StageConfig) -> list[StageConfig]:

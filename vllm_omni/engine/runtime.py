@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -22,8 +23,10 @@ from vllm_omni.engine.request_plan import check_modalities, plan_request
 from vllm_omni.engine.request_state import RequestSink
 from vllm_omni.engine.stage_client import StageHealth
 from vllm_omni.engine.stage_init_utils import prepare_engine_environment
+from vllm_omni.engine.stage_worker import IN_PROCESS_INIT
 from vllm_omni.engine.messages import StageStats
 from vllm_omni.inputs import needs_input_processing, parse_prompt
+from vllm_omni.multimodal.media_policy import TRUSTED, MediaPolicy
 from vllm_omni.sampling_params import DiffusionSamplingParams, InvalidParameter, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -33,7 +36,7 @@ _START_MARGIN_S = 60.0  # teardown after a failed start, beyond init_timeout
 
 class OmniRuntime:
     def __init__(self, pipeline: PipelineConfig, model: str, options: RuntimeOptions,
-                 output_modalities: Sequence[str] | None = None) -> None:
+                 output_modalities: Sequence[str] | None = None, media_policy: MediaPolicy = TRUSTED) -> None:
         prepare_engine_environment()
         self.pipeline = pipeline
         self.model = model
@@ -42,8 +45,10 @@ class OmniRuntime:
         self.default_modalities = check_modalities(pipeline, output_modalities)
         self._tokenizer: Any = None
         self._input_processor: Any = None
-        # Tokenizers are not safe to share between threads (AsyncOmni prepares in worker threads).
-        self._processing = threading.Lock()
+        # Prompts are processed in the callers' threads at once (AsyncOmni: a worker thread per
+        # request); each input processor keeps its tokenizer under a lock of its own, and media
+        # are fetched and decoded outside it (multimodal/input_processors.py).
+        self._media_policy = media_policy
         self._closed = False
         self.orchestrator = Orchestrator(pipeline, model, options)  # validates before anything starts
         self._loop = asyncio.new_event_loop()
@@ -51,8 +56,11 @@ class OmniRuntime:
         self._thread.start()
         future = asyncio.run_coroutine_threadsafe(self.orchestrator.start(), self._loop)
         try:
-            # The caller's half of the startup runs while the stages load their models.
-            self._input_processor = self._load_input_processor()
+            # The caller's half of the startup runs while the stages load their models; not
+            # while a stage in this process does (IN_PROCESS_INIT: imports are not thread-safe).
+            in_process = not all(s.runtime.process for s in pipeline.stages)
+            with IN_PROCESS_INIT if in_process else contextlib.nullcontext():
+                self._input_processor = self._load_input_processor()
         except BaseException:
             self._abandon_start(future)
             raise
@@ -82,11 +90,12 @@ class OmniRuntime:
         if entry.worker_type == WorkerType.DIFFUSION:
             from vllm_omni.multimodal.diffusion_prompt import DiffusionPromptProcessor
 
-            return DiffusionPromptProcessor(model_name=path)
+            return DiffusionPromptProcessor(model_name=path, media=self._media_policy)
         hf_config = read_hf_config(path) if (Path(path) / "config.json").is_file() else None
         if hf_config is None:  # e.g. a hub id resolved by the stage itself: text prompts only
             return TextInputProcessor(self.tokenizer, model_name=path)
-        return get_input_processor(path, hf_config, self.tokenizer, architecture=entry.engine_args.model_arch)
+        return get_input_processor(path, hf_config, self.tokenizer, architecture=entry.engine_args.model_arch,
+                                   media=self._media_policy)
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -105,21 +114,36 @@ class OmniRuntime:
 
     # --- requests (any thread) ------------------------------------------------
     def prepare(self, request_id: str, prompt: Any, sampling_params_list: Any, sink: RequestSink,
-                modalities: Sequence[str] | None = None) -> Submission:
+                modalities: Sequence[str] | None = None, input_complete: bool = True) -> Submission:
         """Validate and process a prompt in the caller's thread (chat template, media, features);
         raises ValueError on bad input, before anything is queued."""
+        if not input_complete:
+            self._check_streamed_input()
         plan = plan_request(self.pipeline, modalities if modalities is not None else self.default_modalities)
         params = self.resolve_params(sampling_params_list)
         parsed = parse_prompt(prompt)
         diffusion = self.pipeline.entry_stages[0].worker_type == WorkerType.DIFFUSION  # text only, always processed
         if "prompt_token_ids" in parsed and not needs_input_processing(parsed) and not diffusion:
-            processed = parsed  # nothing to do: skip the processor's lock
+            processed = parsed  # nothing to do
         else:
-            with self._processing:
-                processed = self._input_processor.process(parsed)
+            processed = self._input_processor.process(parsed)
         ids = list(processed["prompt_token_ids"])
         self._check_prompt_ids(ids)
-        return Submission(request_id, processed, ids, params, sink, plan)
+        return Submission(request_id, processed, ids, params, sink, plan, input_complete)
+
+    def _check_streamed_input(self) -> None:
+        entry = self.pipeline.entry_stages[0]
+        if not self.orchestrator.pools[entry.stage_id].info.get("accepts_streamed_input"):
+            raise ValueError(f"stage {entry.stage_id} of this model takes its input whole (input_complete must "
+                             "be true)")
+
+    def process_delta(self, delta: Any) -> dict[str, Any]:
+        """More input of a request submitted with input_complete=False -> the entry stage's chunk
+        (its input processor's `process_delta`; ValueError on bad input)."""
+        return self._input_processor.process_delta(delta) if delta else {}  # it guards its tokenizer
+
+    def append_input(self, request_id: str, info: dict[str, Any], final: bool) -> None:
+        self._call_soon(self.orchestrator.append_input, request_id, info, final)
 
     def _check_prompt_ids(self, ids: list[int]) -> None:
         """Token ids the entry stage cannot embed are the caller's error (400), found before queuing.

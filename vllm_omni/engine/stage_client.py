@@ -2,9 +2,13 @@
 
 Each client owns one task that awaits its stage's socket and hands every message on
 the moment it arrives. Liveness has two sources: the process sentinel (a local process
-that exits is DOWN at once) and heartbeats (a stage silent for `heartbeat_timeout_s`
-is DOWN and is killed, so a hung stage does not keep its GPU). A client serves one launch
-of its stage: the supervisor restarts a DOWN stage with a new client.
+that exits is DOWN at once) and heartbeats. A stage silent for `heartbeat_timeout_s` is
+DOWN at once (its requests fail or move, /health says so) but not killed yet: a stage that
+was only paused (SIGSTOP, a stalled host) and speaks again within HANG_FACTOR times the
+timeout is UP again at once. One still silent then is killed, so a hung stage does not keep
+its GPU, and the supervisor restarts it. A client serves one launch of its stage: the
+supervisor restarts a DOWN stage with a new client. A reader that fails (a bug, a broken
+socket) takes its stage DOWN with it: a stage nobody listens to is not UP.
 """
 from __future__ import annotations
 
@@ -20,12 +24,15 @@ from typing import Any
 import zmq
 
 from vllm_omni.engine.messages import (
-    Heartbeat, Shutdown, StageFatal, StageInitFailed, StageReady, StageStats, StatsRequest,
+    AbortRequests, Heartbeat, Shutdown, StageFatal, StageInitFailed, StageReady, StageStats, StatsRequest,
 )
 from vllm_omni.engine.stage_launcher import StageLauncher
 from vllm_omni.engine.transport import OrchestratorChannel
 
 logger = logging.getLogger(__name__)
+
+# A stage silent for this many heartbeat timeouts is hung: killed (and restarted by the supervisor).
+HANG_FACTOR = 3
 
 
 class StageState(str, enum.Enum):
@@ -80,6 +87,7 @@ class StageClient:
         on_down: Callable[[int, str], None],
         heartbeat_timeout_s: float,
         name: str | None = None,
+        heartbeats_from_start: bool = False,
     ) -> None:
         self.stage_id = stage_id
         self.model_stage = model_stage
@@ -90,11 +98,17 @@ class StageClient:
         self._on_message = on_message
         self._on_down = on_down
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        # A headless replica heartbeats from its registration on: one that falls silent while
+        # starting is as hung as one that was serving (and frees its slot).
+        self.heartbeats_from_start = heartbeats_from_start
         self.state = StageState.STARTING
+        self.silent = False  # DOWN for missed heartbeats only, not killed yet: it may come back
+        self._orphans: list[str] = []  # requests it held when it fell silent: aborted there if it comes back
         self.reason: str | None = None
         self.info: dict[str, Any] = {}
         self.pid: int | None = None
         self._last_heard: float | None = None
+        self._started_at = time.monotonic()
         self._ready: asyncio.Future[None] | None = None
         self._reader: asyncio.Task[None] | None = None
         self._stats: dict[int, asyncio.Future[StageStats]] = {}
@@ -104,9 +118,11 @@ class StageClient:
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._ready = loop.create_future()
+        self._started_at = time.monotonic()
         self.launcher.start(on_exit=self._on_exit)
         self.pid = self.launcher.pid
         self._reader = loop.create_task(self._read_loop(), name=f"{self.name} reader")
+        self._reader.add_done_callback(self._reader_ended)
 
     async def wait_ready(self, deadline: float, what: str) -> None:
         """Wait for StageReady until `deadline` (time.monotonic); `what` names the limit."""
@@ -163,36 +179,94 @@ class StageClient:
 
     # --- events ---------------------------------------------------------------
     def mark_down(self, reason: str) -> None:
-        if self.state in (StageState.DOWN, StageState.STOPPED):
+        """DOWN for good: killed (a silent stage may be hung: it must not hold its devices)."""
+        if self.state == StageState.STOPPED or (self.state == StageState.DOWN and not self.silent):
             return
+        was_silent, self.silent = self.silent, False
         self.state = StageState.DOWN
         self.reason = reason
         logger.error("%s is DOWN: %s", self.name, reason)
+        if not was_silent:
+            self._fail_waiters(reason)
+        self.launcher.kill()
+        self.channel.close_sender()  # nothing more goes to it; stops reconnect attempts too
+        self._on_down(self.stage_id, reason)
+
+    def remember_orphans(self, request_keys: list[str]) -> None:
+        """The requests a silent stage held (they failed or moved): aborted there if it comes back."""
+        self._orphans = list(request_keys)
+
+    def _fall_silent(self, silent_s: float) -> None:
+        """Missed heartbeats: DOWN (its requests fail or move), not killed yet."""
+        self.state = StageState.DOWN
+        self.silent = True
+        self.reason = (f"no heartbeat for {silent_s:.1f}s (deadline {self.heartbeat_timeout_s}s); killed unless it "
+                       f"answers within {HANG_FACTOR * self.heartbeat_timeout_s:.0f}s of silence")
+        logger.error("%s is DOWN: %s", self.name, self.reason)
+        self._fail_waiters(self.reason)
+        self._on_down(self.stage_id, self.reason)
+
+    def _revive(self, silent_s: float) -> None:
+        self.state = StageState.UP
+        self.silent = False
+        self.reason = None
+        logger.warning("%s is UP again: it spoke after %.1fs of silence", self.name, silent_s)
+        if self._orphans:
+            self.channel.send_nowait(AbortRequests(self._orphans))
+            self._orphans = []
+
+    def _fail_waiters(self, reason: str) -> None:
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(RuntimeError(f"{self.name} failed to start: {reason}"))
         for fut in self._stats.values():
             if not fut.done():
                 fut.set_exception(StageDownError(self.stage_id, f"{self.name} is down: {reason}"))
-        self.launcher.kill()  # a silent stage may be hung: do not let it hold its devices
-        self.channel.close_sender()  # nothing more goes to it; stops reconnect attempts too
-        self._on_down(self.stage_id, reason)
 
     def _on_exit(self, description: str) -> None:
         if self.state != StageState.STOPPED:
             self.mark_down(description)
 
+    def _next_check(self, now: float) -> float:
+        """Seconds until the next liveness deadline (the heartbeat timeout when none applies)."""
+        heard = self._last_heard if self._last_heard is not None else self._started_at
+        if self.state == StageState.UP:
+            return heard + self.heartbeat_timeout_s - now
+        if self.silent or (self.state == StageState.STARTING and self.heartbeats_from_start):
+            return heard + HANG_FACTOR * self.heartbeat_timeout_s - now
+        return self.heartbeat_timeout_s
+
+    def _check_liveness(self, now: float) -> None:
+        silent = now - (self._last_heard if self._last_heard is not None else self._started_at)
+        if self.state == StageState.UP and silent >= self.heartbeat_timeout_s:
+            self._fall_silent(silent)
+        elif (self.silent or (self.state == StageState.STARTING and self.heartbeats_from_start)) \
+                and silent >= HANG_FACTOR * self.heartbeat_timeout_s:
+            since = "since it started" if self._last_heard is None else f"(deadline {self.heartbeat_timeout_s}s)"
+            self.mark_down(f"no heartbeat for {silent:.1f}s {since}: hung, killed")
+
     async def _read_loop(self) -> None:
-        timeout_ms = max(1, int(self.heartbeat_timeout_s * 1000))
         while self.state != StageState.STOPPED:
-            msg = await self.channel.recv(timeout_ms)
+            wait_ms = max(1, int(self._next_check(time.monotonic()) * 1000) + 1)
+            msg = await self.channel.recv(wait_ms)
             now = time.monotonic()
             if msg is None:
-                silent = now - (self._last_heard or now)
-                if self.state == StageState.UP and silent >= self.heartbeat_timeout_s:
-                    self.mark_down(f"no heartbeat for {silent:.1f}s (deadline {self.heartbeat_timeout_s}s)")
+                self._check_liveness(now)
                 continue
+            if self.silent:
+                self._revive(now - (self._last_heard or now))
             self._last_heard = now
             self._dispatch(msg)
+
+    def _reader_ended(self, task: asyncio.Task[None]) -> None:
+        """Only close() ends the reader; if anything else does (a bug, a broken socket, a stray
+        cancel), the stage is not listened to any more: DOWN, not a silent UP."""
+        if self.state == StageState.STOPPED:
+            return
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            logger.error("%s: its reader failed", self.name, exc_info=error)
+        why = f"{type(error).__name__}: {error}" if error is not None else "it was cancelled"
+        self.mark_down(f"its reader failed: {why}")
 
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, Heartbeat):

@@ -33,10 +33,13 @@ from vllm_omni.engine.registration import pipeline_summary
 from vllm_omni.engine.stage_launcher import (
     ProcessLauncher, StageLauncher, ThreadLauncher, limit_own_torch_threads, torch_threads_for,
 )
-from vllm_omni.engine.stage_master import StageMaster
+from vllm_omni.engine.stage_master import MasterLimits, RemoteLauncher, StageMaster
 from vllm_omni.engine.stage_worker import WorkerSpec
 from vllm_omni.engine.supervisor import StageSupervisor
-from vllm_omni.engine.transport import OrchestratorChannel, make_ipc_dir, stage_addresses, sweep_shared_memory
+from vllm_omni.engine.transport import (
+    LinkGuard, OrchestratorChannel, make_ipc_dir, stage_addresses, sweep_shared_memory,
+)
+from vllm_omni.engine.transport_guard import DropCounter, DropKey, ZapGuard
 
 if TYPE_CHECKING:
     from vllm_omni.engine.orchestrator import RuntimeOptions
@@ -72,6 +75,8 @@ class StageFleet:
         self._closing = False
         self._ray: RayCluster | None = None  # worker_backend "ray": the cluster the stage actors run on
         self._master: StageMaster | None = None  # the stage-based CLI's registration socket
+        self._zap: ZapGuard | None = None  # lets in only peers with the cluster secret (the master's links)
+        self.drops = DropCounter()  # what this process's stage links dropped (/metrics)
 
     def _check_stage_cli(self) -> None:
         local = self.options.local_stage
@@ -98,6 +103,8 @@ class StageFleet:
             if self.options.worker_backend == "ray":
                 self._ray = RayCluster.connect(self.options.ray_address, self.pipeline)
             if self.options.master_address is not None:
+                if self.options.cluster_keys is not None:
+                    self._zap = ZapGuard(self._ctx, self.options.cluster_keys)
                 await self._start_master()
             for stage in self.pipeline.stages:
                 for replica in range(self._local_replicas(stage)):
@@ -145,10 +152,15 @@ class StageFleet:
         ipc_dir = os.path.join(self._ipc_dir, f"replica{replica}-launch{self._launches[ref]}")
         os.makedirs(ipc_dir, exist_ok=True)
         in_addr, out_addr = stage_addresses(ipc_dir, stage.stage_id)
+        # Each side of this launch names its shared memory segments with a prefix of its own, and
+        # opens only segments named with the other's: nothing it is sent can name another's.
+        launch_prefix = f"{self._shm_prefix}{stage.stage_id}r{replica}l{self._launches[ref]}"
+        worker_prefix, orchestrator_prefix = f"{launch_prefix}w-", f"{launch_prefix}o-"
         opts = self.options
         spec = WorkerSpec(
             stage=stage, model=self.model, in_addr=in_addr, out_addr=out_addr,
-            shm_threshold_bytes=opts.shm_threshold_bytes, shm_prefix=self._shm_prefix,
+            shm_threshold_bytes=opts.shm_threshold_bytes, shm_prefix=worker_prefix,
+            peer_shm_prefix=orchestrator_prefix, max_message_bytes=opts.max_message_bytes,
             heartbeat_interval_s=min(opts.heartbeat_interval_s, opts.heartbeat_timeout_s / 4),
             stage_init_timeout_s=opts.stage_init_timeout_s,
             parent_pid=os.getpid(), in_process=not stage.runtime.process,
@@ -161,7 +173,10 @@ class StageFleet:
             launcher = self._ray.launcher(spec)
         else:
             launcher = ProcessLauncher(spec)
-        channel = OrchestratorChannel(self._ctx, in_addr, out_addr, opts.shm_threshold_bytes, self._shm_prefix)
+        guard = LinkGuard(accept_shm_prefix=worker_prefix, max_message_bytes=opts.max_message_bytes,
+                          counter=self.drops, stage=str(stage.stage_id))
+        channel = OrchestratorChannel(self._ctx, in_addr, out_addr, opts.shm_threshold_bytes, orchestrator_prefix,
+                                      guard)
         client = self._client(stage.stage_id, replica, launcher, channel, ref.name)
         client.start()
         return client
@@ -172,7 +187,8 @@ class StageFleet:
         client = StageClient(stage_id, self.stages[stage_id].model_stage, launcher, channel,
                              on_message=functools.partial(self._on_message, replica=replica),
                              on_down=functools.partial(self._replica_down, replica=replica),
-                             heartbeat_timeout_s=self.options.heartbeat_timeout_s, name=name)
+                             heartbeat_timeout_s=self.options.heartbeat_timeout_s, name=name,
+                             heartbeats_from_start=isinstance(launcher, RemoteLauncher))
         self.pools[stage_id].replicas[replica] = client
         return client
 
@@ -185,10 +201,14 @@ class StageFleet:
                           channel: OrchestratorChannel) -> StageClient:
             return self._client(stage_id, replica, launcher, channel, f"{self.pools[stage_id].name} replica {replica}")
 
+        limits = MasterLimits(keys=opts.cluster_keys, max_message_bytes=opts.max_message_bytes,
+                              max_replicas_per_stage=opts.max_replicas_per_stage,
+                              registration_rate=opts.registration_rate)
         self._master = StageMaster(
             self._ctx, opts.master_address, opts.master_port, self.model, summary, self.pools, remote_client,
             heartbeat_interval_s=min(opts.heartbeat_interval_s, opts.heartbeat_timeout_s / 4),
-            heartbeat_timeout_s=opts.heartbeat_timeout_s, stage_init_timeout_s=opts.stage_init_timeout_s)
+            heartbeat_timeout_s=opts.heartbeat_timeout_s, stage_init_timeout_s=opts.stage_init_timeout_s,
+            limits=limits, drops=self.drops)
         await self._master.start()
 
     async def restart_replica(self, ref: ReplicaRef) -> None:
@@ -221,6 +241,9 @@ class StageFleet:
         if self._ray is not None:  # every actor is gone; a Ray we started stops here
             self._ray.close()
             self._ray = None
+        if self._zap is not None:
+            self._zap.stop()
+            self._zap = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -239,12 +262,17 @@ class StageFleet:
     def _replica_down(self, stage_id: int, reason: str, *, replica: int) -> None:
         """A replica's client saw it go DOWN: the owner fails or moves its requests, then the
         supervisor restarts it (a headless replica is restarted by whoever started it; it
-        registers again)."""
+        registers again). One that is only silent is restarted once it is killed (its client
+        reports DOWN again then), unless it speaks again first."""
         pool = self.pools[stage_id]
         ref = pool.ref(replica)
+        client = pool.replicas[replica]
+        assert client is not None
         self._down_reasons[ref] = reason
+        if client.silent:
+            client.remember_orphans(pool.keys_on(replica))
         self._on_down(stage_id, reason, replica=replica)
-        if not self._closing and not (self._master is not None and self._master.is_remote(pool.replicas[replica])):
+        if not self._closing and not client.silent and not isinstance(client.launcher, RemoteLauncher):
             self.supervisor.on_down(ref, reason)
 
     # --- health ---------------------------------------------------------------
@@ -265,6 +293,10 @@ class StageFleet:
         if health.state == StageState.DOWN and gave_up is not None:
             return dataclasses.replace(health, reason=gave_up)
         return health
+
+    def transport_drops(self) -> dict[DropKey, int]:
+        """What this process's ends of the stage links dropped, by socket, stage and reason."""
+        return self.drops.snapshot()
 
     async def stage_stats(self, stage_id: int, timeout_s: float) -> StageStats:
         if stage_id not in self.pools:

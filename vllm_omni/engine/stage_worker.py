@@ -27,7 +27,8 @@ from vllm_omni.engine.messages import (
     StageStats, StatsRequest,
 )
 from vllm_omni.engine.registration import MasterLink, RegistrationRefused, RemoteAttach
-from vllm_omni.engine.transport import MessageCodec, WorkerChannel
+from vllm_omni.engine.transport import LinkGuard, MessageCodec, WorkerChannel
+from vllm_omni.engine.transport_guard import DEFAULT_MAX_MESSAGE_BYTES, ZapGuard, secure_client
 from vllm_omni.stage_io import StageEngine, StageInputChunk, StageOutput, StageRequest, error_output
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class WorkerSpec:
     in_addr: str
     out_addr: str
     shm_threshold_bytes: int
-    shm_prefix: str
+    shm_prefix: str  # names the shared memory segments this worker sends
     heartbeat_interval_s: float
     stage_init_timeout_s: float
     parent_pid: int
@@ -56,6 +57,10 @@ class WorkerSpec:
     # A headless replica (stage-based CLI): it binds its inbox on a free tcp port, registers with
     # the head there, and learns out_addr and its heartbeat interval from the answer.
     remote: RemoteAttach | None = None
+    # The only segments it opens: named with this prefix, which its orchestrator was given for it
+    # (None: none at all, everything comes inline, as over tcp).
+    peer_shm_prefix: str | None = None
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # of any message it sends or receives
 
     @property
     def stage_id(self) -> int:
@@ -105,8 +110,12 @@ def _thread_lock_for_progress_bars() -> None:
 def run_stage_worker(spec: WorkerSpec, device: str) -> int:
     """Serve one stage until Shutdown (0) or a fatal error (1)."""
     ctx = zmq.Context()
+    keys = spec.remote.keys if spec.remote is not None else None
+    zap = ZapGuard(ctx, keys) if keys is not None else None  # before the inbox binds
+    guard = LinkGuard(accept_shm_prefix=spec.peer_shm_prefix, keys=keys, max_message_bytes=spec.max_message_bytes,
+                      stage=str(spec.stage_id))
     chan = WorkerChannel(ctx, spec.in_addr, None if spec.remote is not None else spec.out_addr,
-                         spec.shm_threshold_bytes, spec.shm_prefix)
+                         spec.shm_threshold_bytes, spec.shm_prefix, guard)
     link: MasterLink | None = None
     stop = threading.Event()
     beat: threading.Thread | None = None
@@ -142,6 +151,8 @@ def run_stage_worker(spec: WorkerSpec, device: str) -> int:
         if link is not None:
             link.close(leave)
         chan.close()
+        if zap is not None:
+            zap.stop()
         ctx.term()
 
 
@@ -172,7 +183,7 @@ def _build_engine(spec: WorkerSpec, device: str) -> StageEngine:
     # they take a lock of the process, which also keeps a neighbour's CUDA graph captures away
     # from this stage's memory profiling (a device-wide wait during a capture is an error).
     if spec.in_process:
-        with _IN_PROCESS_INIT:
+        with IN_PROCESS_INIT:
             return worker_cls(spec.stage, spec.model, device=device).build_engine()
     locks: list[int] = []
     if torch.cuda.is_available():
@@ -184,7 +195,10 @@ def _build_engine(spec: WorkerSpec, device: str) -> StageEngine:
         siu.release_device_locks(locks)
 
 
-_IN_PROCESS_INIT = threading.Lock()
+# Held while a stage that is a thread of this process builds its engine, and by the caller's
+# own startup beside it (runtime.py): first imports of transformers' lazy modules in two threads
+# at once can fail ("cannot import name 'AutoTokenizer' from 'transformers'").
+IN_PROCESS_INIT = threading.Lock()
 
 
 def _worker_class(stage: StageConfig) -> type:
@@ -259,7 +273,8 @@ def _handle(msg: object, engine: StageEngine, chan: WorkerChannel, stage_id: int
     elif isinstance(msg, PauseRequests):
         engine.pause(msg.request_ids, msg.paused)
     elif isinstance(msg, StatsRequest):
-        chan.send(StageStats(nonce=msg.nonce, stage_id=stage_id, **engine.stats()))
+        drops = {key.reason: n for key, n in chan.guard.counter.snapshot().items()}
+        chan.send(StageStats(nonce=msg.nonce, stage_id=stage_id, **engine.stats(), transport_drops=drops))
     else:
         raise TypeError(f"stage {stage_id}: unexpected message {type(msg).__name__}")
 
@@ -290,6 +305,8 @@ def _raise_terminated(signum: int, frame: object) -> None:
 def _heartbeat_loop(ctx: zmq.Context, spec: WorkerSpec, stop: threading.Event) -> None:
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
+    if spec.remote is not None:
+        secure_client(sock, spec.remote.keys)
     sock.connect(spec.out_addr)
     codec = MessageCodec(Heartbeat, spec.shm_threshold_bytes, spec.shm_prefix)
     beat = codec.encode(Heartbeat(spec.stage_id, os.getpid()))

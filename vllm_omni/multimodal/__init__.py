@@ -1,6 +1,8 @@
 """Multimodal inputs: loading media and turning chat messages into model inputs.
 
 media.py       images and audio from objects, bytes, data URLs, http(s) URLs, files
+media_fetch.py the media gate: data URLs, guarded downloads (url_guard.py), local files
+media_policy.py  MediaPolicy (where media may come from), DecodeLimits, per-request budget
 video.py       video decoding (PyAV), frame sampling, audio track extraction
 vision.py      Qwen2-VL resize rules and video patchification (no IO)
 chat_parts.py  OpenAI-style content parts -> template parts + media items

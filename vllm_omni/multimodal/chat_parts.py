@@ -12,6 +12,8 @@ Accepted content parts (OpenAI-style, the HF chat-template style, and raw object
 A src is anything media.read_source takes (URL, data URL, path, bytes). Image parts may carry
 min_pixels / max_pixels; video parts any VideoSampling field (fps, num_frames, max_pixels...),
 next to the source or inside a `video_url` object (vLLM's `{"url": ..., "num_frames": 16}`).
+A part holds exactly one source and no other keys: `{"type": "image_url", "image_url": ...,
+"image": ...}` is refused, not read from whichever key wins.
 """
 
 from __future__ import annotations
@@ -105,9 +107,15 @@ def classify_part(part: Any) -> str | MediaItem:
     )
     if kind is None:
         raise MediaError(f"unsupported content part type {ptype!r}")
-    key = next((k for k in _SOURCE_KEYS[kind] if part.get(k) is not None), None)
-    if key is None:
-        raise MediaError(f"the {ptype or kind} part has no data (expected one of {_SOURCE_KEYS[kind]})")
+    keys = [k for k in _SOURCE_KEYS[kind] if part.get(k) is not None]
+    if len(keys) != 1:
+        raise MediaError(f"the {ptype or kind} part has " + (f"{len(keys)} sources {keys}; give exactly one" if keys
+                         else f"no data (expected one of {_SOURCE_KEYS[kind]})"))
+    unknown = sorted(set(part) - {"type", *_SOURCE_KEYS[kind], *_OPTION_KEYS[kind]})
+    if unknown:
+        raise MediaError(f"unknown key(s) {unknown} in the {ptype or kind} part; allowed besides its source: "
+                         f"{sorted(_OPTION_KEYS[kind])}")
+    key = keys[0]
     options = {k: part[k] for k in _OPTION_KEYS[kind] if part.get(k) is not None}
     if key.endswith("_url") and isinstance(part[key], Mapping):  # {"url": ..., "num_frames": 16}
         options.update({k: v for k, v in part[key].items() if k in _OPTION_KEYS[kind] and v is not None})

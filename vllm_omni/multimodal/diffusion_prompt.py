@@ -19,13 +19,13 @@ import torch
 
 from vllm_omni.inputs import OmniTokensPrompt
 from vllm_omni.model_executor.models.diffusion_inputs import IMAGE, NEGATIVE_PROMPT
-from vllm_omni.multimodal.media import MediaOptions, load_image
+from vllm_omni.multimodal.media import TRUSTED, MediaPolicy, load_image
 
 
 class DiffusionPromptProcessor:
-    def __init__(self, model_name: str = "this model", media: MediaOptions | None = None) -> None:
+    def __init__(self, model_name: str = "this model", media: MediaPolicy = TRUSTED) -> None:
         self.model_name = model_name
-        self.media = media or MediaOptions()
+        self.media = media  # the input image's source and its pixel limit
 
     def process(self, prompt: Mapping[str, Any]) -> OmniTokensPrompt:
         if "prompt" not in prompt or "messages" in prompt or "prompt_token_ids" in prompt:

@@ -1,6 +1,6 @@
 """User prompt -> the entry stage's input, by the stage-0 model architecture.
 
-    processor = get_input_processor(model_dir, hf_config, tokenizer)
+    processor = get_input_processor(model_dir, hf_config, tokenizer, media=policy)
     prompt = processor.process(parse_prompt(user_prompt))   # OmniTokensPrompt; ValueError on bad input
 
 It runs in the caller's process (Omni / AsyncOmni / the API server), before anything is
@@ -9,16 +9,22 @@ a tokenizer and its chat template; Qwen2.5-Omni and Qwen3-Omni get their process
 template, media loading, placeholder expansion, features), and the result's `additional_information` holds
 the thinker's `model_inputs` (flat tensors) plus `speaker`: the thinker reads the features
 (`embed_request_span`), the thinker2talker bridge reads the grids and the voice.
+
+`process` may run in several threads at once (one per request): each processor keeps its
+tokenizer under a lock of its own and reads and decodes media outside it, under its
+`MediaPolicy` (media_policy.py: TRUSTED for the offline APIs, the server's policy behind it).
 """
 from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 from vllm_omni.inputs import OmniTokensPrompt
+from vllm_omni.multimodal.media_policy import TRUSTED, MediaPolicy
 
 USE_AUDIO_IN_VIDEO = "use_audio_in_video"
 SPEAKER = "speaker"
@@ -56,8 +62,13 @@ class TextInputProcessor:
     def __init__(self, tokenizer: Any, model_name: str = "this model") -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.text_lock = threading.Lock()
 
     def process(self, prompt: Mapping[str, Any]) -> OmniTokensPrompt:
+        with self.text_lock:  # text only: all of it is tokenizer work
+            return self._process(prompt)
+
+    def _process(self, prompt: Mapping[str, Any]) -> OmniTokensPrompt:
         for key, what in (("multi_modal_data", "multimodal data"), ("mm_processor_kwargs", "mm_processor_kwargs"),
                           (SPEAKER, "a speaker (it has no audio output)")):
             if prompt.get(key) is not None:
@@ -103,20 +114,20 @@ def _text_content(content: Any, model_name: str) -> str:
 class Qwen2_5OmniPromptProcessor:
     """Qwen2.5-Omni: the multimodal processor (vllm_omni.multimodal.qwen2_5_omni_processor)."""
 
-    def __init__(self, model_dir: str | os.PathLike, tokenizer: Any = None) -> None:
+    def __init__(self, model_dir: str | os.PathLike, tokenizer: Any = None, media: MediaPolicy = TRUSTED) -> None:
         from vllm_omni.multimodal.vision import VideoSampling
 
-        self.inner = self._load_inner(model_dir, tokenizer)
+        self.inner = self._load_inner(model_dir, tokenizer, media)
         self.tokenizer = self.inner.tokenizer
         # Per-request video sampling overrides (fps, max_frames, ...) are mm_processor_kwargs too.
         self.video_keys = frozenset(VideoSampling.__dataclass_fields__) - {"frame_factor", "image_factor"}
         self.speakers = self.speaker_names(Path(model_dir))
 
     @staticmethod
-    def _load_inner(model_dir: str | os.PathLike, tokenizer: Any) -> Any:
+    def _load_inner(model_dir: str | os.PathLike, tokenizer: Any, media: MediaPolicy) -> Any:
         from vllm_omni.multimodal.qwen2_5_omni_processor import Qwen2_5OmniInputProcessor
 
-        return Qwen2_5OmniInputProcessor.from_pretrained(model_dir, tokenizer=tokenizer)
+        return Qwen2_5OmniInputProcessor.from_pretrained(model_dir, tokenizer=tokenizer, media=media)
 
     @staticmethod
     def speaker_names(model_dir: Path) -> list[str] | None:
@@ -146,7 +157,8 @@ class Qwen2_5OmniPromptProcessor:
             ids = prompt.get("prompt_token_ids")
             if ids is None:
                 text = prompt["prompt"]
-                ids = _tokenize(self.tokenizer, text)
+                with self.inner.text_lock:
+                    ids = _tokenize(self.tokenizer, text)
             else:
                 text = prompt.get("prompt")
             # Checks the placeholders against the items even without media (a stray <|IMAGE|>).
@@ -179,10 +191,10 @@ class Qwen3OmniPromptProcessor(Qwen2_5OmniPromptProcessor):
     transformers' generate does (`speaker.lower()`): the talker lowercases the name itself."""
 
     @staticmethod
-    def _load_inner(model_dir: str | os.PathLike, tokenizer: Any) -> Any:
+    def _load_inner(model_dir: str | os.PathLike, tokenizer: Any, media: MediaPolicy) -> Any:
         from vllm_omni.multimodal.qwen3_omni_processor import Qwen3OmniInputProcessor
 
-        return Qwen3OmniInputProcessor.from_pretrained(model_dir, tokenizer=tokenizer)
+        return Qwen3OmniInputProcessor.from_pretrained(model_dir, tokenizer=tokenizer, media=media)
 
     @staticmethod
     def speaker_names(model_dir: Path) -> list[str] | None:
@@ -197,10 +209,11 @@ class Qwen3OmniPromptProcessor(Qwen2_5OmniPromptProcessor):
 
 
 def get_input_processor(model_path: str | os.PathLike, hf_config: Any, tokenizer: Any = None, *,
-                        architecture: str | None = None) -> InputProcessor:
+                        architecture: str | None = None, media: MediaPolicy = TRUSTED) -> InputProcessor:
     """The input processor of the model at `model_path` (its HF config as a dict or a
     PretrainedConfig), named by its family record; a text model without one gets the
-    tokenizer and chat template. `architecture` (a stage's `model_arch`) wins over the config's."""
+    tokenizer and chat template. `architecture` (a stage's `model_arch`) wins over the config's;
+    `media`: where media may come from and how much they may decode to."""
     from vllm_omni.imports import import_dotted
     from vllm_omni.model_executor.models.families import family_of
 
@@ -208,5 +221,5 @@ def get_input_processor(model_path: str | os.PathLike, hf_config: Any, tokenizer
     model_type, archs = get("model_type"), list(get("architectures") or [])
     family = family_of({"model_type": model_type, "architectures": [architecture] if architecture else archs})
     if family is not None and family.input_processor is not None:
-        return import_dotted(family.input_processor)(os.fspath(model_path), tokenizer)
+        return import_dotted(family.input_processor)(os.fspath(model_path), tokenizer, media=media)
     return TextInputProcessor(tokenizer, model_name=archs[0] if archs else os.fspath(model_path))

@@ -1,8 +1,11 @@
 """Load images and audio from what clients send: objects, bytes, data URLs, http(s) URLs, files.
 
 Every failure raises `MediaError` (a ValueError) with a message fit for an HTTP 400: bad base64,
-undecodable bytes, a download that is too big or too slow, a missing or forbidden file.
-Videos are in video.py (`load_video` is re-exported here).
+undecodable bytes, a download that is too big or too slow, a missing or forbidden file, media
+over a decode limit. Sources are read through the media gate (media_fetch.py) under a
+`MediaPolicy` (TRUSTED by default: the offline APIs' caller names its own files); decoding stops
+at the policy's `DecodeLimits` while it runs. Videos are in video.py (`load_video` is
+re-exported here).
 
     load_image("https://host/cat.png") -> PIL.Image (RGB)
     load_audio("data:audio/wav;base64,...") -> float32 mono waveform at 16 kHz
@@ -10,122 +13,40 @@ Videos are in video.py (`load_video` is re-exported here).
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
-import time
-import urllib.parse
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from vllm_omni.multimodal.media_fetch import decode_base64, fetch_blocking, local_file
+from vllm_omni.multimodal.media_policy import TRUSTED, DecodeLimits, MediaBudget, MediaError, MediaPolicy
+
 AUDIO_SAMPLE_RATE = 16000  # what Whisper-style audio encoders expect
-
-
-class MediaError(ValueError):
-    """Media that cannot be fetched or decoded (the client's fault: HTTP 400)."""
-
-
-@dataclass(frozen=True)
-class MediaOptions:
-    """Limits for fetching media. A server should set `allow_local_files=False` (or confine
-    it with `local_root`): otherwise any client can make it read any file it can read."""
-
-    timeout_s: float = 10.0  # for a whole download
-    max_bytes: int = 256 * 1024 * 1024
-    allow_local_files: bool = True
-    local_root: str | None = None  # when set, local files must lie under this folder
-
-
-DEFAULT_OPTIONS = MediaOptions()
+# Formats an image may be in; others (EPS runs Ghostscript, ...) are never opened.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG covers MPO (phone photos)
+_AUDIO_BLOCK = 65536  # samples decoded at a time: the length limit is checked per block
 
 # A source is what a user may pass for one media item: bytes, a path, or a string holding a
 # data URL, an http(s) URL, a file:// URL or a path.
 Source = Any
 
-
-def decode_base64(data: str, what: str = "media") -> bytes:
-    try:
-        # validate=True: reject non-alphabet characters instead of silently dropping them.
-        return base64.b64decode("".join(data.split()), validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise MediaError(f"invalid base64 {what}: {e}") from None
+__all__ = ["AUDIO_SAMPLE_RATE", "MediaError", "MediaPolicy", "TRUSTED", "decode_base64", "load_audio",
+           "load_image", "load_video", "read_source"]
 
 
-def _decode_data_url(url: str) -> bytes:
-    header, sep, payload = url.partition(",")
-    if not sep:
-        raise MediaError("invalid data URL: no ',' separating the header from the data")
-    if header.endswith(";base64"):
-        return decode_base64(payload, "data URL")
-    return urllib.parse.unquote_to_bytes(payload)
-
-
-def _fetch_http(url: str, options: MediaOptions) -> bytes:
-    import httpx
-
-    chunks, size = [], 0
-    # httpx's timeout bounds each network wait; the deadline bounds the whole download (a
-    # server dripping bytes would otherwise hold the request forever).
-    deadline = time.monotonic() + options.timeout_s
-    try:
-        with httpx.stream("GET", url, timeout=options.timeout_s, follow_redirects=True) as resp:
-            if resp.status_code != 200:
-                raise MediaError(f"fetching {url} failed: HTTP {resp.status_code}")
-            declared = resp.headers.get("content-length")
-            if declared and declared.isdigit() and int(declared) > options.max_bytes:
-                raise MediaError(f"{url} is {declared} bytes, over the {options.max_bytes} limit")
-            for chunk in resp.iter_bytes():
-                size += len(chunk)
-                if size > options.max_bytes:  # the header can lie or be absent
-                    raise MediaError(f"{url} is over the {options.max_bytes} byte limit")
-                if time.monotonic() > deadline:
-                    raise httpx.ReadTimeout("download deadline passed")
-                chunks.append(chunk)
-    except httpx.TimeoutException:
-        raise MediaError(f"fetching {url} timed out after {options.timeout_s} s") from None
-    except httpx.HTTPError as e:
-        raise MediaError(f"fetching {url} failed: {e}") from None
-    return b"".join(chunks)
-
-
-def _local_path(path: Path, options: MediaOptions) -> Path:
-    if not options.allow_local_files:
-        raise MediaError("local file paths are not allowed here; send a URL or base64 data")
-    try:
-        path = path.expanduser().resolve()
-        if options.local_root is not None:
-            root = Path(options.local_root).expanduser().resolve()
-            if not path.is_relative_to(root):
-                raise MediaError(f"{path} is outside the allowed media folder")
-        if not path.is_file():
-            raise MediaError(f"no such file: {path}")
-    except OSError as e:  # e.g. a base64 blob sent without its "data:" prefix: name too long
-        raise MediaError(f"not a URL, data URL or readable file: {e.strerror}") from None
-    return path
-
-
-def read_source(source: Source, options: MediaOptions = DEFAULT_OPTIONS) -> bytes | Path:
+def read_source(source: Source, policy: MediaPolicy = TRUSTED, kind: str = "media",
+                budget: MediaBudget | None = None) -> bytes | Path:
     """Bytes for in-memory and remote sources, a checked Path for local files (decoders read
-    files directly: no copy of a large video into memory)."""
+    files directly: no copy of a large video into memory). `kind` ("image", "audio", "video")
+    is what a data URL's MIME type must say."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         return bytes(source)
     if isinstance(source, Path):
-        return _local_path(source, options)
+        return local_file(source, source, policy)
     if not isinstance(source, str):
         raise MediaError(f"unsupported media source type {type(source).__name__}")
-    if source.startswith("data:"):
-        return _decode_data_url(source)
-    scheme = urllib.parse.urlsplit(source).scheme.lower()
-    if scheme in ("http", "https"):
-        return _fetch_http(source, options)
-    if scheme == "file":
-        return _local_path(Path(urllib.parse.unquote(urllib.parse.urlsplit(source).path)), options)
-    if scheme and len(scheme) > 1:  # "c:" is a Windows drive, not a scheme
-        raise MediaError(f"unsupported URL scheme {scheme!r}; use http(s), data or file")
-    return _local_path(Path(source), options)
+    return fetch_blocking(source, kind, policy, budget)
 
 
 def _as_file(data: bytes | Path):
@@ -149,8 +70,27 @@ def to_rgb(image) -> Any:
     return image.convert("RGB")
 
 
-def load_image(source: Source, options: MediaOptions = DEFAULT_OPTIONS):
-    """A PIL image in RGB from a PIL image, an HxWx3 uint8 array, or any `read_source` source."""
+def check_pixels(width: int, height: int, limits: DecodeLimits, what: str = "the image") -> None:
+    if width * height > limits.max_image_pixels:
+        raise MediaError(f"{what} is {width}x{height} ({width * height} pixels), over the {limits.max_image_pixels} "
+                         "pixel limit (--max-image-pixels)")
+
+
+def open_image(data: bytes | Path, limits: DecodeLimits):
+    """An encoded image opened lazily: its header read and its size checked, no pixel decoded."""
+    from PIL import Image
+
+    try:
+        image = Image.open(_as_file(data), formats=IMAGE_FORMATS)
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise MediaError(f"cannot decode image: {e}") from None
+    check_pixels(*image.size, limits)
+    return image
+
+
+def load_image(source: Source, policy: MediaPolicy = TRUSTED):
+    """A PIL image in RGB from a PIL image, an HxWx3 uint8 array, or any `read_source` source.
+    An encoded image's size is read from its header and checked before any pixel is decoded."""
     from PIL import Image
 
     if isinstance(source, Image.Image):
@@ -159,11 +99,10 @@ def load_image(source: Source, options: MediaOptions = DEFAULT_OPTIONS):
         if source.ndim != 3 or source.shape[-1] not in (3, 4) or source.dtype != np.uint8:
             raise MediaError(f"an image array must be HxWx3 uint8, got {source.shape} {source.dtype}")
         return to_rgb(Image.fromarray(source))
-    data = read_source(source, options)
+    image = open_image(read_source(source, policy, "image"), policy.limits)
     try:
-        image = Image.open(_as_file(data))
         image.load()  # decode now: a truncated file must fail here, not in the processor
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+    except (OSError, SyntaxError, ValueError) as e:
         raise MediaError(f"cannot decode image: {e}") from None
     return to_rgb(image)
 
@@ -195,10 +134,36 @@ def to_mono_resampled(wave: np.ndarray, sr: int, target_sr: int = AUDIO_SAMPLE_R
     return np.ascontiguousarray(wave, dtype=np.float32)
 
 
-def decode_audio_av(data: bytes | Path, stream_index: int = 0) -> tuple[np.ndarray, int] | None:
-    """Decode an audio stream with PyAV (FFmpeg): -> ([channels, samples] float32, rate), or
-    None when the container has no audio stream. Covers what libsndfile cannot: aac, m4a,
-    webm/opus, and the audio track of a video."""
+class _Samples:
+    """Mono blocks of one decoding, counted against the duration limit as they arrive."""
+
+    def __init__(self, rate: int, limits: DecodeLimits) -> None:
+        if not 0 < rate <= limits.max_audio_rate:
+            raise MediaError(f"unsupported audio sample rate {rate} Hz (at most {limits.max_audio_rate})")
+        self.rate, self.limits = rate, limits
+        self.max_samples = int(limits.max_audio_s * rate)
+        self.blocks: list[np.ndarray] = []
+        self.count = 0
+
+    def add(self, channels_first: np.ndarray) -> None:
+        """A decoded block, [channels, samples]: downmixed at once (the same channel mean as
+        to_mono_resampled), so memory holds one channel."""
+        self.count += channels_first.shape[1]
+        if self.count > self.max_samples:
+            raise MediaError(f"the audio is longer than {self.limits.max_audio_s:g} s, this server's limit "
+                             "(--max-audio-duration)")
+        self.blocks.append(channels_first.mean(axis=0))
+
+    def wave(self) -> tuple[np.ndarray, int]:
+        if not self.blocks:
+            raise MediaError("the audio stream has no decodable samples")
+        return np.concatenate(self.blocks), self.rate
+
+
+def decode_audio_av(data: bytes | Path, limits: DecodeLimits, stream_index: int = 0) -> tuple[np.ndarray, int] | None:
+    """Decode an audio stream with PyAV (FFmpeg), stopping at the duration limit: -> (mono
+    float32, rate), or None when the container has no audio stream. Covers what libsndfile
+    cannot: aac, m4a, webm/opus, and the audio track of a video."""
     import av
 
     with av.open(_as_file(data)) as container:
@@ -207,28 +172,42 @@ def decode_audio_av(data: bytes | Path, stream_index: int = 0) -> tuple[np.ndarr
         stream = container.streams.audio[stream_index]
         # Planar float keeps each channel a row, whatever the codec's native sample format.
         resampler = av.AudioResampler(format="fltp")
-        parts, rate = [], stream.rate
+        samples = None
         for frame in container.decode(stream):
             for out in resampler.resample(frame):
-                parts.append(out.to_ndarray())
-                rate = out.rate
+                samples = samples or _Samples(int(out.rate), limits)
+                samples.add(out.to_ndarray())
         for out in resampler.resample(None):  # flush
-            parts.append(out.to_ndarray())
-    if not parts:
+            samples = samples or _Samples(int(out.rate), limits)
+            samples.add(out.to_ndarray())
+    if samples is None:
         raise MediaError("the audio stream has no decodable samples")
-    return np.concatenate(parts, axis=1), int(rate)
+    return samples.wave()
 
 
-def _decode_audio_bytes(data: bytes | Path) -> tuple[np.ndarray, int]:
+def _decode_soundfile(data: bytes | Path, limits: DecodeLimits) -> tuple[np.ndarray, int]:
+    import soundfile as sf
+
+    with sf.SoundFile(_as_file(data)) as f:
+        samples = _Samples(int(f.samplerate), limits)
+        for block in f.blocks(blocksize=_AUDIO_BLOCK, dtype="float32", always_2d=True):
+            samples.add(block.T)
+    return samples.wave()
+
+
+def _decode_audio_bytes(data: bytes | Path, limits: DecodeLimits) -> tuple[np.ndarray, int]:
     import soundfile as sf
 
     try:  # libsndfile: wav, flac, ogg/vorbis, mp3 (libsndfile >= 1.1)
-        wave, sr = sf.read(_as_file(data), dtype="float32", always_2d=True)
-        return wave.T, int(sr)
+        return _decode_soundfile(data, limits)
+    except MediaError:
+        raise
     except (sf.LibsndfileError, RuntimeError, TypeError, ValueError) as sf_error:
         first_error = sf_error
     try:
-        decoded = decode_audio_av(data)
+        decoded = decode_audio_av(data, limits)
+    except MediaError:
+        raise
     except Exception as e:  # av raises its own error types (InvalidDataError, ...)
         raise MediaError(f"cannot decode audio: {first_error}; ffmpeg: {e}") from None
     if decoded is None:
@@ -236,9 +215,7 @@ def _decode_audio_bytes(data: bytes | Path) -> tuple[np.ndarray, int]:
     return decoded
 
 
-def load_audio(
-    source: Source, options: MediaOptions = DEFAULT_OPTIONS, target_sr: int = AUDIO_SAMPLE_RATE
-) -> np.ndarray:
+def load_audio(source: Source, policy: MediaPolicy = TRUSTED, target_sr: int = AUDIO_SAMPLE_RATE) -> np.ndarray:
     """A float32 mono waveform at `target_sr`.
 
     `source`: a `(waveform, sample_rate)` tuple; a bare array or tensor (taken to be at
@@ -250,7 +227,7 @@ def load_audio(
         return to_mono_resampled(_as_array(wave), int(sr), target_sr)
     if isinstance(source, np.ndarray) or _is_tensor(source):
         return to_mono_resampled(_as_array(source), target_sr, target_sr)
-    wave, sr = _decode_audio_bytes(read_source(source, options))
+    wave, sr = _decode_audio_bytes(read_source(source, policy, "audio"), policy.limits)
     return to_mono_resampled(wave, sr, target_sr)
 
 
@@ -268,8 +245,8 @@ def _as_array(x: Any) -> np.ndarray:
     return x
 
 
-def load_video(source: Source, options: MediaOptions = DEFAULT_OPTIONS, **kwargs):
+def load_video(source: Source, policy: MediaPolicy = TRUSTED, **kwargs):
     """See vllm_omni.multimodal.video.load_video."""
     from vllm_omni.multimodal.video import load_video as _load_video
 
-    return _load_video(source, options, **kwargs)
+    return _load_video(source, policy, **kwargs)

@@ -11,12 +11,17 @@ Same ids and tensors as transformers' Qwen2_5OmniProcessor (tests/multimodal com
 built from the three pieces that work without torchvision: the tokenizer, WhisperFeatureExtractor
 and Qwen2VLImageProcessorPil; videos are decoded and patchified here (video.py, vision.py).
 One difference: `input_features` keep only the unmasked frames (see whisper_features).
+
+Requests may be processed from several threads at once: only the tokenizer (not safe to share
+between threads) is used under a lock; media are read, decoded and turned into features
+outside it, so a slow or large item holds up nothing but its own request.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,13 +32,7 @@ import torch
 from vllm_omni.multimodal import qwen2_5_omni_placeholders as ph
 from vllm_omni.multimodal.chat_parts import MediaItem, items_from_multi_modal_data, parse_messages, render_chat
 from vllm_omni.multimodal.chat_template import QWEN2_5_OMNI_CHAT_TEMPLATE
-from vllm_omni.multimodal.media import (
-    DEFAULT_OPTIONS,
-    MediaError,
-    MediaOptions,
-    load_audio,
-    load_image,
-)
+from vllm_omni.multimodal.media import TRUSTED, MediaError, MediaPolicy, load_audio, load_image
 from vllm_omni.multimodal.video import load_video
 from vllm_omni.multimodal.vision import VideoSampling, patchify_video
 
@@ -65,7 +64,7 @@ class Qwen2_5OmniInputProcessor:
         image_processor,
         chat_template: str | None = None,
         video_sampling: VideoSampling | None = None,
-        media_options: MediaOptions = DEFAULT_OPTIONS,
+        media: MediaPolicy = TRUSTED,
         position_id_per_seconds: float = 25,
         seconds_per_chunk: float = 2.0,
     ):
@@ -77,7 +76,8 @@ class Qwen2_5OmniInputProcessor:
             frame_factor=image_processor.temporal_patch_size,
             image_factor=image_processor.patch_size * image_processor.merge_size,
         )
-        self.media_options = media_options
+        self.media = media
+        self.text_lock = threading.Lock()  # the tokenizer (and the chat template through it)
         self.position_id_per_seconds = position_id_per_seconds
         self.seconds_per_chunk = seconds_per_chunk
         self.ids = ph.OmniTokenIds.from_tokenizer(tokenizer)
@@ -121,9 +121,11 @@ class Qwen2_5OmniInputProcessor:
         own options win). `chat_template` replaces the model's for this call, `chat_template_kwargs`
         are extra template variables. Raises ValueError (MediaError) for bad input."""
         rendered, items = parse_messages(messages)
-        text = render_chat(self.tokenizer, rendered, chat_template or self.chat_template, add_generation_prompt,
-                           chat_template_kwargs)
-        return self._finish(self._encode(text), items, use_audio_in_video, video_options)
+        with self.text_lock:
+            text = render_chat(self.tokenizer, rendered, chat_template or self.chat_template, add_generation_prompt,
+                               chat_template_kwargs)
+            ids = self._encode(text)
+        return self._finish(ids, items, use_audio_in_video, video_options)
 
     def process_prompt(
         self,
@@ -135,7 +137,11 @@ class Qwen2_5OmniInputProcessor:
         """A prompt already in template form (text or ids) with one placeholder per item
         (<|audio_bos|><|AUDIO|><|audio_eos|>, <|vision_bos|><|IMAGE|><|vision_eos|>, ...) and
         vLLM-style multi_modal_data {"image": ..., "audio": ..., "video": ...}."""
-        ids = self._encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if isinstance(prompt, str):
+            with self.text_lock:
+                ids = self._encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
         items = items_from_multi_modal_data(multi_modal_data)
         return self._finish(ids, items, use_audio_in_video, video_options)
 
@@ -156,7 +162,7 @@ class Qwen2_5OmniInputProcessor:
 
         image_lengths = self._images(by_kind["image"], mm)
         videos = [self._load_video(it, use_audio_in_video, video_options) for it in by_kind["video"]]
-        standalone = [load_audio(it.source, self.media_options) for it in by_kind["audio"]]
+        standalone = [load_audio(it.source, self.media) for it in by_kind["audio"]]
         # Audio features go in the order of the audio tokens in the prompt: a standalone audio
         # at its <|AUDIO|>, a video's track at its <|VIDEO|> (use_audio_in_video). True = track.
         from_video = [
@@ -189,14 +195,14 @@ class Qwen2_5OmniInputProcessor:
             return []
         pixels, grids = [], []
         for item in items:
-            image = load_image(item.source, self.media_options)
             kwargs = {}
             if item.options:  # per-image pixel bounds, as transformers' size dict
                 size = self.image_processor.size  # a SizeDict in transformers 5
                 kwargs["size"] = {
-                    "shortest_edge": int(item.options.get("min_pixels", size["shortest_edge"])),
-                    "longest_edge": int(item.options.get("max_pixels", size["longest_edge"])),
+                    "shortest_edge": self._pixel_bound(item.options, "min_pixels", size["shortest_edge"]),
+                    "longest_edge": self._pixel_bound(item.options, "max_pixels", size["longest_edge"]),
                 }
+            image = load_image(item.source, self.media)
             try:
                 out = self.image_processor(images=[image], return_tensors="np", **kwargs)
             except ValueError as e:  # e.g. an extreme aspect ratio
@@ -208,9 +214,19 @@ class Qwen2_5OmniInputProcessor:
         merge = self.image_processor.merge_size
         return [t * h * w // merge**2 for t, h, w in grids]
 
+    def _pixel_bound(self, options: dict[str, Any], name: str, default: int) -> int:
+        """A request's min_pixels / max_pixels: what an image may be resized to, within the limit."""
+        value = int(options.get(name, default))
+        if value > self.media.limits.max_image_pixels:
+            raise MediaError(f"{name}={value} is over the {self.media.limits.max_image_pixels} pixel limit "
+                             "(--max-image-pixels)")
+        return value
+
     def _load_video(self, item: MediaItem, with_audio: bool, video_options):
         sampling = self.video_sampling.updated(video_options).updated(item.options)
-        clip = load_video(item.source, self.media_options, sampling, with_audio=with_audio)
+        for name in ("min_pixels", "max_pixels"):
+            self._pixel_bound({name: getattr(sampling, name)}, name, 0)
+        clip = load_video(item.source, self.media, sampling, with_audio=with_audio)
         if with_audio and clip.audio is None:
             # The thinker's position ids assume every video has its audio interleaved.
             raise MediaError("use_audio_in_video is set but a video has no audio track")

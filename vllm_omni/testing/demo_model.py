@@ -47,8 +47,9 @@ DEFAULT_REPLY_TOKENS = 24  # the thinker's default max_tokens: 24 words, 2.4 s o
 
 # The demo's own stage settings, applied over the bundled deploy config whenever no config file is
 # given (config/checkpoint_deploy.py). A request may ask for other lengths (`max_tokens`), up to
-# ceilings that keep one request from holding a CPU for minutes: the talker speaks one code per
-# word plus its stop code, so its 512 cover the thinker's longest reply.
+# caps (`max_tokens_limit`: a default alone is no cap) that keep one request from holding a CPU for
+# minutes: the talker speaks one code per word plus its stop code, so its 512 cover the thinker's
+# longest reply.
 DEMO_DEPLOY = f"""\
 # The embedded demo's own settings (vllm_omni/testing/demo_model.py), over the bundled deploy
 # config of Qwen2.5-Omni: short replies unless a request asks for more.
@@ -58,6 +59,7 @@ stages:
     default_sampling_params:
       max_tokens: {DEFAULT_REPLY_TOKENS}
   - stage_id: 1  # talker
+    max_tokens_limit: 512
     default_sampling_params:
       max_tokens: 512
 """

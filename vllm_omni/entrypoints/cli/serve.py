@@ -9,7 +9,9 @@ import argparse
 import logging
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from vllm_omni.entrypoints.cli import serve_args, stage_cli
 
@@ -17,8 +19,8 @@ logger = logging.getLogger("vllm_omni.serve")
 
 DEMO_SERVED_NAME = "vllm-omni-demo"
 _HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")  # "org/name" (or a legacy "name"), as on the Hugging Face hub
-_VLLM_USAGE = ("this `vllm` command is vLLM-Omni's and only runs `vllm serve [MODEL] --omni [flags]`; "
-               "everything else is `vllm-omni --help`")
+_VLLM_USAGE = ("this `vllm` command is vLLM-Omni's and only runs `vllm serve [MODEL] --omni [flags]` and "
+               "`vllm bench serve [flags]`; everything else is `vllm-omni --help`")
 
 
 def add_parser(subparsers) -> None:
@@ -36,15 +38,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def vllm_main(argv: list[str] | None = None) -> int:
-    """The `vllm` console script: only `vllm serve ... --omni`."""
+    """The `vllm` console script: only `vllm serve ... --omni` and `vllm bench serve ...`."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "serve"]:  # upstream's benchmark client: `vllm bench serve --omni ...`
+        from vllm_omni.entrypoints.cli.main import main
+
+        return main(argv)
     if not argv or argv[0] != "serve":
         print(f"error: {_VLLM_USAGE}", file=sys.stderr)
         return 2
     parser = argparse.ArgumentParser(prog="vllm serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                      description="vLLM-Omni's OpenAI-compatible API server (needs --omni).")
     serve_args.add_arguments(parser)
-    args = parser.parse_args(argv[1:])
+    args = parser.parse_args(serve_args.fold_dotted_flags(argv[1:]))
     if not args.omni:
         print(f"error: add --omni: {_VLLM_USAGE}", file=sys.stderr)
         return 2
@@ -108,17 +114,17 @@ def serve(args: argparse.Namespace) -> int:
         model, _ = _model(args)
         return stage_cli.run_headless(args, model, serve_args.stage_overrides(args), serve_args.engine_args(args))
 
+    from vllm_omni.entrypoints.openai import input_limits
     from vllm_omni.entrypoints.openai.api_server import ServerSettings, bind_socket, local_media_root, run_server
     from vllm_omni.entrypoints.openai.chat_options import ChatOptions, load_chat_template
-    from vllm_omni.entrypoints.openai.media_fetch import MediaPolicy
 
     try:
-        media = MediaPolicy(local_media_root(args.allowed_local_media_path), args.media_fetch_timeout,
-                            args.max_media_bytes, allowed_domains=tuple(args.allowed_media_domains or ()),
-                            allow_private=args.allow_private_media_urls)
+        media = input_limits.media_policy(args, local_media_root(args.allowed_local_media_path))
         chat = ChatOptions(chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
                            limit_mm_per_prompt=args.limit_mm_per_prompt or {},
                            audio_stream_shape=args.audio_stream_shape)
+        video = serve_args.video_store.from_args(args)
+        voices, speech_stream = serve_args.tts_limits.voice_limits(args), serve_args.tts_limits.speech_stream_limits(args)
         sock = bind_socket(args.host, args.port)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -134,19 +140,27 @@ def serve(args: argparse.Namespace) -> int:
         max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
         admission_timeout_s=args.batch_timeout, max_request_bytes=args.max_request_bytes,
         uvicorn_log_level=args.uvicorn_log_level, realtime=serve_args.realtime_limits.from_args(args),
+        voices=voices, speech_stream=speech_stream,
         chat=chat, log_requests=args.enable_log_requests, max_prompts_per_request=args.max_prompts_per_request,
-        shutdown_timeout_s=args.shutdown_timeout,
-        **({"tts_max_instructions_length": args.tts_max_instructions_length}
-           if args.tts_max_instructions_length is not None else {}),
+        shutdown_timeout_s=args.shutdown_timeout, max_diffusion_prompt_chars=args.max_diffusion_prompt_chars,
+        video=video,
     )
     try:
-        engine = _start_engine(args, model)
+        engine = _start_engine(args, model, media)
     except Exception as e:  # noqa: BLE001 - config errors, a stage that failed or timed out: say why, exit 1
         logger.error("the pipeline failed to start: %s", e)
         sock.close()
         return 1
-    run_server(engine, settings, sock)
+    limit = _tts_instructions_limit(args.tts_max_instructions_length, engine.pipeline)
+    run_server(engine, settings if limit is None else replace(settings, tts_max_instructions_length=limit), sock)
     return 0
+
+
+def _tts_instructions_limit(flag: int | None, pipeline: Any) -> int | None:
+    """--tts-max-instructions-length, else a stage config's (upstream's tts_args), as upstream ranks them."""
+    if flag is not None:
+        return flag
+    return next((s.tts_max_instructions_length for s in pipeline.stages if s.tts_max_instructions_length), None)
 
 
 def _missing_hub_model(args: argparse.Namespace) -> str | None:
@@ -196,7 +210,8 @@ def _model(args: argparse.Namespace) -> tuple[str, list[str]]:
     return path, args.served_model_name or [DEMO_SERVED_NAME]
 
 
-def _start_engine(args: argparse.Namespace, model: str):
+def _start_engine(args: argparse.Namespace, model: str, media: Any):
+    """`media`: the server's MediaPolicy, which the input processor reads and decodes under too."""
     from vllm_omni.entrypoints.async_omni import AsyncOmni
 
     return AsyncOmni(
@@ -205,5 +220,6 @@ def _start_engine(args: argparse.Namespace, model: str):
         init_timeout=args.init_timeout, shm_threshold_bytes=args.shm_threshold_bytes, log_stats=args.log_stats,
         async_chunk=args.async_chunk, heartbeat_timeout=args.omni_heartbeat_timeout,
         max_stage_restarts=args.max_stage_restarts, lb_policy=args.omni_lb_policy, worker_backend=args.worker_backend,
-        ray_address=args.ray_address, **stage_cli.head_arguments(args), **serve_args.engine_args(args),
+        ray_address=args.ray_address, media_policy=media, **stage_cli.head_arguments(args),
+        **serve_args.engine_args(args), **({"strategy_config": args.strategy_config} if args.strategy_config else {}),
     )

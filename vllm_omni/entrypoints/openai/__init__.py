@@ -8,7 +8,8 @@
     protocol.py             request models (pydantic)
     accumulator.py          OmniRequestOutputs -> text / audio deltas and totals
     audio.py                wav / flac / pcm16 / mp3 / opus encoding
-    media_fetch.py          the server's media policy: downloads, local files
+    media_fetch.py          the media gate per request: every media URL fetched before admission
+    input_limits.py         the media and prompt caps' flags -> the server's MediaPolicy
     admission.py            bounded concurrency + bounded queue (429)
     errors.py, metrics.py   OpenAI error shape and statuses; Prometheus metrics
 """

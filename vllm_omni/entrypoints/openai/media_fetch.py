@@ -1,50 +1,37 @@
-"""Fetch the media a chat request points at, under the server's policy, before generation.
+"""The server's side of the media gate: every media source a request names is fetched here,
+concurrently and asynchronously, before the request is admitted.
 
-The engine's multimodal processor can read URLs and files itself, but on a server that is a
-security and liveness question: any client could make the server read any local file, or hold
-a request (and the event loop) on a slow download. So every `image_url` / `audio_url` /
-`video_url` is resolved here first:
+    messages = await resolve_media(messages, policy)        # chat: every media part, one budget
+    data = await fetch_media(url, "image", policy)           # one item (a realtime image, ref_audio)
+    count_upload(len(data), policy)                          # an upload (transcription, image edit)
 
-- data URLs stay as they are (the processor decodes them; bad base64 -> 400);
-- http(s) URLs are downloaded asynchronously with a size limit and a deadline -> bytes, only
-  from public addresses unless the server allows more (url_guard.py), redirects checked hop
-  by hop;
-- file:// URLs and plain paths are allowed only under `--allowed-local-media-path` -> a Path;
-- anything else is a 400.
-
-The processor then only ever sees bytes, data URLs or vetted paths.
+The rules are multimodal/media_fetch.py's (addresses, redirects, local files, data-URL types,
+bytes, deadlines); here they apply per request: at most `max_items` items and
+`max_total_bytes` bytes (MediaBudget), inline `input_audio` included. A refusal is a 400
+naming the URL the client sent. The engine's input processor then only sees bytes or vetted
+paths, and decodes them (under the same policy's decode limits) in its worker thread, outside
+any lock other requests wait on.
 """
 from __future__ import annotations
 
 import asyncio
-import urllib.parse
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Awaitable, Iterable
 from typing import Any
 
-import httpx
-
 from vllm_omni.entrypoints.openai.errors import APIError
-from vllm_omni.entrypoints.openai.url_guard import guard_url
+from vllm_omni.multimodal.media_fetch import fetch
+from vllm_omni.multimodal.media_policy import MediaBudget, MediaError, MediaPolicy
 
-_URL_KEYS = {"image_url": "image_url", "audio_url": "audio_url", "video_url": "video_url"}
-MAX_REDIRECTS = 5
+__all__ = ["MediaPolicy", "count_upload", "fetch_media", "resolve_media"]
 
-
-@dataclass(frozen=True)
-class MediaPolicy:
-    allowed_local_root: Path | None = None  # None: local files are refused
-    timeout_s: float = 10.0  # whole download, per URL
-    max_bytes: int = 64 * 1024 * 1024
-    allowed_domains: tuple[str, ...] = ()  # non-empty: only these hosts (and their subdomains)
-    allow_private: bool = False  # let URLs reach loopback / private / link-local addresses
+_URL_KINDS = {"image_url": "image", "audio_url": "audio", "video_url": "video"}
 
 
 async def resolve_media(messages: list[dict[str, Any]], policy: MediaPolicy) -> list[dict[str, Any]]:
-    """Engine-ready messages with every media URL replaced by bytes / a Path (data URLs kept).
-
-    Downloads run concurrently; the first failure is a 400 naming the URL."""
-    jobs: list[tuple[dict[str, Any], str, Any]] = []  # (part, key, awaitable source)
+    """Engine-ready messages with every media URL replaced by bytes or a Path. The first
+    failure is a 400 (the other downloads are cancelled)."""
+    budget = MediaBudget(policy)
+    fetched: list[tuple[dict[str, Any], str]] = []  # (a copy of the part, its key)
     out = []
     for message in messages:
         content = message.get("content")
@@ -53,94 +40,65 @@ async def resolve_media(messages: list[dict[str, Any]], policy: MediaPolicy) -> 
             continue
         parts = []
         for part in content:
-            key = _URL_KEYS.get(part.get("type"))
-            if key is not None:
+            key = part.get("type")
+            if key in _URL_KINDS:
                 part = dict(part)
-                jobs.append((part, key, _resolve_url(_url_of(part[key]), policy)))
+                fetched.append((part, key))
+            elif key == "input_audio":
+                _gated(_count_inline, part[key]["data"], budget)
             parts.append(part)
         out.append({**message, "content": parts})
-    if jobs:
-        sources = await asyncio.gather(*(job for _, _, job in jobs))
-        for (part, key, _), source in zip(jobs, sources, strict=True):
-            part[key] = {**part[key], "url": source} if isinstance(part[key], dict) else {"url": source}
+    sources = await _all(fetch(_url_of(part[key]), _URL_KINDS[key], policy, budget) for part, key in fetched)
+    for (part, key), source in zip(fetched, sources, strict=True):
+        part[key] = {**part[key], "url": source} if isinstance(part[key], dict) else {"url": source}
     return out
+
+
+async def fetch_media(source: str, kind: str, policy: MediaPolicy, budget: MediaBudget | None = None) -> Any:
+    """One item: bytes or a vetted Path. 400 when refused."""
+    return (await _all([fetch(source, kind, policy, budget or MediaBudget(policy))]))[0]
+
+
+def count_upload(size: int, policy: MediaPolicy) -> None:
+    """An uploaded file is one media item of the request: 400 over the byte limits."""
+    _gated(_count_bytes, size, MediaBudget(policy), "the file")
+
+
+def _count_inline(data: str, budget: MediaBudget) -> None:
+    _count_bytes(len(data) * 3 // 4, budget, "an input_audio")  # base64: decoded by the input processor
+
+
+def _count_bytes(size: int, budget: MediaBudget, what: str) -> None:
+    budget.take_item()
+    if size > budget.policy.max_bytes:
+        raise MediaError(f"{what} is {size} bytes, over the {budget.policy.max_bytes} byte media limit "
+                         "(--max-media-bytes)")
+    budget.take_bytes(size)
+
+
+def _gated(check: Any, *args: Any) -> None:
+    try:
+        check(*args)
+    except MediaError as e:
+        raise APIError(400, str(e)) from None
+
+
+async def _all(jobs: Iterable[Awaitable[Any]]) -> list[Any]:
+    tasks = [asyncio.ensure_future(job) for job in jobs]
+    if not tasks:
+        return []
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((t for t in tasks if t in done and t.exception() is not None), None)
+        if failed is not None:
+            raise failed.exception()  # type: ignore[misc]
+        return [t.result() for t in tasks]
+    except MediaError as e:
+        raise APIError(400, str(e)) from None
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _url_of(value: Any) -> str:
     return value["url"] if isinstance(value, dict) else value
-
-
-async def _resolve_url(url: str, policy: MediaPolicy) -> Any:
-    if url.startswith("data:"):
-        return url
-    scheme = urllib.parse.urlsplit(url).scheme.lower()
-    if scheme in ("http", "https"):
-        return await _download(url, policy)
-    if scheme == "file":
-        return _local_file(Path(urllib.parse.unquote(urllib.parse.urlsplit(url).path)), url, policy)
-    if scheme:
-        raise APIError(400, f"unsupported media URL scheme {scheme!r} in {_short(url)}; use http(s), data or file")
-    return _local_file(Path(url), url, policy)
-
-
-def _local_file(path: Path, url: str, policy: MediaPolicy) -> Path:
-    if policy.allowed_local_root is None:
-        raise APIError(400, f"local media files are not allowed on this server ({_short(url)}); send a data URL "
-                            "or an http(s) URL, or start the server with --allowed-local-media-path")
-    root = policy.allowed_local_root.resolve()
-    try:
-        resolved = path.expanduser().resolve()
-    except OSError as e:
-        raise APIError(400, f"bad media path {_short(url)}: {e.strerror}") from None
-    if not resolved.is_relative_to(root):
-        raise APIError(400, f"media path {_short(url)} is outside --allowed-local-media-path {root}")
-    if not resolved.is_file():
-        raise APIError(400, f"no such media file: {_short(url)}")
-    return resolved
-
-
-async def _download(url: str, policy: MediaPolicy) -> bytes:
-    try:
-        # The deadline bounds the whole download: a server dripping bytes cannot hold the request.
-        return await asyncio.wait_for(_read_limited(url, policy), policy.timeout_s)
-    except asyncio.TimeoutError:
-        raise APIError(400, f"fetching {_short(url)} took longer than {policy.timeout_s} s") from None
-    except httpx.HTTPError as e:
-        # The exception's text can name internal addresses; its kind is enough for the client.
-        raise APIError(400, f"fetching {_short(url)} failed ({type(e).__name__})") from None
-
-
-async def _read_limited(url: str, policy: MediaPolicy) -> bytes:
-    try:
-        current = httpx.URL(url)
-    except httpx.InvalidURL as e:
-        raise APIError(400, f"invalid media URL {_short(url)}: {e}") from None
-    async with httpx.AsyncClient(timeout=policy.timeout_s, follow_redirects=False) as client:
-        for _ in range(MAX_REDIRECTS + 1):
-            target = await guard_url(current, policy.allowed_domains, policy.allow_private, _short(url))
-            async with client.stream("GET", target.connect_url, headers=target.headers,
-                                     extensions=target.extensions) as resp:
-                if resp.is_redirect:
-                    current = current.join(resp.headers.get("location", ""))
-                    continue
-                if resp.status_code != 200:
-                    raise APIError(400, f"fetching {_short(url)} failed: HTTP {resp.status_code}")
-                return await _body(resp, url, policy.max_bytes)
-    raise APIError(400, f"fetching {_short(url)} failed: more than {MAX_REDIRECTS} redirects")
-
-
-async def _body(resp: httpx.Response, url: str, max_bytes: int) -> bytes:
-    declared = resp.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise APIError(400, f"{_short(url)} is {declared} bytes, over the {max_bytes} byte media limit")
-    chunks, size = [], 0
-    async for chunk in resp.aiter_bytes():
-        size += len(chunk)
-        if size > max_bytes:  # the header can be absent or lie
-            raise APIError(400, f"{_short(url)} is over the {max_bytes} byte media limit")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _short(url: str) -> str:
-    return url if len(url) <= 120 else url[:117] + "..."

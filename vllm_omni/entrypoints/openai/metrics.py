@@ -12,8 +12,10 @@ import logging
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from vllm_omni.engine.stage_client import StageState
+from vllm_omni.engine.transport_guard import DropKey, merge_counts
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,8 @@ class ServerMetrics:
         self.diffusion_steps = Gauge("vllm_omni:stage_diffusion_steps_done", "Denoising steps done (one per "
                                      "request per step) since the stage started (diffusion stages)", labels,
                                      registry=r)
+        self.transport_drops: dict[DropKey, int] = {}  # set at each scrape; counted in the engine and the stages
+        r.register(_TransportDrops(self))
 
     # --- request series -------------------------------------------------------
     def observe_status(self, endpoint: str, status: int) -> None:
@@ -91,6 +95,9 @@ class ServerMetrics:
         results = await asyncio.gather(*(asyncio.wait_for(engine.get_stage_stats(sid), STATS_TIMEOUT_S) for sid in up),
                                        return_exceptions=True)
         stats = dict(zip(up, results, strict=True))
+        inboxes = {DropKey("inbox", str(sid), reason): n for sid, s in stats.items() if not isinstance(s, BaseException)
+                   for reason, n in s.transport_drops.items()}
+        self.transport_drops = merge_counts(engine.transport_drops(), inboxes)
         for sid, h in health.items():
             labels = (str(sid), self.stage_names.get(sid, ""))
             self.stage_up.labels(*labels).set(1.0 if h.state == StageState.UP else 0.0)
@@ -123,3 +130,21 @@ class ServerMetrics:
         total = getattr(s, "kv_total_blocks", None)
         if total:
             self.stage_kv_usage.labels(*labels).set(1.0 - s.kv_free_blocks / total)
+
+
+class _TransportDrops:
+    """`vllm_omni:transport_dropped_total`: what the stage transport dropped (engine/transport_guard.py).
+    A counter kept by the engine and the stages, exported as it was at the scrape."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Any:
+        family = CounterMetricFamily(
+            "vllm_omni:transport_dropped", "Frames, connections and registrations the stage transport dropped: "
+            "socket registration/outputs (the head's) or inbox (a stage's), reason undecodable, oversized, "
+            "foreign_shm, handshake_failed, not_zmtp, rate_limited or replica_cap",
+            labels=["socket", "stage", "reason"])
+        for key, n in sorted(self._metrics.transport_drops.items()):
+            family.add_metric([key.socket, key.stage, key.reason], n)
+        yield family

@@ -41,15 +41,17 @@ class TextPart(_Strict):
     text: str
 
 
-class _MediaPart(BaseModel):
-    # Extra keys are per-item processor options (min_pixels, fps, max_frames, ...), which the
-    # multimodal processor validates; they are passed through unchanged.
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+class _MediaPart(_Strict):
+    """A media part holds its source and the processor options documented for its kind
+    (docs/compatibility.md); any other key (a second source such as `"image": URL`) is a 400,
+    never read."""
 
 
 class ImageURLPart(_MediaPart):
     type: Literal["image_url"]
     image_url: Annotated[MediaURL, BeforeValidator(_url_object)]
+    min_pixels: int | None = Field(None, ge=1)  # the bounds the image is resized within
+    max_pixels: int | None = Field(None, ge=1)
 
 
 class AudioURLPart(_MediaPart):
@@ -65,6 +67,14 @@ class VideoURL(_Strict):
 class VideoURLPart(_MediaPart):
     type: Literal["video_url"]
     video_url: Annotated[VideoURL, BeforeValidator(_url_object)]
+    # How the video is sampled (multimodal/vision.py VideoSampling; also in mm_processor_kwargs).
+    fps: float | None = Field(None, gt=0)
+    num_frames: int | None = Field(None, ge=1)
+    min_frames: int | None = Field(None, ge=1)
+    max_frames: int | None = Field(None, ge=1)
+    min_pixels: int | None = Field(None, ge=1)
+    max_pixels: int | None = Field(None, ge=1)
+    total_pixels: int | None = Field(None, ge=1)
 
 
 class _InputAudio(_Strict):

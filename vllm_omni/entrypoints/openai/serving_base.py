@@ -22,11 +22,12 @@ from vllm_omni.entrypoints.openai.admission import AdmissionGate
 from vllm_omni.entrypoints.openai.audio import OUTPUT_SAMPLE_RATE
 from vllm_omni.entrypoints.openai.chat_options import ChatOptions
 from vllm_omni.entrypoints.openai.errors import APIError, ClientDisconnected, from_request_failure, retry_after
-from vllm_omni.entrypoints.openai.media_fetch import MediaPolicy
+from vllm_omni.entrypoints.openai.input_limits import DEFAULT_DIFFUSION_PROMPT_CHARS
 from vllm_omni.entrypoints.openai.metrics import ServerMetrics
 from vllm_omni.entrypoints.openai.prompt_limits import PromptLimit
 from vllm_omni.entrypoints.openai.protocol import SamplingFields
 from vllm_omni.entrypoints.openai.request_params import resolve_sampling_params
+from vllm_omni.multimodal.media_policy import MediaPolicy
 from vllm_omni.outputs import OmniRequestOutput
 from vllm_omni.sampling_params import InvalidParameter, SamplingParams
 
@@ -84,6 +85,7 @@ class ServingContext:
     max_prompts_per_request: int = 32
     shutting_down: bool = False  # set on SIGTERM / SIGINT (shutdown.py)
     prompt_limit: PromptLimit | None = None  # None: no cheap bound known (no tokenizer)
+    max_diffusion_prompt_chars: int = DEFAULT_DIFFUSION_PROMPT_CHARS  # --max-diffusion-prompt-chars
 
     def precheck_chat(self, body: Any) -> None:
         """On the decoded JSON, before pydantic: more messages than max_model_len cannot fit."""

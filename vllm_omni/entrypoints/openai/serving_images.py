@@ -8,7 +8,11 @@ OpenAI's fields: prompt, model, n, size ("WIDTHxHEIGHT" or "auto"), response_for
 "b64_json": there is no file store to serve URLs from), output_format (png, jpeg, webp), user
 (accepted, unused). vLLM-Omni's extensions: negative_prompt, num_inference_steps,
 guidance_scale, true_cfg_scale, seed. An unknown field is a 400; so is a bad size, step count
-or image, a size over --max-generated-image-size, and an edit without exactly one image.
+or image, a size over --max-generated-image-size (unset: 2 megapixels), and an edit without
+exactly one image. A prompt or negative prompt over
+--max-diffusion-prompt-chars is a 413, before anything tokenizes it. The edit image is one
+media item under the server's media policy: its bytes, and its pixels read from its header
+before it is decoded (--max-image-pixels).
 The n images of one request are denoised together (one request of n rows in the stage).
 """
 from __future__ import annotations
@@ -26,6 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from vllm_omni.config.stage_config import WorkerType
 from vllm_omni.entrypoints.openai.errors import APIError
+from vllm_omni.entrypoints.openai.input_limits import DEFAULT_GENERATED_IMAGE_PIXELS
+from vllm_omni.entrypoints.openai.media_fetch import count_upload
 from vllm_omni.entrypoints.openai.serving_base import ServingContext, as_api_error, race_disconnect
 from vllm_omni.multimodal.diffusion_prompt import to_pil_image
 from vllm_omni.sampling_params import DiffusionSamplingParams
@@ -79,6 +85,7 @@ class ImageService:
 
     async def edit(self, raw: Request) -> dict[str, Any]:
         body, image = await _read_edit_form(raw)
+        count_upload(len(image), self.ctx.media)
         return await self._run(EDITS, body, image, raw)
 
     async def _run(self, endpoint: str, body: ImageRequest, image: bytes | None, raw: Request) -> dict[str, Any]:
@@ -87,6 +94,7 @@ class ImageService:
         ctx.check_model(body.model)
         if self.stage is None or "image" not in ctx.shape.final_types:
             raise APIError(400, f"this model produces {ctx.shape.modalities()}, not images")
+        self._check_prompt_sizes(body)
         params = self._params(body)
         prompt: dict[str, Any] = {"prompt": body.prompt}
         if body.negative_prompt is not None:
@@ -107,14 +115,24 @@ class ImageService:
         return {"created": int(time.time()),
                 "data": [{"b64_json": _encode(img, body.output_format), "revised_prompt": None} for img in images]}
 
+    def _check_prompt_sizes(self, body: ImageRequest) -> None:
+        """A text encoder reads a bounded number of tokens: a prompt far longer is refused before
+        it costs a tokenizer (in the stage, where other requests wait) any time."""
+        most = self.ctx.max_diffusion_prompt_chars
+        for name in ("prompt", "negative_prompt"):
+            text = getattr(body, name)
+            if text is not None and len(text) > most:
+                raise APIError(413, f"the {name} has {len(text)} characters, over this server's limit of {most} "
+                                    "(--max-diffusion-prompt-chars)", param=name)
+
     def _params(self, body: ImageRequest) -> DiffusionSamplingParams:
         try:
             params = self.stage.new_sampling_params(**body.param_changes())
         except ValueError as e:
             field = next((f for f in DiffusionSamplingParams.__struct_fields__ if f".{f}=" in str(e)), None)
             raise APIError(400, str(e), param=_API_NAME.get(field, field)) from None
-        limit = self.stage.engine_args.max_generated_image_size
-        if limit is not None and params.height and params.width and params.height * params.width > limit:
+        limit = self.stage.engine_args.max_generated_image_size or DEFAULT_GENERATED_IMAGE_PIXELS
+        if params.height and params.width and params.height * params.width > limit:
             raise APIError(400, f"size {params.width}x{params.height} ({params.width * params.height} pixels) is over "
                                 f"this server's limit of {limit} pixels (--max-generated-image-size)", param="size")
         return params
@@ -168,6 +186,7 @@ def _client_error(exc: BaseException) -> APIError | None:
     message = str(exc)
     if "max_generated_image_size" in message:
         return APIError(400, message, param="size")
-    if any(m in message for m in ("cannot decode image", "image must be", "takes no input image", "edits an image")):
+    if any(m in message for m in ("cannot decode image", "image must be", "takes no input image", "edits an image",
+                                  "--max-image-pixels")):
         return APIError(400, message, param="image")
     return None

@@ -23,10 +23,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.datastructures import FormData, UploadFile
 
 from vllm_omni.entrypoints.openai.errors import APIError
+from vllm_omni.entrypoints.openai.media_fetch import count_upload
 from vllm_omni.entrypoints.openai.serving_base import (
     EventStream, ServingContext, as_api_error, engine_error, first_output, race_disconnect, set_final_status,
 )
-from vllm_omni.multimodal.media import AUDIO_SAMPLE_RATE, MediaError, load_audio
+from vllm_omni.multimodal.media import AUDIO_SAMPLE_RATE, MediaError, MediaPolicy, load_audio
 from vllm_omni.outputs import OmniRequestOutput
 
 FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
@@ -98,8 +99,9 @@ class TranscriptionService:
         if "word" in granularities:
             raise APIError(400, "word timestamps are not available from this model", param="timestamp_granularities")
         data = await upload.read()
+        count_upload(len(data), self.ctx.media)
         try:
-            wave = await race_disconnect(raw, _decode(data))
+            wave = await race_disconnect(raw, _decode(data, self.ctx.media))
         except MediaError as e:
             raise APIError(400, f"cannot decode the audio file: {e}", param="file") from None
         if wave.size == 0:
@@ -160,8 +162,9 @@ def _temperature(form: FormData) -> float:
     return t
 
 
-async def _decode(data: bytes) -> Any:
-    return await asyncio.to_thread(load_audio, data)
+async def _decode(data: bytes, policy: MediaPolicy) -> Any:
+    """Off the event loop; the duration limit stops the decoder, however long the file says it is."""
+    return await asyncio.to_thread(load_audio, data, policy)
 
 
 async def _last(first: OmniRequestOutput, gen: AsyncIterator[OmniRequestOutput]) -> OmniRequestOutput:

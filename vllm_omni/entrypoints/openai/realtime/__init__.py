@@ -1,6 +1,6 @@
 """The realtime API: `GET /v1/realtime`, a WebSocket speaking OpenAI's Realtime (GA) events.
 
-    endpoint.py        the socket: authentication, session bounds, the receive loop
+    endpoint.py        the socket: authentication, Origin, session bounds, the receive loop
     session.py         the session state machine (buffer, VAD, conversation, responses)
     response.py        one response: AsyncOmni deltas -> response.* events; cancel = abort
     conversation.py    items and the multi-turn history handed to the model; truncation

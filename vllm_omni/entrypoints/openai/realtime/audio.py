@@ -85,6 +85,14 @@ def to_float(raw: bytes, fmt: AudioFormat) -> np.ndarray:
     return _G711[fmt.type][np.frombuffer(raw, dtype=np.uint8)]
 
 
+def model_samples(b64_chars: int, fmt: AudioFormat) -> int:
+    """About how many 16 kHz samples `b64_chars` of base64 audio decode to: checked against the
+    limits before any decoding."""
+    raw = b64_chars * 3 // 4
+    samples = raw // 2 if fmt.type == "audio/pcm" else raw
+    return samples * MODEL_RATE // fmt.rate
+
+
 class InputAudioStream:
     """One session's input: wire chunks -> float32 at 16 kHz, continuous across appends."""
 

@@ -6,8 +6,10 @@
 User audio is kept as 16 kHz float32 samples and handed to the model as such; assistant
 replies are kept as their text (the transcript of the speech), which is what the thinker reads
 back on the next turn. A truncated reply keeps only the part of its transcript that was heard
-(`truncate`). The history is bounded by `max_audio_s` of user audio: the oldest audio items
-go first, as OpenAI's `truncation: auto` drops the oldest items.
+(`truncate`). User images are kept as the bytes the media gate fetched when the item was
+created (never fetched again). The history is bounded by `max_audio_s` of user audio,
+`max_items` items and `max_text_chars` characters of text: the oldest items go first, as
+OpenAI's `truncation: auto` drops the oldest items.
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ class Part:
     text: str | None = None  # input_text, output_text
     transcript: str | None = None  # input_audio (given by the client), output_audio
     audio: np.ndarray | None = None  # input_audio: float32 at 16 kHz
-    image_url: str | None = None
+    image_url: str | None = None  # input_image: the URL the client gave (echoed back)
+    image: bytes | None = None  # input_image: what the media gate fetched from it
     audio_ms: int = 0  # output_audio: how much was generated
     heard_ms: int | None = None  # output_audio: where playback was cut (None: all of it)
     uncut_transcript: str | None = None  # output_audio: the whole transcript, once cut
@@ -49,6 +52,10 @@ class Part:
     def spoken_text(self) -> str:
         return (self.text if self.type.endswith("_text") else self.transcript) or ""
 
+    def text_chars(self) -> int:
+        """Text this part holds (a cut transcript keeps its whole text too)."""
+        return len(self.text or "") + len(self.transcript or "") + len(self.uncut_transcript or "")
+
 
 @dataclass(eq=False)
 class Item:
@@ -64,6 +71,12 @@ class Item:
     def audio_seconds(self) -> float:
         return sum(p.audio.size for p in self.content if p.audio is not None) / MODEL_RATE
 
+    def text_chars(self) -> int:
+        return sum(p.text_chars() for p in self.content)
+
+    def images(self) -> list[bytes]:
+        return [p.image for p in self.content if p.image is not None]
+
     def message(self) -> dict[str, Any] | None:
         """This item as a chat message for the model (None: nothing to say)."""
         if self.role != "user":
@@ -75,8 +88,8 @@ class Item:
                 parts.append({"type": "text", "text": p.text or ""})
             elif p.type == "input_audio" and p.audio is not None and p.audio.size:
                 parts.append((p.audio, MODEL_RATE))  # chat_parts: a (waveform, rate) tuple is audio
-            elif p.type == "input_image":
-                parts.append({"type": "image_url", "image_url": {"url": p.image_url}})
+            elif p.type == "input_image" and p.image is not None:
+                parts.append({"type": "image_url", "image_url": {"url": p.image}})
         return {"role": "user", "content": parts} if parts else None
 
 
@@ -96,9 +109,9 @@ def cut_transcript(text: str, heard_ms: int, audio_ms: int) -> str:
 
 
 class Conversation:
-    def __init__(self, max_audio_s: float) -> None:
+    def __init__(self, max_audio_s: float, max_items: int, max_text_chars: int) -> None:
         self.items: list[Item] = []
-        self.max_audio_s = max_audio_s
+        self.max_audio_s, self.max_items, self.max_text_chars = max_audio_s, max_items, max_text_chars
         self.id = new_id("conv")
 
     def get(self, item_id: str, param: str = "item_id") -> Item:
@@ -112,7 +125,7 @@ class Conversation:
         return self.items[i - 1].id if i > 0 else None
 
     def add(self, item: Item, previous_item_id: str | None = None) -> list[Item]:
-        """Insert `item`; returns the items dropped to keep the audio bound."""
+        """Insert `item`; returns the items dropped to keep the bounds."""
         if any(i.id == item.id for i in self.items):
             raise ProtocolError(f"an item with id {item.id!r} already exists", code="duplicate_item_id", param="item.id")
         if previous_item_id is None:
@@ -127,13 +140,23 @@ class Conversation:
 
     def _bound(self, keep: Item) -> list[Item]:
         dropped = []
-        while sum(i.audio_seconds() for i in self.items) > self.max_audio_s:
-            oldest = next(i for i in self.items if i.audio_seconds() > 0)
-            if oldest is keep:
-                break  # a single item over the bound was refused before it got here
+        while True:
+            oldest = self._oldest_over_bound()
+            if oldest is None or oldest is keep:
+                break  # a single item over a bound was refused before it got here
             self.items.remove(oldest)
             dropped.append(oldest)
         return dropped
+
+    def _oldest_over_bound(self) -> Item | None:
+        """The oldest item whose removal brings the conversation toward its bounds."""
+        if len(self.items) > self.max_items:
+            return next((i for i in self.items if i.status != "in_progress"), None)
+        if sum(i.text_chars() for i in self.items) > self.max_text_chars:
+            return next((i for i in self.items if i.text_chars() and i.status != "in_progress"), None)
+        if sum(i.audio_seconds() for i in self.items) > self.max_audio_s:
+            return next(i for i in self.items if i.audio_seconds() > 0)
+        return None
 
     def truncate(self, item_id: str, content_index: int, audio_end_ms: int) -> Item:
         item = self.get(item_id)

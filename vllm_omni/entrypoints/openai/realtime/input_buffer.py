@@ -28,10 +28,14 @@ class InputBuffer:
     def __len__(self) -> int:
         return self.end - self.start
 
-    def append(self, samples: np.ndarray) -> None:
-        if len(self) + samples.size > self.max_samples:
-            raise BufferFull(f"the input audio buffer would hold {(len(self) + samples.size) / SAMPLE_RATE:.1f} s "
+    def check_room(self, n: int) -> None:
+        """BufferFull unless `n` more samples fit."""
+        if len(self) + n > self.max_samples:
+            raise BufferFull(f"the input audio buffer would hold {(len(self) + n) / SAMPLE_RATE:.1f} s "
                              f"of audio, over the {self.max_samples / SAMPLE_RATE:.0f} s limit; commit or clear it")
+
+    def append(self, samples: np.ndarray) -> None:
+        self.check_room(samples.size)
         if samples.size:
             self._chunks.append(samples.astype(np.float32, copy=False))
             self.end += samples.size

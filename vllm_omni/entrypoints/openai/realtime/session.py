@@ -10,6 +10,11 @@ VAD, from speech that stops (then a response starts by itself when `create_respo
 that starts while a response is running or its audio is still playing cancels the response
 (`interrupt_response`) and cuts the reply in the history at what was heard (barge-in; see
 docs/realtime.md).
+
+What a client sends is decoded off the event loop (large audio chunks and items in a worker
+thread), and a user image is fetched once, through the media gate, when its item is created:
+the session's images together stay within one request's media limits (every response sends
+them all), and the conversation within its item and text bounds.
 """
 from __future__ import annotations
 
@@ -20,8 +25,12 @@ from typing import Any
 
 import numpy as np
 
+from vllm_omni.entrypoints.openai.errors import APIError
+from vllm_omni.entrypoints.openai.media_fetch import fetch_media
 from vllm_omni.entrypoints.openai.realtime import events
-from vllm_omni.entrypoints.openai.realtime.audio import MODEL_RATE, AudioDecodeError, InputAudioStream, samples_to_ms
+from vllm_omni.entrypoints.openai.realtime.audio import (
+    MODEL_RATE, AudioDecodeError, InputAudioStream, model_samples, samples_to_ms,
+)
 from vllm_omni.entrypoints.openai.realtime.conversation import Conversation, Item, Part, new_id
 from vllm_omni.entrypoints.openai.realtime.input_buffer import BufferFull, InputBuffer
 from vllm_omni.entrypoints.openai.realtime.limits import RealtimeLimits
@@ -33,8 +42,11 @@ from vllm_omni.entrypoints.openai.realtime.response import ResponsePlan, Respons
 from vllm_omni.entrypoints.openai.realtime.session_config import ModelAbilities, SessionConfig, response_voice
 from vllm_omni.entrypoints.openai.realtime.vad import FRAME, SileroStream, SpeechSegmenter, SpeechStarted
 from vllm_omni.entrypoints.openai.serving_base import ServingContext
+from vllm_omni.multimodal.media import open_image
+from vllm_omni.multimodal.media_policy import MediaBudget, MediaError
 
 MIN_COMMIT_MS = 100  # OpenAI's minimum for a committed buffer
+OFF_LOOP_BYTES = 64 * 1024  # audio chunks larger than this are decoded in a worker thread
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -45,7 +57,7 @@ class RealtimeSession:
         self.id = new_id("sess")
         self.created_at = time.time()
         self.config = SessionConfig.default(model)
-        self.conversation = Conversation(limits.max_history_audio_s)
+        self.conversation = Conversation(limits.max_history_audio_s, limits.max_items, limits.max_text_chars)
         self.input = InputAudioStream(self.config.input_format)
         self.buffer = InputBuffer(int(limits.max_input_audio_s * MODEL_RATE))
         self.vad: SileroStream | None = None
@@ -87,7 +99,13 @@ class RealtimeSession:
 
     # ------------------------------------------------------------------ session
 
+    def _check_instructions(self, text: str | None, param: str) -> None:
+        if text is not None and len(text) > self.limits.max_text_chars:
+            raise ProtocolError(f"the instructions have {len(text)} characters, over the session's limit of "
+                                f"{self.limits.max_text_chars} (--realtime-max-text-chars)", param=param)
+
     async def _session_update(self, ev: SessionUpdate) -> None:
+        self._check_instructions(ev.session.instructions, "session.instructions")
         old = self.config
         self.config = old.updated(ev.session, self.model)
         if self.config.input_format != old.input_format:
@@ -108,11 +126,11 @@ class RealtimeSession:
 
     async def _append(self, ev: BufferAppend) -> None:
         try:
-            samples = self.input.decode(ev.audio)
+            self.buffer.check_room(model_samples(len(ev.audio), self.input.format))  # before decoding
+            samples = await _off_loop(len(ev.audio), self.input.decode, ev.audio)
+            self.buffer.append(samples)
         except AudioDecodeError as e:
             raise ProtocolError(str(e), code="invalid_audio", param="audio") from None
-        try:
-            self.buffer.append(samples)
         except BufferFull as e:
             raise ProtocolError(str(e), code="input_audio_buffer_full", param="audio") from None
         if self.segmenter is not None:
@@ -201,44 +219,66 @@ class RealtimeSession:
         await self.send(events.event("conversation.item.done", previous_item_id=previous, item=item.wire()))
 
     async def _item_create(self, ev: ItemCreate) -> None:
-        item = self._item(ev.item)
+        item = await self._item(ev.item)
         if item.audio_seconds() > self.limits.max_input_audio_s:
             raise ProtocolError(f"the item holds {item.audio_seconds():.1f} s of audio, over the "
                                 f"{self.limits.max_input_audio_s:.0f} s limit", code="input_audio_too_long",
                                 param="item.content")
+        if item.text_chars() > self.limits.max_text_chars:
+            raise ProtocolError(f"the item holds {item.text_chars()} characters of text, over the session's limit "
+                                f"of {self.limits.max_text_chars} (--realtime-max-text-chars)", param="item.content")
         await self._add_item(item, ev.previous_item_id)
 
-    def _item(self, given: ItemIn) -> Item:
+    async def _item(self, given: ItemIn) -> Item:
         allowed = {"user": ("input_text", "input_audio", "input_image"), "system": ("input_text",),
                    "assistant": ("output_text", "output_audio", "text")}[given.role]
+        budget = self._image_budget()
         parts = []
         for i, c in enumerate(given.content):
             param = f"item.content.{i}"
             if c.type not in allowed:
                 raise ProtocolError(f"a {given.role} message cannot hold {c.type!r} content; use {list(allowed)}",
                                     param=f"{param}.type")
-            parts.append(self._part(c.type, c, param))
+            parts.append(await self._part(c.type, c, param, budget))
         return Item(given.role, parts, **({"id": given.id} if given.id else {}))
 
-    def _part(self, kind: str, c: Any, param: str) -> Part:
+    def _image_budget(self) -> MediaBudget:
+        """Every response sends all of the conversation's images: together they are one request's media."""
+        budget = MediaBudget(self.ctx.media)
+        for image in (im for item in self.conversation.items for im in item.images()):
+            budget.take_item()
+            budget.take_bytes(len(image))
+        return budget
+
+    async def _part(self, kind: str, c: Any, param: str, budget: MediaBudget) -> Part:
         if kind == "input_audio":
             if c.audio is None:
                 raise ProtocolError("input_audio content needs 'audio' (base64)", param=f"{param}.audio")
-            stream = InputAudioStream(self.config.input_format)
+            if model_samples(len(c.audio), self.config.input_format) > self.limits.max_input_audio_s * MODEL_RATE:
+                raise ProtocolError(f"the item's audio is over the {self.limits.max_input_audio_s:.0f} s limit",
+                                    code="input_audio_too_long", param=f"{param}.audio")
             try:
-                wave = np.concatenate([stream.decode(c.audio), stream.flush()])
+                wave = await asyncio.to_thread(_decode_whole, self.config.input_format, c.audio)
             except AudioDecodeError as e:
                 raise ProtocolError(str(e), code="invalid_audio", param=f"{param}.audio") from None
             return Part("input_audio", audio=wave, transcript=c.transcript)
         if kind == "input_image":
             if not c.image_url:
                 raise ProtocolError("input_image content needs 'image_url'", param=f"{param}.image_url")
-            return Part("input_image", image_url=c.image_url)
+            return Part("input_image", image_url=c.image_url, image=await self._image(c.image_url, budget, param))
         if kind == "output_audio":
             return Part("output_audio", transcript=c.transcript or "")
         if c.text is None:
             raise ProtocolError(f"{kind} content needs 'text'", param=f"{param}.text")
         return Part("output_text" if kind == "text" else kind, text=c.text)
+
+    async def _image(self, url: str, budget: MediaBudget, param: str) -> bytes:
+        """The image behind `url`, fetched once through the media gate; its header checked."""
+        try:
+            source = await fetch_media(url, "image", self.ctx.media, budget)
+            return await asyncio.to_thread(_image_bytes, source, self.ctx.media.limits)
+        except (APIError, MediaError) as e:
+            raise ProtocolError(getattr(e, "message", str(e)), code="invalid_image", param=f"{param}.image_url") from None
 
     async def _item_retrieve(self, ev: ItemRetrieve) -> None:
         item = self.conversation.get(ev.item_id)
@@ -265,6 +305,7 @@ class RealtimeSession:
 
     async def _start_response(self, spec: ResponseIn | None) -> None:
         cfg, spec = self.config, spec or ResponseIn()
+        self._check_instructions(spec.instructions, "response.instructions")
         modalities = (self.model.check_modalities(spec.output_modalities, "response.output_modalities")
                       if spec.output_modalities is not None else cfg.output_modalities)
         voice = response_voice(spec.audio.output if spec.audio else None, self.model, cfg.voice)
@@ -287,3 +328,19 @@ class RealtimeSession:
         if ev.response_id is not None and ev.response_id != run.plan.id:
             raise ProtocolError(f"response {ev.response_id!r} is not in progress", param="response_id")
         run.cancel("client_cancelled")
+
+
+async def _off_loop(size: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` in a worker thread when the input is large: the event loop serves everyone."""
+    return await asyncio.to_thread(fn, *args) if size > OFF_LOOP_BYTES else fn(*args)
+
+
+def _decode_whole(fmt: Any, audio: str) -> np.ndarray:
+    stream = InputAudioStream(fmt)
+    return np.concatenate([stream.decode(audio), stream.flush()])
+
+
+def _image_bytes(source: Any, limits: Any) -> bytes:
+    data = source.read_bytes() if not isinstance(source, bytes) else source  # a vetted local file
+    open_image(data, limits)  # a header within the pixel limit; decoded on each turn by the processor
+    return data

@@ -29,14 +29,15 @@ from vllm_omni.model_executor.models.codec_streaming import (
 )
 from vllm_omni.model_executor.models.qwen2_5_omni.bridges import Code2WavInputs
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_dit import (
-    DiTRow, draw_noise, forward_cfg, new_generator, prepare_for_cuda, sample_mel, speaker_features,
+    DiTRow, forward_cfg, prepare_for_cuda, sample_mel, speaker_features,
 )
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_graphs import DiTGraphs, dit_graphs_enabled
+from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_noise import new_generator, settle_codes, whole_noise
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_stream import (
     StreamGeometry, Token2WavStream, Token2WavStreamConfig,
 )
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_vocoder import (
-    fuse_activations, receptive_field, vocode, vocode_windows,
+    check_vocoder, fuse_activations, receptive_field, vocode, vocode_windows,
 )
 from vllm_omni.stage_io import StageRequest, StreamingDecoder
 
@@ -92,10 +93,11 @@ class Qwen2_5OmniToken2Wav:
         self.num_steps = num_steps
         self.precision = precision
         self.sample_rate = SAMPLE_RATE
+        check_vocoder(self.bigvgan)
         self.stream_geometry = geo = self._geometry(stream_config or Token2WavStreamConfig())
-        # A chunk's blocks and its look-ahead, in codes, and the one more code a chunk waits for.
+        # A chunk's blocks and its look-ahead, in codes, and the codes more a chunk waits for.
         blocks = max(geo.config.initial_chunk_blocks, geo.config.chunk_blocks) + geo.config.future_blocks
-        self.max_units_per_chunk = -(-blocks * geo.block_frames // geo.repeats) + 1
+        self.max_units_per_chunk = -(-blocks * geo.block_frames // geo.repeats) + geo.settle_codes
         self._speaker_features: dict[str, torch.Tensor] = {}
         if device.type == "cuda":
             prepare_for_cuda(self.dit, bf16=precision is Precision.BFLOAT16)
@@ -145,7 +147,7 @@ class Qwen2_5OmniToken2Wav:
             vocoder_context_frames=(receptive_field(self.bigvgan) if config.vocoder_context_frames is None
                                     else config.vocoder_context_frames))
         return StreamGeometry(resolved, dit_config.block_size, self.dit.repeats, self.dit.mel_dim,
-                              dit_config.num_embeds)
+                              dit_config.num_embeds, settle_codes(self.dit.repeats, self.dit.mel_dim))
 
     # ------------------------------------------------------------------ whole requests
     @torch.inference_mode()
@@ -177,9 +179,7 @@ class Qwen2_5OmniToken2Wav:
         return _Job(codes, speaker, num_steps, req.sampling_params.seed)
 
     def _whole_noise(self, job: _Job) -> torch.Tensor:
-        """A whole request's noise, drawn in DiT blocks as a stream draws it."""
-        frames, block = job.codes.numel() * self.dit.repeats, self.dit.config.block_size
-        return draw_noise(new_generator(job.seed), -(-frames // block) * block, self.dit.mel_dim)[:frames]
+        return whole_noise(new_generator(job.seed), job.codes.numel() * self.dit.repeats, self.dit.mel_dim)
 
     def _vocode_whole(self, mels: list[torch.Tensor]) -> list[torch.Tensor]:
         """Whole mels [frames, mel_dim] -> waveforms; only mels of one length share a call (the
@@ -207,9 +207,13 @@ class Qwen2_5OmniToken2Wav:
         windows = [s.next_dit_window() for s in streams]
         mels = self._sample_mels([(self._dit_row(s.speaker, w.codes, w.noise), s.num_steps)
                                   for s, w in zip(streams, windows)])
-        voc_windows = [s.commit_dit(w, mel) for s, w, mel in zip(streams, windows, mels)]
+        voc_windows = [s.vocoder_window(w, mel) for s, w, mel in zip(streams, windows, mels)]
         with precision_scope(self.device, tf32=self.precision is not Precision.FLOAT32):
             audio = vocode_windows(self.bigvgan, voc_windows, self.device)
+        # Only now the streams move on: a call that failed left them as they were (the engine
+        # retries a failed batch's streams one by one).
+        for stream, window, voc_window in zip(streams, windows, voc_windows):
+            stream.commit(window, voc_window)
         return [chunk_output(stream, wav, self.sample_rate) for stream, wav in zip(streams, audio)]
 
     # ------------------------------------------------------------------ the DiT

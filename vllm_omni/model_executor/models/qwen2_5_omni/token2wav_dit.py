@@ -9,9 +9,8 @@ the same submodules (the checkpoint's weights) with:
   depends only on its own codes, speaker and noise, whatever shares its batch;
 - the speaker encoder run once per voice instead of in every solver evaluation (it sees
   only the reference mel, the same each time);
-- noise drawn block by block from the request's own generator (`draw_noise`), the order
-  in which transformers' single `torch.randn` call draws it on the CPU, so a stream that
-  learns its length only at its end gets the same noise as the whole request;
+- each row's noise given (token2wav_noise.py: transformers' draw, from the request's own
+  generator, whole or in a stream's windows);
 - attention computed block by block (`_window_attention`): each layer's mask lets a query
   block see only its own block and at most one block behind or ahead, so transformers' full
   [T, T] masked attention spends nearly all its work on pairs it then masks (20% of the GPU
@@ -49,24 +48,6 @@ def speaker_features(dit, ref_mel: torch.Tensor) -> torch.Tensor:
     """[2, enc_dim]: what transformers' input embedding computes in every evaluation, once:
     the speaker encoder of the reference mel (guided half) and of zeros (unguided half)."""
     return dit.input_embed.spk_encoder(torch.cat([ref_mel, torch.zeros_like(ref_mel)]))
-
-
-def new_generator(seed: int | None) -> torch.Generator:
-    """A request's noise generator, on the CPU whatever the device (so that a seed means the
-    same audio on every device and streamed noise can be drawn in pieces)."""
-    gen = torch.Generator()
-    if seed is None:
-        gen.seed()  # unseeded request: fresh entropy, like vLLM's unseeded sampling
-    else:
-        gen.manual_seed(seed)
-    return gen
-
-
-def draw_noise(gen: torch.Generator, frames: int, mel_dim: int) -> torch.Tensor:
-    """The next `frames` rows of a request's noise [frames, mel_dim]. On the CPU, draws of
-    whole rows continue one another exactly when mel_dim is a multiple of 16 (80 in the
-    released model), which is why the pieces join up to transformers' one draw."""
-    return torch.randn(frames, mel_dim, generator=gen, dtype=torch.float32)
 
 
 def sample_mel(dit, rows: list[DiTRow], num_steps: int, device: torch.device, bf16: bool = False,

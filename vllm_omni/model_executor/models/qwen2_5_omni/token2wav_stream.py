@@ -4,14 +4,13 @@ Codec codes (50 Hz, 2 mel frames each) arrive by `push`. Chunks follow the DiT's
 attention: a chunk is a whole number of blocks (24 mel frames = 12 codes released), and it
 is decoded as one flow-matching window of the chunk plus `past_blocks` before it and
 `future_blocks` after it, the blocks its look-back and look-ahead layers attend to. So a
-chunk waits for its look-ahead blocks of codes (and one code more). Its mel is then vocoded with
-overlap-save (token2wav_vocoder.py): the last `vocoder_context_frames` mel frames of a
-chunk are held back until the next chunk gives them their right context.
+chunk waits for its look-ahead blocks of codes (and one code more, `settle_codes`). Its mel is
+then vocoded with overlap-save (token2wav_vocoder.py): the last `vocoder_context_frames` mel
+frames of a chunk are held back until the next chunk gives them their right context.
 
-The noise of each window comes from the request's own generator, drawn block by block in
-the order of the whole request's draw; chunk boundaries depend only on the schedule and
-the total length, never on when codes arrived. Only the codes, noise and mel a later window
-still needs are kept.
+The noise of each window is its rows of the whole request's one draw (token2wav_noise.py);
+chunk boundaries depend only on the schedule and the total length, never on when codes arrived.
+Only the codes, noise and mel a later window still needs are kept.
 """
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_omni.model_executor.models.codec_streaming import ChunkRamp, RowBuffer
-from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_dit import draw_noise, new_generator
+from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_noise import StreamNoise
 from vllm_omni.model_executor.models.qwen2_5_omni.token2wav_vocoder import VocoderWindow
 from vllm_omni.model_executor.models.stream_options import StreamOptions
 
@@ -60,6 +59,7 @@ class StreamGeometry:
     repeats: int  # mel frames per code
     mel_dim: int
     num_embeds: int  # the largest valid code
+    settle_codes: int  # codes a chunk waits for past its look-ahead (token2wav_noise.settle_codes)
 
 
 @dataclass(frozen=True)
@@ -82,9 +82,8 @@ class Token2WavStream:
         self.num_steps = num_steps
         self.geo = geometry
         self._ramp = ChunkRamp(geometry.config.initial_chunk_blocks, geometry.config.chunk_blocks)
-        self._generator = new_generator(seed)
         self._codes = RowBuffer(torch.zeros(0, dtype=torch.long))  # indexed by code
-        self._noise = RowBuffer(torch.zeros(0, geometry.mel_dim))  # indexed by mel frame
+        self._noise = StreamNoise(seed, geometry.mel_dim)  # indexed by mel frame
         self._mel = RowBuffer(torch.zeros(0, geometry.mel_dim))  # final mel, not yet vocoded or context
         self._vocoded = 0  # frames whose samples were returned
         self._chunks = 0
@@ -108,9 +107,9 @@ class Token2WavStream:
     def ready(self) -> bool:
         if self._mel.end == self._frames:
             return False
-        # A chunk that is not the last needs its look-ahead and one code more: so the last
-        # chunk always has DiT work, and the vocoder's held-back frames go out with it.
-        return self._final or self._frames > self._chunk_end + self._future
+        # A chunk that is not the last needs its look-ahead and a code more (`settle_codes`): so
+        # the last chunk always has DiT work, and the vocoder's held-back frames go out with it.
+        return self._final or self._frames >= self._chunk_end + self._future + self._settle
 
     @property
     def finished(self) -> bool:
@@ -126,38 +125,38 @@ class Token2WavStream:
         if not self.ready():
             raise RuntimeError(f"request {self.request_id}: no chunk is ready to decode")
         start, end = self._mel.end, self._chunk_end
-        last = self._frames <= end + self._future  # only when final: the rest is one chunk
+        last = self._frames < end + self._future + self._settle  # only when final: the rest is one chunk
         end = self._frames if last else end
         window_end = end if last else end + self._future
         window_start = max(0, start - self.geo.config.past_blocks * self.geo.block_frames)
-        while self._noise.end < window_end:  # whole blocks, in order: the request's own draw
-            self._noise.append(draw_noise(self._generator, self.geo.block_frames, self.geo.mel_dim))
         r = self.geo.repeats
         return DiTWindow(codes=self._codes.get(window_start // r, window_end // r),
-                         noise=self._noise.get(window_start, window_end),
+                         noise=self._noise.rows(window_start, window_end, total=self._frames if last else None),
                          keep_from=start - window_start, keep_to=end - window_start, last=last)
 
-    def commit_dit(self, window: DiTWindow, mel: torch.Tensor) -> VocoderWindow:
-        """Keep the chunk's part of the window's solution (mel [frames, mel_dim]); forget the
-        codes and noise no later window needs; return what to vocode now."""
-        self._mel.append(mel[window.keep_from: window.keep_to])
+    def vocoder_window(self, window: DiTWindow, mel: torch.Tensor) -> VocoderWindow:
+        """What to vocode once the chunk's part of the window's solution (mel [frames, mel_dim])
+        is kept: the frames whose samples are final then, all of them after the last chunk, else
+        all but the last `context` (their right context is the next chunk's mel). Changes
+        nothing (`commit` does, once the audio is made): a failed call can be retried."""
+        kept = mel[window.keep_from: window.keep_to]
+        context = self.geo.config.vocoder_context_frames
+        end = self._mel.end + kept.shape[0]
+        emit_to = end if window.last else max(self._vocoded, end - context)
+        start = max(0, self._vocoded - context)
+        return VocoderWindow(mel=torch.cat([self._mel.get(start, self._mel.end), kept]).T,
+                             emit_from=self._vocoded - start, emit_to=emit_to - start, exact_end=window.last)
+
+    def commit(self, window: DiTWindow, vocoded: VocoderWindow) -> None:
+        """The chunk's audio was made: keep its mel (the end of `vocoded`'s), forget the codes,
+        noise and mel no later window needs."""
+        self._mel.append(vocoded.mel.T[vocoded.mel.shape[1] - (window.keep_to - window.keep_from):])
         self._chunks += 1
         next_window_start = self._mel.end - self.geo.config.past_blocks * self.geo.block_frames
         self._codes.drop_before(next_window_start // self.geo.repeats)
         self._noise.drop_before(next_window_start)
-        return self._vocoder_window(last=window.last)
-
-    def _vocoder_window(self, last: bool) -> VocoderWindow:
-        """The frames whose samples are final now: all of them after the last chunk, else all
-        but the last `context` (their right context is the next chunk's mel)."""
-        context = self.geo.config.vocoder_context_frames
-        emit_to = self._mel.end if last else max(self._vocoded, self._mel.end - context)
-        start = max(0, self._vocoded - context)
-        window = VocoderWindow(mel=self._mel.get(start, self._mel.end).T, emit_from=self._vocoded - start,
-                               emit_to=emit_to - start, exact_end=last)
-        self._vocoded = emit_to
-        self._mel.drop_before(emit_to - context)
-        return window
+        self._vocoded += vocoded.emit_to - vocoded.emit_from
+        self._mel.drop_before(self._vocoded - self.geo.config.vocoder_context_frames)
 
     @property
     def _frames(self) -> int:
@@ -167,6 +166,10 @@ class Token2WavStream:
     @property
     def _future(self) -> int:
         return self.geo.config.future_blocks * self.geo.block_frames
+
+    @property
+    def _settle(self) -> int:
+        return self.geo.settle_codes * self.geo.repeats
 
     @property
     def _chunk_end(self) -> int:

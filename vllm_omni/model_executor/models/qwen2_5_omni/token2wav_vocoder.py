@@ -35,12 +35,42 @@ def hop_length(bigvgan) -> int:
     return hop
 
 
+def tail_samples(bigvgan) -> int:
+    """Samples a whole signal has past `frames * hop`: transformers pads each upsampling
+    ConvTranspose1d by (kernel - stride) // 2 on both sides, so a layer whose kernel - stride is
+    odd gives `stride` samples per input frame and one more, which the later layers upsample
+    (every other layer keeps the length). Samples [f * hop, (f + 1) * hop) are still frame f's
+    in any window, so the extra ones follow the last frame's: a stream's last chunk carries
+    them. 0 for the released configuration."""
+    tail = 0
+    for (up,) in bigvgan.ups:
+        stride = up.stride[0]
+        extra = up.dilation[0] * (up.kernel_size[0] - 1) + up.output_padding[0] + 1 - stride - 2 * up.padding[0]
+        tail = tail * stride + extra
+    return tail
+
+
+def check_vocoder(bigvgan) -> None:
+    """Refuse, at load, a BigVGAN configuration that transformers builds but cannot run (every
+    request would fail): an upsample kernel smaller than its stride (negative padding), or an
+    even residual-block kernel (its convolutions shorten the signal; the residual sum fails)."""
+    config = bigvgan.config
+    for layer, (rate, kernel) in enumerate(zip(config.upsample_rates, config.upsample_kernel_sizes)):
+        if kernel < rate:
+            raise ValueError(f"token2wav: bigvgan_config upsample layer {layer} has kernel {kernel} < its rate {rate} "
+                             f"(transformers pads it by (kernel - rate) // 2 < 0, which torch cannot run)")
+    even = [kernel for kernel in config.resblock_kernel_sizes if kernel % 2 == 0]
+    if even:
+        raise ValueError(f"token2wav: bigvgan_config resblock_kernel_sizes {config.resblock_kernel_sizes} must be odd: "
+                         f"with kernel {even[0]} transformers' residual blocks shorten the signal and cannot add it")
+
+
 def vocode(bigvgan, mel: torch.Tensor) -> torch.Tensor:
-    """transformers' BigVGAN on mel [B, mel_dim, T] -> [B, T * hop] (float32, CPU)."""
+    """transformers' BigVGAN on mel [B, mel_dim, T] -> [B, T * hop + tail_samples] (float32, CPU)."""
     wav = bigvgan(mel).reshape(mel.shape[0], -1).float()  # its forward squeezes and moves to CPU
-    if wav.shape[1] != mel.shape[2] * hop_length(bigvgan):
-        raise RuntimeError(f"vocoder: {wav.shape[1]} samples for {mel.shape[2]} mel frames; expected "
-                           f"{hop_length(bigvgan)} per frame (odd upsample kernel - stride?)")
+    expected = mel.shape[2] * hop_length(bigvgan) + tail_samples(bigvgan)
+    if wav.shape[1] != expected:  # the window arithmetic below relies on it
+        raise RuntimeError(f"vocoder: {wav.shape[1]} samples for {mel.shape[2]} mel frames; expected {expected}")
     return wav
 
 
@@ -125,7 +155,9 @@ class VocoderWindow:
     mel: torch.Tensor
     emit_from: int
     emit_to: int
-    exact_end: bool  # the window ends where the request ends: it must not be padded
+    # The window ends where the request ends: it must not be padded, and its samples run on
+    # past frame emit_to's by the vocoder's `tail_samples`.
+    exact_end: bool
 
 
 def vocode_windows(bigvgan, windows: list[VocoderWindow], device: torch.device) -> list[torch.Tensor]:
@@ -133,7 +165,7 @@ def vocode_windows(bigvgan, windows: list[VocoderWindow], device: torch.device) 
     request are right-padded into shared calls (their kept frames are >= receptive field away
     from the end, out of the padding's reach); a window ending at its request's end runs at
     its own length, with others of that same length only."""
-    hop, out = hop_length(bigvgan), [torch.zeros(0)] * len(windows)
+    hop, tail, out = hop_length(bigvgan), tail_samples(bigvgan), [torch.zeros(0)] * len(windows)
     padded = [i for i, w in enumerate(windows) if not w.exact_end and w.emit_to > w.emit_from]
     exact = [i for i, w in enumerate(windows) if w.exact_end and w.emit_to > w.emit_from]
     lengths = [w.mel.shape[1] for w in windows]
@@ -146,5 +178,6 @@ def vocode_windows(bigvgan, windows: list[VocoderWindow], device: torch.device) 
             mel[slot, :, : lengths[i]] = windows[i].mel
         wav = vocode(bigvgan, mel.to(device))
         for slot, i in enumerate(rows):
-            out[i] = wav[slot, windows[i].emit_from * hop: windows[i].emit_to * hop].clone()
+            end = windows[i].emit_to * hop + (tail if windows[i].exact_end else 0)
+            out[i] = wav[slot, windows[i].emit_from * hop: end].clone()
     return out

@@ -1,6 +1,6 @@
 """Where a media URL may lead: no server-side request forgery.
 
-    target = await guard_url(httpx.URL(url), policy)   # APIError(400) when refused
+    target = await guard_url(httpx.URL(url), policy, shown)   # MediaError (a 400) when refused
     client.get(target.connect_url, headers=target.headers, extensions=target.extensions)
 
 A client that names a URL makes the server fetch it, from inside the server's network. So a
@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from vllm_omni.entrypoints.openai.errors import APIError
+from vllm_omni.multimodal.media_policy import MediaError, MediaPolicy
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -47,26 +47,33 @@ def domain_allowed(host: str, allowed: tuple[str, ...]) -> bool:
     return any(host == d or host.endswith("." + d) for d in (a.lower().strip(".") for a in allowed))
 
 
-async def guard_url(url: httpx.URL, allowed_domains: tuple[str, ...], allow_private: bool, shown: str) -> Target:
+async def guard_url(url: httpx.URL, policy: MediaPolicy, shown: str) -> Target:
     """Check `url` (http or https) against the policy; `shown` names it in errors."""
+    allowed_domains, allow_private = policy.allowed_domains, policy.allow_private
     if url.scheme not in ("http", "https") or not url.host:
-        raise APIError(400, f"media URL {shown} must be an http(s) URL with a host")
+        raise MediaError(f"media URL {shown} must be an http(s) URL with a host")
     host = url.host
     listed = bool(allowed_domains) and domain_allowed(host, allowed_domains)
     if allowed_domains and not listed:
-        raise APIError(400, f"media URL {shown}: host {host!r} is not in --allowed-media-domains")
-    address = await _resolve(host, url.port or (443 if url.scheme == "https" else 80), shown)
-    if not (listed or allow_private or is_public(address)):
-        raise APIError(400, f"media URL {shown}: refused, its host is not a public internet address (start the "
-                            "server with --allowed-media-domains or --allow-private-media-urls to fetch from "
-                            "internal hosts)")
+        raise MediaError(f"media URL {shown}: host {host!r} is not in --allowed-media-domains")
+    trusted = listed or allow_private
+    # Refused hosts get one message whether they are internal or do not resolve: the answer
+    # must not tell a client which names the server's own DNS knows.
+    refused = MediaError(f"media URL {shown}: refused, its host is not a public internet address or does not "
+                         "resolve (start the server with --allowed-media-domains or --allow-private-media-urls "
+                         "to fetch from internal hosts)")
+    address = await _resolve(host, url.port or (443 if url.scheme == "https" else 80), shown,
+                             None if trusted else refused)
+    if not (trusted or is_public(address)):
+        raise refused
     netloc = host if url.port is None else f"{host}:{url.port}"
     extensions = {"sni_hostname": host} if url.scheme == "https" else {}
     return Target(url.copy_with(host=str(address)), {"Host": netloc}, extensions)
 
 
-async def _resolve(host: str, port: int, shown: str) -> IPAddress:
-    """The address to connect to; every address the host has must pass, so the first is used."""
+async def _resolve(host: str, port: int, shown: str, refused: MediaError | None) -> IPAddress:
+    """The address to connect to; every address the host has must pass, so the first is used.
+    `refused`: the error for a name that does not resolve (None: say so)."""
     try:
         return _checked([ipaddress.ip_address(host)], shown)
     except ValueError:
@@ -74,13 +81,13 @@ async def _resolve(host: str, port: int, shown: str) -> IPAddress:
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError):
-        raise APIError(400, f"media URL {shown}: cannot resolve its host") from None
+        raise refused or MediaError(f"media URL {shown}: cannot resolve its host") from None
     return _checked([ipaddress.ip_address(info[4][0].split("%", 1)[0]) for info in infos], shown)
 
 
 def _checked(addresses: list[IPAddress], shown: str) -> IPAddress:
     if not addresses:
-        raise APIError(400, f"media URL {shown}: its host has no address")
+        raise MediaError(f"media URL {shown}: its host has no address")
     # A name with one internal address among public ones is refused as a whole: a client
     # cannot choose which one the connection would use.
     internal = [a for a in addresses if not is_public(a)]
