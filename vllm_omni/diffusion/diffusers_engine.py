@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from vllm_omni.config.stage_config import StageEngineArgs
-from vllm_omni.model_executor.model_loader import diffusers_low_cpu_mem_usage
 from vllm_omni.model_executor.models import diffusion_inputs
 from vllm_omni.sampling_params import DiffusionSamplingParams
 from vllm_omni.stage_io import StageInputChunk, StageOutput, StageRequest, error_output
@@ -39,7 +38,7 @@ def load_diffusers_pipeline(model_path: str, args: StageEngineArgs, device: torc
             raise ValueError(f"model_class_name={args.model_class_name!r} is not a diffusers pipeline class")
     # The user's load kwargs override ours (spec 001), in either spelling of the dtype.
     user = dict(args.diffusers_load_kwargs)
-    ours = {"low_cpu_mem_usage": diffusers_low_cpu_mem_usage(), **({} if "torch_dtype" in user else {"dtype": dtype})}
+    ours = {} if "torch_dtype" in user else {"dtype": dtype}
     ours.update(auxiliary_text_encoder(model_path, cls, args.auxiliary_text_encoder, dtype))
     pipe = cls.from_pretrained(model_path, **{**ours, **user})
     if args.vae_use_slicing:

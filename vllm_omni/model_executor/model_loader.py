@@ -51,15 +51,6 @@ def _register_config_classes() -> None:
             AutoConfig.register(family.model_types[0], import_dotted(family.hf_config_class))
 
 
-def diffusers_low_cpu_mem_usage() -> bool:
-    """diffusers' `low_cpu_mem_usage` for from_pretrained: its default (True) needs accelerate, which
-    is not our dependency, and without it diffusers falls back to False with a "pip install
-    accelerate" warning per component; ask only for what it can do."""
-    from diffusers.utils import is_accelerate_available
-
-    return is_accelerate_available()
-
-
 def safetensors_files(model_dir: str | Path) -> list[Path]:
     model_dir = Path(model_dir)
     if (model_dir / INDEX_FILE).is_file():

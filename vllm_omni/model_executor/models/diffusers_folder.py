@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni.model_executor.model_loader import default_dtype, diffusers_low_cpu_mem_usage
+from vllm_omni.model_executor.model_loader import default_dtype
 from vllm_omni.model_executor.models.quantized_checkpoints import (load_gguf_transformer, load_modelopt_fp8,
                                                                     modelopt_fp8_algo, quantization_of)
 
@@ -52,8 +52,7 @@ def load_component(model_dir: Path, name: str, entry: list[str], device: torch.d
         if refuse_quantized(model_dir / name) is not None:
             return load_modelopt_fp8(cls, model_dir / name, device, dtype,
                                      lambda c, config: _random(c, config, device, dtype))
-        extra = {"low_cpu_mem_usage": diffusers_low_cpu_mem_usage()} if entry[0] == "diffusers" else {}
-        return cls.from_pretrained(model_dir / name, dtype=dtype, **extra).to(device).eval()
+        return cls.from_pretrained(model_dir / name, dtype=dtype).to(device).eval()
     if entry[0] != "diffusers":
         from transformers import AutoConfig
 
