@@ -17,6 +17,7 @@ Launching, restarting, health and shutdown of the replicas are the `StageFleet`'
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 from collections import Counter
@@ -27,6 +28,7 @@ from vllm_omni.config.stage_config import PipelineConfig, StageConfig
 from vllm_omni.engine.cluster_secret import CurveKeys
 from vllm_omni.engine.messages import AbortRequests, PauseRequests, StageOutputBatch
 from vllm_omni.engine.load_balancer import DEFAULT_LB_POLICY
+from vllm_omni.engine.playback_admission import AdmissionOptions, PlaybackAdmission
 from vllm_omni.engine.streaming import EdgeFlow, StreamingEdge, resolve_streaming_edges
 from vllm_omni.stage_io import OutputKind, StageInputChunk, StageOutput, StageRequest
 from vllm_omni.engine.request_plan import RequestPlan
@@ -68,6 +70,8 @@ class RuntimeOptions:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_replicas_per_stage: int = DEFAULT_MAX_REPLICAS_PER_STAGE
     registration_rate: float = DEFAULT_REGISTRATION_RATE
+    # New audio requests wait (or are refused) past the playback load (playback_admission.py).
+    admission: AdmissionOptions = field(default_factory=AdmissionOptions)
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < 1:
@@ -110,6 +114,12 @@ class Orchestrator:
         self._keys: dict[str, str] = {}  # user request id -> internal key
         self._counter = itertools.count()
         self.stage_counters: dict[int, Counter[str]] = {sid: Counter() for sid in self.stages}
+        self._audio_stages = frozenset(s.stage_id for s in pipeline.stages if s.final_output_type.value == "audio")
+        self.admission: PlaybackAdmission[Submission] = PlaybackAdmission(
+            options.admission, self._start, self._overloaded, lambda delay, fn: asyncio.get_running_loop().call_later(
+                delay, fn))
+        # Streamed input (input_complete=False) that arrives while admission holds its request.
+        self._input_while_queued: dict[str, list[tuple[dict[str, Any], bool]]] = {}
 
     # --- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
@@ -124,12 +134,14 @@ class Orchestrator:
             raise
 
     async def close(self) -> None:
+        self._fail_queued("the pipeline is shutting down")
         for state in list(self._requests.values()):
             self._fail(state, "the pipeline is shutting down", None)
         await self.fleet.close()
         if self.options.log_stats:
             for sid, counters in self.stage_counters.items():
                 logger.info("%s: %s", self.pools[sid].name, dict(counters))
+            logger.info("admission by playback load: %s", dict(self.admission.counters))
 
     # --- requests -------------------------------------------------------------
     def submit(self, sub: Submission) -> None:
@@ -139,16 +151,31 @@ class Orchestrator:
             self._fail_unexpected(sub.request_id, sub.sink, e, None)
 
     def _submit(self, sub: Submission) -> None:
-        if sub.request_id in self._keys:
+        if sub.request_id in self._keys or self.admission.is_queued(sub.request_id):
             sub.sink.put(RequestDone(sub.request_id, error=f"request id {sub.request_id!r} is already in flight"))
             return
+        self.admission.submit(sub, sub.request_id, audio=bool(sub.plan.outputs & self._audio_stages))
+
+    def _overloaded(self, sub: Submission, why: str) -> None:
+        self._input_while_queued.pop(sub.request_id, None)
+        sub.sink.put(RequestDone(sub.request_id, error=why, overloaded=True))
+
+    def _start(self, sub: Submission) -> str | None:
+        """Send an admitted request to its entry stages; its key (None: it failed at once)."""
+        try:
+            return self._start_request(sub)
+        except Exception as e:  # noqa: BLE001 - whatever broke, the request ends with an error
+            self._fail_unexpected(sub.request_id, sub.sink, e, None)
+            return None
+
+    def _start_request(self, sub: Submission) -> str | None:
         # Only the stages this request runs must be up (a text-only request survives a dead talker).
         down = [self.fleet.stage_health(sid) for sid, p in self.pools.items() if sid in sub.plan.stages and not p.is_up]
         if down:
             reason = "; ".join(f"{self.pools[h.stage_id].name} is {h.state.value}: {h.reason or 'not ready'}"
                                for h in down)
             sub.sink.put(RequestDone(sub.request_id, error=reason, failed_stage=down[0].stage_id))
-            return
+            return None
         key = f"{sub.request_id}#{next(self._counter)}"
         state = RequestState(sub.request_id, key, sub.prompt, sub.prompt_token_ids, sub.params, sub.sink,
                              stages=sub.plan.stages, output_stages=sub.plan.outputs)
@@ -161,11 +188,17 @@ class Orchestrator:
                 continue
             if not self._send(state, stage.stage_id, sub.prompt_token_ids, text, info,
                               sub.prompt.get("multi_modal_data"), input_complete=sub.input_complete):
-                return
+                return None
+        for info, final in self._input_while_queued.pop(sub.request_id, ()):
+            self.append_input(sub.request_id, info, final)
+        return key
 
     def append_input(self, request_id: str, info: dict[str, Any], final: bool) -> None:
         """More input for a request submitted with input_complete=False: a chunk to each entry
         stage still running it (one that finished early, e.g. at max_tokens, gets nothing)."""
+        if self.admission.is_queued(request_id):  # sent when admission starts it
+            self._input_while_queued.setdefault(request_id, []).append((info, final))
+            return
         key = self._keys.get(request_id)
         if key is None:
             return  # finished or aborted meanwhile
@@ -178,6 +211,11 @@ class Orchestrator:
                     return
 
     def abort(self, request_id: str) -> None:
+        queued = self.admission.take(request_id)
+        self._input_while_queued.pop(request_id, None)
+        if queued is not None:
+            queued.sink.put(RequestDone(request_id, aborted=True))
+            return
         key = self._keys.get(request_id)
         if key is None:
             return  # finished (or never existed): nothing to abort
@@ -252,6 +290,8 @@ class Orchestrator:
             return
         state.replay.pop(stage_id, None)  # it answered: from now on the request stays on this replica
         state.apply(stage_id, out)
+        if stage_id in self._audio_stages:
+            self._audio_chunk(state, stage_id, out)
         if out.finished:
             pool.release(state.key)
         stage = self.stages[stage_id]
@@ -348,6 +388,13 @@ class Orchestrator:
         self._send_message(state, edge.src, PauseRequests([state.key], paused))
         self.stage_counters[edge.src]["pauses" if paused else "resumes"] += 1
 
+    def _audio_chunk(self, state: RequestState, stage_id: int, out: StageOutput) -> None:
+        """The playback load counts every chunk of audio the pipeline hands on."""
+        audio = out.multimodal_output.get("audio")
+        rate = state.outputs[stage_id].outputs[0].multimodal_output.get("sample_rate")
+        if audio is not None and rate is not None and int(rate) > 0:
+            self.admission.chunk(state.key, audio.numel() / int(rate))
+
     def _count(self, state: RequestState, stage_id: int) -> None:
         c = self.stage_counters[stage_id]
         t = state.timings[stage_id]
@@ -413,6 +460,7 @@ class Orchestrator:
             self._abort_in(state, frozenset(state.outputs))
         for pool in self.pools.values():
             pool.release(state.key)
+        self.admission.finished(state.key)  # may start a queued request
 
     def _abort_in(self, state: RequestState, stage_ids: frozenset[int]) -> None:
         """Abort the request in those of `stage_ids` that got it and have not finished it."""
@@ -459,8 +507,15 @@ class Orchestrator:
                 break  # it failed (and was told so)
         return True
 
+    def _fail_queued(self, error: str) -> None:
+        while self.admission.queued:
+            sub = self.admission.take_first()
+            self._input_while_queued.pop(sub.request_id, None)
+            sub.sink.put(RequestDone(sub.request_id, error=error))
+
     def fail_all(self, error: str) -> None:
         """Used when the loop stops for good: no request may wait forever."""
+        self._fail_queued(error)
         for state in list(self._requests.values()):
             self._fail(state, error, None)
 

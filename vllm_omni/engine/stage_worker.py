@@ -21,6 +21,7 @@ import zmq
 
 from vllm_omni.config.stage_config import StageConfig, WorkerType
 from vllm_omni.engine import stage_init_utils as siu
+from vllm_omni.engine.serving_stalls import freeze_startup_heap, log_kernel_compiles, log_long_pauses
 from vllm_omni.engine.step_profiler import StepProfiler
 from vllm_omni.engine.messages import (
     AbortRequests, Heartbeat, PauseRequests, Shutdown, StageFatal, StageInitFailed, StageOutputBatch, StageReady,
@@ -136,6 +137,10 @@ def run_stage_worker(spec: WorkerSpec, device: str) -> int:
             leave = "initialization failed"
             chan.send(StageInitFailed(spec.stage_id, os.getpid(), traceback.format_exc()))
             return 1
+        if not spec.in_process:  # a process of its own: nothing of the caller's heap to freeze
+            freeze_startup_heap()
+            log_long_pauses(f"stage {spec.stage_id}")
+            log_kernel_compiles(f"stage {spec.stage_id}")
         chan.send(StageReady(spec.stage_id, os.getpid(), engine.describe()))
         try:
             return _serve(engine, chan, spec, link)
