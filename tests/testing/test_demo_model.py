@@ -68,3 +68,19 @@ def test_its_own_deploy_settings_make_replies_short(demo):
     for modalities in (None, ["text"]):
         thinker = load_pipeline_config(model=str(path), platform="cpu", output_modalities=modalities).stages[0]
         assert thinker.default_sampling_params.max_tokens == DEFAULT_REPLY_TOKENS
+
+
+def test_the_text_demo_says_words_only(tiny_model):
+    # README's LLM example (`demo_model_path("qwen3")`): sampled at its temperature, words, not bytes.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tiny_model("qwen3_demo")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = tokenizer("Hello, my name is", return_tensors="pt").input_ids
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=True,
+                             temperature=0.8, top_k=0, top_p=1.0)
+    reply = out[0, ids.shape[1]:].tolist()
+    assert len(reply) == 40 and set(reply) <= set(demo_words(tokenizer)), tokenizer.decode(reply)

@@ -101,7 +101,7 @@ def demo_words(tokenizer) -> dict[int, str]:
 def shape_demo_weights(model, tokenizer) -> None:
     """The edits of the module docstring, on a freshly built (random) model."""
     with torch.no_grad():
-        _words_only(model.thinker, tokenizer)
+        _words_only(model.thinker.model.language_model, model.thinker.lm_head.weight, tokenizer)
         _one_code_per_word(model, tokenizer)
         _distinct_voices(model, tokenizer)
         _codes_drive_the_sound(model.token2wav.code2wav_dit_model)
@@ -121,12 +121,17 @@ def _keep_coordinate(layers, coordinate: int) -> None:
         layer.mlp.down_proj.weight[coordinate].zero_()
 
 
-def _words_only(thinker, tokenizer) -> None:
-    lm = thinker.model.language_model
+def shape_text_demo_weights(model, tokenizer) -> None:
+    """The text demo (`demo_model_path("qwen3")`, a causal LM with untied embeddings): words only."""
+    with torch.no_grad():
+        _words_only(model.model, model.lm_head.weight, tokenizer)
+
+
+def _words_only(lm, head, tokenizer) -> None:
+    """`lm`: the decoder (embed_tokens, layers, norm); `head`: its output rows, apart from the embeddings."""
     lm.embed_tokens.weight[:, _THINKER_CONST] = 1.0
     _keep_coordinate(lm.layers, _THINKER_CONST)
     lm.norm.weight[_THINKER_CONST] = 1.0
-    head = thinker.lm_head.weight
     allowed = torch.zeros(head.shape[0], dtype=torch.bool)
     allowed[list(demo_words(tokenizer))] = True
     head[:, _THINKER_CONST] = torch.where(allowed, 0.0, -WORD_ONLY_PENALTY)

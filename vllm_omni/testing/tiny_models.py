@@ -42,8 +42,8 @@ BASE_TEXT_CONFIG: dict[str, Any] = dict(
 )
 
 # The embedded demo models, by arch: (tiny checkpoint, versioned folder name: a changed builder
-# gets a new folder). The Omni demo is shaped to say words and speak them (demo_model.py).
-DEMO_MODELS = {"qwen2_5_omni": ("qwen2_5_omni_demo", "demo-qwen2_5_omni-v3"), "qwen3": ("qwen3", "demo-qwen3-v1")}
+# gets a new folder). Both are shaped to say words (the Omni demo also speaks them): demo_model.py.
+DEMO_MODELS = {"qwen2_5_omni": ("qwen2_5_omni_demo", "demo-qwen2_5_omni-v3"), "qwen3": ("qwen3_demo", "demo-qwen3-v2")}
 DEMO_ARCH = "qwen2_5_omni"  # what `vllm-omni generate` / `serve` run without a model
 
 
@@ -138,6 +138,20 @@ def build_tiny_qwen3(out_dir: Path, overrides: dict[str, Any]) -> None:
     # Tied by default (like the small real Qwen3 models) so loaders exercise both layouts.
     kwargs = text_config_kwargs(tokenizer, head_dim=16, tie_word_embeddings=True)
     save_hf_checkpoint(_build_causal_lm(Qwen3ForCausalLM, Qwen3Config, {**kwargs, **overrides}), tokenizer, out_dir)
+
+
+def build_demo_qwen3(out_dir: Path, overrides: dict[str, Any]) -> None:
+    """The embedded text demo: the tiny Qwen3 with its head apart from its embeddings (the two
+    are edited differently), shaped to say whole words only (demo_model.py)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from vllm_omni.testing.demo_model import shape_text_demo_weights
+
+    tokenizer = make_tiny_tokenizer()
+    kwargs = text_config_kwargs(tokenizer, head_dim=16, tie_word_embeddings=False)
+    model = _build_causal_lm(Qwen3ForCausalLM, Qwen3Config, {**kwargs, **overrides})
+    shape_text_demo_weights(model, tokenizer)
+    save_hf_checkpoint(model, tokenizer, out_dir)
 
 
 def build_tiny_qwen3_moe(out_dir: Path, overrides: dict[str, Any]) -> None:
