@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         params: list[SamplingParams | None] = [stage0] + [None] * (len(omni.pipeline.stages) - 1)
         outputs = omni.generate(prompts, params, use_tqdm=False, modalities=modalities)
     if args.model is None:
-        print(f"(embedded demo model at {model}: random weights, so the text is gibberish and the speech noise)")
+        print(f"(embedded demo model at {model}: random weights, so the text is random words and the speech noise)")
     texts = args.prompt or DEFAULT_PROMPTS
     order = list(dict.fromkeys(o.request_id for o in outputs))
     for out in outputs:
