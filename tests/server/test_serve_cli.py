@@ -92,7 +92,7 @@ def test_implemented_flags_and_engine_flags():
     assert set(MUST_IMPLEMENT) <= implemented
     # Engine flags are exactly the stage fields the config layer accepts from the CLI.
     # (--omni-dp-size-local sets num_replicas.)
-    assert {f.dest for f in serve_args.ENGINE_FLAGS} | set(serve_args.DIFFUSION_STAGE_FLAGS) | {"num_replicas"} \
+    assert {f.dest for f in serve_args.ENGINE_FLAGS} | set(serve_args.STAGE_SETTING_FLAGS) | {"num_replicas"} \
         == set(STAGE_CLI_FIELDS)
     args = serve_parser().parse_args(["--max-num-seqs", "8", "--no-enable-prefix-caching", "--enforce-eager"])
     assert serve_args.engine_args(args) == {"max_num_seqs": 8, "enable_prefix_caching": False, "enforce_eager": True}

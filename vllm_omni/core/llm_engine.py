@@ -65,7 +65,7 @@ class LLMEngine:
         tp = TPExecutor(config, self.hf_config, self.dtype, self.device) if config.tensor_parallel_size > 1 else None
         self.model: StageModel = tp.model if tp is not None else load_model(
             config.model, self.hf_config, self.dtype, self.device, config.architecture, config.model_stage,
-            config.load_format,
+            config.load_format, config.num_weight_load_threads,
         )
         # A stage model whose vocabulary is not the tokenizer's (a talker's codec) names its own EOS.
         self.eos_token_ids = self.model.eos_token_ids or self.eos_token_ids
