@@ -10,6 +10,7 @@ Images come back as `{"image": [n, 3, H, W]}`, video frames as `{"video": [n, fr
 """
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import logging
 import secrets
@@ -31,6 +32,8 @@ _DEFAULTS = DiffusionSamplingParams()
 def load_diffusers_pipeline(model_path: str, args: StageEngineArgs, device: torch.device, dtype: torch.dtype) -> Any:
     import diffusers
 
+    if args.enable_layerwise_offload:
+        _check_block_offload(args)
     cls = diffusers.DiffusionPipeline
     if args.model_class_name is not None:
         cls = getattr(diffusers, args.model_class_name, None)
@@ -44,11 +47,37 @@ def load_diffusers_pipeline(model_path: str, args: StageEngineArgs, device: torc
         pipe.vae.enable_slicing()
     if args.vae_use_tiling:
         pipe.vae.enable_tiling()
-    if args.enable_cpu_offload and device.type != "cpu":
+    if args.enable_layerwise_offload:
+        _offload_blocks(pipe, device)
+    elif args.enable_cpu_offload and device.type != "cpu":
         pipe.enable_model_cpu_offload(device=device)  # diffusers' own offload (needs accelerate)
     else:
         pipe.to(device)
     return pipe
+
+
+def _check_block_offload(args: StageEngineArgs) -> None:
+    """Before loading: what enable_layerwise_offload needs in the adapter."""
+    if args.enable_cpu_offload:
+        raise ValueError("enable_layerwise_offload and enable_cpu_offload do not combine in the diffusers adapter "
+                         "(diffusers offloads a module one way); choose one")
+    if importlib.util.find_spec("accelerate") is None:
+        raise ValueError("enable_layerwise_offload in the diffusers adapter is diffusers' group offload, which needs "
+                         "the accelerate package (pip install accelerate); the native engine needs nothing")
+
+
+def _offload_blocks(pipe: Any, device: torch.device) -> None:
+    """enable_layerwise_offload in the adapter: diffusers' group offload of the denoiser, one block per
+    group, the next one prefetched on a side stream (CUDA); the other components go to the device."""
+    denoiser = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
+    if denoiser is None or not hasattr(denoiser, "enable_group_offload"):
+        raise ValueError(f"enable_layerwise_offload: {type(pipe).__name__} has no transformer or unet that diffusers "
+                         "can offload block by block")
+    denoiser.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"), offload_type="block_level",
+                                  num_blocks_per_group=1, use_stream=device.type == "cuda")
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module) and component is not denoiser:
+            component.to(device)
 
 
 class DiffusersPipelineEngine:

@@ -55,7 +55,7 @@ class GPUDiffusionWorker:
         spec = ModelSpec(model_class_path(self.stage, self.model_path), self.model_path, str(dtype).removeprefix("torch."),
                          dummy=load_format(ea) == "dummy", seed=ea.seed or 0, vae_use_slicing=ea.vae_use_slicing,
                          vae_use_tiling=ea.vae_use_tiling, cpu_offload=ea.enable_cpu_offload,
-                         acceleration=acceleration(ea))
+                         acceleration=acceleration(ea), layerwise_offload=ea.enable_layerwise_offload)
         cfg_group = CfgParallelGroup.start(spec, self._tea_cache_settings(), self.device) \
             if ea.cfg_parallel_size == 2 else None
         try:

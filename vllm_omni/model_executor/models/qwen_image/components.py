@@ -47,10 +47,12 @@ def read_index(model_dir: Path) -> dict[str, Any]:
 
 
 def load_components(model_dir: str | Path, *, device: torch.device, dtype: torch.dtype,
-                    dummy: bool = False) -> QwenImageComponents:
+                    dummy: bool = False, transformer_device: torch.device | None = None) -> QwenImageComponents:
+    """`transformer_device`: where the transformer loads (default: `device`)."""
     model_dir = Path(model_dir)
     index = read_index(model_dir)
-    models = {name: (_build if dummy else _load)(model_dir, name, index[name], device, dtype)
+    where = {"transformer": transformer_device or device, "vae": device, "text_encoder": device}
+    models = {name: (_build if dummy else _load)(model_dir, name, index[name], where[name], dtype)
               for name in ("transformer", "vae", "text_encoder")}
     tokenizer = _component_class(index["tokenizer"]).from_pretrained(model_dir / "tokenizer")
     from diffusers import FlowMatchEulerDiscreteScheduler

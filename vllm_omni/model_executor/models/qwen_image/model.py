@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +33,15 @@ DEFAULT_SAMPLE_SIZE = 128  # latent pixels: 1024 x 1024 images by default, as th
 EDIT_TARGET_AREA = 1024 * 1024  # the edit pipeline resizes the input image to about this many pixels
 
 
+# Layerwise offload (diffusion/layerwise_offload.py): called with the blocks the denoiser runs, in
+# order, while the transformer is still in CPU memory; it keeps their weights there and hooks them.
+OffloadBlocks = Callable[[Sequence[torch.nn.Module], torch.device], Any]
+
+
 class QwenImageModel:
     def __init__(self, components: QwenImageComponents, *, device: torch.device, cpu_offload: bool = False,
-                 acceleration: DenoiserAcceleration = DenoiserAcceleration()) -> None:
+                 acceleration: DenoiserAcceleration = DenoiserAcceleration(),
+                 offload_blocks: OffloadBlocks | None = None) -> None:
         from diffusers.image_processor import VaeImageProcessor
 
         denoiser.check_supported(components.transformer)
@@ -46,6 +52,9 @@ class QwenImageModel:
         blocks = components.transformer.transformer_blocks
         # Compiled: one wrapper per block, all running the same compiled code (regional compilation).
         self.blocks = [CompilableBlock(b, acceleration.compile_fn) for b in blocks] if self.compiled else blocks
+        if offload_blocks is not None:
+            offload_blocks(self.blocks, device)
+            components.transformer.to(device)  # the rest of it; the offloaded blocks' views are there already
         # Offload: the text encoder and the VAE wait on the CPU and visit the device for their calls;
         # the transformer, used every step, stays.
         self.offload = cpu_offload and device.type != "cpu"
@@ -59,13 +68,18 @@ class QwenImageModel:
     @classmethod
     def load(cls, model_path: str | Path, *, device: torch.device, dtype: torch.dtype, dummy: bool = False,
              vae_use_slicing: bool = False, vae_use_tiling: bool = False, cpu_offload: bool = False,
-             acceleration: DenoiserAcceleration = DenoiserAcceleration()) -> QwenImageModel:
-        components = load_components(model_path, device=device, dtype=dtype, dummy=dummy)
+             acceleration: DenoiserAcceleration = DenoiserAcceleration(),
+             offload_blocks: OffloadBlocks | None = None) -> QwenImageModel:
+        # Offloaded: the transformer loads into CPU memory, and only what is not offloaded moves.
+        transformer_device = torch.device("cpu") if offload_blocks is not None else device
+        components = load_components(model_path, device=device, dtype=dtype, dummy=dummy,
+                                     transformer_device=transformer_device)
         if vae_use_slicing:
             components.vae.enable_slicing()
         if vae_use_tiling:
             components.vae.enable_tiling()
-        return cls(components, device=device, cpu_offload=cpu_offload, acceleration=acceleration)
+        return cls(components, device=device, cpu_offload=cpu_offload, acceleration=acceleration,
+                   offload_blocks=offload_blocks)
 
     # --- one request -----------------------------------------------------------------------
     def prepare(self, request: StageRequest, params: DiffusionSamplingParams) -> QwenImageRequest:
