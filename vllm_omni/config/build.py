@@ -214,17 +214,24 @@ def _check_devices(stage_id: int, runtime: StageRuntimeConfig, args: StageEngine
 
 
 def _check_sleep_mode(stage_id: int, args: StageEngineArgs, m: _Merged) -> None:
-    """A sleeping stage frees and rebuilds its engine in its own process (worker/sleep_mode.py):
-    ranks in other processes (tensor or CFG parallelism) would keep their memory."""
+    """A sleeping stage drops its engine and builds it again in its own process (worker/sleep_mode.py),
+    at level 1 from placeholder weights that its CPU copy overwrites."""
     if not args.enable_sleep_mode:
         return
-    for name, value in (("tensor_parallel_size", args.tensor_parallel_size), ("cfg_parallel_size",
-                                                                               args.cfg_parallel_size)):
-        if value != 1:
-            raise ConfigError(f"enable_sleep_mode (from {m.source('engine_args.enable_sleep_mode')}) is supported "
-                              f"for stages that run in one process; {name}={value} starts others",
+    conflicts = (
+        ("tensor_parallel_size", args.tensor_parallel_size != 1, "its other ranks run in other processes"),
+        ("cfg_parallel_size", args.cfg_parallel_size != 1, "its second rank runs in another process"),
+        ("diffusion_load_format", args.diffusion_load_format == "diffusers",
+         "the diffusers adapter has no placeholder weights to wake into"),
+        ("enable_layerwise_offload", args.enable_layerwise_offload, "the offloaded blocks live in CPU memory already"),
+    )
+    for name, conflict, why in conflicts:
+        if conflict:
+            value = getattr(args, name)
+            raise ConfigError(f"does not combine with enable_sleep_mode (from "
+                              f"{m.source('engine_args.enable_sleep_mode')}): {why}",
                               source=m.source(f"engine_args.{name}"), stage_id=stage_id,
-                              field=f"engine_args.{name}", value=value, allowed="1 with enable_sleep_mode")
+                              field=f"engine_args.{name}", value=value)
 
 
 def _refs(m: _Merged, prefix: str) -> tuple[tuple[int, str], ...]:

@@ -13,6 +13,7 @@ preempted when the pool runs dry: they hold memory and do no work.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -141,6 +142,8 @@ class Scheduler:
             request.num_computed_tokens = num_cached_tokens
             if request.num_output_tokens == 0:
                 request.num_cached_tokens = num_cached_tokens
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from vllm_omni.config.stage_config import StageEngineArgs
+from vllm_omni.diffusion.profiler import CALL, PipelineProfiler, timed
 from vllm_omni.model_executor.models import diffusion_inputs
 from vllm_omni.sampling_params import DiffusionSamplingParams
 from vllm_omni.stage_io import StageInputChunk, StageOutput, StageRequest, error_output
@@ -82,7 +83,8 @@ def _offload_blocks(pipe: Any, device: torch.device) -> None:
 
 class DiffusersPipelineEngine:
     def __init__(self, pipe: Any, *, stage_id: int, device: str, call_kwargs: dict[str, Any] | None = None,
-                 max_image_pixels: int | None = None) -> None:
+                 max_image_pixels: int | None = None, profile: bool = False) -> None:
+        """`profile` (enable_diffusion_pipeline_profiler): finished outputs carry the call's seconds."""
         self.pipe = pipe
         self.stage_id = stage_id
         self.device = device
@@ -91,6 +93,7 @@ class DiffusersPipelineEngine:
         self._accepted = set(inspect.signature(pipe.__call__).parameters)
         self._queue: deque[StageRequest] = deque()
         self._ready: list[StageOutput] = []
+        self.profiler = PipelineProfiler(type(pipe).__name__, device) if profile else None
 
     def add_request(self, req: StageRequest) -> None:
         params = req.sampling_params
@@ -113,13 +116,15 @@ class DiffusersPipelineEngine:
         if self._queue:
             req = self._queue.popleft()
             try:
-                result = self._call(req)
+                with timed(self.profiler, CALL, [req.request_id]):
+                    result = self._call(req)
             except Exception as e:  # noqa: BLE001 - the request fails alone
                 logger.warning("stage %d: request %s failed: %s", self.stage_id, req.request_id, e)
                 self._ready.append(error_output(req.request_id, f"stage {self.stage_id}: {type(e).__name__}: {e}"))
             else:
+                durations = self.profiler.pop(req.request_id) if self.profiler is not None else None
                 self._ready.append(StageOutput(request_id=req.request_id, finished=True, finish_reason="stop",
-                                               multimodal_output=result))
+                                               multimodal_output=result, stage_durations=durations))
         outputs, self._ready = self._ready, []
         return outputs
 

@@ -53,7 +53,8 @@ class GPUARWorker:
             layers = exported_hidden_state_layers(kwargs["model"], self.stage)
             kwargs["hidden_state_layers"] = layers or ()
         return ARStageEngine(LLMEngine(EngineConfig(**kwargs)), stage_id=self.stage.stage_id,
-                             export_hidden_states=layers is not None)
+                             export_hidden_states=layers is not None,
+                             profile=self.stage.engine_args.enable_ar_profiler)
 
 
 def exported_hidden_state_layers(model: str, stage: StageConfig) -> tuple[int, ...] | None:

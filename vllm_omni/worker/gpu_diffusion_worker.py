@@ -47,7 +47,8 @@ class GPUDiffusionWorker:
             pipe = load_diffusers_pipeline(self.model_path, ea, self.device, dtype)
             return DiffusersPipelineEngine(pipe, stage_id=self.stage.stage_id, device=str(self.device),
                                            call_kwargs=dict(ea.diffusers_call_kwargs),
-                                           max_image_pixels=ea.max_generated_image_size)
+                                           max_image_pixels=ea.max_generated_image_size,
+                                           profile=ea.enable_diffusion_pipeline_profiler)
         from vllm_omni.diffusion.cfg_parallel import CfgParallelGroup, ModelSpec
         from vllm_omni.diffusion.engine import DiffusionEngine
         from vllm_omni.diffusion.tea_cache import TeaCache, TeaCacheConfig
@@ -70,7 +71,8 @@ class GPUDiffusionWorker:
         if cfg_group is not None:
             cfg_group.wait_ready()
         return DiffusionEngine(model, stage_id=self.stage.stage_id, max_batch_size=batch, device=str(self.device),
-                               cache=cache, cfg_group=cfg_group, max_image_pixels=ea.max_generated_image_size)
+                               cache=cache, cfg_group=cfg_group, max_image_pixels=ea.max_generated_image_size,
+                               profile=ea.enable_diffusion_pipeline_profiler)
 
     def _tea_cache_settings(self) -> dict[str, Any] | None:
         ea = self.stage.engine_args
