@@ -122,10 +122,10 @@ def run_stage_worker(spec: WorkerSpec, device: str) -> int:
         try:
             engine = _build_engine(spec, device)
             if spec.stage.engine_args.enable_sleep_mode:
-                from vllm_omni.worker.sleep_mode import SleepableEngine
+                from vllm_omni.worker.sleep_mode import SleepableEngine, placeholder_weights
 
-                engine = SleepableEngine(spec.stage_id, engine, lambda placeholder: _build_engine(
-                    _with_placeholder_weights(spec) if placeholder else spec, device))
+                engine = SleepableEngine(spec.stage_id, engine, lambda placeholder: _build_engine(dataclasses.replace(
+                    spec, stage=placeholder_weights(spec.stage)) if placeholder else spec, device))
         except Exception:  # noqa: BLE001 - reported to the orchestrator, which names the stage
             leave = "initialization failed"
             chan.send(StageInitFailed(spec.stage_id, os.getpid(), traceback.format_exc()))
@@ -190,12 +190,6 @@ def _build_engine(spec: WorkerSpec, device: str) -> StageEngine:
 
 
 _IN_PROCESS_INIT = threading.Lock()
-
-
-def _with_placeholder_weights(spec: WorkerSpec) -> WorkerSpec:
-    """The stage with random weights instead of its checkpoint (a sleep snapshot overwrites them)."""
-    args = dataclasses.replace(spec.stage.engine_args, load_format="dummy")
-    return dataclasses.replace(spec, stage=dataclasses.replace(spec.stage, engine_args=args))
 
 
 def _worker_class(stage: StageConfig) -> type:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm_omni.config.stage_config import StageConfig
 from vllm_omni.stage_io import StageEngine, StageInputChunk, StageOutput, StageRequest, error_output
 
 logger = logging.getLogger(__name__)
@@ -146,6 +147,12 @@ class SleepableEngine:
 
     def describe(self) -> dict[str, Any]:
         return {**self._info, "sleep_mode": True}
+
+
+def placeholder_weights(stage: StageConfig) -> StageConfig:
+    """The stage with random weights of the same shapes instead of its checkpoint (load_format dummy):
+    what a level 1 wake-up builds before it writes the snapshot in."""
+    return dataclasses.replace(stage, engine_args=dataclasses.replace(stage.engine_args, load_format="dummy"))
 
 
 def snapshot_weights(engine: Any) -> dict[str, torch.Tensor]:
