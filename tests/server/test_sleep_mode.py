@@ -4,6 +4,7 @@ after waking equal those before, and the AR stages' durations in responses and /
 from __future__ import annotations
 
 import base64
+import json
 
 import httpx
 import openai
@@ -49,6 +50,17 @@ def test_the_ar_profiler_reports_each_stage_in_the_response_and_metrics(server):
     assert set(text_only.model_extra["metrics"]["stage_durations"]) == {
         "ar_stage_0", "ar_stage_0.queue", "ar_stage_0.prefill", "ar_stage_0.decode"}
     assert server.metric("vllm_omni:request_stage_duration_seconds_count", phase="ar_stage_1.decode") >= 1
+
+
+
+def test_completions_and_streams_carry_the_durations_too(server):
+    body = server.post("/v1/completions", {"model": DEMO_SERVED_NAME, "prompt": ["Hi", "Bye"], "max_tokens": 3}).json()
+    assert [set(c["metrics"]["stage_durations"]) >= {"ar_stage_0", "ar_stage_0.decode"} for c in body["choices"]] == [
+        True, True]  # each prompt is a request of its own
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=120,
+                      json={**CHAT, "modalities": ["text"], "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[-1]["choices"] == [] and "ar_stage_0.prefill" in chunks[-1]["metrics"]["stage_durations"]
 
 
 def test_sleep_and_wake_up_at_both_levels(server):
