@@ -22,6 +22,9 @@ same checkpoint for comparison: it is not streaming, so its first audio is its l
     # GPU: the released 1.7B CustomVoice architecture with random bf16 weights
     python benchmarks/bench_tts.py --real-arch --concurrency 1,16,64 --num-requests 128 --frames 150 \
         --rate 20 --json bench_tts.json
+    # a stored voice (/v1/audio/voices: its encodings in the request, no encoder runs) against a preset
+    python benchmarks/bench_tts.py --real-arch --task Base --stored-voice --concurrency 1 --num-requests 32
+    python benchmarks/bench_tts.py --real-arch --concurrency 1 --num-requests 32
 """
 from __future__ import annotations
 
@@ -58,6 +61,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--task", default="CustomVoice", choices=["CustomVoice", "Base"])
     p.add_argument("--voices", type=int, default=1, help="Base: distinct references the requests clone "
                                                          "(0: every request its own)")
+    p.add_argument("--stored-voice", action="store_true",
+                   help="Base: the requests speak with a stored voice (a 2 s reference's speaker row and codes, "
+                        "encoded once: random ones of the right shapes with --real-arch) instead of ref_audio")
     p.add_argument("--concurrency", default="1,16", help="comma-separated in-flight limits (closed loop)")
     p.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (open loop)")
     p.add_argument("--num-requests", type=int, default=16, help="requests per run (at least C)")
@@ -124,17 +130,41 @@ class Result:
     start: float = 0.0  # time.perf_counter() at submission: one clock with the stage profiles' timelines
 
 
-def prompt(i: int, task: str, voice: int = 0) -> dict[str, Any]:
-    """Request i's prompt. Base: it clones reference number `voice` (a 2 s tone)."""
-    text = SENTENCES[i % len(SENTENCES)]
-    if task == "Base":
-        import numpy as np
+REF_TEXT = "This is my voice, please copy it."
 
-        t = np.arange(int(2.0 * SAMPLE_RATE)) / SAMPLE_RATE
-        pitch = 140 + voice
-        return {"prompt": text, "ref_audio": ((0.3 * np.sin(2 * np.pi * pitch * t)).astype("float32"), SAMPLE_RATE),
-                "ref_text": "This is my voice, please copy it."}
+
+def reference(voice: int) -> Any:
+    """Reference number `voice`: a 2 s tone."""
+    import numpy as np
+
+    t = np.arange(int(2.0 * SAMPLE_RATE)) / SAMPLE_RATE
+    return (0.3 * np.sin(2 * np.pi * (140 + voice) * t)).astype("float32")
+
+
+def prompt(i: int, task: str, voice: int = 0, stored: Any = None) -> dict[str, Any]:
+    """Request i's prompt. Base: it clones reference number `voice`, or speaks with `stored`
+    (a ClonedVoice: what /v1/audio/voices keeps)."""
+    text = SENTENCES[i % len(SENTENCES)]
+    if stored is not None:
+        return {"prompt": text, "cloned_voice": stored}
+    if task == "Base":
+        return {"prompt": text, "ref_audio": (reference(voice), SAMPLE_RATE), "ref_text": REF_TEXT}
     return {"prompt": text, "speaker": "vivian"}
+
+
+def stored_voice(model: Path, real_arch: bool) -> Any:
+    """The 2 s reference's stored voice: encoded as the server encodes an upload, or (random
+    weights, no checkpoint files) random encodings of the same shapes: its cost is in the shapes."""
+    import torch
+
+    from vllm_omni.model_executor.models.qwen3_tts.voice_encoder import ClonedVoice, VoiceEncoder
+
+    if not real_arch:
+        return VoiceEncoder.load(model).encode(torch.from_numpy(reference(0)), REF_TEXT)
+    talker = json.loads((model / "config.json").read_text())["talker_config"]
+    frames = int(2.0 * SAMPLE_RATE) // 1920
+    codes = torch.randint(0, 2048, (frames, talker["num_code_groups"]), generator=torch.Generator().manual_seed(0))
+    return ClonedVoice(torch.randn(talker["hidden_size"]) * 0.05, codes, REF_TEXT)
 
 
 @dataclass
@@ -147,11 +177,12 @@ class Workload:
     talker: Any  # the talker's StageConfig
     frames: tuple[int, int]
     voices: int = 1
+    stored: Any = None  # a ClonedVoice every request speaks with (--stored-voice)
     _sent: itertools.count = field(default_factory=itertools.count)
 
     def prompt(self, i: int) -> dict[str, Any]:
         k = next(self._sent)
-        return prompt(i, self.task, k % self.voices if self.voices else k)
+        return prompt(i, self.task, k % self.voices if self.voices else k, self.stored)
 
     def frames_of(self, i: int) -> int:
         return random.Random(i).randint(*self.frames)
@@ -256,6 +287,8 @@ print(json.dumps({{"latency": lat[1:], "audio": audio[1:]}}))
 
 def main() -> None:
     args = parse_args()
+    if args.stored_voice and args.task != "Base":
+        raise SystemExit("--stored-voice needs --task Base (stored voices are cloned voices)")
     from vllm_omni.entrypoints.async_omni import AsyncOmni
 
     if args.eager or args.no_predictor_graphs:  # read by the talker (stage processes inherit it)
@@ -272,7 +305,8 @@ def main() -> None:
         rows: list[dict[str, Any]] = []
         with AsyncOmni(model=str(model), deploy_config=args.deploy_config,
                        stage_overrides=stage_overrides(args, max_c)) as engine:
-            work = Workload(args.task, engine.pipeline.stages[0], args.frames, args.voices)
+            stored = stored_voice(model, args.real_arch) if args.stored_voice else None
+            work = Workload(args.task, engine.pipeline.stages[0], args.frames, args.voices, stored)
             loop = asyncio.new_event_loop()
             loop.run_until_complete(closed_loop(engine, 2, 1, work))  # warm-up
             for c in concurrency:

@@ -30,6 +30,9 @@
 #   benchmarks/h200_round.sh norm_linear  # RMSNorm fused into the next product vs apart, program shapes
 #   benchmarks/h200_round.sh stages    # code2wav / token2wav, Qwen3-TTS, Qwen-Image on their own
 #   benchmarks/h200_round.sh diffusion # Qwen-Image 1024^2, 50 steps vs diffusers; one step per attention/compile setting
+#   benchmarks/h200_round.sh diffusion_accel  # Qwen-Image 1024^2: FP8, TeaCache, cache-dit, fixed schedule (s + PSNR)
+#   benchmarks/h200_round.sh video     # Wan2.2: compiled stage vs diffusers (GPU tests), T2V-A14B step + video
+#   benchmarks/h200_round.sh video_ti2v  # Wan2.2 TI2V-5B 1280x704x121: one step and a 4-step video vs diffusers
 # Logs and JSON go to $OUT (or ./h200_out). Each step has its own time limit, so one slow step
 # still leaves the others' results.
 set -u
@@ -240,5 +243,13 @@ case "${1:-}" in
       --json "$OUT/diffusion_step.json"
     step diffusion_1024 380 $PY benchmarks/bench_diffusion.py --size 1024 --steps 50 --batch-sizes 1,4 \
       --json "$OUT/diffusion_1024.json" ;;
+  diffusion_accel)  # one device call: the FP8 GPU tests, then every variant's s/image and PSNR vs bf16
+    step fp8_gpu_tests 60 $PY -m pytest -q tests/gpu/test_fp8_scaled_mm.py -p no:cacheprovider
+    step diffusion_accel 500 $PY benchmarks/bench_diffusion_accel.py --json "$OUT/diffusion_accel.json" ;;
+  video)  # needs diffusers, accelerate, ftfy and av (carried as wheels)
+    step wan_gpu_tests 180 $PY -m pytest -q tests/gpu/test_wan_compiled.py -p no:cacheprovider
+    step video_a14b 400 $PY benchmarks/bench_video.py --models a14b --json "$OUT/video_a14b.json" ;;
+  video_ti2v)
+    step video_ti2v 560 $PY benchmarks/bench_video.py --models ti2v --json "$OUT/video_ti2v.json" ;;
   *) sed -n 's/^#   benchmarks\/h200_round.sh /  /p' "$0"; exit 2 ;;
 esac

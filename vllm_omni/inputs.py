@@ -67,7 +67,7 @@ PromptType = Union[str, TextPrompt, TokensPrompt, ChatPrompt, OmniTokensPrompt]
 
 # Text-to-speech voice options (Qwen3-TTS, see docs/tts.md); the model's input processor checks them.
 TTS_KEYS = ("instructions", "language", "task_type", "ref_audio", "ref_text", "x_vector_only_mode",
-            "non_streaming_mode")
+            "non_streaming_mode", "cloned_voice", "text_complete", "max_frames_per_token")
 _OPTIONAL_KEYS = ("multi_modal_data", "mm_processor_kwargs", "speaker", "additional_information",
                   "negative_prompt", *TTS_KEYS)
 _TEMPLATE_KEYS = ("chat_template", "chat_template_kwargs")  # with "messages" only

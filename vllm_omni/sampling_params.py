@@ -64,6 +64,10 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     # Filled by the engine from the tokenizer / generation config; not user-facing.
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+    # Set by the API server when max_tokens is a request's own `max_tokens` /
+    # `max_completion_tokens`: a prompt that leaves less room fails the request, as vLLM's
+    # server does. A default or a sampling_params_list value only runs up to max_model_len.
+    _max_tokens_must_fit: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -209,7 +213,10 @@ class DiffusionSamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_l
     and msgspec tells them apart only when this one encodes as an array (`array_like`).
     Classifier-free guidance runs when `true_cfg_scale > 1` and the prompt has a
     `negative_prompt` (diffusers' QwenImagePipeline rule); `guidance_scale` is the embedded
-    guidance of guidance-distilled models and is ignored by the others.
+    guidance of guidance-distilled models and is ignored by the others. Video models (Wan2.2)
+    follow diffusers' WanPipeline instead: `guidance_scale` (default 5) is their CFG scale
+    (guidance runs when it is > 1), `guidance_scale_2` the low-noise expert's, and
+    `true_cfg_scale` is not used.
     """
 
     height: int | None = None  # None: the model's default (or, for an edit, the input image's)
@@ -219,6 +226,10 @@ class DiffusionSamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_l
     guidance_scale: float | None = None
     seed: int | None = None  # None: a fresh random seed per request
     num_outputs_per_prompt: int = 1
+    # Video models (Wan2.2): frames to generate (None: the model's default), and the low-noise
+    # expert's guidance scale (None: guidance_scale's).
+    num_frames: int | None = None
+    guidance_scale_2: float | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
@@ -233,8 +244,12 @@ class DiffusionSamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_l
             raise bad("num_inference_steps", f"an integer in [1, {MAX_INFERENCE_STEPS}]")
         if not _is_number(self.true_cfg_scale) or self.true_cfg_scale < 0:
             raise bad("true_cfg_scale", "a number >= 0")
-        if self.guidance_scale is not None and (not _is_number(self.guidance_scale) or self.guidance_scale < 0):
-            raise bad("guidance_scale", "a number >= 0 or None")
+        for name in ("guidance_scale", "guidance_scale_2"):
+            value = getattr(self, name)
+            if value is not None and (not _is_number(value) or value < 0):
+                raise bad(name, "a number >= 0 or None")
+        if self.num_frames is not None and (not _is_int(self.num_frames) or not 1 <= self.num_frames <= MAX_NUM_FRAMES):
+            raise bad("num_frames", f"an integer in [1, {MAX_NUM_FRAMES}] or None")
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise bad("seed", "a non-negative integer or None")
         if not _is_int(self.num_outputs_per_prompt) or not 1 <= self.num_outputs_per_prompt <= MAX_OUTPUTS_PER_PROMPT:
@@ -262,6 +277,7 @@ class DiffusionSamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_l
 IMAGE_SIZE_MULTIPLE = 16
 MAX_INFERENCE_STEPS = 1000  # the training schedule's length
 MAX_OUTPUTS_PER_PROMPT = 16
+MAX_NUM_FRAMES = 1025  # a sanity bound: 64 s at 16 fps (a GPU runs out of memory long before)
 
 
 def _is_int(v: Any) -> bool:

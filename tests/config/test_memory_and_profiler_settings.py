@@ -72,3 +72,13 @@ def test_ar_settings_need_an_ar_stage():
         load_pipeline_config(model=QWEN_IMAGE, cli_args={"enable_ar_profiler": True}, platform="cpu")
     with pytest.raises(ConfigError, match="num_weight_load_threads.*no AR stage"):
         load_pipeline_config(model=QWEN_IMAGE, cli_args={"num_weight_load_threads": 8}, platform="cpu")
+
+
+def test_layerwise_offload_of_a_gguf_transformer_is_refused():
+    gguf = {"method": "gguf", "gguf_model": "/models/transformer.gguf"}
+    with pytest.raises(ConfigError, match="engine_args.enable_layerwise_offload.*GGUF"):
+        load_pipeline_config(model=QWEN_IMAGE, platform="cpu", cli_args={
+            "enable_layerwise_offload": True, "diffusion_quantization_config": gguf})
+    fp8 = load_pipeline_config(model=QWEN_IMAGE, platform="cpu", cli_args={
+        "enable_layerwise_offload": True, "diffusion_quantization_config": {"method": "fp8"}}).stage(0).engine_args
+    assert fp8.enable_layerwise_offload and fp8.diffusion_quantization_config.method == "fp8"

@@ -64,12 +64,28 @@ def test_qwen2_5_token2wav_takes_its_own_block_options_not_codec_frames(write_ya
         validate_dotted_names(p)
 
 
-def test_chunk_options_on_a_connector_that_feeds_no_decoder_are_refused(write_yaml):
-    """Only the thinker -> talker edge uses the connector: nothing would honour the option."""
+def test_chunk_options_on_the_thinker_to_talker_connector_reach_code2wav(write_yaml):
+    """Upstream's Qwen3-Omni async-chunk config puts them there; the talker's chunks into code2wav
+    are what they size, so code2wav (stage 2) reads them and the talker none."""
+    p = overlay(write_yaml, "qwen3_omni_moe.yaml", "{initial_codec_chunk_frames: 2, codec_chunk_frames: 25}", 1)
+    assert dict(p.stage(2).stream_options)["codec_chunk_frames"] == 25 and not p.stage(1).stream_options
+    validate_dotted_names(p)
+
+
+def test_chunk_options_that_reach_no_decoder_are_refused(write_yaml):
     with pytest.raises(ConfigError, match=r"connectors\.c\.extra\.codec_chunk_frames=25: is a chunk option of a "
-                                          r"decoder \(generation\) stage, and connector 'c' feeds none: it is on "
-                                          r"the input edges of stages 1"):
-        overlay(write_yaml, "qwen3_omni_moe.yaml", "{codec_chunk_frames: 25}", 1)
+                                          r"decoder \(generation\) stage, and connector 'c' reaches none: it is "
+                                          r"on the input edges of stages 1"):
+        load_pipeline_config(write_yaml("""\
+            connectors:
+              c: {name: SharedMemoryConnector, extra: {codec_chunk_frames: 25}}
+            stage_args:
+              - stage_id: 0
+                final_output: false
+              - stage_id: 1
+                engine_input_source: [0]
+                input_connectors: {from_stage_0: c}
+            """))
 
 
 def test_a_model_that_declares_no_options_gets_none(write_yaml, plugin_package):
@@ -108,6 +124,6 @@ def test_two_input_connectors_must_agree(write_yaml):
                           model_stage: code2wav}
         """
     assert dict(load_pipeline_config(write_yaml(text % 5)).stage(2).stream_options) == {"codec_chunk_frames": 5}
-    with pytest.raises(ConfigError, match=r"stage 2: connectors\.b\.extra\.codec_chunk_frames=6: the connectors on "
-                                          r"stage 2's input edges disagree on it \(5 and 6\)"):
+    with pytest.raises(ConfigError, match=r"stage 2: connectors\.b\.extra\.codec_chunk_frames=6: the connectors that "
+                                          r"reach stage 2 disagree on it \(5 and 6\)"):
         load_pipeline_config(write_yaml(text % 6))

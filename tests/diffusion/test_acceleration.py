@@ -94,7 +94,7 @@ def test_attention_backends(qwen_image_dir):
     stage = load_pipeline_config(model=qwen_image_dir, platform="cuda",
                                  cli_args={"diffusion_attention_backend": "torch_sdpa"}).stage(0)
     assert stage.engine_args.diffusion_attention_backend == "TORCH_SDPA"
-    for name, match in (("FLASH_ATTN", "takes no attention mask"), ("NOPE", "TORCH_SDPA | CUDNN_ATTN")):
+    for name, match in (("SAGE_ATTN", "SageAttention is not a dependency"), ("NOPE", "TORCH_SDPA | CUDNN_ATTN")):
         with pytest.raises(ConfigError, match=match):
             load_pipeline_config(model=qwen_image_dir, platform="cuda", cli_args={"diffusion_attention_backend": name})
     with pytest.raises(ConfigError, match="'regional'"):

@@ -23,8 +23,8 @@ RANK_TOLERANCE = 1e-5
 
 @pytest.fixture(scope="module")
 def cfg_group(qwen_image_dir):
-    group = CfgParallelGroup.start(ModelSpec(QWEN_IMAGE, str(qwen_image_dir), "float32"), {"rel_l1_thresh": 0.2},
-                                   torch.device("cpu"), init_timeout_s=120)
+    group = CfgParallelGroup.start(ModelSpec(QWEN_IMAGE, str(qwen_image_dir), "float32"),
+                                   ("tea_cache", {"rel_l1_thresh": 0.2}, False), torch.device("cpu"), init_timeout_s=120)
     group.wait_ready()
     yield group
     group.close()

@@ -106,3 +106,50 @@ def test_the_diffusers_adapter_offloads_with_diffusers_group_offload(qwen_image_
     assert engine.pipe.transformer.transformer_blocks[0]._diffusers_hook.get_hook("group_offloading") is not None
     case = Case("r", "a red fox", params=dict(height=32, width=32, num_inference_steps=2, seed=4))
     assert torch.equal(image_of(run_engine(engine, [case])["r"]), case.reference(t2i_pipe))
+
+
+def test_wan_offloads_each_experts_blocks_and_its_video_is_unchanged(wan_dir, wan_model):
+    """Wan2.2 A14B: each expert's blocks get a ring of their own; a request crossing the expert
+    boundary copies both experts' blocks in and makes the video the model makes without offload."""
+    from tests.diffusion.conftest import WanCase, video_of
+    from vllm_omni.diffusion.engine import DiffusionEngine
+    from vllm_omni.model_executor.models.wan2_2.model import WanModel
+
+    offloads = []
+
+    def offload_blocks(blocks, device):
+        offloads.append(LayerwiseOffload.install(blocks, device))
+
+    model = WanModel.load(wan_dir("a14b"), device=torch.device("cpu"), dtype=torch.float32,
+                          offload_blocks=offload_blocks)
+    assert len(offloads) == 2 and all(o.blocks for o in offloads)
+    case = WanCase("a", "a red fox running in the snow",
+                   params=dict(height=32, width=48, num_frames=5, num_inference_steps=4, guidance_scale=4.0, seed=5))
+    video = video_of(run_engine(DiffusionEngine(model, stage_id=0, max_batch_size=2), [case])["a"])
+    assert all(o.copies > 0 for o in offloads)
+    reference = video_of(run_engine(DiffusionEngine(wan_model("a14b"), stage_id=0, max_batch_size=2), [case])["a"])
+    assert torch.equal(video, reference)
+
+
+def test_fp8_blocks_are_offloaded_as_they_are(qwen_image_dir, make_engine):
+    """Online FP8 quantizes the blocks before they are offloaded: the ring holds their float8 weights
+    and scales, and the image equals the FP8 model's without offload."""
+    from vllm_omni.config.diffusion_quantization_spec import DiffusionQuantization
+    from vllm_omni.model_executor.layers.fp8_linear import Fp8Linear
+    from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
+    from vllm_omni.model_executor.models.qwen_image.model import QwenImageModel
+
+    fp8 = DenoiserAcceleration(quantization=DiffusionQuantization("fp8"))
+    offloads = []
+    load = dict(device=torch.device("cpu"), dtype=torch.float32, acceleration=fp8)
+    offloaded = QwenImageModel.load(qwen_image_dir, **load,
+                                    offload_blocks=lambda blocks, device: offloads.append(
+                                        LayerwiseOffload.install(blocks, device)))
+    tensors = [t for b in offloads[0].blocks for t, _ in b.tensors]
+    assert any(t.dtype == torch.float8_e4m3fn for t in tensors)
+    assert any(isinstance(m, Fp8Linear) for m in offloaded.blocks[1].modules())
+    case = Case("q", "a red fox in the snow", params=dict(height=64, width=64, num_inference_steps=3, seed=3))
+    image = image_of(run_engine(make_engine(offloaded), [case])["q"])
+    assert offloads[0].copies > 0
+    reference = image_of(run_engine(make_engine(QwenImageModel.load(qwen_image_dir, **load)), [case])["q"])
+    assert torch.equal(image, reference)

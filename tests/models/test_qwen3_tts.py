@@ -36,11 +36,11 @@ from tests.models.predictor_frames import check_frame_matches_eager_predictor
 
 REFERENCE = Path(__file__).resolve().parents[1] / "reference" / "qwen_tts"
 sys.path.insert(0, str(REFERENCE))
-from cases import CASES, MAX_NEW_TOKENS, REF_SAMPLE_RATE, SEED, reference_audio  # noqa: E402
+from cases import CASES, CHECKPOINTS, MAX_NEW_TOKENS, REF_SAMPLE_RATE, SEED, reference_audio  # noqa: E402
 
 ARCH = "Qwen3TTSForConditionalGeneration"
 WAVE_ATOL = 1e-4
-TASKS = list(CASES)
+TASKS = list(CASES)  # fixture names: the task types, and the 0.6B checkpoints (cases.CHECKPOINTS)
 
 
 def fixture(task: str) -> dict:
@@ -49,7 +49,11 @@ def fixture(task: str) -> dict:
 
 @pytest.fixture(scope="module")
 def checkpoints(tiny_model):
-    return {task: tiny_model("qwen3_tts", seed=SEED, task_type=task) for task in TASKS}
+    return {name: tiny_model("qwen3_tts", seed=SEED, **CHECKPOINTS[name]) for name in TASKS}
+
+
+def task_type(name: str) -> str:
+    return CHECKPOINTS[name]["task_type"]
 
 
 def talker_engine(ckpt: Path) -> LLMEngine:
@@ -114,7 +118,7 @@ def test_greedy_codes_and_waveform_match_qwen_tts(checkpoints, task):
     ckpt = checkpoints[task]
     engine = talker_engine(ckpt)
     processor = Qwen3TTSInputProcessor(ckpt, engine.tokenizer)
-    prompts = {c["name"]: processor.process(case_prompt(task, c)) for c in CASES[task]}
+    prompts = {c["name"]: processor.process(case_prompt(task_type(task), c)) for c in CASES[task]}
     outputs = run_talker(engine, prompts, {rid: greedy() for rid in prompts})
     waves = decode(Qwen3TTSCode2Wav.load(str(ckpt)), outputs)
     expected = fixture(task)
@@ -125,18 +129,32 @@ def test_greedy_codes_and_waveform_match_qwen_tts(checkpoints, task):
         reference = reference_waves[name]
         assert waves[name].shape == reference.shape, f"{task}/{name}"
         np.testing.assert_allclose(waves[name], reference, rtol=0, atol=WAVE_ATOL, err_msg=f"{task}/{name}")
-    if task == "Base":  # the voice-clone prompt: the reference audio's codes (Mimi encoder)
+    if task_type(task) == "Base":  # the voice-clone prompt: the reference audio's codes (Mimi encoder)
         ref_codes = outputs["icl_clone"].outputs[0].multimodal_output[REF_CODES_KEY]
         assert ref_codes.tolist() == expected["voice_clone_prompt"]["ref_code"]
         assert REF_CODES_KEY not in outputs["xvector_only"].outputs[0].multimodal_output
 
 
-def test_speaker_encoder_matches_qwen_tts(checkpoints):
-    engine = talker_engine(checkpoints["Base"])
+@pytest.mark.parametrize("name", ["Base", "Base_0.6B"])
+def test_speaker_encoder_matches_qwen_tts(checkpoints, name):
+    engine = talker_engine(checkpoints[name])
     audio = torch.tensor(reference_audio(), dtype=torch.float32)
     ours = engine.model.speaker_encoder.embed(audio)
-    theirs = torch.tensor(fixture("Base")["voice_clone_prompt"]["ref_spk_embedding"])
+    theirs = torch.tensor(fixture(name)["voice_clone_prompt"]["ref_spk_embedding"])
+    assert ours.shape[0] == engine.model.hidden_size  # the talker's width (32 at 0.6B, 64 at 1.7B)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+def test_the_0_6b_shapes_and_its_custom_voice_refuses_instructions(checkpoints):
+    """0.6B: a talker narrower than its text embeddings, as wide as its code predictor (no
+    small_to_mtp_projection); its CustomVoice model was trained without instructions (qwen-tts
+    drops them: we refuse them)."""
+    model = talker_engine(checkpoints["CustomVoice_0.6B"]).model
+    assert model.code_predictor.small_to_mtp_projection is None
+    assert model.config.text_hidden_size > model.hidden_size
+    processor = Qwen3TTSInputProcessor(checkpoints["CustomVoice_0.6B"])
+    with pytest.raises(ValueError, match="0.6B CustomVoice model takes no instructions"):
+        processor.process({"prompt": "Hi.", "speaker": "vivian", "instructions": "Speak slowly."})
 
 
 def test_seeded_sampling_is_reproducible(checkpoints):

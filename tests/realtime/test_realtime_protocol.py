@@ -310,7 +310,9 @@ def test_history_keeps_a_bounded_amount_of_user_audio(demo):
 
 
 def test_voices_are_listed_and_picked(demo):
-    assert demo.get("/v1/audio/voices").json() == {"voices": ["Chelsie", "Ethan"]}
+    listed = demo.get("/v1/audio/voices").json()
+    assert listed["voices"] == ["Chelsie", "Ethan"] and "task_type" not in listed
+    assert [(v["name"], v["kind"]) for v in listed["data"]] == [("Chelsie", "preset"), ("Ethan", "preset")]
 
     async def go():
         rt = await Realtime.open(demo, **MANUAL)

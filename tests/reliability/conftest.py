@@ -24,7 +24,8 @@ from tests.server.conftest import ServerProcess
 NAME = "tiny-omni"
 THINKER_TOKENS, TALKER_TOKENS = 8, 24
 OVERRIDES = {"0": {"default_sampling_params": {"max_tokens": THINKER_TOKENS}, "max_tokens_limit": 64},
-             "1": {"default_sampling_params": {"max_tokens": TALKER_TOKENS}, "max_num_seqs": 4,
+             "1": {"default_sampling_params": {"max_tokens": TALKER_TOKENS}, "max_tokens_limit": TALKER_TOKENS,
+                   "max_num_seqs": 4,
                    "custom_process_input_func": THINKER2TALKER}}
 MAX_REQUEST_BYTES = 2 * 1024 * 1024
 MAX_PROMPTS = 8

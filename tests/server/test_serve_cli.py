@@ -61,7 +61,7 @@ def test_every_spec_flag_parses_to_its_documented_default():
     aliases = serve_parser().parse_args(["-oma", "h", "-omp", "1", "-ora", "a", "--usp", "2", "--ring", "3",
                                          "-dac", "{}", "-tp", "2"])
     assert (aliases.omni_master_address, aliases.omni_master_port, aliases.omni_replica_address) == ("h", 1, "a")
-    assert (aliases.ulysses_degree, aliases.ring_degree, aliases.diffusion_attention_config) == (2, 3, "{}")
+    assert (aliases.ulysses_degree, aliases.ring_degree, aliases.diffusion_attention_config) == (2, 3, {})
     assert aliases.tensor_parallel_size == 2
 
 

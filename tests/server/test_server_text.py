@@ -163,6 +163,19 @@ def test_non_streaming_disconnect_aborts_the_request(server):
     assert server.post("/v1/completions", {"model": NAME, "prompt": "after", "max_tokens": 2}).status_code == 200
 
 
+def test_a_max_tokens_the_context_cannot_hold_is_vllms_400(server):
+    """vLLM's rule (docs/compatibility.md, "max_tokens"): the request's own max_tokens must fit
+    max_model_len after its prompt; a default is not a cap."""
+    r = server.post("/v1/completions", {"model": NAME, "prompt": [11] * 100, "max_tokens": MAX_MODEL_LEN - 99})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert r.json()["error"]["message"] == (
+        f"'max_tokens' or 'max_completion_tokens' is too large: {MAX_MODEL_LEN - 99}. This model's maximum context "
+        f"length is {MAX_MODEL_LEN} tokens and your request has 100 input tokens ({MAX_MODEL_LEN - 99} > "
+        f"{MAX_MODEL_LEN} - 100).")
+    fits = server.post("/v1/completions", {"model": NAME, "prompt": [11] * 100, "max_tokens": 2})
+    assert fits.status_code == 200, fits.text
+
+
 def test_dead_stage_is_503_and_health_names_it(server):
     """Last in the module: it kills the server's only stage."""
     import os

@@ -24,6 +24,7 @@ from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import av
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -72,7 +73,9 @@ def decode_av(data: bytes) -> np.ndarray:
 
 def test_voices(custom_voice):
     server, _ = custom_voice
-    assert server.get("/v1/audio/voices").json() == {"voices": ["eric", "ryan", "vivian"], "task_type": "CustomVoice"}
+    listed = server.get("/v1/audio/voices").json()
+    assert (listed["voices"], listed["task_type"]) == (["eric", "ryan", "vivian"], "CustomVoice")
+    assert [(v["name"], v["kind"]) for v in listed["data"]] == [("eric", "preset"), ("ryan", "preset"), ("vivian", "preset")]
 
 
 def test_every_response_format_holds_the_same_speech(custom_voice):
@@ -149,21 +152,57 @@ def test_errors(custom_voice):
 
 
 def test_voice_design(tiny_model, tmp_path_factory):
-    server = start(tiny_model("qwen3_tts", task_type="VoiceDesign"), tmp_path_factory)
+    """VoiceDesign through the server, greedy: the voice from `instructions` speaks what qwen-tts
+    speaks (its committed fixture, tests/reference/qwen_tts), and a designed voice (a stored
+    description, /v1/audio/voices) speaks as its instructions given inline."""
+    from tests.models.test_qwen3_tts import REFERENCE, fixture
+
+    case = next(c for c in fixture_cases("VoiceDesign") if c["name"] == "described_voice")
+    greedy = json.dumps({"0": {"max_num_seqs": 8, "default_sampling_params": {"max_tokens": 15, "temperature": 0.0}},
+                         "1": {"max_num_seqs": 8}})
+    server = ServerProcess.launch([str(tiny_model("qwen3_tts", task_type="VoiceDesign")), "--stage-overrides", greedy,
+                                   "--voices-dir", str(tmp_path_factory.mktemp("designed"))],
+                                  tmp_path_factory.mktemp("vd-server") / "server.log").wait_ready()
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
         model = server.get("/v1/models").json()["data"][0]["id"]
-        # The OpenAI client always sends a voice: a VoiceDesign model takes its voice from instructions.
-        calm = client.audio.speech.create(model=model, voice="alloy", input=TEXTS[0], response_format="pcm",
-                                          instructions="A deep, calm voice.").content
-        bright = client.audio.speech.create(model=model, voice="alloy", input=TEXTS[0], response_format="pcm",
-                                            instructions="A bright young voice.").content
-        assert len(calm) == FRAMES * 1920 * 2 and calm != bright
+
+        def speak(**kw) -> bytes:  # the OpenAI client always sends a voice
+            return client.audio.speech.create(model=model, input=case["text"], response_format="pcm",
+                                              **{"voice": "alloy", **kw}).content
+
+        calm = speak(instructions=case["instruct"])
+        reference = np.load(REFERENCE / "fixtures" / "VoiceDesign_waveforms.npz")[case["name"]]
+        assert samples(calm).size == reference.size == len(fixture("VoiceDesign")["cases"][case["name"]]["codes"]) * 1920
+        # (streamed code2wav chunks: within 1e-4 of the whole decode, then 16-bit PCM)
+        np.testing.assert_allclose(samples(calm) / 32768, reference, rtol=0, atol=5e-4)
+        assert speak(instructions="A bright young voice.") != calm
         with pytest.raises(openai.BadRequestError, match="instructions"):
             client.audio.speech.create(model=model, voice="alloy", input=TEXTS[0])
-        assert server.get("/v1/audio/voices").json() == {"voices": [], "task_type": "VoiceDesign"}
+
+        made = httpx.post(f"{server.url}/v1/audio/voices", data={"name": "narrator", "instructions": case["instruct"]})
+        assert made.json()["kind"] == "designed" and made.json()["instructions"] == case["instruct"]
+        listed = server.get("/v1/audio/voices").json()
+        assert listed["voices"] == ["narrator"] and listed["task_type"] == "VoiceDesign"
+        designed = client.audio.speech.with_raw_response.create(model=model, input=case["text"], voice="narrator",
+                                                                response_format="pcm")
+        inline = client.audio.speech.with_raw_response.create(model=model, input=case["text"], voice="alloy",
+                                                              response_format="pcm", instructions=case["instruct"])
+        assert designed.content == inline.content == calm
+        assert designed.headers["x-vllm-omni-input-tokens"] == inline.headers["x-vllm-omni-input-tokens"]
+        with pytest.raises(openai.BadRequestError, match="stored voice: give no instructions"):
+            speak(voice="narrator", instructions="A bright young voice.")
+        refused = httpx.post(f"{server.url}/v1/audio/voices", data={"name": "x"},
+                             files={"audio_sample": ("a.wav", b"RIFF", "audio/wav")})
+        assert refused.status_code == 400 and "'instructions'" in refused.json()["error"]["message"]
     finally:
         server.stop()
+
+
+def fixture_cases(task: str) -> list[dict]:
+    from tests.models.test_qwen3_tts import CASES
+
+    return CASES[task]
 
 
 @pytest.fixture

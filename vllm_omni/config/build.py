@@ -11,17 +11,21 @@ from collections.abc import Sequence
 from typing import Any
 
 from vllm_omni.config import graph, resolve, schema, support
+from vllm_omni.config.diffusion_accel import combination_problems
 from vllm_omni.config.errors import ConfigError
-from vllm_omni.config.layers import Layer
+from vllm_omni.config.layers import STAGE_STREAMS, Layer
+from vllm_omni.config.strategy import LB_POLICY_PATH
 from vllm_omni.config.stage_config import (ConfigFormat, IgnoredSetting, PipelineConfig,
                                            PipelineRuntimeConfig, StageConfig, StageEngineArgs,
                                            StageRuntimeConfig, WorkerType)
 from vllm_omni.config.stream_options import attach_stream_options
 from vllm_omni.config.upstream_keys import IGNORED_PREFIX
+from vllm_omni.model_executor.models.families import canonical_stage, diffusion_pipelines
 from vllm_omni.sampling_params import DiffusionSamplingParams, SamplingParams
 
 DOCUMENTED = "documented default"
 _DSP = "default_sampling_params."
+_SUBTALKER = "subtalker_sampling_params."
 
 
 class _Merged:
@@ -82,6 +86,7 @@ def build_pipeline(layers: Sequence[Layer], *, fmt: ConfigFormat, source: str,
     for worker_type, settings, kind in ((WorkerType.DIFFUSION, schema.DIFFUSION_FIELDS, ("a", "diffusion")),
                                         (WorkerType.AR, schema.AR_FIELDS, ("an", "AR"))):
         _check_settings_have_a_stage(stages, merged, worker_type, settings, kind)
+    _check_diffusion_stages(stages, merged)
     runtime = PipelineRuntimeConfig(enabled=top.get("runtime.enabled", True),
                                     window_size=top.get("runtime.defaults.window_size", -1),
                                     max_inflight=top.get("runtime.defaults.max_inflight", 1))
@@ -90,9 +95,14 @@ def build_pipeline(layers: Sequence[Layer], *, fmt: ConfigFormat, source: str,
                                 connectors=connectors, edges_source=top.source("runtime.edges"),
                                 source_of=source_of)
     stages = attach_stream_options(stages, edges, connectors, source=source)
+    # Upstream v0.12 turned streaming on per stage (`async_chunk_stream`); here it is the pipeline's.
+    default_async_chunk = default_async_chunk or any(m.get(STAGE_STREAMS, False) for m in merged.values())
+    # One stage has no edge to stream over: upstream's thinker-only pipelines run with it off.
+    async_chunk = bool(edges) and top.get("async_chunk", default_async_chunk)
     return PipelineConfig(stages=stages, edges=edges, runtime=runtime, connectors=connectors,
-                          async_chunk=top.get("async_chunk", default_async_chunk), format=fmt,
-                          source=source, pipeline_name=pipeline_name, ignored=_ignored(merged, top))
+                          async_chunk=async_chunk, format=fmt,
+                          source=source, pipeline_name=pipeline_name, ignored=_ignored(merged, top),
+                          lb_policy=top.get(LB_POLICY_PATH))
 
 
 def _ignored(merged: dict[int, _Merged], top: _Merged) -> tuple[IgnoredSetting, ...]:
@@ -122,7 +132,8 @@ def build_stage(stage_id: int, m: _Merged, *, feeds_another_stage: bool) -> Stag
                                  max_batch_size=get("runtime.max_batch_size"),
                                  num_replicas=get("runtime.num_replicas"), env=get("runtime.env"))
     engine_values = {p.split(".", 1)[1]: get(p) for p in schema.STAGE_FIELDS if p.startswith("engine_args.")}
-    engine_values.update(worker_type=worker_type, worker_cls=worker_cls, scheduler_cls=scheduler_cls)
+    engine_values.update(worker_type=worker_type, worker_cls=worker_cls, scheduler_cls=scheduler_cls,
+                         **_own_stage_names(stage_id, m))
     engine_args = StageEngineArgs(**engine_values)
     _check_devices(stage_id, runtime, engine_args, m)
     _check_sleep_mode(stage_id, engine_args, m)
@@ -136,7 +147,37 @@ def build_stage(stage_id: int, m: _Merged, *, feeds_another_stage: bool) -> Stag
         requires_multimodal_data=get("requires_multimodal_data"),
         input_connectors=_refs(m, "input_connectors."), output_connectors=_refs(m, "output_connectors."),
         max_tokens_limit=get("max_tokens_limit"),
+        subtalker_sampling_params=_subtalker(stage_id, m),
+        tts_max_instructions_length=get("tts_max_instructions_length"),
     )
+
+
+def _subtalker(stage_id: int, m: _Merged) -> tuple[tuple[str, Any], ...]:
+    """The code predictor's sampling keys as merged from every layer (checked together)."""
+    given = {p[len(_SUBTALKER):]: v for p, (v, _) in m.values.items() if p.startswith(_SUBTALKER)}
+    if not given:
+        return ()
+    from vllm_omni.model_executor.models.predictor_sampling import PredictorSampling
+
+    try:
+        PredictorSampling.parse(given)
+    except (TypeError, ValueError) as exc:
+        sources = ", ".join(dict.fromkeys(m.source(p) for p in m.values if p.startswith(_SUBTALKER)))
+        raise ConfigError(f"subtalker_sampling_params are inconsistent: {exc}", source=sources,
+                          stage_id=stage_id) from None
+    return tuple(sorted(given.items()))
+
+
+def _own_stage_names(stage_id: int, m: _Merged) -> dict[str, str | None]:
+    """model_arch / model_stage as our family records name them: upstream's per-stage
+    architectures and stage names (`Qwen3TTSCode2Wav`, `qwen3_tts`) are aliases (families.py)."""
+    arch, stage = m.get("engine_args.model_arch"), m.get("engine_args.model_stage")
+    try:
+        arch, stage = canonical_stage(arch, stage)
+    except ValueError as exc:
+        raise ConfigError(str(exc), source=m.source("engine_args.model_stage"), stage_id=stage_id,
+                          field="engine_args.model_stage", value=m.get("engine_args.model_stage")) from None
+    return {"model_arch": arch, "model_stage": stage}
 
 
 def _worker(stage_id: int, m: _Merged) -> tuple[WorkerType, str | None, str | None]:
@@ -171,6 +212,14 @@ def _worker(stage_id: int, m: _Merged) -> tuple[WorkerType, str | None, str | No
     return worker_type, worker_cls, scheduler_cls
 
 
+def _check_diffusion_stages(stages: tuple[StageConfig, ...], merged: dict[int, _Merged]) -> None:
+    """A native pipeline class must be one our diffusion engine runs; acceleration settings must agree."""
+    if any(s.worker_type == WorkerType.DIFFUSION for s in stages):
+        for stage in stages:
+            _check_pipeline_class(stage, merged[stage.stage_id])
+            _check_acceleration(stage, merged[stage.stage_id])
+
+
 def _check_settings_have_a_stage(stages: tuple[StageConfig, ...], merged: dict[int, _Merged],
                                  worker_type: WorkerType, settings: dict[str, schema.FieldSpec], kind: tuple[str, str]) -> None:
     """Settings of one kind of stage (CLI flags apply them to every stage) need such a stage to use them."""
@@ -183,6 +232,28 @@ def _check_settings_have_a_stage(stages: tuple[StageConfig, ...], merged: dict[i
             if m.has(path) and m.get(path) != schema.STAGE_FIELDS[path].default:
                 raise ConfigError(f"is {kind[0]} {kind[1]} setting and this pipeline has no {kind[1]} stage",
                                   source=m.source(path), stage_id=stage.stage_id, field=path, value=m.get(path))
+
+
+def _check_acceleration(stage: StageConfig, m: _Merged) -> None:
+    """Diffusion settings that contradict each other (config/diffusion_accel.py)."""
+    values = {name: getattr(stage.engine_args, name) for name in schema.DIFFUSION_FIELDS}
+    for name, problem in combination_problems(values):
+        path = f"engine_args.{name}"
+        raise ConfigError(problem, source=m.source(path), stage_id=stage.stage_id, field=path, value=m.get(path))
+
+
+def _check_pipeline_class(stage: StageConfig, m: _Merged) -> None:
+    """`model_class_name` of a native (not `diffusers`) diffusion stage names a pipeline registered
+    in the family records (families.diffusion_pipelines); a dotted path is a user's own class."""
+    name, path = stage.engine_args.model_class_name, "engine_args.model_class_name"
+    if name is None or "." in name or stage.engine_args.diffusion_load_format == "diffusers":
+        return
+    native = diffusion_pipelines()
+    if name not in native:
+        raise ConfigError(f"{name} is not supported: our diffusion engine has no such pipeline", source=m.source(path),
+                          stage_id=stage.stage_id, field=path, value=name,
+                          allowed=" | ".join(native) + " (or any diffusers pipeline class with "
+                                                       "diffusion_load_format: diffusers)")
 
 
 def _sampling(stage_id: int, m: _Merged, *, diffusion: bool) -> SamplingParams | DiffusionSamplingParams:

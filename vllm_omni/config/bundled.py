@@ -39,15 +39,22 @@ class BundledPipeline:
 
 
 BUNDLED_PIPELINES = tuple(name for family in FAMILIES for name in family.pipelines.values())
+# Upstream's pipeline registry keys that name one of ours (the family records' upstream_pipelines).
+PIPELINE_ALIASES = {alias: name for family in FAMILIES for alias, name in family.upstream_pipelines.items()}
 # Architectures that run as one AR stage: the usual HF names of plain decoders.
 _PLAIN_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 
+def is_bundled_pipeline(name: str) -> bool:
+    return name in BUNDLED_PIPELINES or name in PIPELINE_ALIASES
+
+
 def bundled_pipeline(name: str) -> BundledPipeline:
-    if name not in BUNDLED_PIPELINES:
+    """A bundled pipeline by its name or upstream's name for it."""
+    if not is_bundled_pipeline(name):
         raise ConfigError("unknown bundled pipeline", field="pipeline", value=name,
                           allowed=" | ".join(BUNDLED_PIPELINES) + " | a path to a stage_args YAML")
-    return BundledPipeline(name)
+    return BundledPipeline(PIPELINE_ALIASES.get(name, name))
 
 
 def read_hf_config(model: str | os.PathLike) -> dict[str, Any]:
@@ -120,6 +127,22 @@ def pipeline_for_model(model_dir_or_hf_config: Any, *, audio_output: bool | None
     raise ConfigError(f"no bundled stage config for model_type={hf.get('model_type')!r}, architectures={archs}",
                       field="model", allowed="model types " + ", ".join(known)
                       + ", a causal LM (one stage), or pass --stage-configs-path / --deploy-config")
+
+
+def checkpoint_variant(named: BundledPipeline, model: Any) -> BundledPipeline:
+    """A family's default pipeline, named in a deploy file, as `model` can run it: its text-only
+    variant for a checkpoint without audio output (a Thinking one), as upstream's registry
+    resolves it from the HF config. Any other name is taken as written."""
+    if model is None:
+        return named
+    hf = _as_hf_dict(model)
+    family = family_of(hf)
+    if family is None or family.pipelines.get(PipelineVariant.DEFAULT) != named.name \
+            or PipelineVariant.TEXT_ONLY not in family.pipelines:
+        return named
+    if hf.get("enable_audio_output") is False or family.checkpoint_stage(hf):
+        return BundledPipeline(family.pipelines[PipelineVariant.TEXT_ONLY])
+    return named
 
 
 def find_bundled_config(model_dir_or_hf_config: Any, *, kind: str = "legacy") -> Path | None:

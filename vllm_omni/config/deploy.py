@@ -97,9 +97,13 @@ def _check_top_keys(data: dict[str, Any], *, source: str) -> None:
 
 
 def _resolve_base(name: str, child: Path) -> Path:
-    """Relative to the child file first, then among the bundled deploy configs."""
+    """Relative to the child file first, then among the bundled deploy configs: by name, or by the
+    file name of a path into upstream's package (`../../vllm_omni/deploy/qwen3_omni_moe.yaml` in
+    its CI files) when no such file is there."""
     candidates = [Path(name).expanduser()] if Path(name).is_absolute() else [
         child.parent / name, DEPLOY_DIR / name]
+    if "/" in name and (DEPLOY_DIR / Path(name).name).is_file():
+        candidates.append(DEPLOY_DIR / Path(name).name)
     for candidate in candidates:
         if candidate.is_file():
             return candidate.resolve()

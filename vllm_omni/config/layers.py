@@ -85,8 +85,13 @@ def read_stage_fields(entry: dict[str, Any], *, source: str, stage_id: int | Non
                           stage_id=stage_id, field=misplaced[0])
     if unknown:
         raise unknown_keys(unknown, allowed, source=source, stage_id=stage_id)
+    chunk_processor = isinstance(entry.get("engine_args"), dict) and "chunk_processor" in entry["engine_args"]
     for key, value in entry.items():
-        if key == "stage_id":
+        if key == "custom_process_input_func" and chunk_processor:
+            # upstream's chunk processor feeds such a stage, never this function (its async-chunk
+            # config even names one that does not exist): the family's bridges do both here
+            out[f"{IGNORED_PREFIX}{key}"] = upstream_keys.PER_FAMILY_STREAMING
+        elif key == "stage_id":
             if style == "override":
                 raise ConfigError("stage_id cannot be overridden", source=source, stage_id=stage_id)
         elif key in _SECTIONS or key == "engine_extras":
@@ -95,6 +100,10 @@ def read_stage_fields(entry: dict[str, Any], *, source: str, stage_id: int | Non
             _read_section(section, value, out, source=source, stage_id=stage_id, shown=key, style=style)
         elif key == "default_sampling_params":
             out.update(read_sampling(value, source=source, stage_id=stage_id))
+        elif key == "subtalker_sampling_params":
+            out.update(_read_subtalker(value, source=source, stage_id=stage_id))
+        elif key == "tts_args":  # upstream's legacy TTS section
+            out.update(_read_tts_args(value, source=source, stage_id=stage_id))
         elif key in _CONNECTOR_KEY:
             out.update(_read_connector_refs(key, value, source=source, stage_id=stage_id))
         elif key == "stage_type":  # upstream's: "llm" (ar / generation) or "diffusion"
@@ -103,6 +112,8 @@ def read_stage_fields(entry: dict[str, Any], *, source: str, stage_id: int | Non
             # per stage (upstream deploy): streaming is decided for the whole pipeline here
             check_bool_field("async_chunk", value, source=source, stage_id=stage_id)
             out[f"{IGNORED_PREFIX}async_chunk"] = upstream_keys.PER_STAGE_STREAMING
+        elif key == "parallel_config":  # upstream's diffusion stages (flat deploy key)
+            out.update(_read_parallel_config(value, source=source, stage_id=stage_id, shown=key))
         elif key in _FLAT or key in schema.TOP_STAGE_KEYS:
             path = _FLAT.get(key, key)
             _check_not_topology(path, key, style, source=source, stage_id=stage_id)
@@ -113,7 +124,8 @@ def read_stage_fields(entry: dict[str, Any], *, source: str, stage_id: int | Non
 
 
 def _allowed_keys(style: Style) -> set[str]:
-    common = {"default_sampling_params", "stage_type", "max_tokens_limit", *_CONNECTOR_KEY}
+    common = {"default_sampling_params", "stage_type", "max_tokens_limit", "subtalker_sampling_params",
+              "tts_max_instructions_length", "tts_args", *_CONNECTOR_KEY}
     if style == "legacy":
         return common | set(schema.TOP_STAGE_KEYS) | set(_SECTIONS)
     deploy_flat = {k for k, p in _FLAT.items() if p not in schema.TOPOLOGY_FIELDS}
@@ -150,11 +162,18 @@ def _read_section(section: str, value: Any, out: dict[str, Any], *, source: str,
         raise ConfigError("must be a mapping", source=source, stage_id=stage_id, field=shown, value=value)
     known = schema.RUNTIME_KEYS if section == "runtime" else schema.ENGINE_KEYS
     policy = section == "engine_args"
-    unknown = [k for k in value if k not in known and not (policy and upstream_keys.is_policy_key(k))]
+    unknown = [k for k in value if k not in known
+               and not (policy and (upstream_keys.is_policy_key(k) or k in _STREAM_ARGS))]
     if unknown:
         raise unknown_keys(unknown, known, source=source, stage_id=stage_id, section=shown)
     for key, v in value.items():
         where = f"{shown}.{key}"
+        if section == "engine_args" and key in _STREAM_ARGS:
+            out.update(_read_stream_arg(key, v, source=source, stage_id=stage_id, shown=where))
+            continue
+        if section == "engine_args" and key == "parallel_config":
+            out.update(_read_parallel_config(v, source=source, stage_id=stage_id, shown=where))
+            continue
         if key not in known:
             _read_policy_key(key, v, out, source=source, stage_id=stage_id, shown=where)
             continue
@@ -191,6 +210,8 @@ def read_sampling(value: Any, *, source: str, stage_id: int | None) -> dict[str,
 def _read_connector_refs(key: str, value: Any, *, source: str, stage_id: int | None) -> dict[str, Any]:
     pattern = _CONNECTOR_KEY[key]
     example = pattern.pattern.strip("^$").replace(r"(\d+)", "<stage_id>")
+    if value is None:  # upstream writes `output_connectors: null` for "none"
+        return {}
     if not isinstance(value, dict):
         raise ConfigError(f"must be a mapping {{{example}: <connector name>}}", source=source,
                           stage_id=stage_id, field=key, value=value)
@@ -204,4 +225,86 @@ def _read_connector_refs(key: str, value: Any, *, source: str, stage_id: int | N
             raise ConfigError("bad connector name", source=source, stage_id=stage_id,
                               field=f"{key}.{ref}", value=name, allowed="a key of the top-level connectors:")
         out[f"{key}.{int(match.group(1))}"] = name
+    return out
+
+
+# Upstream v0.12's per-stage streaming engine args (its Qwen2.5-Omni async-chunk config).
+_STREAM_ARGS = ("async_chunk_stream", "chunk_processor")
+STAGE_STREAMS = "async_chunk_stream"  # a stage path build.py reads: the stage streams to the next
+_UPSTREAM_CHUNK_PROCESSORS = "vllm_omni.model_executor.chunk_processors."
+
+
+def _read_stream_arg(key: str, value: Any, *, source: str, stage_id: int | None, shown: str) -> dict[str, Any]:
+    """`async_chunk_stream: true` on a stage is upstream's older spelling of `async_chunk: true`
+    (build.py turns streaming on for the pipeline); `chunk_processor` names upstream's per-family
+    chunk handlers, which this engine's family stream bridges replace."""
+    if key == "async_chunk_stream":
+        return {STAGE_STREAMS: check_bool_field(shown, value, source=source, stage_id=stage_id)}
+    if value is None or (isinstance(value, str) and value.startswith(_UPSTREAM_CHUNK_PROCESSORS)):
+        return {f"{IGNORED_PREFIX}{shown}": upstream_keys.PER_FAMILY_STREAMING}
+    raise ConfigError("chunk_processor is not supported: streaming edges use the model family's stream bridges "
+                      "(your own chunk processor cannot replace them)", source=source, stage_id=stage_id,
+                      field=shown, value=value, allowed=f"one of upstream's {_UPSTREAM_CHUNK_PROCESSORS}* names, "
+                                                         "or leave it out")
+
+
+_SUBTALKER = "subtalker_sampling_params"
+
+
+def _read_subtalker(value: Any, *, source: str, stage_id: int | None) -> dict[str, Any]:
+    """Key by key (a base_config overlay changes one key and keeps the others, as upstream merges it);
+    build.py checks the merged set."""
+    from vllm_omni.model_executor.models.predictor_sampling import PredictorSampling
+
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError("must be a mapping", source=source, stage_id=stage_id, field=_SUBTALKER, value=value,
+                          allowed="{do_sample, temperature, top_k, top_p}")
+    try:
+        PredictorSampling.parse(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(str(exc), source=source, stage_id=stage_id, field=_SUBTALKER, value=value,
+                          allowed="{do_sample: bool, temperature: >= 0, top_k: -1 | 0 | k, top_p: (0, 1]}") from None
+    return {f"{_SUBTALKER}.{k}": v for k, v in value.items()}
+
+
+_TTS_ARGS = {"max_instructions_length": "tts_max_instructions_length"}
+
+
+def _read_tts_args(value: Any, *, source: str, stage_id: int | None) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError("must be a mapping", source=source, stage_id=stage_id, field="tts_args", value=value)
+    if unknown := [k for k in value if k not in _TTS_ARGS]:
+        raise unknown_keys(unknown, tuple(_TTS_ARGS), source=source, stage_id=stage_id, section="tts_args")
+    return {_TTS_ARGS[k]: check_field(_TTS_ARGS[k], v, source=source, stage_id=stage_id, shown=f"tts_args.{k}")
+            for k, v in value.items()}
+
+
+# upstream's diffusion `parallel_config`: each key the diffusion engine implements, or its "off" value.
+_PARALLEL_OFF = {"pipeline_parallel_size": 1, "data_parallel_size": 1, "tensor_parallel_size": 1,
+                 "enable_expert_parallel": False, "sequence_parallel_size": 1, "ulysses_degree": 1,
+                 "ring_degree": 1, "allgather_degree": 1, "vae_patch_parallel_size": 1, "use_hsdp": False,
+                 "hsdp_shard_size": -1, "hsdp_replicate_size": 1}
+
+
+def _read_parallel_config(value: Any, *, source: str, stage_id: int | None, shown: str) -> dict[str, Any]:
+    """`cfg_parallel_size` is ours (engine_args.cfg_parallel_size); every other key must say "off"."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError("must be a mapping", source=source, stage_id=stage_id, field=shown, value=value)
+    out: dict[str, Any] = {}
+    for key, v in value.items():
+        where = f"{shown}.{key}"
+        if key == "cfg_parallel_size":
+            out["engine_args.cfg_parallel_size"] = check_field("engine_args.cfg_parallel_size", v, source=source,
+                                                               stage_id=stage_id, shown=where)
+        elif key not in _PARALLEL_OFF:
+            raise unknown_keys([key], ("cfg_parallel_size", *_PARALLEL_OFF), source=source, stage_id=stage_id,
+                               section=shown)
+        elif v != _PARALLEL_OFF[key] or type(v) is not type(_PARALLEL_OFF[key]):
+            raise ConfigError(f"{key} is not supported: our diffusion engine runs a stage on one device (two "
+                              "with cfg_parallel_size 2; docs/diffusion.md)", source=source, stage_id=stage_id,
+                              field=where, value=v, allowed=f"{_PARALLEL_OFF[key]!r} (off)")
     return out

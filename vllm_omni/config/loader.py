@@ -30,6 +30,8 @@ from vllm_omni.config.errors import ConfigError, unknown_keys
 from vllm_omni.config.layers import Layer, read_stage_fields, read_stage_list
 from vllm_omni.config.overrides import cli_flags_layer, parse_stage_overrides
 from vllm_omni.config.stage_config import ConfigFormat, PipelineConfig
+from vllm_omni.config.strategy import is_strategy_data, strategy_layer
+from vllm_omni.config.upstream_keys import FORCED_ALIGNER, FORCED_ALIGNER_REASON
 from vllm_omni.config.yaml_io import load_yaml_file
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ def load_pipeline_config(
     platform: str = "cuda",
     output_modalities: Sequence[str] | None = None,
     check_devices: bool = False,
+    strategy_config: str | os.PathLike | None = None,
 ) -> PipelineConfig:
     """Read, merge and validate everything; raise ConfigError on the first problem.
 
@@ -60,6 +63,7 @@ def load_pipeline_config(
     them to one stage. async_chunk: --async-chunk / --no-async-chunk (None: keep the YAML's).
     output_modalities: what the caller will ever ask for (picks a bundled variant; no effect on a file).
     check_devices: `platform` is this machine's: every runtime.devices index must exist on it.
+    strategy_config: upstream's parallel strategy file (config/strategy.py), over the files.
     Keys the files set that have no effect here are logged in one warning (`PipelineConfig.ignored`).
     """
     if path is None:
@@ -67,6 +71,8 @@ def load_pipeline_config(
         layers, fmt, source, name = _bundled_layers(model, platform, audio, visible_device_count(platform))
     else:
         layers, fmt, source, name = _file_layers(Path(path), model, expected_format, platform)
+    if strategy_config is not None:
+        layers.append(strategy_layer(strategy_config, next(layer for layer in layers if layer.defines_topology)))
     layers.append(cli_flags_layer(cli_args, stage_id=cli_stage_id))
     layers.append(parse_stage_overrides(stage_overrides))
     if async_chunk is not None:
@@ -114,10 +120,17 @@ def _file_layers(path: Path, model: ModelRef, expected: str | None, platform: st
         if expected == "deploy":
             raise ConfigError("is a legacy stage_args config; pass it with --stage-configs-path", source=source)
         return [legacy_layer(data, source=source)], ConfigFormat.LEGACY, source, None
+    if FORCED_ALIGNER in data and not is_deploy_data(data):
+        raise ConfigError(f"is upstream's forced-aligner settings file (`{FORCED_ALIGNER}:`, its "
+                          f"--forced-aligner-config): {FORCED_ALIGNER_REASON}", source=source)
+    if is_strategy_data(data):
+        raise ConfigError("is upstream's parallel strategy file (`strategies:`), the companion of a stage or "
+                          "deploy config: pass it with --strategy-config next to that config", source=source)
     if not is_deploy_data(data):
-        raise ConfigError("cannot tell the config format", source=source,
-                          allowed="a legacy config with `stage_args:` or a deploy config with `stages:`, "
-                                  "`base_config:` or `pipeline:`")
+        raise ConfigError("cannot tell the config format: top-level keys " + ", ".join(map(repr, data)),
+                          source=source, allowed="a legacy config with `stage_args:`, a deploy config with "
+                                                 "`stages:`, `base_config:` or `pipeline:`, or a strategy file "
+                                                 "with `strategies:` (--strategy-config)")
     if expected == "legacy":
         raise ConfigError("is a deploy config; pass it with --deploy-config", source=source)
     chain = read_deploy_chain(path, data, platform=platform)
@@ -152,9 +165,9 @@ def _deploy_topology(chain: DeployChain, model: ModelRef) -> tuple[Layer, str | 
     """The pipeline a deploy chain overlays: `pipeline:` (a bundled name or a stage_args
     YAML path), else the bundled pipeline of --model."""
     if chain.pipeline is not None:
-        if chain.pipeline in bundled.BUNDLED_PIPELINES:
-            return _legacy_file_layer(bundled.bundled_pipeline(chain.pipeline).legacy_path,
-                                      bundled_default=True), chain.pipeline
+        if bundled.is_bundled_pipeline(chain.pipeline):
+            pipeline = bundled.checkpoint_variant(bundled.bundled_pipeline(chain.pipeline), model)
+            return _legacy_file_layer(pipeline.legacy_path, bundled_default=True), pipeline.name
         candidate = Path(chain.pipeline).expanduser()
         if not candidate.is_absolute():
             candidate = chain.pipeline_file.parent / candidate

@@ -24,7 +24,7 @@ CLI_FLAGS = "CLI flags"
 STAGE_CLI_FIELDS = (
     "gpu_memory_utilization", "enforce_eager", "trust_remote_code", "enable_prefix_caching",
     "enable_chunked_prefill", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "dtype",
-    "block_size", "tensor_parallel_size", "seed", "load_format",
+    "block_size", "tensor_parallel_size", "seed", "load_format", "max_tokens_limit",
     "num_replicas",  # --omni-dp-size-local (runtime.num_replicas)
     "enable_sleep_mode",
     *DIFFUSION_FIELDS,  # spec 001's diffusion flags, for the pipeline's diffusion stages

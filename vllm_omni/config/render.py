@@ -16,7 +16,8 @@ def describe_pipeline(pipeline: PipelineConfig) -> str:
     name = pipeline.pipeline_name or "-"
     lines = [f"Pipeline {name} ({pipeline.format.value} format) from {pipeline.source}",
              f"async_chunk={_fmt(pipeline.async_chunk)}  runtime: enabled={_fmt(pipeline.runtime.enabled)} "
-             f"window_size={pipeline.runtime.window_size} max_inflight={pipeline.runtime.max_inflight}",
+             f"window_size={pipeline.runtime.window_size} max_inflight={pipeline.runtime.max_inflight}"
+             + (f"  replica lb_policy={pipeline.lb_policy} (strategy file)" if pipeline.lb_policy else ""),
              "", "Stages"]
     header = ("id", "model_stage", "engine", "output", "devices", "process", "batch", "gpu_mem", "tp",
               "inputs", "final")

@@ -123,6 +123,23 @@ def validate_dotted_names(pipeline: PipelineConfig) -> None:
         raise ConfigError("dotted names do not resolve:\n  " + "\n  ".join(problems),
                           source=pipeline.source)
     check_stream_options(pipeline)  # the models are importable now: do they take their chunk options?
+    _check_predictor_sampling(pipeline)
+
+
+def _check_predictor_sampling(pipeline: PipelineConfig) -> None:
+    """subtalker_sampling_params need a stage model with a code predictor (a talker)."""
+    from vllm_omni.model_executor.models.registry import resolve_stage_model_class
+
+    for stage in pipeline.stages:
+        arch = stage.engine_args.model_arch
+        if not stage.subtalker_sampling_params or arch is None:  # no model_arch: the worker names that problem
+            continue
+        model_cls = resolve_stage_model_class(arch, stage.model_stage)
+        if not getattr(model_cls, "has_code_predictor", False):  # a plugin need not be a StageModel
+            raise ConfigError(f"is not supported by {model_cls.__name__} (model_stage "
+                              f"{stage.model_stage!r}): it has no code predictor", source=pipeline.source,
+                              stage_id=stage.stage_id, field="subtalker_sampling_params",
+                              allowed="a talker stage (Qwen3-TTS, Qwen3-Omni)")
 
 
 def _what(exc: ConfigError) -> str:

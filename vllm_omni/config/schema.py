@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields
 from enum import Enum
 from typing import Any
 
+from vllm_omni.config import diffusion_accel
+from vllm_omni.config.diffusion_accel import CACHE_DIT_KEYS, CACHE_DIT_REFUSED, TEA_CACHE_KEYS
 from vllm_omni.config.errors import BadValue
 from vllm_omni.config.own_names import foreign_name_problem
 from vllm_omni.config.resolve import DOCUMENTED_SCHEDULERS
@@ -51,6 +53,18 @@ def check_fraction(v: Any) -> float:
     if isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 < v <= 1.0:
         return float(v)
     raise BadValue("a number in (0, 1]")
+
+
+def check_optional_fraction(v: Any) -> float | None:
+    return None if v is None else check_fraction(v)
+
+
+def check_positive_number(v: Any) -> float | None:
+    if v is None:
+        return None
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+        return float(v)
+    raise BadValue("a number > 0, or null")
 
 
 def check_str(optional: bool = True) -> Check:
@@ -150,16 +164,21 @@ def check_json_object(v: Any) -> tuple[tuple[str, Any], ...]:
     raise BadValue("a JSON object")
 
 
-TEA_CACHE_KEYS = ("rel_l1_thresh", "coefficients")
-
-
 def check_cache_config(v: Any) -> tuple[tuple[str, Any], ...] | None:
-    """TeaCache's settings: rel_l1_thresh > 0 and the 5 rescaling polynomial coefficients."""
+    """TeaCache's settings (rel_l1_thresh > 0, 5 rescaling polynomial coefficients) or cache-dit's
+    (config/diffusion_accel.py checks them against cache_backend once the stage is merged)."""
     if v is None:
         return None
-    allowed = "null or {\"rel_l1_thresh\": <number > 0>, \"coefficients\": [<5 numbers>]} (TeaCache)"
-    if not isinstance(v, dict) or set(v) - set(TEA_CACHE_KEYS):
+    allowed = ("null, {\"rel_l1_thresh\": <number > 0>, \"coefficients\": [<5 numbers>]} (TeaCache) or cache-dit's "
+               "keys (" + ", ".join(sorted(CACHE_DIT_KEYS)) + ")")
+    if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
         raise BadValue(allowed)
+    if set(v) & set(TEA_CACHE_KEYS) and set(v) - set(TEA_CACHE_KEYS):
+        raise BadValue(allowed + ": not both")
+    if not set(v) <= set(TEA_CACHE_KEYS):
+        if set(v) - set(CACHE_DIT_KEYS) - set(CACHE_DIT_REFUSED):
+            raise BadValue(allowed)
+        return tuple(v.items())
     thresh, coefficients = v.get("rel_l1_thresh", 0.2), v.get("coefficients", [0.0] * 5)
     number = (int, float)
     if isinstance(thresh, bool) or not isinstance(thresh, number) or thresh <= 0 \
@@ -207,8 +226,9 @@ DIFFUSION_FIELDS: dict[str, FieldSpec] = {
     "model_class_name": FieldSpec(check_str(), None),
     "diffusers_load_kwargs": FieldSpec(check_json_object, ()),
     "diffusers_call_kwargs": FieldSpec(check_json_object, ()),
-    "cache_backend": FieldSpec(check_choice("none", "tea_cache"), "none"),
+    "cache_backend": FieldSpec(check_choice("none", "tea_cache", "cache_dit"), "none"),
     "cache_config": FieldSpec(check_cache_config, None),
+    "enable_cache_dit_summary": FieldSpec(check_bool, False),
     "vae_use_slicing": FieldSpec(check_bool, False),
     "vae_use_tiling": FieldSpec(check_bool, False),
     "enable_cpu_offload": FieldSpec(check_bool, False),
@@ -218,6 +238,17 @@ DIFFUSION_FIELDS: dict[str, FieldSpec] = {
     "diffusion_attention_backend": FieldSpec(check_attention_backend, None),
     "diffusion_compile_granularity": FieldSpec(check_choice("regional"), "regional"),
     "diffusion_compile_dynamic": FieldSpec(check_bool, True),
+    # Video models (Wan2.2): the expert switch and the scheduler's shift; null: the checkpoint's.
+    "boundary_ratio": FieldSpec(check_optional_fraction, None),
+    "flow_shift": FieldSpec(check_positive_number, None),
+    # Quantized weights, FP8 attention, attention roles (config/diffusion_accel.py; docs/diffusion.md).
+    "diffusion_quantization_config": FieldSpec(diffusion_accel.check_quantization, None),
+    "force_cutlass_fp8": FieldSpec(diffusion_accel.check_optional_flag, False),
+    "diffusion_kv_cache_dtype": FieldSpec(diffusion_accel.check_kv_cache_dtype, None),
+    "diffusion_kv_cache_skip_steps": FieldSpec(diffusion_accel.check_selector("diffusion_kv_cache_skip_steps"), ()),
+    "diffusion_kv_cache_skip_layers": FieldSpec(diffusion_accel.check_selector("diffusion_kv_cache_skip_layers"), ()),
+    "diffusion_attention_config": FieldSpec(diffusion_accel.check_attention_config, None),
+    "auxiliary_text_encoder": FieldSpec(check_str(), None),
     # Each transformer block's weights wait on the CPU and are prefetched before it runs
     # (diffusion/layerwise_offload.py).
     "enable_layerwise_offload": FieldSpec(check_bool, False),
@@ -254,9 +285,12 @@ STAGE_FIELDS: dict[str, FieldSpec] = {
     "final_output": FieldSpec(check_bool, None),  # derived, see above
     "final_output_type": FieldSpec(check_enum(FinalOutputType), FinalOutputType.TEXT),
     "requires_multimodal_data": FieldSpec(check_bool, False),
-    # The most tokens a client may ask of this stage (None: its default max_tokens). Not in
-    # spec 000: a server limit, so any layer (deploy YAML, --stage-overrides) may set it.
+    # The most max_tokens a client may ask of this stage (None: no cap; the context bounds it). Not
+    # in spec 000: a server limit, so any layer (YAML, --stage-overrides, --max-tokens-limit) sets it.
     "max_tokens_limit": FieldSpec(check_int(1, optional=True), None),
+    # Upstream's TTS stage setting (deploy key, or `tts_args: {max_instructions_length}` in its
+    # legacy files): the longest voice instructions a speech request may send; the server flag wins.
+    "tts_max_instructions_length": FieldSpec(check_int(1, optional=True), None),
     "runtime.process": FieldSpec(check_bool, True),
     "runtime.devices": FieldSpec(check_devices, "0"),
     "runtime.max_batch_size": FieldSpec(check_int(1), 1),

@@ -109,6 +109,18 @@ class StageEngineArgs:
     diffusion_attention_backend: str | None = None  # None: CUDNN_ATTN on CUDA, TORCH_SDPA elsewhere
     diffusion_compile_granularity: str = "regional"
     diffusion_compile_dynamic: bool = True
+    boundary_ratio: float | None = None  # None: the checkpoint's (model_index.json)
+    flow_shift: float | None = None  # None: the checkpoint's scheduler config
+    # Acceleration (config/diffusion_accel.py): typed values from models/diffusion_quantization.py
+    # and models/diffusion_attention.py; selectors as sorted indices.
+    enable_cache_dit_summary: bool = False
+    diffusion_quantization_config: Any = None  # DiffusionQuantization | None
+    force_cutlass_fp8: bool = False
+    diffusion_kv_cache_dtype: str | None = None  # "fp8"
+    diffusion_kv_cache_skip_steps: tuple[int, ...] = ()
+    diffusion_kv_cache_skip_layers: tuple[int, ...] = ()
+    diffusion_attention_config: Any = None  # DiffusionAttentionConfig | None
+    auxiliary_text_encoder: str | None = None
     enable_layerwise_offload: bool = False
     enable_diffusion_pipeline_profiler: bool = False
     # AR stages: per-request queue / prefill / decode durations; checkpoint reading threads
@@ -140,18 +152,15 @@ class StageConfig:
     # (upstream stage id, connector key) / (downstream stage id, connector key)
     input_connectors: tuple[tuple[int, str], ...] = ()
     output_connectors: tuple[tuple[int, str], ...] = ()
-    max_tokens_limit: int | None = None  # a server's ceiling on max_tokens; None: the default's
+    # The most max_tokens a client may ask of this stage (None: no cap but the context, max_model_len).
+    max_tokens_limit: int | None = None
+    # A talker's code predictor sampling (upstream's subtalker_sampling_params: do_sample,
+    # temperature, top_k, top_p as given; model_executor/models/predictor_sampling.py).
+    subtalker_sampling_params: tuple[tuple[str, Any], ...] = ()
+    tts_max_instructions_length: int | None = None  # a TTS stage's instructions limit (None: the server's)
     # A decoder (generation) stage's chunk options, from the connectors on its input edges
     # (config/stream_options.py): (key as written in the connector's extra, value).
     stream_options: tuple[tuple[str, Any], ...] = ()
-
-    @property
-    def max_tokens_ceiling(self) -> int | None:
-        """The most tokens a client may ask of this stage: `max_tokens_limit`, else the default
-        max_tokens (None: no ceiling but max_model_len)."""
-        if self.max_tokens_limit is not None:
-            return self.max_tokens_limit
-        return self.default_sampling_params.max_tokens
 
     @property
     def model_stage(self) -> str | None:
@@ -220,6 +229,9 @@ class PipelineConfig:
     source: str = ""  # the file(s) or origin it was read from, for messages
     pipeline_name: str | None = None  # bundled pipeline key, when one was used
     ignored: tuple[IgnoredSetting, ...] = ()  # keys read from the files that change nothing here
+    # The replica load balancer a strategy file's stage_replica routing asks for (config/strategy.py);
+    # None: --omni-lb-policy's.
+    lb_policy: str | None = None
 
     @property
     def num_stages(self) -> int:

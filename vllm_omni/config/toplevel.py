@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 from vllm_omni.config import schema
 from vllm_omni.config.errors import BadValue, ConfigError, bad_value, unknown_keys
 from vllm_omni.config.stage_config import ConnectorConfig
-from vllm_omni.config.stream_options import TRANSPORT_OPTIONS
+from vllm_omni.config.stream_options import TRANSPORT_OPTIONS, transport_option_problem
 from vllm_omni.config.upstream_keys import IGNORED_PREFIX
 
 # The connector class our transport is: stages on one host exchange ZMQ messages whose large
@@ -73,6 +73,8 @@ def read_runtime(value: Any, *, source: str) -> dict[str, Any]:
 
 
 def read_edges(value: Any, *, source: str, section: str) -> tuple[EdgeSpec, ...]:
+    if value is None:  # upstream's `edges: null`: the stages' engine_input_source decide
+        return ()
     if not isinstance(value, list):
         raise ConfigError("must be a list of {from, to, window_size} entries", source=source,
                           field=section, value=value)
@@ -100,7 +102,7 @@ def read_edges(value: Any, *, source: str, section: str) -> tuple[EdgeSpec, ...]
 def read_connectors(value: Any, *, source: str, section: str = "connectors") -> dict[str, Any]:
     """`connectors: {<key>: {name: <class>, extra: {...}}}` -> {"connectors.<key>": ConnectorConfig},
     plus {"ignored.<section>.<key>.extra.<option>": reason} for transport options with no effect here."""
-    value = _mapping(value, source=source, field=section)
+    value = _mapping({} if value is None else value, source=source, field=section)  # `connectors: null`: none
     out: dict[str, Any] = {}
     for key, spec in value.items():
         where = f"{section}.{key}"
@@ -113,7 +115,10 @@ def read_connectors(value: Any, *, source: str, section: str = "connectors") -> 
                               f"travel through shared memory, on one host ({SHM_CONNECTOR})", source=source,
                               field=f"{where}.name", value=name, allowed=SHM_CONNECTOR)
         extra = _mapping(spec.get("extra") or {}, source=source, field=f"{where}.extra")
-        for option in TRANSPORT_OPTIONS.keys() & extra.keys():
+        for option in sorted(TRANSPORT_OPTIONS.keys() & extra.keys()):
+            if problem := transport_option_problem(option, extra):
+                raise ConfigError(problem[0], source=source, field=f"{where}.extra.{option}", value=extra[option],
+                                  allowed=problem[1])
             out[f"{IGNORED_PREFIX}{where}.extra.{option}"] = TRANSPORT_OPTIONS[option]
         out[f"connectors.{key}"] = ConnectorConfig(key=str(key), name=name,
                                                    extra=tuple((str(k), _freeze(v, source, f"{where}.extra.{k}"))

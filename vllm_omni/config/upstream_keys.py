@@ -34,6 +34,7 @@ class Refusal:
 
 PER_STAGE_STREAMING = ("streaming between stages is set for the whole pipeline (top-level async_chunk, "
                        "--async-chunk) and runs where a family has a stream bridge")
+PER_FAMILY_STREAMING = "a streaming edge cuts and hands over chunks with the model family's stream bridges"
 
 # vLLM / upstream engine args with no effect here (by key in engine_args, flat deploy stage
 # entries and the deploy file's top level).
@@ -49,7 +50,6 @@ IGNORED_ENGINE_ARGS: dict[str, str] = {
     "disable_hybrid_kv_cache_manager": "the KV cache has one layout",
     "hf_config_name": "each stage model reads its own part of the checkpoint's config, chosen by model_stage",
     "custom_process_next_stage_input_func": "streaming edges use the model family's stream bridges",
-    "tts_max_instructions_length": "a server setting here: --tts-max-instructions-length",
     "max_batch_size": "not an engine argument; a stage's batch size is runtime.max_batch_size or max_num_seqs",
     "profiler_config": "the torch profiler hooks of upstream are not implemented",
     "model_runner": "this engine has one model runner",
@@ -72,6 +72,9 @@ _DIFFUSION = "our diffusion engine does not implement it (docs/diffusion.md list
 _DUPLEX = "full-duplex sessions are not supported (requests are turn based)"
 _TTS = "our Qwen3-TTS stages do not implement it (docs/tts.md)"
 _PD = "prefill/decode disaggregation (KV transfer between stages) is not supported"
+# Upstream's word timestamps for TTS: a Qwen3-ForcedAligner pooling model beside the pipeline.
+FORCED_ALIGNER = "forced_aligner"
+FORCED_ALIGNER_REASON = "word timestamps with a forced aligner (Qwen3-ForcedAligner) are not supported"
 
 # Keys of upstream's diffusion stages (its StageDeployConfig diffusion fields).
 DIFFUSION_KEYS = frozenset({
@@ -98,9 +101,9 @@ UNSUPPORTED_FEATURES: dict[str, Refusal] = {
     "duplex_session": Refusal(_DUPLEX, (None,)),
     "active_stream_window": Refusal(_DUPLEX, (0,)),
     "custom_voice_dir": Refusal(_TTS, (None,)),
-    "subtalker_sampling_params": Refusal(_TTS, (None,)),
     "silence_ban_frames": Refusal(_TTS, (0,)),
     "default_pooling_params": Refusal("pooling models are not supported", (None,)),
+    FORCED_ALIGNER: Refusal(FORCED_ALIGNER_REASON, (None,)),
 }
 
 def is_policy_key(key: str) -> bool:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm_omni.model_executor.dtypes import DTYPE_SPELLINGS
 
@@ -35,6 +36,8 @@ class EngineConfig:
     load_format: str = "auto"  # "dummy": random weights of the real shapes (benchmarks)
     # Threads reading the checkpoint ahead of the loader (model_loader.iterate_safetensors).
     num_weight_load_threads: int = 1
+    # A talker's code predictor sampling (the stage's subtalker_sampling_params); empty: the model's.
+    predictor_sampling: tuple[tuple[str, Any], ...] = ()
     # Ranks that split the model (one process each, rank 0 in this one; core/tp_executor.py).
     tensor_parallel_size: int = 1
     # vLLM's async scheduling: the next step is scheduled and launched before the host reads the

@@ -35,6 +35,14 @@ from vllm_omni.core.isolated_step import execute_isolating_failures
 logger = logging.getLogger(__name__)
 
 
+def max_tokens_too_large(max_tokens: int, max_model_len: int, prompt_tokens: int) -> str:
+    """vLLM's server's wording (clients parse it), for a request's own max_tokens that does not
+    fit the context after its prompt; the API server answers it with a 400 (openai/errors.py)."""
+    return (f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
+            f"length is {max_model_len} tokens and your request has {prompt_tokens} input tokens ({max_tokens} > "
+            f"{max_model_len} - {prompt_tokens}).")
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -66,7 +74,7 @@ class LLMEngine:
         tp = TPExecutor(config, self.hf_config, self.dtype, self.device) if config.tensor_parallel_size > 1 else None
         self.model: StageModel = tp.model if tp is not None else load_model(
             config.model, self.hf_config, self.dtype, self.device, config.architecture, config.model_stage,
-            config.load_format, config.num_weight_load_threads,
+            config.load_format, dict(config.predictor_sampling), config.num_weight_load_threads,
         )
         # A stage model whose vocabulary is not the tokenizer's (a talker's codec) names its own EOS.
         self.eos_token_ids = self.model.eos_token_ids or self.eos_token_ids
@@ -160,6 +168,8 @@ class LLMEngine:
                 f"request {request_id}: the prompt has {request.num_prompt_tokens} tokens, which does not "
                 f"leave room for one output token within max_model_len={self.max_model_len}"
             )
+        elif params._max_tokens_must_fit and request.num_prompt_tokens + (params.max_tokens or 0) > self.max_model_len:
+            request.error = max_tokens_too_large(params.max_tokens, self.max_model_len, request.num_prompt_tokens)
         elif not self.config.enable_chunked_prefill and request.num_prompt_tokens > self.config.max_num_batched_tokens:
             request.error = (
                 f"request {request_id}: the prompt has {request.num_prompt_tokens} tokens, more than one step's "

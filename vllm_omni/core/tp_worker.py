@@ -77,7 +77,7 @@ def build_rank(config: EngineConfig, hf_config: PretrainedConfig, dtype: torch.d
     device = group.device
     with building_with(group):
         model = load_model(config.model, hf_config, dtype, device, config.architecture, config.model_stage,
-                           config.load_format)
+                           config.load_format, dict(config.predictor_sampling))
     plan = plan_kv_cache(config, model, dtype, device)
     num_blocks = group.all_reduce_min(plan.num_blocks)
     if num_blocks != plan.num_blocks:

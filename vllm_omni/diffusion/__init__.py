@@ -6,6 +6,7 @@
     denoise.py      the denoiser forward of a step, classifier-free guidance
     model.py        the contract a diffusion model implements (Qwen-Image: models/qwen_image)
     tea_cache.py    TeaCache, per row
+    db_cache.py     cache-dit's DBCache (--cache-backend cache_dit), per row
     cfg_parallel.py the unconditional rows on a second rank (torch.distributed)
     diffusers_engine.py   any other diffusers pipeline, one whole call per request
 

@@ -49,6 +49,8 @@ class ModelSpec:
     vae_use_tiling: bool = False
     cpu_offload: bool = False
     acceleration: DenoiserAcceleration = DenoiserAcceleration()
+    boundary_ratio: float | None = None  # video models (Wan2.2): None keeps the checkpoint's
+    flow_shift: float | None = None
     layerwise_offload: bool = False  # the transformer blocks' weights in CPU memory (layerwise_offload.py)
 
     def build(self, device: torch.device) -> Any:
@@ -64,7 +66,7 @@ class ModelSpec:
         return cls.load(
             self.model_path, device=device, dtype=getattr(torch, self.dtype), dummy=self.dummy,
             vae_use_slicing=self.vae_use_slicing, vae_use_tiling=self.vae_use_tiling, cpu_offload=self.cpu_offload,
-            acceleration=self.acceleration, **extra)
+            acceleration=self.acceleration, boundary_ratio=self.boundary_ratio, flow_shift=self.flow_shift, **extra)
 
 
 class CfgParallelGroup:
@@ -78,7 +80,7 @@ class CfgParallelGroup:
         self._ready = False
 
     @classmethod
-    def start(cls, spec: ModelSpec, tea_cache: dict[str, Any] | None, device: torch.device,
+    def start(cls, spec: ModelSpec, cache_spec: tuple[str, dict[str, Any], bool] | None, device: torch.device,
               init_timeout_s: float = 600.0) -> CfgParallelGroup:
         """Start rank 1 (it loads its model while rank 0 loads its own); `wait_ready` joins the group."""
         import torch.multiprocessing as mp
@@ -86,7 +88,7 @@ class CfgParallelGroup:
         address = f"tcp://127.0.0.1:{_free_port()}"
         rank1_device = torch.device("cuda", 1) if device.type == "cuda" else device
         process = mp.get_context("spawn").Process(
-            target=_rank1_main, args=(spec, tea_cache, str(rank1_device), address, os.getpid(), init_timeout_s),
+            target=_rank1_main, args=(spec, cache_spec, str(rank1_device), address, os.getpid(), init_timeout_s),
             name="cfg-parallel-rank1", daemon=True)
         process.start()
         return cls(process, device, address, init_timeout_s)
@@ -123,19 +125,16 @@ class CfgParallelGroup:
             raise RuntimeError(f"the CFG-parallel rank 1 process exited (code {self.process.exitcode})")
 
 
-def _rank1_main(spec: ModelSpec, tea_cache: dict[str, Any] | None, device_name: str, address: str,
-                parent_pid: int, init_timeout_s: float) -> None:
-    from vllm_omni.diffusion.denoise import run_denoiser
-    from vllm_omni.diffusion.tea_cache import TeaCache, TeaCacheConfig
+def _rank1_main(spec: ModelSpec, cache_spec: tuple[str, dict[str, Any], bool] | None, device_name: str,
+                address: str, parent_pid: int, init_timeout_s: float) -> None:
+    from vllm_omni.diffusion.denoise import build_cache, run_denoiser
 
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     model = spec.build(device)
-    cache = None
-    if tea_cache is not None:
-        cache = TeaCache(TeaCacheConfig.for_model(model.describe()["transformer"], tea_cache))
+    cache = build_cache(cache_spec, model.describe()["transformer"])
     dist.init_process_group(_backend(device), init_method=address, rank=1, world_size=2,
                             timeout=datetime.timedelta(seconds=init_timeout_s))
     with torch.inference_mode():
@@ -145,6 +144,8 @@ def _rank1_main(spec: ModelSpec, tea_cache: dict[str, Any] | None, device_name: 
             if message[0] is None:
                 break
             batch, keys = message[0]
+            if cache is not None:
+                cache.retain(keys)  # rank 1 sees its rows one forward at a time
             out = run_denoiser(model, _to(batch, device), cache, keys)
             dist.send(out.to("cpu" if device.type == "cpu" else device).contiguous(), dst=0)
     dist.destroy_process_group()

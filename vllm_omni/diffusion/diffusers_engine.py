@@ -43,6 +43,7 @@ def load_diffusers_pipeline(model_path: str, args: StageEngineArgs, device: torc
     # The user's load kwargs override ours (spec 001), in either spelling of the dtype.
     user = dict(args.diffusers_load_kwargs)
     ours = {} if "torch_dtype" in user else {"dtype": dtype}
+    ours.update(auxiliary_text_encoder(model_path, cls, args.auxiliary_text_encoder, dtype))
     pipe = cls.from_pretrained(model_path, **{**ours, **user})
     if args.vae_use_slicing:
         pipe.vae.enable_slicing()
@@ -79,6 +80,31 @@ def _offload_blocks(pipe: Any, device: torch.device) -> None:
     for component in pipe.components.values():
         if isinstance(component, torch.nn.Module) and component is not denoiser:
             component.to(device)
+
+
+# A pipeline component an auxiliary text encoder fills (upstream's --auxiliary-text-encoder is
+# HiDream-I1's Llama-3.1 encoder, which its diffusers folders do not ship).
+AUXILIARY_ENCODER, AUXILIARY_TOKENIZER = "text_encoder_4", "tokenizer_4"
+
+
+def auxiliary_text_encoder(model_path: str, cls: type, name: str | None, dtype: torch.dtype) -> dict[str, Any]:
+    """`--auxiliary-text-encoder` (a model name or path) as the pipeline's Llama text encoder and
+    tokenizer (diffusers' HiDreamImagePipeline takes them as text_encoder_4 / tokenizer_4, loaded
+    as its documentation shows); a pipeline that takes none refuses it."""
+    if name is None:
+        return {}
+    import diffusers
+
+    pipeline = cls
+    if cls is diffusers.DiffusionPipeline:  # the folder names its class
+        pipeline = getattr(diffusers, diffusers.DiffusionPipeline.load_config(model_path)["_class_name"], cls)
+    if AUXILIARY_ENCODER not in inspect.signature(pipeline.__init__).parameters:
+        raise ValueError(f"auxiliary_text_encoder {name!r}: {pipeline.__name__} takes no auxiliary text encoder "
+                         f"(a pipeline with a {AUXILIARY_ENCODER} component does, e.g. HiDreamImagePipeline)")
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    encoder = LlamaForCausalLM.from_pretrained(name, output_hidden_states=True, output_attentions=True, dtype=dtype)
+    return {AUXILIARY_ENCODER: encoder, AUXILIARY_TOKENIZER: AutoTokenizer.from_pretrained(name)}
 
 
 class DiffusersPipelineEngine:
@@ -141,7 +167,9 @@ class DiffusersPipelineEngine:
             given["image"] = Image.fromarray(image.numpy())
         for name, call_name in (("height", "height"), ("width", "width"), ("num_inference_steps", "num_inference_steps"),
                                 ("true_cfg_scale", "true_cfg_scale"), ("guidance_scale", "guidance_scale"),
-                                ("num_outputs_per_prompt", "num_images_per_prompt")):
+                                ("num_outputs_per_prompt", "num_images_per_prompt"),
+                                ("num_outputs_per_prompt", "num_videos_per_prompt"), ("num_frames", "num_frames"),
+                                ("guidance_scale_2", "guidance_scale_2")):
             value = getattr(params, name)
             if value is not None and (value != getattr(_DEFAULTS, name) or call_name not in self.call_kwargs):
                 given[call_name] = value

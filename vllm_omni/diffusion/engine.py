@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni.diffusion.denoise import Denoiser
+from vllm_omni.diffusion.denoise import Cache, Denoiser
 from vllm_omni.diffusion.model import DiffusionModel
 from vllm_omni.diffusion.profiler import DECODE, DIFFUSE, ENCODE, PipelineProfiler, timed
 from vllm_omni.diffusion.request import DiffusionRequest
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 class DiffusionEngine:
     def __init__(self, model: DiffusionModel, *, stage_id: int, max_batch_size: int, device: str = "cpu",
-                 cache: TeaCache | None = None, cfg_group: Any = None, max_image_pixels: int | None = None,
+                 cache: Cache | None = None, cfg_group: Any = None, max_image_pixels: int | None = None,
                  profile: bool = False) -> None:
         """`profile` (enable_diffusion_pipeline_profiler): finished outputs carry their phases' seconds."""
         self.model = model
@@ -60,6 +60,7 @@ class DiffusionEngine:
 
     def abort(self, request_ids: Sequence[str]) -> None:
         self.scheduler.abort(request_ids)
+        self.denoiser.retain(self.scheduler.running)
         for rid in request_ids:
             self._durations(rid)
 
@@ -98,7 +99,8 @@ class DiffusionEngine:
 
     def describe(self) -> dict[str, Any]:
         return {"engine": "diffusion", "device": self.device, "max_batch_size": self.scheduler.max_batch_size,
-                "tea_cache": self.cache is not None, "cfg_parallel_size": 2 if self.cfg_group else 1,
+                "tea_cache": isinstance(self.cache, TeaCache),
+                "cache_backend": _cache_name(self.cache), "cfg_parallel_size": 2 if self.cfg_group else 1,
                 **self.model.describe()}
 
     # --- internals ------------------------------------------------------------------------
@@ -132,6 +134,7 @@ class DiffusionEngine:
         finished = [r for r in running if r.finished]
         if finished:
             self.scheduler.finish(finished)
+            self.denoiser.retain(self.scheduler.running)
             self._decode(finished)
 
     def _decode(self, finished: list[DiffusionRequest]) -> None:
@@ -160,3 +163,7 @@ class DiffusionEngine:
     def _size_error(self, height: int, width: int) -> str:
         return (f"the image size {width}x{height} ({height * width} pixels) is over max_generated_image_size="
                 f"{self.max_image_pixels}")
+
+
+def _cache_name(cache: Cache | None) -> str:
+    return "none" if cache is None else "tea_cache" if isinstance(cache, TeaCache) else "cache_dit"

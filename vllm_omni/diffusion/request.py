@@ -50,10 +50,11 @@ class DiffusionRequest:
     def timestep(self) -> torch.Tensor:
         return self.prepared.timesteps[self.step]
 
+    def expert(self) -> int:
+        """Which of the model's denoisers runs this request's current step (two-expert models)."""
+        return self.prepared.expert(self.step)
+
     def advance(self, velocity: torch.Tensor) -> None:
-        """diffusers' FlowMatchEulerDiscreteScheduler.step: x + (sigma_next - sigma) * v, in
-        float32, cast back to the prediction's dtype."""
-        sigmas = self.prepared.sigmas
-        dt = sigmas[self.step + 1] - sigmas[self.step]
-        self.latents = (self.latents.to(torch.float32) + dt * velocity).to(velocity.dtype)
+        """One step of the request's own solver (models/diffusion_solvers.py), which keeps its state."""
+        self.latents = self.prepared.solver.step(velocity, self.latents)
         self.step += 1

@@ -23,6 +23,8 @@ MODEL_COEFFICIENTS: dict[str, tuple[float, ...]] = {
     "QwenImageTransformer2DModel": (-4.5e02, 2.8e02, -4.5e01, 3.2e00, -2.0e-02),
 }
 DEFAULT_REL_L1_THRESH = 0.2
+# Transformers TeaCache does not run with, and why.
+UNSUPPORTED = {"WanTransformer3DModel": "Wan2.2's steps switch between two experts, whose block residuals differ"}
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,8 @@ class TeaCacheConfig:
     @classmethod
     def for_model(cls, transformer_class: str, settings: Mapping[str, Any]) -> TeaCacheConfig:
         """`settings`: --cache-config (already checked by the config layer)."""
+        if transformer_class in UNSUPPORTED:
+            raise ValueError(f"TeaCache does not support {transformer_class}: {UNSUPPORTED[transformer_class]}")
         coefficients = settings.get("coefficients") or MODEL_COEFFICIENTS.get(transformer_class)
         if coefficients is None:
             raise ValueError(f"TeaCache has no coefficients for {transformer_class}; give them in --cache-config "

@@ -91,6 +91,7 @@ class Submission:
     params: list[SamplingParams]  # one per stage
     sink: RequestSink
     plan: RequestPlan  # which stages run, which outputs are returned
+    input_complete: bool = True  # False: more input follows (append_input), e.g. text as it is typed
 
 
 class Orchestrator:
@@ -167,11 +168,25 @@ class Orchestrator:
             if stage.stage_id not in state.stages:
                 continue
             if not self._send(state, stage.stage_id, sub.prompt_token_ids, text, info,
-                              sub.prompt.get("multi_modal_data")):
+                              sub.prompt.get("multi_modal_data"), input_complete=sub.input_complete):
                 return
 
     async def sleep(self, level: int) -> None:
         await self.sleep_mode.sleep(level, in_flight=lambda: len(self._requests))
+
+    def append_input(self, request_id: str, info: dict[str, Any], final: bool) -> None:
+        """More input for a request submitted with input_complete=False: a chunk to each entry
+        stage still running it (one that finished early, e.g. at max_tokens, gets nothing)."""
+        key = self._keys.get(request_id)
+        if key is None:
+            return  # finished or aborted meanwhile
+        state = self._requests[key]
+        for stage in self.pipeline.entry_stages:
+            sid = stage.stage_id
+            if sid in state.stages and sid not in state.finished_stages:
+                chunk = StageInputChunk(request_id=state.key, additional_information=info, final=final)
+                if not self._send_message(state, sid, chunk):
+                    return
 
     def abort(self, request_id: str) -> None:
         key = self._keys.get(request_id)

@@ -271,8 +271,10 @@ _HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILE
 def _attempt(ctx: zmq.Context, attach: RemoteAttach, msg: bytes,
              wait_s: float) -> tuple[zmq.Socket, Accepted | Refused | None]:
     """Send one Register and wait up to `wait_s` for the answer (None: none came). Raises
-    RegistrationRefused as soon as the handshake fails twice (ZMQ retries the connection by
-    itself) or the head's ZAP handler refuses our key once."""
+    RegistrationRefused at the first failed handshake (the head's ZAP handler refused our key, or
+    the CURVE handshake failed: another secret, or none). Waiting for ZMQ's own reconnect to fail
+    a second time cost up to 10 s on a loaded machine and tells nothing more: a lost connection
+    is not a failed handshake."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     cap_size(sock, CONTROL_MAX_BYTES)
@@ -288,7 +290,6 @@ def _attempt(ctx: zmq.Context, attach: RemoteAttach, msg: bytes,
         poller.register(sock, zmq.POLLIN)
         poller.register(events, zmq.POLLIN)
         deadline = time.monotonic() + wait_s
-        failures = 0
         while (left := deadline - time.monotonic()) > 0:
             ready = dict(poller.poll(int(left * 1000) + 1))
             if sock in ready:
@@ -296,11 +297,9 @@ def _attempt(ctx: zmq.Context, attach: RemoteAttach, msg: bytes,
                 if isinstance(reply, (Accepted, Refused)):
                     return sock, reply
             if events in ready:
-                failures += 1
                 kind = recv_monitor_message(events)["event"]
-                if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH or failures >= 2:
-                    sock.close()
-                    raise RegistrationRefused(_handshake_refusal(attach, kind))
+                sock.close()
+                raise RegistrationRefused(_handshake_refusal(attach, kind))
         return sock, None
     finally:
         if not sock.closed:

@@ -110,11 +110,13 @@ class OmniRuntime:
 
     # --- requests (any thread) ------------------------------------------------
     def prepare(self, request_id: str, prompt: Any, sampling_params_list: Any, sink: RequestSink,
-                modalities: Sequence[str] | None = None) -> Submission:
+                modalities: Sequence[str] | None = None, input_complete: bool = True) -> Submission:
         """Validate and process a prompt in the caller's thread (chat template, media, features);
         raises ValueError on bad input, before anything is queued."""
         if self.is_sleeping:
             raise PipelineSleepingError()
+        if not input_complete:
+            self._check_streamed_input()
         plan = plan_request(self.pipeline, modalities if modalities is not None else self.default_modalities)
         params = self.resolve_params(sampling_params_list)
         parsed = parse_prompt(prompt)
@@ -125,7 +127,21 @@ class OmniRuntime:
             processed = self._input_processor.process(parsed)
         ids = list(processed["prompt_token_ids"])
         self._check_prompt_ids(ids)
-        return Submission(request_id, processed, ids, params, sink, plan)
+        return Submission(request_id, processed, ids, params, sink, plan, input_complete)
+
+    def _check_streamed_input(self) -> None:
+        entry = self.pipeline.entry_stages[0]
+        if not self.orchestrator.pools[entry.stage_id].info.get("accepts_streamed_input"):
+            raise ValueError(f"stage {entry.stage_id} of this model takes its input whole (input_complete must "
+                             "be true)")
+
+    def process_delta(self, delta: Any) -> dict[str, Any]:
+        """More input of a request submitted with input_complete=False -> the entry stage's chunk
+        (its input processor's `process_delta`; ValueError on bad input)."""
+        return self._input_processor.process_delta(delta) if delta else {}  # it guards its tokenizer
+
+    def append_input(self, request_id: str, info: dict[str, Any], final: bool) -> None:
+        self._call_soon(self.orchestrator.append_input, request_id, info, final)
 
     def _check_prompt_ids(self, ids: list[int]) -> None:
         """Token ids the entry stage cannot embed are the caller's error (400), found before queuing.

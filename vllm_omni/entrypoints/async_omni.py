@@ -56,6 +56,13 @@ class AsyncOmni(OmniBase):
     """The asyncio API; constructor arguments: `OmniBase`. Construction blocks while the stages
     load their models: from async code, run it in a thread."""
 
+    # Requests started with input_complete=False and not submitted yet: their appends so far.
+    _early_inputs: dict[str, list[tuple[dict[str, Any], bool]]]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._early_inputs = {}
+
     async def generate(
         self,
         prompt: Any,
@@ -64,6 +71,7 @@ class AsyncOmni(OmniBase):
         request_id: str | None = None,
         modalities: Sequence[str] | None = None,
         output_partial: bool = False,
+        input_complete: bool = True,
     ) -> AsyncIterator[OmniRequestOutput]:
         """Yield each final-output stage's OmniRequestOutput as it finishes.
 
@@ -71,6 +79,9 @@ class AsyncOmni(OmniBase):
         `output_partial`: also yield `finished=False` outputs of the final stages as they grow
         (text: every step; audio: every chunk), each with the cumulative output in
         `request_output` and the new part in `delta` (OmniRequestOutput's docstring).
+        `input_complete=False`: more of the prompt follows (`append_input`), for a model whose
+        first stage takes input as it comes (Qwen3-TTS: text as it is written); the request
+        runs as far as its input allows and waits for the rest.
 
         The prompt is processed (chat template, media, features) in a worker thread, so the
         caller's loop keeps serving; a bad prompt raises ValueError from the first iteration,
@@ -81,9 +92,16 @@ class AsyncOmni(OmniBase):
         request_id = request_id or f"omni-{uuid.uuid4().hex}"
         loop = asyncio.get_running_loop()
         sink = _AsyncSink(loop, wants_partial=output_partial)
-        sub = await loop.run_in_executor(self._prepare_pool, functools.partial(
-            self._runtime.prepare, request_id, prompt, sampling_params_list, sink, modalities))
-        self._runtime.submit(sub)
+        if not input_complete:  # appends that come before the submission wait for it, in order
+            self._early_inputs[request_id] = []
+        try:
+            sub = await loop.run_in_executor(self._prepare_pool, functools.partial(
+                self._runtime.prepare, request_id, prompt, sampling_params_list, sink, modalities, input_complete))
+            self._runtime.submit(sub)
+            for info, final in self._early_inputs.get(request_id, ()):
+                self._runtime.append_input(request_id, info, final)
+        finally:
+            self._early_inputs.pop(request_id, None)
         done = False
         try:
             while True:
@@ -110,6 +128,18 @@ class AsyncOmni(OmniBase):
         super().close()
         if "_prepare_pool" in self.__dict__:
             self._prepare_pool.shutdown(wait=False, cancel_futures=True)
+
+    def append_input(self, request_id: str, delta: Any, final: bool = False) -> None:
+        """More of the prompt of a request started with input_complete=False (e.g. {"prompt":
+        " more text"}), in order, from the loop that iterates its generate(); `final`: nothing
+        more follows. Processed here (a few tokens): ValueError on bad input. Before the request
+        is submitted it waits for the submission; a request that finished ignores it."""
+        info = self._runtime.process_delta(delta)
+        early = self._early_inputs.get(request_id)
+        if early is not None:
+            early.append((info, final))
+        else:
+            self._runtime.append_input(request_id, info, final)
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:

@@ -24,7 +24,7 @@ _Self = TypeVar("_Self", bound="OmniBase")
 def load_pipeline(model: str, stage_configs_path: str | None, deploy_config: str | None,
                   stage_overrides: str | Mapping[Any, Any] | None, engine_args: dict[str, Any],
                   output_modalities: Sequence[str] | None = None, async_chunk: bool | None = None,
-                  stage_id: int | None = None) -> PipelineConfig:
+                  stage_id: int | None = None, strategy_config: str | None = None) -> PipelineConfig:
     """Parse every config input once (DESIGN 6) and check that its dotted names import.
 
     `stage_id` (the stage-based CLI's --stage-id): this process runs that stage alone, so the
@@ -41,7 +41,7 @@ def load_pipeline(model: str, stage_configs_path: str | None, deploy_config: str
     pipeline = load_pipeline_config(path, model=model, expected_format=fmt, stage_overrides=stage_overrides,
                                     cli_args=engine_args or None, cli_stage_id=stage_id, platform=platform,
                                     output_modalities=output_modalities, check_devices=stage_id is None,
-                                    async_chunk=async_chunk)
+                                    async_chunk=async_chunk, strategy_config=strategy_config)
     num_devices = visible_device_count(platform)
     if stage_id is not None and num_devices is not None and stage_id in pipeline.stage_ids:
         check_devices_exist(pipeline.stage(stage_id), num_devices, lambda _path: pipeline.source)
@@ -61,6 +61,9 @@ class OmniBase:
     config it picks the smallest variant (text only: the thinker alone, no talker loaded), and
     it is the default of generate's `modalities`. `async_chunk` (None: the config's) makes
     the stages stream to each other (True) or hand over finished outputs only (False).
+
+    `strategy_config`: upstream's parallel strategy file (tensor parallelism and replicas per
+    model_stage, docs/compatibility.md); its stage_replica routing replaces `lb_policy`.
 
     `worker_backend="ray"` runs each stage as a Ray actor (needs the `ray` extra) on the Ray
     this process initialized, else the cluster at `ray_address`, else a local instance of its
@@ -101,17 +104,19 @@ class OmniBase:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_replicas_per_stage: int = DEFAULT_MAX_REPLICAS_PER_STAGE,
         registration_rate: float = DEFAULT_REGISTRATION_RATE,
+        strategy_config: str | os.PathLike | None = None,
         **engine_args: Any,
     ) -> None:
         model = os.fspath(model)
         if isinstance(output_modalities, str):
             output_modalities = [output_modalities]
         pipeline = load_pipeline(model, stage_configs_path, deploy_config, stage_overrides, engine_args,
-                                 output_modalities, async_chunk, stage_id)
+                                 output_modalities, async_chunk, stage_id,
+                                 None if strategy_config is None else os.fspath(strategy_config))
         options = RuntimeOptions(stage_init_timeout_s=float(stage_init_timeout), init_timeout_s=float(init_timeout),
                                  shm_threshold_bytes=int(shm_threshold_bytes), log_stats=log_stats,
                                  heartbeat_timeout_s=float(heartbeat_timeout),
-                                 max_stage_restarts=int(max_stage_restarts), lb_policy=lb_policy,
+                                 max_stage_restarts=int(max_stage_restarts), lb_policy=pipeline.lb_policy or lb_policy,
                                  worker_backend=worker_backend, ray_address=ray_address, local_stage=stage_id,
                                  master_address=master_address, master_port=master_port,
                                  cluster_keys=load_cluster_keys(omni_secret_file) if master_address else None,
@@ -140,6 +145,11 @@ class OmniBase:
         """What this process's ends of the stage links dropped (by socket, stage, reason), for /metrics;
         the stages' own counts come with their stats."""
         return self._runtime.orchestrator.fleet.transport_drops()
+
+    def stage_info(self, stage_id: int) -> Mapping[str, Any]:
+        """What stage `stage_id` reported when it came up: its engine's describe() (device,
+        model settings; a video model's frame rate). Empty until a replica is up."""
+        return self._runtime.orchestrator.pools[stage_id].info
 
     def close(self) -> None:
         self._runtime.close()

@@ -5,9 +5,10 @@ import contextlib
 import json
 import zlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -111,6 +112,7 @@ def load_model(
     architecture: str | None = None,
     model_stage: str | None = None,
     load_format: str = "auto",
+    predictor_sampling: Mapping[str, Any] | None = None,
     load_threads: int = 1,
 ) -> nn.Module:
     """Construct the registered class for `architecture` (default: the config's first
@@ -118,7 +120,8 @@ def load_model(
     `load_threads` threads (`iterate_safetensors`).
 
     load_format "dummy" skips the checkpoint and fills every parameter with seeded random
-    values: the real architecture's shapes and cost, for benchmarks without weights."""
+    values: the real architecture's shapes and cost, for benchmarks without weights.
+    predictor_sampling: a talker's code predictor settings (the stage's subtalker_sampling_params)."""
     if architecture is None:
         if not hf_config.architectures:
             raise ValueError(f"config of {model_dir} names no architecture; pass architecture=")
@@ -129,6 +132,8 @@ def load_model(
     # so no full-size float32 CPU copy ever exists.
     with default_dtype(param_dtype), torch.device(device):
         model = model_cls(hf_config)
+    if predictor_sampling:
+        model.set_predictor_sampling(predictor_sampling)
     if load_format == "dummy":
         fill_dummy_weights(model)
     elif load_format == "auto" and current_tp_group().size > 1:

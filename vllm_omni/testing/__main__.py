@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--task-type", choices=["CustomVoice", "VoiceDesign", "Base"],
                         help="qwen3_tts only: which released checkpoint type to build")
+    parser.add_argument("--layout", choices=["a14b", "i2v", "ti2v"],
+                        help="wan2_2 only: which released model's layout to build (default a14b)")
     args = parser.parse_args(argv)
 
     overrides = {}
@@ -49,6 +51,8 @@ def main(argv: list[str] | None = None) -> None:
         overrides[key] = _parse_value(value)
     if args.task_type is not None:
         overrides["task_type"] = args.task_type
+    if args.layout is not None:
+        overrides["layout"] = args.layout
     print(make_tiny_model(args.arch, args.out_dir, seed=args.seed, **overrides))
 
 

@@ -1,4 +1,5 @@
-"""Override plumbing shared by the tiny Omni configs (tiny_omni_config.py, tiny_qwen3_omni_config.py).
+"""Override plumbing shared by the tiny Omni configs (tiny_omni_config.py, tiny_qwen3_omni_config.py)
+and the tiny diffusion pipelines (prefixed_overrides).
 
 Both take nested dicts under the HF config's own keys plus prefixed shorthands for one field of
 one sub-config, derive the fields the caller did not set, and refuse unknown field names.
@@ -80,3 +81,19 @@ def check_field_names(cfg: dict[str, Any], defaults: dict[str, Any], section_cla
         unknown = sorted(set(section) - known)
         if unknown:
             raise ValueError(f"unknown field(s) {unknown} in {'.'.join(path)} ({cls_name})")
+
+
+def prefixed_overrides(overrides: Mapping[str, Any], defaults: Mapping[str, Mapping[str, Any]],
+                       arch: str) -> dict[str, dict[str, Any]]:
+    """The tiny diffusion pipelines' overrides: `PREFIXfield=value` sets one constructor kwarg of
+    the component whose prefix it has (`transformer_num_layers=3`); unknown keys raise ValueError.
+    Returns each prefix's kwargs (its defaults, updated)."""
+    parts = {prefix: dict(values) for prefix, values in defaults.items()}
+    for key, value in overrides.items():
+        prefix = next((p for p in defaults if key.startswith(p)), None)
+        field = key[len(prefix):] if prefix else None
+        if prefix is None or field not in parts[prefix]:
+            known = sorted(p + f for p, fields in defaults.items() for f in fields)
+            raise ValueError(f"unknown {arch} override {key!r}; known: {known}")
+        parts[prefix][field] = value
+    return parts

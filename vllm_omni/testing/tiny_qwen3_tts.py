@@ -1,7 +1,7 @@
 """Tiny random Qwen3-TTS checkpoint in the released layout, registered as "qwen3_tts".
 
-    python -m vllm_omni.testing qwen3_tts DIR [--task-type CustomVoice|VoiceDesign|Base]
-    make_tiny_model("qwen3_tts", d, task_type="Base")
+    python -m vllm_omni.testing qwen3_tts DIR [--task-type CustomVoice|VoiceDesign|Base] [--set size=0.6B]
+    make_tiny_model("qwen3_tts", d, task_type="Base", size="0.6B")
 
 The folder holds what a hub checkpoint holds and what `qwen_tts.Qwen3TTSModel.from_pretrained`
 reads: config.json (`tts_model_type` custom_voice / voice_design / base), model.safetensors
@@ -11,6 +11,10 @@ encoder's and the decoder's weights, preprocessor_config.json).
 
 Sizes: talker 2 layers of width 64 over a 1088-code vocabulary (64 codes + the 1024 control
 ids, as released: 2048 + 1024), 4 code groups, the released 1920 samples per frame at 24 kHz.
+`size="0.6B"` is shaped as the 0.6B releases are against the 1.7B ones (tts_model_size "0b6"):
+a talker narrower than its text embeddings (released 1024 vs 2048: here 32 vs 64) and as wide
+as its code predictor, so the predictor has no `small_to_mtp_projection` (qwen-tts: Identity);
+the speaker encoder's output is the talker's width.
 Weights are "decisive" (large init, see notes): greedy codes stay diverse for dozens of frames.
 Other overrides update the top-level config dict; `talker_config` / `code_predictor_config`
 dicts update those sections.
@@ -39,6 +43,9 @@ GENERATION_CONFIG = {"do_sample": True, "repetition_penalty": 1.05, "temperature
                      "subtalker_dosample": True, "subtalker_temperature": 0.9, "subtalker_top_p": 1.0,
                      "subtalker_top_k": 50, "max_new_tokens": 8192}
 TASK_TYPES = {"CustomVoice": "custom_voice", "VoiceDesign": "voice_design", "Base": "base"}
+# size -> (tts_model_size, talker width, text embedding width); the code predictor is 32 wide
+SIZES = {"1.7B": ("1b7", TALKER_HIDDEN, 32), "0.6B": ("0b6", 32, 64)}
+PREDICTOR_HIDDEN = 32
 
 DECODER_CONFIG = dict(codebook_size=CODEBOOK, codebook_dim=16, hidden_size=32, latent_dim=32,
                       max_position_embeddings=8000, rope_theta=10000, num_attention_heads=2, num_key_value_heads=2,
@@ -68,20 +75,26 @@ def build_config_dict(tokenizer, overrides: dict[str, Any]) -> dict[str, Any]:
     task_type = overrides.pop("task_type", "CustomVoice")
     if task_type not in TASK_TYPES:
         raise ValueError(f"task_type must be one of {sorted(TASK_TYPES)}, got {task_type!r}")
+    size = overrides.pop("size", "1.7B")
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
+    if size == "0.6B" and task_type == "VoiceDesign":
+        raise ValueError("VoiceDesign is released at 1.7B only")
+    model_size, hidden, text_hidden = SIZES[size]
     ids = tokenizer.convert_tokens_to_ids
-    code_predictor = dict(vocab_size=CODEBOOK, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    code_predictor = dict(vocab_size=CODEBOOK, hidden_size=PREDICTOR_HIDDEN, intermediate_size=64, num_hidden_layers=2,
                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, hidden_act="silu",
                           max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=1000000, rope_scaling=None,
                           attention_bias=False, use_sliding_window=False, num_code_groups=NUM_GROUPS,
                           layer_types=["full_attention"] * 2, model_type="qwen3_tts_talker_code_predictor")
     code_predictor.update(overrides.pop("code_predictor_config", {}))
     talker = dict(
-        code_predictor_config=code_predictor, vocab_size=TALKER_VOCAB, hidden_size=TALKER_HIDDEN,
+        code_predictor_config=code_predictor, vocab_size=TALKER_VOCAB, hidden_size=hidden,
         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         hidden_act="silu", max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1000000,
         rope_scaling={"interleaved": True, "mrope_section": [4, 2, 2], "rope_type": "default", "type": "default"},
         attention_bias=False, use_sliding_window=False, num_code_groups=NUM_GROUPS, position_id_per_seconds=13,
-        text_hidden_size=32, text_vocab_size=-(-len(tokenizer) // 64) * 64,
+        text_hidden_size=text_hidden, text_vocab_size=-(-len(tokenizer) // 64) * 64,
         codec_pad_id=CODEBOOK, codec_bos_id=CODEBOOK + 1, codec_eos_token_id=CODEBOOK + 2,
         codec_think_id=CODEBOOK + 3, codec_nothink_id=CODEBOOK + 4, codec_think_bos_id=CODEBOOK + 5,
         codec_think_eos_id=CODEBOOK + 6, codec_language_id=dict(LANGUAGES), spk_id=dict(SPEAKERS),
@@ -89,12 +102,12 @@ def build_config_dict(tokenizer, overrides: dict[str, Any]) -> dict[str, Any]:
     talker.update(overrides.pop("talker_config", {}))
     config = dict(
         architectures=["Qwen3TTSForConditionalGeneration"], model_type="qwen3_tts",
-        tokenizer_type="qwen3_tts_tokenizer_12hz", tts_model_size="1b7", tts_model_type=TASK_TYPES[task_type],
+        tokenizer_type="qwen3_tts_tokenizer_12hz", tts_model_size=model_size, tts_model_type=TASK_TYPES[task_type],
         assistant_token_id=ids("assistant"), im_start_token_id=ids("<|im_start|>"), im_end_token_id=ids("<|im_end|>"),
         tts_pad_token_id=ids("<tts_pad>"), tts_bos_token_id=ids("<tts_text_bos>"),
         tts_eos_token_id=ids("<tts_text_eod>"), talker_config=talker, dtype="float32")
     if task_type == "Base":
-        config["speaker_encoder_config"] = dict(mel_dim=128, enc_dim=TALKER_HIDDEN, enc_channels=[32, 32, 32, 32, 96],
+        config["speaker_encoder_config"] = dict(mel_dim=128, enc_dim=hidden, enc_channels=[32, 32, 32, 32, 96],
                                                 enc_kernel_sizes=[5, 3, 3, 3, 1], enc_dilations=[1, 2, 3, 4, 1],
                                                 enc_attention_channels=16, enc_res2net_scale=2, enc_se_channels=16,
                                                 sample_rate=24000)

@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from vllm_omni.testing.config_overrides import prefixed_overrides
 from vllm_omni.testing.tokenizer import QWEN3_OMNI_MM_TOKENS, make_tiny_tokenizer
 
 # Qwen/Qwen-Image's scheduler/scheduler_config.json.
@@ -82,7 +83,7 @@ def _components(overrides: dict[str, Any]) -> dict[str, Any]:
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    parts = _apply_overrides(overrides)
+    parts = prefixed_overrides(overrides, _PREFIXES, "qwen_image")
     tokenizer = make_tiny_tokenizer(QWEN3_OMNI_MM_TOKENS)
     ids = tokenizer.convert_tokens_to_ids
     text = dict(parts["text_"], vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=ids("<|im_end|>"),
@@ -97,18 +98,6 @@ def _components(overrides: dict[str, Any]) -> dict[str, Any]:
     vae = AutoencoderKLQwenImage(**parts["vae_"])
     scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER)
     return dict(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, scheduler=scheduler)
-
-
-def _apply_overrides(overrides: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    parts = {prefix: dict(defaults) for prefix, defaults in _PREFIXES.items()}
-    for key, value in overrides.items():
-        prefix = next((p for p in _PREFIXES if key.startswith(p)), None)
-        field = key[len(prefix):] if prefix else None
-        if prefix is None or field not in parts[prefix]:
-            known = sorted(p + f for p, fields in _PREFIXES.items() for f in fields)
-            raise ValueError(f"unknown qwen_image override {key!r}; known: {known}")
-        parts[prefix][field] = value
-    return parts
 
 
 __all__ = ["build_qwen_image", "build_qwen_image_edit", "QWEN_IMAGE_SCHEDULER"]

@@ -30,6 +30,7 @@ def engine_config_kwargs(stage: StageConfig, model: str, device: str) -> dict[st
         load_format=ea.load_format,
         tensor_parallel_size=ea.tensor_parallel_size,
         num_weight_load_threads=ea.weight_load_threads,
+        predictor_sampling=stage.subtalker_sampling_params,
     )
     optional = dict(seed=ea.seed, max_model_len=ea.max_model_len, block_size=ea.block_size,
                     max_num_batched_tokens=ea.max_num_batched_tokens, enable_chunked_prefill=ea.enable_chunked_prefill)

@@ -15,6 +15,7 @@ import torch
 from vllm_omni.config.stage_config import StageConfig, StageEngineArgs
 from vllm_omni.model_executor.dtypes import canonical_dtype, torch_dtype
 from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
+from vllm_omni.config.diffusion_attention_spec import AttentionSettings
 
 # dtype "auto": what the real checkpoints are run in on a GPU; float32 on the CPU (bf16 matmuls there are slow).
 _AUTO_CUDA_DTYPE = torch.bfloat16
@@ -50,39 +51,49 @@ class GPUDiffusionWorker:
                                            max_image_pixels=ea.max_generated_image_size,
                                            profile=ea.enable_diffusion_pipeline_profiler)
         from vllm_omni.diffusion.cfg_parallel import CfgParallelGroup, ModelSpec
+        from vllm_omni.diffusion.denoise import build_cache
         from vllm_omni.diffusion.engine import DiffusionEngine
-        from vllm_omni.diffusion.tea_cache import TeaCache, TeaCacheConfig
 
+        if ea.auxiliary_text_encoder is not None:
+            raise ValueError(f"stage {self.stage.stage_id}: auxiliary_text_encoder {ea.auxiliary_text_encoder!r}: the "
+                             "native pipelines (Qwen-Image, Wan2.2) take no auxiliary text encoder (upstream's is "
+                             "HiDream-I1's Llama encoder; such pipelines run with --diffusion-load-format diffusers)")
         spec = ModelSpec(model_class_path(self.stage, self.model_path), self.model_path, str(dtype).removeprefix("torch."),
                          dummy=load_format(ea) == "dummy", seed=ea.seed or 0, vae_use_slicing=ea.vae_use_slicing,
                          vae_use_tiling=ea.vae_use_tiling, cpu_offload=ea.enable_cpu_offload,
-                         acceleration=acceleration(ea), layerwise_offload=ea.enable_layerwise_offload)
-        cfg_group = CfgParallelGroup.start(spec, self._tea_cache_settings(), self.device) \
-            if ea.cfg_parallel_size == 2 else None
+                         acceleration=acceleration(ea), boundary_ratio=ea.boundary_ratio, flow_shift=ea.flow_shift,
+                         layerwise_offload=ea.enable_layerwise_offload)
+        cache_spec = self._cache_spec()
+        cfg_group = CfgParallelGroup.start(spec, cache_spec, self.device) if ea.cfg_parallel_size == 2 else None
         try:
             model = spec.build(self.device)
         except BaseException:
             if cfg_group is not None:
                 cfg_group.close()
             raise
-        cache = None
-        if ea.cache_backend == "tea_cache":
-            cache = TeaCache(TeaCacheConfig.for_model(model.describe()["transformer"], self._tea_cache_settings()))
+        cache = build_cache(cache_spec, model.describe()["transformer"])
         if cfg_group is not None:
             cfg_group.wait_ready()
         return DiffusionEngine(model, stage_id=self.stage.stage_id, max_batch_size=batch, device=str(self.device),
                                cache=cache, cfg_group=cfg_group, max_image_pixels=ea.max_generated_image_size,
                                profile=ea.enable_diffusion_pipeline_profiler)
 
-    def _tea_cache_settings(self) -> dict[str, Any] | None:
+    def _cache_spec(self) -> tuple[str, dict[str, Any], bool] | None:
+        """(cache_backend, cache_config, summary) of the stage; None without a cache."""
         ea = self.stage.engine_args
-        return dict(ea.cache_config or ()) if ea.cache_backend == "tea_cache" else None
+        if ea.cache_backend == "none":
+            return None
+        return ea.cache_backend, dict(ea.cache_config or ()), ea.enable_cache_dit_summary
 
 
 def acceleration(args: StageEngineArgs) -> DenoiserAcceleration:
     """The transformer's attention kernel and compilation: compiled unless enforce_eager (CUDA only)."""
+    attention = AttentionSettings(args.diffusion_attention_config, args.diffusion_kv_cache_dtype,
+                                  args.diffusion_kv_cache_skip_steps, args.diffusion_kv_cache_skip_layers)
     return DenoiserAcceleration(attention_backend=args.diffusion_attention_backend, compile=not args.enforce_eager,
-                                compile_dynamic=args.diffusion_compile_dynamic)
+                                compile_dynamic=args.diffusion_compile_dynamic, attention=attention,
+                                quantization=args.diffusion_quantization_config,
+                                force_cutlass_fp8=args.force_cutlass_fp8)
 
 
 def model_class_path(stage: StageConfig, model_path: str) -> str:

@@ -24,6 +24,16 @@ def reference_audio(seconds: float = 1.2, sample_rate: int = REF_SAMPLE_RATE) ->
     return out
 
 
+# Fixture name -> the tiny checkpoint (make_tiny_model overrides): the three task types at the
+# default size, and the 0.6B releases' shape (testing/tiny_qwen3_tts.py; no 0.6B VoiceDesign).
+CHECKPOINTS: dict[str, dict] = {
+    "CustomVoice": {"task_type": "CustomVoice"},
+    "VoiceDesign": {"task_type": "VoiceDesign"},
+    "Base": {"task_type": "Base"},
+    "CustomVoice_0.6B": {"task_type": "CustomVoice", "size": "0.6B"},
+    "Base_0.6B": {"task_type": "Base", "size": "0.6B"},
+}
+
 CASES: dict[str, list[dict]] = {
     "CustomVoice": [
         {"name": "named_speaker", "text": "Hello! How are you today?", "speaker": "vivian", "language": "Auto"},
@@ -47,5 +57,18 @@ CASES: dict[str, list[dict]] = {
          "language": "English"},
         {"name": "icl_clone_non_streaming", "text": "Numbers: 1 2 3.", "ref_text": "The quick brown fox.",
          "language": "Auto", "non_streaming_mode": True},
+    ],
+    # The 0.6B CustomVoice model takes no instructions (qwen-tts drops them; we refuse them).
+    "CustomVoice_0.6B": [
+        {"name": "named_speaker", "text": "Hello! How are you today?", "speaker": "ryan", "language": "English"},
+        {"name": "dialect_speaker", "text": "What is the capital of France?", "speaker": "eric", "language": "Auto"},
+        {"name": "streaming_text", "text": "A journey of a thousand miles begins with a single step.",
+         "speaker": "vivian", "language": "Auto", "non_streaming_mode": False},
+    ],
+    "Base_0.6B": [
+        {"name": "icl_clone", "text": "Can you tell me a story about a robot?", "ref_text": "You are a helpful assistant.",
+         "language": "Auto"},
+        {"name": "xvector_only", "text": "She sells sea shells by the sea shore.", "x_vector_only_mode": True,
+         "language": "English"},
     ],
 }

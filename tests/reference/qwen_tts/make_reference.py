@@ -4,8 +4,8 @@ Runs in the reference venv (setup_reference.sh), not in ours: regenerate.sh call
 
     python make_reference.py CHECKPOINTS_DIR OUT_DIR
 
-CHECKPOINTS_DIR holds one tiny checkpoint per task type (CustomVoice/, VoiceDesign/, Base/,
-built by `python -m vllm_omni.testing qwen3_tts DIR --task-type T`). For each case of cases.py
+CHECKPOINTS_DIR holds one tiny checkpoint per entry of cases.CHECKPOINTS (CustomVoice/,
+VoiceDesign/, Base/, CustomVoice_0.6B/, Base_0.6B/; regenerate.sh builds them). For each case of cases.py
 it writes the greedy codes of every group (the talker's `talker_codes_list`) and the waveform
 qwen-tts returns; fixture.json records the sha256 of every checkpoint file and of cases.py so
 that tests can tell when the fixtures are stale.
@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from cases import CASES, MAX_NEW_TOKENS, REF_SAMPLE_RATE, reference_audio  # noqa: E402
+from cases import CASES, CHECKPOINTS, MAX_NEW_TOKENS, REF_SAMPLE_RATE, reference_audio  # noqa: E402
 
 GREEDY = dict(do_sample=False, subtalker_dosample=False, max_new_tokens=MAX_NEW_TOKENS)
 
@@ -91,8 +91,9 @@ def main(checkpoints: Path, out_dir: Path) -> None:
 
     torch.manual_seed(0)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for task_type, cases in CASES.items():
-        ckpt = checkpoints / task_type
+    for name, cases in CASES.items():
+        task_type = CHECKPOINTS[name]["task_type"]
+        ckpt = checkpoints / name
         model = Qwen3TTSModel.from_pretrained(str(ckpt), dtype=torch.float32, attn_implementation="eager")
         check_fully_loaded(model.model, ckpt / "model.safetensors")
         check_fully_loaded(model.model.speech_tokenizer.model, ckpt / "speech_tokenizer" / "model.safetensors")
@@ -103,11 +104,11 @@ def main(checkpoints: Path, out_dir: Path) -> None:
             codes, wav = run_case(model, task_type, case)
             record["cases"][case["name"]] = {"codes": codes, "num_samples": int(wav.shape[0])}
             waves[case["name"]] = wav
-            print(f"{task_type}/{case['name']}: {len(codes)} frames, {wav.shape[0]} samples", flush=True)
+            print(f"{name}/{case['name']}: {len(codes)} frames, {wav.shape[0]} samples", flush=True)
         if task_type == "Base":
             record["voice_clone_prompt"] = reference_extras(model)
-        (out_dir / f"{task_type}.json").write_text(json.dumps(record, indent=1))
-        np.savez_compressed(out_dir / f"{task_type}_waveforms.npz", **waves)
+        (out_dir / f"{name}.json").write_text(json.dumps(record, indent=1))
+        np.savez_compressed(out_dir / f"{name}_waveforms.npz", **waves)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ def add_parser(subparsers) -> None:
                    help="model directory or cached hub id: finds the bundled pipeline a deploy config overlays")
     p.add_argument("--stage-overrides", default=None,
                    help='per-stage JSON overrides, e.g. \'{"0": {"gpu_memory_utilization": 0.8}}\'')
+    p.add_argument("--strategy-config", default=None,
+                   help="upstream's parallel strategy YAML (tp / stage_replica per model_stage) over the config")
     p.add_argument("--async-chunk", action=argparse.BooleanOptionalAction, default=None,
                    help="override the deploy YAML's async_chunk")
     p.add_argument("--platform", default=None, choices=("cuda", "rocm", "npu", "xpu", "cpu"),
@@ -44,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         pipeline = load_pipeline_config(args.path, model=args.model, stage_overrides=args.stage_overrides,
                                         async_chunk=args.async_chunk, platform=args.platform or detect_platform(),
-                                        check_devices=here)
+                                        check_devices=here, strategy_config=args.strategy_config)
         if not args.no_import:
             validate_dotted_names(pipeline)
     except ConfigError as exc:

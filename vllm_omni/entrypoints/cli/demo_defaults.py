@@ -2,7 +2,7 @@
 
 The demo runs on any CPU. The bundled default of 2048 talker codes (and token2wav over them)
 would hold the server's audio path for most of a minute, so the demo's talker stops at 256
-codes, which is also the most a client's sampling_params_list may ask of it. `generate` also
+codes, and 256 is also its max_tokens_limit, the most a client's sampling_params_list may ask of it. `generate` also
 makes its talker speak at least 200 codes (a second of sound): the random-weight talker
 otherwise stops after a few dozen, a click rather than speech.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-SERVE_OVERRIDES: dict[str, Any] = {"1": {"default_sampling_params": {"max_tokens": 256}}}
+SERVE_OVERRIDES: dict[str, Any] = {"1": {"default_sampling_params": {"max_tokens": 256}, "max_tokens_limit": 256}}
 GENERATE_OVERRIDES: dict[str, Any] = {"1": {"default_sampling_params": {"max_tokens": 256, "min_tokens": 200}}}
 
 

@@ -49,7 +49,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--stage-overrides", default=None, help="per-stage JSON overrides")
     p.add_argument("--output-dir", default="vllm_omni_output", help="where audio replies are written")
     # Diffusion models (images out): `vllm-omni generate MODEL --prompt ... -o out.png`.
-    p.add_argument("-o", "--output", default=None, help="image file to write (more images: NAME_1.png, ...)")
+    p.add_argument("-o", "--output", default=None,
+                   help="image (or video: .mp4) file to write (more: NAME_1.png, ...)")
     p.add_argument("--negative-prompt", default=None, help="what the image should not show (enables CFG)")
     p.add_argument("--height", type=int, default=None)
     p.add_argument("--width", type=int, default=None)
@@ -57,6 +58,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--true-cfg-scale", type=float, default=None)
     p.add_argument("--guidance-scale", type=float, default=None)
     p.add_argument("--num-images-per-prompt", type=int, default=None)
+    # Video models (Wan2.2): `-o out.mp4`; --image is the first frame (image to video).
+    p.add_argument("--num-frames", type=int, default=None, help="video frames (Wan: 4k + 1; default: the model's)")
+    p.add_argument("--guidance-scale-2", type=float, default=None, help="the low-noise expert's guidance (Wan2.2 A14B)")
+    p.add_argument("--fps", type=float, default=None, help="the MP4's frame rate (default: the model's)")
 
 
 def build_prompts(args: argparse.Namespace, chat: bool) -> list[Any]:

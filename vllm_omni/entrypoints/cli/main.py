@@ -10,6 +10,7 @@ SUBCOMMANDS = {
     "generate": "vllm_omni.entrypoints.cli.generate",
     "check-config": "vllm_omni.entrypoints.cli.check_config",
     "serve": "vllm_omni.entrypoints.cli.serve",
+    "bench": "vllm_omni.entrypoints.cli.bench",
 }
 
 
@@ -22,7 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from vllm_omni.entrypoints.cli.serve_args import fold_dotted_flags
+
+    args = build_parser().parse_args(fold_dotted_flags(sys.argv[1:] if argv is None else argv))
     return int(importlib.import_module(SUBCOMMANDS[args.command]).run(args) or 0)
 
 

@@ -9,6 +9,7 @@ import argparse
 import logging
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,8 @@ logger = logging.getLogger("vllm_omni.serve")
 
 DEMO_SERVED_NAME = "vllm-omni-demo"
 _HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")  # "org/name" (or a legacy "name"), as on the Hugging Face hub
-_VLLM_USAGE = ("this `vllm` command is vLLM-Omni's and only runs `vllm serve [MODEL] --omni [flags]`; "
-               "everything else is `vllm-omni --help`")
+_VLLM_USAGE = ("this `vllm` command is vLLM-Omni's and only runs `vllm serve [MODEL] --omni [flags]` and "
+               "`vllm bench serve [flags]`; everything else is `vllm-omni --help`")
 
 
 def add_parser(subparsers) -> None:
@@ -38,15 +39,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def vllm_main(argv: list[str] | None = None) -> int:
-    """The `vllm` console script: only `vllm serve ... --omni`."""
+    """The `vllm` console script: only `vllm serve ... --omni` and `vllm bench serve ...`."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "serve"]:  # upstream's benchmark client: `vllm bench serve --omni ...`
+        from vllm_omni.entrypoints.cli.main import main
+
+        return main(argv)
     if not argv or argv[0] != "serve":
         print(f"error: {_VLLM_USAGE}", file=sys.stderr)
         return 2
     parser = argparse.ArgumentParser(prog="vllm serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                      description="vLLM-Omni's OpenAI-compatible API server (needs --omni).")
     serve_args.add_arguments(parser)
-    args = parser.parse_args(argv[1:])
+    args = parser.parse_args(serve_args.fold_dotted_flags(argv[1:]))
     if not args.omni:
         print(f"error: add --omni: {_VLLM_USAGE}", file=sys.stderr)
         return 2
@@ -121,6 +126,8 @@ def serve(args: argparse.Namespace) -> int:
         chat = ChatOptions(chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
                            limit_mm_per_prompt=args.limit_mm_per_prompt or {},
                            audio_stream_shape=args.audio_stream_shape)
+        video = serve_args.video_store.from_args(args)
+        voices, speech_stream = serve_args.tts_limits.voice_limits(args), serve_args.tts_limits.speech_stream_limits(args)
         sock = bind_socket(args.host, args.port)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -138,10 +145,10 @@ def serve(args: argparse.Namespace) -> int:
         max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
         admission_timeout_s=args.batch_timeout, max_request_bytes=args.max_request_bytes,
         uvicorn_log_level=args.uvicorn_log_level, realtime=serve_args.realtime_limits.from_args(args),
+        voices=voices, speech_stream=speech_stream,
         chat=chat, log_requests=args.enable_log_requests, max_prompts_per_request=args.max_prompts_per_request,
         shutdown_timeout_s=args.shutdown_timeout, max_diffusion_prompt_chars=args.max_diffusion_prompt_chars,
-        **({"tts_max_instructions_length": args.tts_max_instructions_length}
-           if args.tts_max_instructions_length is not None else {}),
+        video=video,
     )
     try:
         engine = _start_engine(args, model, media)
@@ -149,8 +156,16 @@ def serve(args: argparse.Namespace) -> int:
         logger.error("the pipeline failed to start: %s", e)
         sock.close()
         return 1
-    run_server(engine, settings, sock)
+    limit = _tts_instructions_limit(args.tts_max_instructions_length, engine.pipeline)
+    run_server(engine, settings if limit is None else replace(settings, tts_max_instructions_length=limit), sock)
     return 0
+
+
+def _tts_instructions_limit(flag: int | None, pipeline: Any) -> int | None:
+    """--tts-max-instructions-length, else a stage config's (upstream's tts_args), as upstream ranks them."""
+    if flag is not None:
+        return flag
+    return next((s.tts_max_instructions_length for s in pipeline.stages if s.tts_max_instructions_length), None)
 
 
 def _missing_hub_model(args: argparse.Namespace) -> str | None:
@@ -211,5 +226,5 @@ def _start_engine(args: argparse.Namespace, model: str, media: Any):
         async_chunk=args.async_chunk, heartbeat_timeout=args.omni_heartbeat_timeout,
         max_stage_restarts=args.max_stage_restarts, lb_policy=args.omni_lb_policy, worker_backend=args.worker_backend,
         ray_address=args.ray_address, media_policy=media, **stage_cli.head_arguments(args),
-        **serve_args.engine_args(args),
+        **serve_args.engine_args(args), **({"strategy_config": args.strategy_config} if args.strategy_config else {}),
     )

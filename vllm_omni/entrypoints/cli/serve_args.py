@@ -14,7 +14,7 @@ from typing import Any
 
 from vllm_omni.config.schema import AR_FIELDS, DIFFUSION_FIELDS
 from vllm_omni.entrypoints.cli import stage_cli
-from vllm_omni.entrypoints.openai import input_limits
+from vllm_omni.entrypoints.openai import input_limits, tts_limits, video_store
 from vllm_omni.entrypoints.openai.chat_options import parse_mm_limits
 from vllm_omni.entrypoints.openai.realtime import limits as realtime_limits
 
@@ -125,20 +125,30 @@ OMNI_FLAGS: tuple[Flag, ...] = (
        choices=("strict", "advanced_uaa"), default="strict"),
     _f("--ring --ring-degree", "Ring Sequence Parallelism degree for diffusion models.", _DIFFUSION, type=int,
        default=None),
-    _f("--diffusion-quantization-config", "JSON string for diffusion quantization_config.", _DIFFUSION,
-       default=None),
-    _bool("--force-cutlass-fp8", "Diffusion-only: force CUTLASS FP8 linear kernels.", _DIFFUSION, default=None),
+    _f("--diffusion-quantization-config", "JSON object of the diffusion transformer's quantization: "
+       "'{\"method\": \"fp8\"}' (online FP8 weights, per-channel scales, per-token activations) or "
+       "'{\"method\": \"gguf\", \"gguf_model\": \"/path/to/model.gguf\"}'.", type=_json_object, default=None),
+    _bool("--force-cutlass-fp8", "Diffusion FP8 weights (online or a ModelOpt FP8 checkpoint) must run on the FP8 "
+          "GEMM (torch._scaled_mm: CUDA, compute capability 8.9+, bfloat16); without it they fall back to a "
+          "dequantized product where it cannot run. Refused where it cannot run or without FP8 weights.",
+          default=None),
     _bool("--use-hsdp", "Enable HSDP (Hybrid Sharded Data Parallel) for diffusion models.", _DIFFUSION),
     _f("--hsdp-shard-size", "Number of GPUs to shard weights across (-1: auto).", _DIFFUSION, type=int, default=-1),
     _f("--hsdp-replicate-size", "Number of replica groups for HSDP.", _DIFFUSION, type=int, default=1),
     _f("--diffusion-attention-backend", "Attention kernel of the diffusion transformer: TORCH_SDPA (PyTorch "
-       "chooses) or CUDNN_ATTN (cuDNN first). Default: CUDNN_ATTN on CUDA, TORCH_SDPA elsewhere.", default=None),
-    _f("--diffusion-attention-config -dac", "Diffusion attention config (JSON).", _DIFFUSION, default=None),
-    _f("--cache-backend", "Cache backend for diffusion models: none or tea_cache (cache_dit and mag_cache are not "
-       "supported).", default="none"),
+       "chooses), CUDNN_ATTN (cuDNN first) or FLASH_ATTN (PyTorch's FlashAttention-2 kernel). Default: CUDNN_ATTN "
+       "on CUDA, TORCH_SDPA elsewhere. Shorthand of --diffusion-attention-config.default.backend.", default=None),
+    _f("--diffusion-attention-config -dac", "Diffusion attention config per role (self, cross, joint): JSON, e.g. "
+       "'{\"default\": {\"backend\": \"CUDNN_ATTN\"}, \"per_role\": {\"cross\": {\"backend\": "
+       "\"TORCH_SDPA\", \"quant\": {\"method\": \"fp8\"}}}}', or dotted flags such as "
+       "--diffusion-attention-config.per_role.self.backend FLASH_ATTN.", type=_json_object, default=None),
+    _f("--cache-backend", "Cache backend for diffusion models: none, tea_cache or cache_dit (DBCache; mag_cache is "
+       "not supported).", default="none"),
     _f("--cache-config", "JSON object of cache settings. TeaCache: '{\"rel_l1_thresh\": 0.2}' (and optionally "
-       "\"coefficients\": 5 numbers).", type=_json_object, default=None),
-    _bool("--enable-cache-dit-summary", "Enable cache-dit summary logging.", _DIFFUSION),
+       "\"coefficients\": 5 numbers). cache_dit: cache-dit's DBCache keys, e.g. '{\"Fn_compute_blocks\": 1, "
+       "\"residual_diff_threshold\": 0.24, \"steps_computation_mask\": [1, 1, 0, ...]}'.", type=_json_object,
+       default=None),
+    _bool("--enable-cache-dit-summary", "Log cache-dit's statistics (cached steps, residual diffs) per request."),
     _bool("--step-execution", "Enable per-step diffusion execution. Our diffusion engine always runs one "
           "denoising step at a time (requests join and abort between steps); accepted for compatibility."),
     _bool("--vae-use-slicing", "Enable VAE slicing (decode the images of a batch one at a time)."),
@@ -149,18 +159,22 @@ OMNI_FLAGS: tuple[Flag, ...] = (
          {"action": "store_false", "default": True}, attribute="enable_multithread_weight_load"),
     _f("--num-weight-load-threads", "Threads that read an AR stage's safetensors checkpoint ahead of its loader "
        "(the tensors and their order are the same with any number).", type=int, default=4),
-    _bool("--enable-cpu-offload", "Enable CPU offloading for diffusion models (the text encoder and the VAE wait "
-          "on the CPU between their calls)."),
+    _bool("--enable-cpu-offload", "Enable CPU offloading for diffusion models (the text encoder, the VAE and a "
+          "two-expert video model's idle transformer wait on the CPU between their calls)."),
     _bool("--enable-layerwise-offload", "Enable layerwise (blockwise) offloading on DiT modules: each transformer "
           "block's weights wait in CPU memory and are copied to the device just before the block runs (the next "
-          "block's while one computes), into a ring of two blocks' worth of device memory."),
-    _f("--boundary-ratio", "Boundary split ratio for low/high DiT in video models.", _DIFFUSION, type=float,
+          "block's while one computes), into a ring of two blocks' worth of device memory (per transformer: "
+          "Qwen-Image's, each of Wan2.2's)."),
+    _f("--boundary-ratio", "Boundary split ratio for low/high DiT in video models (Wan2.2 A14B: the high-noise "
+       "transformer runs while timestep >= ratio * 1000; default: the checkpoint's model_index.json, 0.875 for "
+       "T2V, 0.9 for I2V).", type=float, default=None),
+    _f("--flow-shift", "Scheduler flow_shift for video models (default: the checkpoint's scheduler config; 5.0 for "
+       "720p, 12.0 for 480p).", type=float, default=None),
+    _f("--diffusion-kv-cache-dtype", "fp8: the diffusion attention's K and V pass through float8_e4m3fn (per-head "
+       "scales) before the kernel. Separate from --kv-cache-dtype.", default=None),
+    _f("--diffusion-kv-cache-skip-steps", "Denoising steps that keep K/V unquantized, e.g. '0-9,20,25-30'.",
        default=None),
-    _f("--flow-shift", "Scheduler flow_shift for video models.", _DIFFUSION, type=float, default=None),
-    _f("--diffusion-kv-cache-dtype", "Diffusion attention KV cache dtype.", _DIFFUSION, default=None),
-    _f("--diffusion-kv-cache-skip-steps", "Diffusion KV-cache quantization skip-step selector.", _DIFFUSION,
-       default=None),
-    _f("--diffusion-kv-cache-skip-layers", "Diffusion KV-cache quantization skip-layer selector.", _DIFFUSION,
+    _f("--diffusion-kv-cache-skip-layers", "Transformer layers that keep K/V unquantized, e.g. '0,1,4-8'.",
        default=None),
     _f("--cfg-parallel-size", "Number of devices for CFG parallel computation (2: the unconditional branch on a "
        "second device).", type=int, choices=(1, 2), default=1),
@@ -178,7 +192,8 @@ OMNI_FLAGS: tuple[Flag, ...] = (
           "times (seconds) in stage_durations: the response's metrics and /metrics."),
     _bool("--enable-ar-profiler", "Report each request's time in every AR stage (queue, prefill, decode; seconds) in "
           "stage_durations: the response's metrics and /metrics."),
-    _f("--auxiliary-text-encoder", "Auxiliary text encoder model name or path.", _DIFFUSION, default=None),
+    _f("--auxiliary-text-encoder", "Auxiliary text encoder model name or path, for pipelines that take one "
+       "(HiDream-I1's Llama encoder); refused for pipelines that take none (Qwen-Image, Wan2.2).", default=None),
 )
 
 SERVER_FLAGS: tuple[Flag, ...] = (
@@ -226,6 +241,13 @@ SERVER_FLAGS: tuple[Flag, ...] = (
     _bool("--enable-log-requests", "Log every request (the access log)."),
     _bool("--disable-log-requests", "[Deprecated: requests are not logged unless --enable-log-requests] "
           "vLLM's old flag, accepted."),
+    _f("--strategy-config", "Upstream's parallel strategy YAML (`strategies: {thinker: [{axis: tp, size: 2}]}`): "
+       "tensor parallelism and replicas per model_stage, over the stage or deploy config; its stage_replica "
+       "routing sets the replica load balancer.", default=None),
+    _f("--forced-aligner", "Upstream's word timestamps for TTS: the Qwen3-ForcedAligner model.",
+       "word timestamps with a forced aligner are not supported", default=None),
+    _f("--forced-aligner-config", "Upstream's forced-aligner settings YAML (`forced_aligner:`).",
+       "word timestamps with a forced aligner are not supported", default=None),
     _f("--audio-stream-shape", "Where streamed chat chunks carry audio: 'openai' puts it in delta.audio.data "
        "(OpenAI's shape); 'upstream' in delta.content, as upstream vLLM-Omni does, for clients written "
        "against it. Either way audio chunks are marked modality: \"audio\".",
@@ -252,6 +274,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     _f("--seed", "Random seed of the engines.", type=int, default=None),
     _f("--load-format", "How weights are loaded: auto (from the checkpoint) or dummy (random, for benchmarks).",
        choices=("auto", "dummy"), default=None),
+    _f("--max-tokens-limit", "The most max_tokens a client may ask of any stage (more is a 400). Unset: no cap, "
+       "the context (max_model_len) bounds it; per stage: max_tokens_limit in the config or --stage-overrides.",
+       type=int, default=None),
 )
 
 
@@ -268,6 +293,62 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     input_limits.add_arguments(parser)
     realtime_limits.add_arguments(parser)
     stage_cli.add_arguments(parser)
+    video_store.add_arguments(parser)
+    tts_limits.add_arguments(parser)
+
+
+# Flags that also take vLLM-style dotted sub-keys (--diffusion-attention-config.per_role.self.backend X).
+DOTTED_FLAGS = ("--diffusion-attention-config", "-dac")
+
+
+def fold_dotted_flags(argv: list[str]) -> list[str]:
+    """`--diffusion-attention-config.a.b VALUE` (or `=VALUE`) folded into the flag's JSON object
+    (a VALUE that parses as JSON is that value, else a string), merged over a JSON one given too."""
+    out: list[str] = []
+    dotted: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        flag = next((f for f in DOTTED_FLAGS if token.startswith(f + ".")), None)
+        if flag is None:
+            out.append(token)
+            i += 1
+            continue
+        path, eq, value = token[len(flag) + 1:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv):
+                raise SystemExit(f"error: {token} needs a value")
+            value, i = argv[i + 1], i + 1
+        i += 1
+        keys = path.split(".")
+        node = dotted
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict) or not key:
+                raise SystemExit(f"error: {token}: {path!r} is not a path of keys")
+        node[keys[-1]] = _json_or_text(value)
+    if not dotted:
+        return out
+    given = next((j for j, t in enumerate(out[:-1]) if t in DOTTED_FLAGS), None)
+    if given is None:
+        return [*out, DOTTED_FLAGS[0], json.dumps(dotted)]
+    out[given + 1] = json.dumps(_merged(_json_object(out[given + 1]), dotted))
+    return out
+
+
+def _json_or_text(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in over.items():
+        merged[key] = _merged(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) \
+            else value
+    return merged
 
 
 def refused_flags(args: argparse.Namespace) -> list[str]:

@@ -107,7 +107,8 @@ def run_headless(args: argparse.Namespace, model: str, stage_overrides: Any, eng
 
     try:
         pipeline = load_pipeline(model, args.stage_configs_path, args.deploy_config, stage_overrides, engine_args,
-                                 async_chunk=args.async_chunk, stage_id=args.stage_id)
+                                 async_chunk=args.async_chunk, stage_id=args.stage_id,
+                                 strategy_config=args.strategy_config)
         pipeline.stage(args.stage_id)
     except (KeyError, ValueError) as e:  # ConfigError is a ValueError
         logger.error("stage %d cannot start: %s", args.stage_id, e)

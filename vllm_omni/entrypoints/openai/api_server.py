@@ -21,6 +21,8 @@ from vllm_omni.entrypoints.openai.prompt_limits import PromptLimit
 from vllm_omni.entrypoints.openai.realtime.limits import RealtimeLimits
 from vllm_omni.entrypoints.openai.serving_base import PipelineShape, ServingContext
 from vllm_omni.entrypoints.openai.serving_speech import DEFAULT_MAX_INSTRUCTIONS
+from vllm_omni.entrypoints.openai.tts_limits import SpeechStreamLimits, VoiceLimits
+from vllm_omni.entrypoints.openai.video_store import VideoStoreOptions
 from vllm_omni.multimodal.media_policy import MediaPolicy
 
 logger = logging.getLogger(__name__)
@@ -44,11 +46,14 @@ class ServerSettings:
     uvicorn_log_level: str = "info"
     realtime: RealtimeLimits = field(default_factory=RealtimeLimits)
     tts_max_instructions_length: int = DEFAULT_MAX_INSTRUCTIONS  # --tts-max-instructions-length
+    voices: VoiceLimits = field(default_factory=VoiceLimits)  # --voices-dir, --max-voices, ...
+    speech_stream: SpeechStreamLimits = field(default_factory=SpeechStreamLimits)  # --speech-stream-*
     chat: ChatOptions = field(default_factory=ChatOptions)  # --chat-template, --limit-mm-per-prompt, ...
     log_requests: bool = False  # --enable-log-requests (the access log reads it)
     max_prompts_per_request: int = 32
     shutdown_timeout_s: float = 30.0
     max_diffusion_prompt_chars: int = DEFAULT_DIFFUSION_PROMPT_CHARS
+    video: VideoStoreOptions = field(default_factory=VideoStoreOptions)  # --video-store-dir, --video-ttl-s, ...
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -85,7 +90,8 @@ def run_server(engine: Any, settings: ServerSettings, sock: socket.socket) -> No
 
     ctx = build_context(engine, settings)
     app = build_app(ctx, api_key=settings.api_key, max_request_bytes=settings.max_request_bytes,
-                    realtime=settings.realtime, tts_max_instructions_length=settings.tts_max_instructions_length)
+                    realtime=settings.realtime, tts_max_instructions_length=settings.tts_max_instructions_length,
+                    video=settings.video, voice_limits=settings.voices, speech_stream=settings.speech_stream)
     # log_config=None: uvicorn logs through the root logger, so --log-file and our format apply.
     # ws_max_size: a realtime event over its limit is refused from its frame header, unread.
     config = uvicorn.Config(app, log_level=settings.uvicorn_log_level, log_config=None,

@@ -3,10 +3,12 @@
     app = build_app(ctx, api_key="secret")   # ctx: serving_base.ServingContext
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/audio/speech (text-to-speech
-models), POST /v1/images/generations and /v1/images/edits (diffusion models), GET
-/v1/audio/voices, GET /v1/models, GET /health (503 naming each stage that is down), GET
-/version, GET /metrics (Prometheus text format); with --enable-sleep-mode POST /sleep, POST /wake_up and
-GET /is_sleeping (sleep_routes.py); the realtime WebSocket GET /v1/realtime, POST
+models) and its WebSocket /v1/audio/speech/stream (text in as it is written), POST
+/v1/images/generations and /v1/images/edits (diffusion models), /v1/videos (video models: create,
+list, retrieve, content, delete), GET / POST /v1/audio/voices and GET / DELETE
+/v1/audio/voices/{name}, GET /v1/models, GET /health (503 naming each stage that is down), GET
+/version, GET /metrics (Prometheus text format); with --enable-sleep-mode POST /sleep, POST /wake_up
+and GET /is_sleeping (sleep_routes.py); the realtime WebSocket GET /v1/realtime, POST
 /v1/audio/transcriptions and /v1/audio/translations, and the voice-chat page at / (static files
 under /static).
 With an API key, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise), as in
@@ -39,15 +41,23 @@ from vllm_omni.entrypoints.openai.serving_completions import CompletionService
 from vllm_omni.entrypoints.openai.realtime.endpoint import RealtimeEndpoint, model_abilities
 from vllm_omni.entrypoints.openai.realtime.limits import RealtimeLimits
 from vllm_omni.entrypoints.openai.serving_images import ImageRequest, ImageService
-from vllm_omni.entrypoints.openai.serving_speech import DEFAULT_MAX_INSTRUCTIONS, SpeechRequest, SpeechService
+from vllm_omni.entrypoints.openai.serving_speech import (
+    DEFAULT_MAX_INSTRUCTIONS, SpeechRequest, SpeechService, TTSModelInfo,
+)
 from vllm_omni.entrypoints.openai.serving_transcription import TranscriptionService
+from vllm_omni.entrypoints.openai.serving_video import VideoService, add_video_routes
+from vllm_omni.entrypoints.openai.serving_voices import VoicesService
 from vllm_omni.entrypoints.openai.sleep_routes import add_sleep_routes
+from vllm_omni.entrypoints.openai.speech_stream import SpeechStreamEndpoint
+from vllm_omni.entrypoints.openai.tts_limits import SpeechStreamLimits, VoiceLimits
+from vllm_omni.entrypoints.openai.video_store import VideoStoreOptions
 
 TRIM_AFTER_BYTES = 1024 * 1024  # bodies this large leave enough freed heap to be worth a malloc_trim
 STATIC_DIR = Path(__file__).resolve().parent / "static"  # the voice-chat page (package data)
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version", "/metrics",
            "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/audio/speech", "/v1/audio/voices",
-           "/v1/images/generations", "/v1/images/edits", "/sleep", "/wake_up", "/is_sleeping")
+           "/v1/audio/speech/stream", "/v1/images/generations", "/v1/images/edits", "/v1/videos", "/sleep",
+           "/wake_up", "/is_sleeping")
 
 
 class StatusMetricsMiddleware:
@@ -139,7 +149,8 @@ class BodyLimitMiddleware:
 
 def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes: int = 64 * 1024 * 1024,
               realtime: RealtimeLimits | None = None,
-              tts_max_instructions_length: int = DEFAULT_MAX_INSTRUCTIONS) -> FastAPI:
+              tts_max_instructions_length: int = DEFAULT_MAX_INSTRUCTIONS, video: VideoStoreOptions | None = None,
+              voice_limits: VoiceLimits | None = None, speech_stream: SpeechStreamLimits | None = None) -> FastAPI:
     app = FastAPI(title="vllm-omni", version=__version__)
     install_error_handlers(app)
 
@@ -159,11 +170,39 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes
     async def create_completion(raw: Request) -> Any:
         return await completions.create(await parse_body(raw, CompletionRequest, ctx.precheck_completion), raw)
 
-    speech = SpeechService(ctx, tts_max_instructions_length)
+    abilities = model_abilities(ctx)
+    tts = TTSModelInfo.read(ctx.model_path)
+    voices = VoicesService(ctx.model_path, tts.task_type if tts else None, tts.voices if tts else list(abilities.voices),
+                           voice_limits or VoiceLimits(), tts_max_instructions_length)
+    voices.open()  # the folder's voices into memory (a Base checkpoint: its encoders' fingerprint first)
+    speech = SpeechService(ctx, tts, voices, tts_max_instructions_length)
 
     @app.post("/v1/audio/speech")
     async def create_speech(body: SpeechRequest, raw: Request) -> Any:
         return await speech.create(body, raw)
+
+    speech_socket = SpeechStreamEndpoint(ctx, speech, realtime or RealtimeLimits(), speech_stream or SpeechStreamLimits(),
+                                         api_key)
+    app.add_api_websocket_route("/v1/audio/speech/stream", speech_socket)
+    # The `openai` SDK's realtime client connects to <base_url>/realtime: with base_url
+    # .../v1/audio/speech/stream it reaches the same socket (docs/tts.md).
+    app.add_api_websocket_route("/v1/audio/speech/stream/realtime", speech_socket)
+
+    @app.get("/v1/audio/voices")
+    async def list_voices() -> dict[str, Any]:
+        return voices.list()
+
+    @app.post("/v1/audio/voices")
+    async def create_voice(raw: Request) -> dict[str, Any]:  # multipart: parsed by the service
+        return await voices.create(raw)
+
+    @app.get("/v1/audio/voices/{name}")
+    async def get_voice(name: str) -> dict[str, Any]:
+        return voices.get(name)
+
+    @app.delete("/v1/audio/voices/{name}")
+    async def delete_voice(name: str) -> dict[str, Any]:
+        return voices.delete(name)
 
     images = ImageService(ctx)
 
@@ -175,6 +214,8 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes
     async def edit_image(raw: Request) -> Any:  # multipart: parsed by the service
         return await images.edit(raw)
 
+    add_video_routes(app, VideoService(ctx, video or VideoStoreOptions()))  # /v1/videos (serving_video.py)
+
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         data = [{"id": name, "object": "model", "created": created, "owned_by": "vllm-omni",
@@ -182,7 +223,6 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes
                 for name in ctx.served_names]
         return {"object": "list", "data": data}
 
-    abilities = model_abilities(ctx)
     app.add_api_websocket_route("/v1/realtime", RealtimeEndpoint(ctx, abilities, realtime or RealtimeLimits(), api_key))
     transcription = TranscriptionService(ctx)
 
@@ -193,11 +233,6 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes
     @app.post("/v1/audio/translations")
     async def create_translation(raw: Request) -> Response:
         return await transcription.create(raw, "translate")
-
-    @app.get("/v1/audio/voices")
-    async def list_voices() -> dict[str, Any]:
-        # A text-to-speech model's speakers (and its task type), else an omni model's talker voices.
-        return speech.voices() if speech.info is not None else {"voices": list(abilities.voices)}
 
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 

@@ -39,6 +39,8 @@ _TYPES = {
 # The engine ends a request whose prompt leaves no room for output with this wording
 # (llm_engine.add_request). It is the only stage failure that is the client's fault by size.
 _PROMPT_TOO_LONG = re.compile(r"the prompt has \d+ tokens, which does not leave room")
+# A request's own max_tokens that does not fit after its prompt (llm_engine.max_tokens_too_large).
+_MAX_TOKENS_TOO_LARGE = re.compile(r"'max_tokens' or 'max_completion_tokens' is too large")
 
 
 class APIError(Exception):
@@ -78,6 +80,8 @@ def from_request_failure(stage_id: int | None, message: str, health: list[StageH
         return APIError(503, message)  # a replica of the stage died with it; the others serve: retry now
     if _PROMPT_TOO_LONG.search(message):
         return APIError(413, message)
+    if _MAX_TOKENS_TOO_LARGE.search(message):
+        return APIError(400, message, param="max_tokens")
     return APIError(500, message)
 
 

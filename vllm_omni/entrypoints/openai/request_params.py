@@ -8,12 +8,16 @@ fields (`temperature`, `max_tokens`, ...) that sampling_precedence.py lets throu
 reported against the field the client actually sent (`max_tokens`, or
 `sampling_params_list[1].max_tokens`).
 
-A client may not ask a stage for more tokens than its ceiling: in `sampling_params_list`, the
-stage config's `max_tokens_limit`, else its default max_tokens (without one, any client could
-make the talker generate until max_model_len and hold the audio path for everyone); in the
-standard `max_tokens` / `max_completion_tokens`, an explicit `max_tokens_limit` only, since
-OpenAI clients routinely ask for more than a config's default and expect max_model_len to be
-the bound, as in vLLM.
+`max_tokens` is bounded by the context, as in vLLM: a stage stops at its `max_model_len`. A
+stage's default max_tokens is a default, not a cap (upstream's clients ask the thinker for
+16384). What guards a stage against a client that would hold it (the talker generating until
+max_model_len, keeping the audio path busy for everyone) is an explicit cap, off unless
+configured: the stage's `max_tokens_limit` (stage config, `--stage-overrides`, or
+`--max-tokens-limit` for every stage). Asking more than the cap, in `sampling_params_list` or in
+the standard `max_tokens` / `max_completion_tokens`, is a 400 naming the cap. A request's own
+standard max_tokens must also fit the context after its prompt, vLLM's rule: the stage checks that
+once it knows the prompt's length (SamplingParams._max_tokens_must_fit), and the answer is vLLM's
+400; a default or a sampling_params_list value just stops at max_model_len.
 """
 from __future__ import annotations
 
@@ -46,21 +50,21 @@ def resolve_sampling_params(pipeline: PipelineConfig, body: SamplingFields, *,
         def param(name: str, i: int = i, from_fields: dict[str, Any] = from_fields) -> str:
             return name if name in from_fields else f"sampling_params_list[{i}].{name}"
 
-        ceiling = stage.max_tokens_limit if "max_tokens" in from_fields else stage.max_tokens_ceiling
-        out.append(_stage_params(stage, {**from_list, **from_fields}, ceiling, param))
+        params = _stage_params(stage, {**from_list, **from_fields}, param)
+        out.append(params.clone(_max_tokens_must_fit=True) if from_fields.get("max_tokens") is not None else params)
     return out
 
 
-def _stage_params(stage: StageConfig, values: dict[str, Any], ceiling: int | None, param: Any) -> SamplingParams:
+def _stage_params(stage: StageConfig, values: dict[str, Any], param: Any) -> SamplingParams:
     where = _stage_name(stage)
     if not values:
         return stage.new_sampling_params()
-    if "max_tokens" in values and ceiling is not None:
+    cap = stage.max_tokens_limit
+    if "max_tokens" in values and cap is not None:
         asked = values["max_tokens"]
-        if asked is None or (isinstance(asked, int) and asked > ceiling):
-            raise APIError(400, f"max_tokens={asked!r} is over the limit of {where}: at most {ceiling} tokens "
-                                "(the stage config's max_tokens_limit, else its default max_tokens)",
-                           param=param("max_tokens"))
+        if asked is None or (isinstance(asked, int) and asked > cap):
+            raise APIError(400, f"max_tokens={asked!r} is over the limit of {where}: at most {cap} tokens "
+                                "(the server's max_tokens_limit for this stage)", param=param("max_tokens"))
     defaults = {k: v for k, v in vars(stage.default_sampling_params).items() if not k.startswith("_")}
     try:
         return SamplingParams.from_dict({**defaults, **values}, where=f"{where} sampling params")

@@ -1,11 +1,13 @@
-"""POST /v1/audio/speech (OpenAI's text-to-speech API) and GET /v1/audio/voices, for TTS models.
+"""POST /v1/audio/speech (OpenAI's text-to-speech API), for TTS models.
 
     {"model": ..., "input": "Hello!", "voice": "vivian", "response_format": "mp3", "speed": 1.0,
      "instructions": "...", "stream_format": "audio" | "sse",
      "task_type": ..., "language": ..., "ref_audio": URL | data URL | base64, "ref_text": ...}
 
 The request becomes a TTS prompt for the pipeline's input processor (Qwen3-TTS: multimodal/qwen3_tts_input.py),
-which refuses what the checkpoint cannot do (an unknown voice names the voices) -> 400.
+which refuses what the checkpoint cannot do (an unknown voice names the voices) -> 400. `voice`
+names a preset or a stored voice (serving_voices.py: a cloned voice's encodings, a designed
+voice's instructions).
 Responses (docs/tts.md):
 - no stream_format: the whole file, with usage in x-vllm-omni-*-tokens headers;
 - "audio": chunked bytes as the pipeline hands audio on (pcm or wav: a streaming WAV header,
@@ -29,7 +31,7 @@ from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vllm_omni.entrypoints.openai.accumulator import AudioEvent, RequestAccumulator
 from vllm_omni.entrypoints.openai.audio import OUTPUT_SAMPLE_RATE, check_format
@@ -38,6 +40,7 @@ from vllm_omni.entrypoints.openai.media_fetch import count_upload, fetch_media
 from vllm_omni.entrypoints.openai.serving_base import (
     EventStream, ServingContext, as_api_error, engine_error, first_output, race_disconnect, set_final_status,
 )
+from vllm_omni.entrypoints.openai.serving_voices import VoicesService
 from vllm_omni.entrypoints.openai.speech_audio import (
     SPEECH_MEDIA_TYPES, STREAMABLE_FORMATS, change_speed, encode_speech, encoder_format, pcm16, wav_stream_header,
 )
@@ -66,6 +69,14 @@ class SpeechRequest(BaseModel):
     x_vector_only_mode: bool | None = None
     non_streaming_mode: bool | None = None
     max_new_tokens: int | None = Field(None, ge=1)
+    # upstream vLLM-Omni's spelling of stream_format "audio" (its benchmark client sends it)
+    stream: bool | None = None
+
+    @model_validator(mode="after")
+    def _upstream_stream(self) -> SpeechRequest:
+        if self.stream and self.stream_format is None:
+            self.stream_format = "audio"
+        return self
 
 
 @dataclass(frozen=True)
@@ -93,14 +104,12 @@ class TTSModelInfo:
 
 
 class SpeechService:
-    def __init__(self, ctx: ServingContext, max_instructions_length: int = DEFAULT_MAX_INSTRUCTIONS) -> None:
+    def __init__(self, ctx: ServingContext, info: TTSModelInfo | None, voices: VoicesService,
+                 max_instructions_length: int = DEFAULT_MAX_INSTRUCTIONS) -> None:
         self.ctx = ctx
-        self.info = TTSModelInfo.read(ctx.model_path)
+        self.info = info
+        self.voices = voices
         self.max_instructions_length = max_instructions_length
-
-    def voices(self) -> dict[str, Any]:
-        info = self._tts()
-        return {"voices": info.voices, "task_type": info.task_type}
 
     def _tts(self) -> TTSModelInfo:
         if self.info is None:
@@ -113,10 +122,7 @@ class SpeechService:
         if len(body.input) > MAX_INPUT_CHARS:
             raise APIError(413, f"input is {len(body.input)} characters; the limit is {MAX_INPUT_CHARS}",
                            param="input")
-        if body.instructions is not None and len(body.instructions) > self.max_instructions_length:
-            raise APIError(400, f"instructions are {len(body.instructions)} characters; the limit is "
-                                f"{self.max_instructions_length} (--tts-max-instructions-length)",
-                           param="instructions")
+        self.check_instructions(body.instructions)
         if body.stream_format is not None and body.response_format not in STREAMABLE_FORMATS:
             raise APIError(400, f"streaming (stream_format={body.stream_format!r}) needs response_format pcm or wav",
                            param="response_format")
@@ -124,12 +130,16 @@ class SpeechService:
             raise APIError(400, "speed must be 1.0 when streaming", param="speed")
         check_format(encoder_format(body.response_format))
 
+    def check_instructions(self, instructions: str | None) -> None:
+        if instructions is not None and len(instructions) > self.max_instructions_length:
+            raise APIError(400, f"instructions are {len(instructions)} characters; the limit is "
+                                f"{self.max_instructions_length} (--tts-max-instructions-length)",
+                           param="instructions")
+
     async def _prompt(self, body: SpeechRequest) -> dict[str, Any]:
-        info = self._tts()
+        self._tts()
         prompt: dict[str, Any] = {"prompt": body.input}
-        # The OpenAI client always sends a voice; only CustomVoice checkpoints have named voices.
-        if body.voice and info.task_type == "CustomVoice":
-            prompt["speaker"] = body.voice
+        prompt.update(self.voices.speech_options(body.voice, body.ref_audio is not None, body.instructions is not None))
         for key in ("instructions", "language", "task_type", "ref_text", "x_vector_only_mode", "non_streaming_mode"):
             if getattr(body, key) is not None:
                 prompt[key] = getattr(body, key)
@@ -164,7 +174,7 @@ class SpeechService:
         try:
             first = await first_output(ctx, raw, gen)
             if body.stream_format is not None:
-                stream = self._stream(raw, body, acc, first, gen, ticket)
+                stream = self._stream(raw, body, prompt, acc, first, gen, ticket)
                 response = EventStream(stream, raw, partial(_close, ticket, gen))
                 if body.stream_format == "audio":
                     _set_media_type(response, SPEECH_MEDIA_TYPES[body.response_format])
@@ -177,19 +187,20 @@ class SpeechService:
         ticket.release()
         ctx.record_finished(ENDPOINT, acc)
         wave = change_speed(acc.audio(), OUTPUT_SAMPLE_RATE, body.speed)
-        usage = self._usage(body, acc)
+        usage = self._usage(prompt, acc)
         headers = {f"x-vllm-omni-{k.replace('_', '-')}": str(v) for k, v in usage.items()}
         return Response(encode_speech(wave, OUTPUT_SAMPLE_RATE, body.response_format),
                         media_type=SPEECH_MEDIA_TYPES[body.response_format], headers=headers)
 
-    def _usage(self, body: SpeechRequest, acc: RequestAccumulator) -> dict[str, int]:
+    def _usage(self, prompt: dict[str, Any], acc: RequestAccumulator) -> dict[str, int]:
         tokenizer = self.ctx.engine.get_tokenizer()
-        texts = [body.input, body.instructions or ""]
+        texts = [prompt["prompt"], prompt.get("instructions") or ""]  # (a designed voice's too)
         text_tokens = sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in texts if t)
         frames = math.ceil(acc.audio_samples / self._tts().samples_per_frame)
         return {"input_tokens": text_tokens, "output_tokens": frames, "total_tokens": text_tokens + frames}
 
-    async def _stream(self, raw: Request, body: SpeechRequest, acc: RequestAccumulator, first: OmniRequestOutput,
+    async def _stream(self, raw: Request, body: SpeechRequest, prompt: dict[str, Any], acc: RequestAccumulator,
+                      first: OmniRequestOutput,
                       gen: AsyncIterator[OmniRequestOutput], ticket: Any) -> AsyncIterator[Any]:
         sse, status = body.stream_format == "sse", 200
 
@@ -212,7 +223,7 @@ class SpeechService:
             if not acc.audio_finished:
                 raise APIError(500, "the pipeline ended the request without audio")
             if sse:
-                done = {"type": "speech.audio.done", "usage": self._usage(body, acc)}
+                done = {"type": "speech.audio.done", "usage": self._usage(prompt, acc)}
                 yield f"event: speech.audio.done\ndata: {json.dumps(done)}\n\n"
             self.ctx.record_finished(ENDPOINT, acc)
         except BaseException as e:  # noqa: BLE001 - a stream's failure can only be reported in-band

@@ -14,6 +14,7 @@ from vllm_omni.model_executor.models.qwen2_5_omni import FAMILY as QWEN2_5_OMNI
 from vllm_omni.model_executor.models.qwen3_omni import FAMILY as QWEN3_OMNI
 from vllm_omni.model_executor.models.qwen3_tts import FAMILY as QWEN3_TTS
 from vllm_omni.model_executor.models.qwen_image import FAMILY as QWEN_IMAGE
+from vllm_omni.model_executor.models.wan2_2 import FAMILY as WAN2_2
 
 
 def _llm(name: str, module: str, architecture: str) -> ModelFamily:
@@ -31,6 +32,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     QWEN3_OMNI,
     QWEN3_TTS,
     QWEN_IMAGE,
+    WAN2_2,
 )
 
 
@@ -44,3 +46,21 @@ def family_by_name(name: str) -> ModelFamily:
         if family.name == name:
             return family
     raise KeyError(f"unknown model family {name!r}; known: {[f.name for f in FAMILIES]}")
+
+
+def canonical_stage(architecture: str | None, model_stage: str | None) -> tuple[str | None, str | None]:
+    """A stage config's (model_arch, model_stage) in the family's own names (upstream vLLM-Omni's
+    per-stage architectures and stage names are aliases, ModelFamily.canonical_stage); names of
+    no family (a user's dotted class, a typo) come back as they are."""
+    if architecture is not None:
+        for family in FAMILIES:
+            found = family.canonical_stage(architecture, model_stage)
+            if found is not None:
+                return found
+    return architecture, model_stage
+
+
+def diffusion_pipelines() -> tuple[str, ...]:
+    """Pipeline class names (diffusers' `_class_name`, a stage's `model_class_name`) that our
+    diffusion engine runs: the architectures of every family with a diffusion stage model."""
+    return tuple(sorted(a for f in FAMILIES if "diffusion" in f.stage_models for a in f.architectures))

@@ -51,11 +51,21 @@ class ModelFamily:
     # "module:Class": the config class of model_types[0] when transformers has none (Qwen3-TTS);
     # model_loader.load_hf_config registers it with AutoConfig before reading a checkpoint.
     hf_config_class: str | None = None
+    # Upstream vLLM-Omni's names in stage configs, read as ours (config/build.py): a per-stage
+    # architecture (`model_arch: Qwen3TTSCode2Wav`) -> the model_stage it is, and upstream's
+    # model_stage spellings (`qwen3_tts` for the talker) -> ours.
+    upstream_stage_architectures: Mapping[str, str] = field(default_factory=dict)
+    upstream_model_stages: Mapping[str, str] = field(default_factory=dict)
+    # Upstream's pipeline registry keys (a deploy file's `pipeline:`) -> our bundled pipeline name.
+    upstream_pipelines: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (self.single_stage_model is None) == (not self.stage_models):
             raise ValueError(f"family {self.name}: give stage_models or single_stage_model, not both or neither")
-        for stage in (*self.stage_checkpoints.values(), *self.bridges, *self.stream_bridges):
+        if unknown := set(self.upstream_pipelines.values()) - set(self.pipelines.values()):
+            raise ValueError(f"family {self.name}: upstream_pipelines name no pipeline of its own: {sorted(unknown)}")
+        for stage in (*self.stage_checkpoints.values(), *self.bridges, *self.stream_bridges,
+                      *self.upstream_stage_architectures.values(), *self.upstream_model_stages.values()):
             if stage not in self.stage_models:
                 raise ValueError(f"family {self.name}: stage {stage!r} has no entry in stage_models")
 
@@ -84,3 +94,18 @@ class ModelFamily:
         if model_stage not in self.stage_models:
             raise ValueError(f"{architecture} has no model_stage {model_stage!r}; stages: {sorted(self.stage_models)}")
         return self.stage_models[model_stage]
+
+    def canonical_stage(self, architecture: str, model_stage: str | None) -> tuple[str, str | None] | None:
+        """(architecture, model_stage) in this family's own names, for a stage config that may use
+        upstream's (see `upstream_stage_architectures`); None when `architecture` is not this
+        family's. ValueError: a per-stage architecture contradicted by its model_stage."""
+        if architecture in self.upstream_stage_architectures:
+            stage = self.upstream_stage_architectures[architecture]
+            given = self.upstream_model_stages.get(model_stage, model_stage)
+            if given not in (None, stage):
+                raise ValueError(f"{architecture} is the {stage!r} stage of {self.architectures[0]}; "
+                                 f"model_stage {model_stage!r} contradicts it")
+            return self.architectures[0], stage
+        if architecture in self.architectures:
+            return architecture, self.upstream_model_stages.get(model_stage, model_stage)
+        return None

@@ -9,7 +9,7 @@ a fixed-shape function of static buffers, sampling included (`sample_codes`):
     code = argmax(top_k_top_p(logits / T) + g)                    sampled rows, g ~ Gumbel(0, 1)
 
 the Gumbel-max form of our Sampler's exponential race (argmax p / q = argmax log p - log q),
-at the predictor's fixed sampling settings. On CUDA it is one kernel per group
+at the predictor's sampling settings (predictor_sampling.py, fixed once the graphs are captured). On CUDA it is one kernel per group
 (`sampling_ops.sample_codes`: each row sorted in one program's registers), where torch's ops took a
 dozen launches per group, ~3-5 us each at a handful of rows. The noise is drawn before each
 replay, from a request's own generator when it has a seed, so seeded requests are
@@ -35,6 +35,7 @@ from torch import nn
 from vllm_omni.model_executor.device_copy import to_device_nowait
 from vllm_omni.model_executor.graph_capture import capture_buckets
 from vllm_omni.model_executor.layers.sampler import Sampler, SamplingBatch
+from vllm_omni.model_executor.models.predictor_sampling import PredictorSampling
 from vllm_omni.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class PredictorFrame:
     `predictor(hidden, first, sample)` is the model's code predictor: it calls
     `sample(logits [B, V] float32, group)` once per residual group."""
 
-    def __init__(self, predictor: nn.Module, max_batch: int, width: int, vocab: int, sampling: SamplingParams,
+    def __init__(self, predictor: nn.Module, max_batch: int, width: int, vocab: int, sampling: PredictorSampling,
                  device: torch.device, dtype: torch.dtype) -> None:
         self.predictor = predictor
         self.groups = predictor.num_code_groups - 1
@@ -141,13 +142,19 @@ _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 
 
 class GraphedPredictor:
-    """A talker's code predictor at its fixed sampling settings (greedy rows stay greedy): its
-    frame graphs once `capture` ran, else the predictor run eagerly."""
+    """A talker's code predictor at its sampling settings (`sampling`, which decides per request
+    whether a frame is greedy): its frame graphs once `capture` ran, else the predictor run eagerly."""
 
-    def __init__(self, predictor: nn.Module, width: int, vocab: int, sampling: SamplingParams) -> None:
+    def __init__(self, predictor: nn.Module, width: int, vocab: int, sampling: PredictorSampling) -> None:
         self.predictor, self.width, self.vocab, self.sampling = predictor, width, vocab, sampling
         self.graphs: PredictorGraphs | None = None
         self.sampler = Sampler()
+
+    def configure(self, sampling: PredictorSampling) -> None:
+        """New settings (the stage's subtalker_sampling_params), before the graphs bake them in."""
+        if self.graphs is not None:
+            raise RuntimeError("the code predictor's sampling is set before its graphs are captured")
+        self.sampling = sampling
 
     def capture(self, like: torch.Tensor) -> None:
         """The frame graphs on `like`'s device and dtype (the talker's, at load)."""
@@ -161,15 +168,18 @@ class GraphedPredictor:
     def predict(self, requests: list, hidden: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes [B, G-1], their embeddings) of the frames whose group-0 codes embed to `first`."""
         if self.graphs is not None and hidden.shape[0] <= MAX_GRAPH_BATCH:
-            return self.graphs.run(hidden, first, [r.sampling_params.greedy for r in requests],
-                                   [r.generator for r in requests])
+            return self.graphs.run(hidden, first, self._greedy_rows(requests), [r.generator for r in requests])
         return self.predictor(hidden, first, self._sample_fn(requests))
 
+    def _greedy_rows(self, requests: list) -> list[bool]:
+        return [self.sampling.greedy_for(r.sampling_params) for r in requests]
+
     def _sample_fn(self, requests: list):
-        if all(r.sampling_params.greedy for r in requests):
+        greedy = self._greedy_rows(requests)
+        if all(greedy):
             return lambda logits, group: logits.argmax(dim=-1)
-        n = len(requests)
-        batch = SamplingBatch(params=[_GREEDY if r.sampling_params.greedy else self.sampling for r in requests],
+        n, sampled = len(requests), self.sampling.sampled_params()
+        batch = SamplingBatch(params=[_GREEDY if g else sampled for g in greedy],
                               prompt_token_ids=[[]] * n, output_token_ids=[[]] * n,
                               generators=[r.generator for r in requests])
         return lambda logits, group: torch.tensor(self.sampler(logits, batch).token_ids, device=logits.device)

@@ -88,6 +88,9 @@ class StageModel(nn.Module):
     # False: even as a latent stage it exports no hidden states (its consumers read its tokens or
     # request_outputs), so no step copies them off the device.
     exports_hidden_states: ClassVar[bool] = True
+    # A talker whose code predictor samples groups 1..G-1 of each frame: its sampling settings
+    # (a stage's subtalker_sampling_params) are set once, at load, by set_predictor_sampling.
+    has_code_predictor: ClassVar[bool] = False
 
     # --- sizes (set by the subclass) -----------------------------------------------------
     num_layers: int
@@ -121,6 +124,10 @@ class StageModel(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         raise NotImplementedError
+
+    def set_predictor_sampling(self, values: Mapping[str, Any]) -> None:
+        """The code predictor's sampling (predictor_sampling.py keys), before any graph capture."""
+        raise ValueError(f"{type(self).__name__} has no code predictor to take subtalker_sampling_params")
 
     # --- per-request hooks -----------------------------------------------------------------
     def parse_request_inputs(self, info: Mapping[str, Any]) -> Any:

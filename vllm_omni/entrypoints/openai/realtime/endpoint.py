@@ -23,6 +23,7 @@ import json
 import logging
 import time
 import urllib.parse
+from collections.abc import Sequence
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketState
@@ -59,24 +60,8 @@ class RealtimeEndpoint:
         self.api_key = api_key.encode() if api_key else None
         self.open_sessions = 0
 
-    def _authorized(self, ws: WebSocket) -> bool:
-        if self.api_key is None:
-            return True
-        scheme, _, token = ws.headers.get("authorization", "").partition(" ")
-        offered = [p[len(KEY_PROTOCOL):] for p in ws.scope.get("subprotocols", []) if p.startswith(KEY_PROTOCOL)]
-        candidates = ([token.strip()] if scheme.lower() == "bearer" else []) + offered
-        return any(hmac.compare_digest(c.encode(), self.api_key) for c in candidates)
-
-    def _origin_allowed(self, ws: WebSocket) -> bool:
-        origin = ws.headers.get("origin")
-        if origin is None:  # not a browser: nothing a web page could abuse
-            return True
-        allowed = self.limits.allowed_origins
-        return "*" in allowed or origin.rstrip("/").lower() in {o.rstrip("/").lower() for o in allowed} \
-            or same_origin(origin, ws.headers.get("host"))
-
     async def __call__(self, ws: WebSocket) -> None:
-        if not self._authorized(ws) or not self._origin_allowed(ws):
+        if not admitted(ws, self.api_key, self.limits.allowed_origins):
             await ws.close(CLOSE_POLICY)  # before accept: the handshake fails with 403
             return
         offered = ws.scope.get("subprotocols", [])
@@ -176,6 +161,30 @@ def same_origin(origin: str, host: str | None) -> bool:
         return (page.hostname, page.port or default) == (server.hostname, server.port or default)
     except ValueError:  # a port that is not a number
         return False
+
+
+def admitted(ws: WebSocket, api_key: bytes | None, allowed_origins: Sequence[str]) -> bool:
+    """Whether a socket's handshake may go on: it carries the key, and a browser's page is the
+    server's own or listed in --allowed-origins (a client that sends no Origin is no web page)."""
+    return authorized(ws, api_key) and origin_allowed(ws, allowed_origins)
+
+
+def origin_allowed(ws: WebSocket, allowed: Sequence[str]) -> bool:
+    origin = ws.headers.get("origin")
+    if origin is None:  # not a browser: nothing a web page could abuse
+        return True
+    return "*" in allowed or origin.rstrip("/").lower() in {o.rstrip("/").lower() for o in allowed} \
+        or same_origin(origin, ws.headers.get("host"))
+
+
+def authorized(ws: WebSocket, api_key: bytes | None) -> bool:
+    """The socket's handshake carries the key (a Bearer header, or the browser's subprotocol)."""
+    if api_key is None:
+        return True
+    scheme, _, token = ws.headers.get("authorization", "").partition(" ")
+    offered = [p[len(KEY_PROTOCOL):] for p in ws.scope.get("subprotocols", []) if p.startswith(KEY_PROTOCOL)]
+    candidates = ([token.strip()] if scheme.lower() == "bearer" else []) + offered
+    return any(hmac.compare_digest(c.encode(), api_key) for c in candidates)
 
 
 class _Link:

@@ -184,7 +184,9 @@ EVENT_TYPES: dict[str, type[BaseModel]] = {cls.model_fields["type"].annotation._
                                            for cls in ClientEvent.__args__}  # type: ignore[attr-defined]
 
 
-def parse_client_event(text: str | bytes) -> ClientEvent:
+def parse_client_event(text: str | bytes, event_types: dict[str, type[BaseModel]] | None = None) -> Any:
+    """A client event of `event_types` (default: the realtime API's), validated."""
+    types = EVENT_TYPES if event_types is None else event_types
     try:
         data: Any = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -193,9 +195,9 @@ def parse_client_event(text: str | bytes) -> ClientEvent:
         raise ProtocolError("an event must be a JSON object with a 'type'", code="invalid_json")
     event_id = data.get("event_id") if isinstance(data.get("event_id"), str) else None
     kind = data.get("type")
-    cls = EVENT_TYPES.get(kind) if isinstance(kind, str) else None
+    cls = types.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise ProtocolError(f"unknown event type {kind!r}; supported: {sorted(EVENT_TYPES)}", code="unknown_event_type",
+        raise ProtocolError(f"unknown event type {kind!r}; supported: {sorted(types)}", code="unknown_event_type",
                             param="type", event_id=event_id)
     try:
         return cls.model_validate(data)  # type: ignore[return-value]

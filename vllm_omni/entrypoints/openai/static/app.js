@@ -1,85 +1,21 @@
-// The voice-chat page: one realtime session (/v1/realtime, OpenAI Realtime events) per page.
+// The voice-chat page: one realtime session (/v1/realtime, OpenAI Realtime events) per page, and
+// a speech tab for text-to-speech models (speech.js).
 // Microphone: an AudioWorklet at the device's rate; the session declares that rate and the
 // server resamples. Speech out: PCM16 at 24 kHz, each delta scheduled on a Web Audio clock as
 // it arrives. Barge-in: talking (or typing) over the reply stops playback and truncates the
 // reply at what was heard. window.voiceChat.state mirrors what the page shows (tests read it).
 
-const OUTPUT_RATE = 24000;
+import { OUTPUT_RATE, Player, floatToPcm16B64 } from "./audio.js";
+import { initSpeech } from "./speech.js";
+
 const $ = (id) => document.getElementById(id);
 
 const state = {
   status: "connecting", sessionId: null, model: null, voices: [], mode: "ptt", responding: false,
   responses: 0, lastResponseStatus: null, audioDeltas: 0, samplesReceived: 0, chunksPlayed: 0,
-  samplesPlayed: 0, truncations: 0, errors: [], lastReply: "",
+  samplesPlayed: 0, truncations: 0, errors: [], lastReply: "", tts: null, tab: "chat",
 };
 window.voiceChat = { state };
-
-// ------------------------------------------------------------------ base64 <-> PCM16
-
-function pcm16ToFloat(b64) {
-  const bin = atob(b64);
-  const out = new Float32Array(bin.length >> 1);
-  for (let i = 0; i < out.length; i++) {
-    let v = bin.charCodeAt(2 * i) | (bin.charCodeAt(2 * i + 1) << 8);
-    if (v >= 0x8000) v -= 0x10000;
-    out[i] = v / 32768;
-  }
-  return out;
-}
-
-function floatToPcm16B64(samples) {
-  const bytes = new Uint8Array(samples.length * 2);
-  for (let i = 0; i < samples.length; i++) {
-    const v = Math.max(-32768, Math.min(32767, Math.round(samples[i] * 32767)));
-    bytes[2 * i] = v & 0xff;
-    bytes[2 * i + 1] = (v >> 8) & 0xff;
-  }
-  let bin = "";
-  for (let i = 0; i < bytes.length; i += 0x8000) bin += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
-  return btoa(bin);
-}
-
-// ------------------------------------------------------------------ playback
-
-class Player {
-  constructor() { this.ctx = null; this.head = 0; this.sources = new Set(); this.itemId = null; this.itemStart = 0; this.itemSamples = 0; }
-
-  unlock() {  // from a user gesture: browsers start audio only after one
-    if (!this.ctx) this.ctx = new AudioContext({ sampleRate: OUTPUT_RATE });
-    if (this.ctx.state === "suspended") this.ctx.resume().catch(() => {});
-  }
-
-  play(itemId, b64) {
-    this.unlock();
-    const samples = pcm16ToFloat(b64);
-    if (!samples.length) return;
-    const buffer = this.ctx.createBuffer(1, samples.length, OUTPUT_RATE);
-    buffer.copyToChannel(samples, 0);
-    const source = this.ctx.createBufferSource();
-    source.buffer = buffer;
-    source.connect(this.ctx.destination);
-    const at = Math.max(this.ctx.currentTime + 0.05, this.head);
-    if (itemId !== this.itemId) { this.itemId = itemId; this.itemStart = at; this.itemSamples = 0; }
-    this.itemSamples += samples.length;
-    this.head = at + buffer.duration;
-    source.onended = () => { this.sources.delete(source); state.chunksPlayed++; state.samplesPlayed += samples.length; };
-    this.sources.add(source);
-    source.start(at);
-  }
-
-  get playing() { return this.sources.size > 0; }
-
-  heardMs() {  // how much of the current reply has come out of the speakers
-    const ms = (this.ctx.currentTime - this.itemStart) * 1000;
-    return Math.floor(Math.max(0, Math.min(ms, this.itemSamples * 1000 / OUTPUT_RATE)));
-  }
-
-  stop() {
-    for (const s of this.sources) { s.onended = null; s.stop(); }
-    this.sources.clear();
-    this.head = 0;
-  }
-}
 
 // ------------------------------------------------------------------ microphone
 
@@ -102,7 +38,7 @@ class Mic {
 
 // ------------------------------------------------------------------ the page
 
-const player = new Player();
+const player = new Player((samples) => { state.chunksPlayed++; state.samplesPlayed += samples; });
 const mic = new Mic((samples) => send({ type: "input_audio_buffer.append", audio: floatToPcm16B64(samples) }));
 let ws = null;
 let bubbles = new Map();  // item id -> element
@@ -160,7 +96,9 @@ async function loadModel() {
     const [models, voices] = await Promise.all([fetch("/v1/models", { headers: authHeaders() }), fetch("/v1/audio/voices", { headers: authHeaders() })]);
     if (models.status === 401) { showError("this server needs an API key: enter it under 'more' and reconnect"); return; }
     state.model = (await models.json()).data[0].id;
-    state.voices = (await voices.json()).voices;
+    const listed = await voices.json();
+    state.voices = listed.voices;
+    state.tts = listed.task_type || null;  // a text-to-speech model: the speech tab is its page
     const select = $("voice");
     select.length = 1;
     for (const v of state.voices) select.add(new Option(v, v));
@@ -309,6 +247,34 @@ $("mode").addEventListener("change", () => {
   send(sessionConfig());
 });
 for (const id of ["voice", "reply", "instructions"]) $(id).addEventListener("change", () => send(sessionConfig()));
-$("keyform").addEventListener("submit", async (e) => { e.preventDefault(); $("error").hidden = true; await loadModel(); connect(); });
+$("keyform").addEventListener("submit", (e) => { e.preventDefault(); $("error").hidden = true; start(); });
 
-loadModel().then(connect);
+// ------------------------------------------------------------------ tabs
+
+function showTab(tab) {
+  state.tab = tab;
+  $("chat-pane").hidden = tab !== "chat";
+  $("speech-pane").hidden = tab !== "speech";
+  $("tab-chat").classList.toggle("on", tab === "chat");
+  $("tab-speech").classList.toggle("on", tab === "speech");
+}
+$("tab-chat").addEventListener("click", () => showTab("chat"));
+$("tab-speech").addEventListener("click", () => showTab("speech"));
+
+const speech = initSpeech({ authHeaders, apiKey: () => $("apikey").value.trim(), showError });
+
+async function start() {
+  await loadModel();
+  if (state.tts) {  // a TTS model does not converse: no realtime session, the speech tab
+    if (ws) { ws.onclose = null; ws.close(); ws = null; }
+    $("tab-chat").disabled = true;
+    showTab("speech");
+    setStatus("connected", `text to speech · ${state.model}`);
+    await speech.load(state.tts);
+  } else {
+    connect();
+    await speech.load(null);
+  }
+}
+
+start();

@@ -40,16 +40,17 @@ from vllm_omni.model_executor.device_copy import HostCopy, to_device_nowait
 from vllm_omni.model_executor.models.bridge_utils import StreamedRowsQueue, rows_like, streamed_rows
 from vllm_omni.model_executor.models.stage_model import StageModel
 from vllm_omni.model_executor.models.predictor_graphs import GraphedPredictor
+from vllm_omni.model_executor.models.predictor_sampling import PredictorSampling
 from vllm_omni.model_executor.models.utils import load_weights_strict, map_stacked_name
 from vllm_omni.model_executor.models.qwen3_omni.bridges import CODES_KEY, TalkerInputs
-from vllm_omni.sampling_params import SamplingParams
 
 _STATE_KEY = "qwen3_omni_talker"
 _PREFIX = "talker."
 _THINKER_EMBED_WEIGHTS = ("thinker.model.embed_tokens.weight", "thinker.model.language_model.embed_tokens.weight")
 DEFAULT_SPEAKER = "Ethan"  # transformers' generate default
-# transformers' code predictor sampling when the talker samples (greedy when it is greedy).
-PREDICTOR_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.8, max_tokens=None)
+# transformers' code predictor sampling when the talker samples (greedy when it is greedy); the
+# stage config's subtalker_sampling_params change it (predictor_sampling.py).
+PREDICTOR_SAMPLING = PredictorSampling(temperature=1.0, top_k=50, top_p=0.8)
 _NUM_SPECIAL_CODES = 1024  # the talker vocabulary's trailing control codes
 
 
@@ -115,6 +116,7 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
     embeds_requests = True
     accepts_streamed_input = True  # the thinker's reply rows, as it generates them
     exports_hidden_states = False  # code2wav reads its codes
+    has_code_predictor = True
     # The decode step (embeddings in, logits out) is graph-safe; the code predictor runs after it
     # (as its own graphs on CUDA: predictor_graphs.py).
 
@@ -225,6 +227,9 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
         if new:
             return {CODES_KEY: torch.stack([frames.get()[i] for frames, i in new])}
         return {CODES_KEY: torch.zeros(0, self.config.num_code_groups, dtype=torch.long)} if finished else {}
+
+    def set_predictor_sampling(self, values) -> None:
+        self.graphed_predictor.configure(PredictorSampling.parse(values, defaults=PREDICTOR_SAMPLING))
 
     def capture_graphs(self) -> None:
         self.graphed_predictor.capture(self.model.embed_tokens.weight)

@@ -31,4 +31,9 @@ FAMILY = ModelFamily(
     pipelines={PipelineVariant.DEFAULT: "qwen3_tts"},
     tiny_checkpoints={"qwen3_tts": "vllm_omni.testing.tiny_qwen3_tts:build_tiny_qwen3_tts"},
     hf_config_class=f"{_HERE}.configuration:Qwen3TTSConfig",
+    # Upstream's stage configs (its legacy stage_configs/qwen3_tts*.yaml) name each stage's class.
+    upstream_stage_architectures={"Qwen3TTSTalkerForConditionalGeneration": "talker", "Qwen3TTSCode2Wav": "code2wav"},
+    upstream_model_stages={"qwen3_tts": "talker"},
+    # The same two stages; its deploy file turns streaming off itself (async_chunk: false).
+    upstream_pipelines={"qwen3_tts_no_async_chunk": "qwen3_tts"},
 )

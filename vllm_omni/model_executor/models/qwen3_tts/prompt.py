@@ -14,7 +14,8 @@ row (`codec_embedding(id)`, a speaker embedding, or a reference frame's summed c
       streaming: first text token + codec_bos.
 
 The rest of the text (streaming) is the "trailing" stream: output token k's input row adds
-trailing[k], then tts_pad once it is used up.
+trailing[k], then tts_pad once it is used up (text_feed.py). A request whose text streams in
+(`text_complete` False) gets no tts_eos yet: it comes with the last chunk of text.
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def _codec_prefix(ids: CodecIds, lang: int | None) -> list[int]:
 def prompt_length(tc, request: TTSRequest, ref_frames: int) -> int:
     """P without computing a row (the engine needs it before the first step)."""
     n = (len(request.instruct_ids) if request.instruct_ids else 0) + 3
-    has_speaker = request.speaker is not None or request.ref_audio is not None
+    has_speaker = request.speaker is not None or request.clones
     n += len(_codec_prefix(CodecIds.from_config(tc), language_id(tc, request))) + has_speaker + 1
     text = len(request.text_ids) - 8  # ids between the role and <|im_end|>\n<|im_start|>assistant\n
     if request.in_context:
@@ -77,6 +78,8 @@ class TalkerPrompt:
     rows: torch.Tensor  # [P, H]
     trailing: torch.Tensor  # [T, H]
     pad: torch.Tensor  # [H] projected tts_pad
+    eos: torch.Tensor  # [H] projected tts_eos
+    text_read: int  # tokens of the text (not the reference's transcript) inside `rows`
 
 
 def build_prompt(tc, special: tuple[int, int, int], request: TTSRequest, text: Embed, codec: Embed,
@@ -94,15 +97,20 @@ def build_prompt(tc, special: tuple[int, int, int], request: TTSRequest, text: E
     parts.append(text(request.text_ids[:3]))
     parts.append(torch.cat([pad.expand(width - 2, -1), bos[None]]) + codec_rows[:-1])
     body = request.text_ids[3:-5]
-    trailing = pad[None]
+    end = [eos[None]] if request.text_complete else []
+    trailing, read = pad[None][:0], len(body)
     if request.in_context:
-        text_rows = torch.cat([text(request.ref_ids[3:-2] + body), eos[None]])
+        ref_body = request.ref_ids[3:-2]
+        text_rows = torch.cat([text(ref_body + body), *end])
         frames = torch.cat([codec([ids.bos]), ref_rows])
         if request.non_streaming:
             parts += [text_rows + codec([ids.pad] * text_rows.shape[0]), frames + pad]
         elif text_rows.shape[0] > frames.shape[0]:
             parts.append(text_rows[: frames.shape[0]] + frames)
-            trailing = text_rows[frames.shape[0]:]
+            trailing, read = text_rows[frames.shape[0]:], max(0, frames.shape[0] - len(ref_body))
+        elif not request.text_complete:
+            raise ValueError(f"streamed text must reach past the reference's {frames.shape[0]} frames before it "
+                             f"starts (qwen-tts lays them side by side); it has {text_rows.shape[0]} tokens")
         else:
             filler = pad.expand(frames.shape[0] - text_rows.shape[0], -1)
             parts.append(torch.cat([text_rows, filler]) + frames)
@@ -111,5 +119,14 @@ def build_prompt(tc, special: tuple[int, int, int], request: TTSRequest, text: E
         parts += [text_rows + codec([ids.pad] * text_rows.shape[0]), (pad + codec([ids.bos])[0])[None]]
     else:
         parts.append(text(body[:1]) + codec_rows[-1:])
-        trailing = torch.cat([text(body[1:]), eos[None]])
-    return TalkerPrompt(rows=torch.cat(parts), trailing=trailing, pad=pad)
+        trailing, read = torch.cat([text(body[1:]), *end]), 1
+    return TalkerPrompt(rows=torch.cat(parts), trailing=trailing, pad=pad, eos=eos, text_read=read)
+
+
+def min_streamed_text_tokens(ref_ids: list[int] | None, ref_frames: int) -> int:
+    """Tokens of text a request whose text streams in needs before it can start: one, or with
+    in-context cloning enough for the text (after the reference's transcript) to reach past the
+    codec_bos and reference frames it is laid beside."""
+    if ref_ids is None:
+        return 1
+    return max(1, ref_frames + 2 - len(ref_ids[3:-2]))

@@ -5,11 +5,15 @@ three equal position rows for TTS, which is plain RoPE) samples a frame's group-
 the engine's sampler; `on_tokens_sampled` then runs the code predictor for groups 1..G-1 and
 builds the next input row, as qwen-tts' talker does between `generate` steps:
 
-    next input = sum of the frame's code embeddings + trailing text row k (then tts_pad)
+    next input = sum of the frame's code embeddings + text row k (text_feed.py: trailing
+                 text row k, then tts_pad)
 
 The prompt is laid out by prompt.py from the request's `TTSRequest` payload. Voice cloning
 (Base checkpoints) embeds the reference audio here, on the stage's device: the speaker encoder
-gives the voice row, the speech tokenizer's encoder the reference frames (in-context cloning).
+gives the voice row, the speech tokenizer's encoder the reference frames (in-context cloning);
+a stored voice brings both, encoded when it was made (voice_encoder.py). A request's text may
+stream in (the speech socket): its chunks extend the trailing text (`append_request_inputs`)
+and the request computes as far as its text allows (`available_positions`).
 Codes of the vocabulary's last 1024 ids except codec EOS are suppressed (qwen-tts'
 `suppress_tokens`); codec EOS ends the request.
 """
@@ -34,28 +38,33 @@ from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_moe_talker import Res
 from vllm_omni.model_executor.models.qwen3_tts.code_predictor import Qwen3TTSCodePredictor
 from vllm_omni.model_executor.models.qwen3_tts.configuration import TaskType, TTSConfig
 from vllm_omni.model_executor.models.predictor_graphs import GraphedPredictor
+from vllm_omni.model_executor.models.predictor_sampling import PredictorSampling
 from vllm_omni.model_executor.models.qwen3_tts.prompt import TalkerPrompt, build_prompt, prompt_length
 from vllm_omni.model_executor.models.qwen3_tts.reference_cache import ReferenceCache
 from vllm_omni.model_executor.models.qwen3_tts.reference_graphs import REFERENCE_GRAPHS_ENV, ReferenceGraphs
 from vllm_omni.model_executor.models.qwen3_tts.speaker_encoder import SpeakerEncoder
 from vllm_omni.model_executor.models.qwen3_tts.speech_encoder import ENCODER_PREFIX, SpeechEncoder
-from vllm_omni.model_executor.models.qwen3_tts.tts_request import CODES_KEY, REF_CODES_KEY, TTSRequest
+from vllm_omni.model_executor.models.qwen3_tts.text_feed import TextFeed
+from vllm_omni.model_executor.models.qwen3_tts.tts_request import CODES_KEY, REF_CODES_KEY, TTSRequest, text_ids_chunk
 from vllm_omni.model_executor.models.stage_model import StageModel
 from vllm_omni.model_executor.models.utils import load_weights_strict, map_stacked_name
-from vllm_omni.sampling_params import SamplingParams
 
 _STATE_KEY = "qwen3_tts_talker"
 _NUM_SPECIAL_CODES = 1024  # the talker vocabulary's trailing control codes
-# qwen-tts' code predictor sampling (subtalker_*) when the talker samples; greedy when it is greedy.
-PREDICTOR_SAMPLING = SamplingParams(temperature=0.9, top_k=50, top_p=1.0, max_tokens=None)
+# qwen-tts' code predictor sampling (subtalker_*) when the talker samples; greedy when it is greedy
+# (the stage config's subtalker_sampling_params change it: predictor_sampling.py).
+PREDICTOR_SAMPLING = PredictorSampling(temperature=0.9, top_k=50, top_p=1.0)
 SPEECH_TOKENIZER_DIR = "speech_tokenizer"
 
 
 @dataclass
 class _RequestState:
     prompt: TalkerPrompt
+    text: TextFeed
     ref_codes: HostCopy | None  # [F, G] reference frames (in-context cloning), on their way to the host
-    frame_embeds: list[torch.Tensor] = field(default_factory=list)  # input row after output token k
+    # Input row after output token k; None while its text has not arrived (codec row in `waiting`).
+    frame_embeds: list[torch.Tensor | None] = field(default_factory=list)
+    waiting: dict[int, torch.Tensor] = field(default_factory=dict)
     # Output token k's [G] codes: row i of a step's frames on their way to the host.
     frames: list[tuple[HostCopy, int]] = field(default_factory=list)
     frames_sent: int = 0  # frames handed out by request_outputs
@@ -70,7 +79,9 @@ def read_speech_tokenizer_config(model_dir: str) -> dict:
 
 class Qwen3TTSTalkerForConditionalGeneration(StageModel):
     embeds_requests = True
+    accepts_streamed_input = True  # text that streams in (the speech socket)
     exports_hidden_states = False  # it exports its codes (request_outputs)
+    has_code_predictor = True
     # The decode step (embeddings in, logits out) is graph-safe; the code predictor runs after it
     # (eagerly, or as its own graphs: predictor_graphs.py).
 
@@ -139,6 +150,9 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
             self.speech_encoder.eval()
         return loaded
 
+    def set_predictor_sampling(self, values) -> None:
+        self.graphed_predictor.configure(PredictorSampling.parse(values, defaults=PREDICTOR_SAMPLING))
+
     def capture_graphs(self) -> None:
         self.graphed_predictor.capture(self.model.embed_tokens.weight)
         if self.speech_encoder is not None and self.speech_encoder.supports_padding() \
@@ -177,9 +191,12 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
         for i, req in enumerate(requests):
             st, k = self._state(req), req.num_output_tokens  # the engine appends the token after this hook
             del st.frames[k:], st.frame_embeds[k:]
-            trailing = st.prompt.trailing
-            text = trailing[k] if k < trailing.shape[0] else st.prompt.pad
-            st.frame_embeds.append(codec_rows[i] + text)
+            st.waiting = {j: row for j, row in st.waiting.items() if j < k}
+            if st.text.can_read(k):
+                st.frame_embeds.append(codec_rows[i] + st.text.row(k))
+            else:  # its text has not arrived: added when the row is needed (available_positions)
+                st.frame_embeds.append(None)
+                st.waiting[k] = codec_rows[i]
             st.frames.append((frames, i))
 
     def request_outputs(self, request, finished: bool) -> dict[str, torch.Tensor]:
@@ -211,7 +228,9 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
         """The talker prompt's length in codec pad ids: qwen-tts generates from embeddings alone,
         so no prompt id is penalized (codec pad is suppressed anyway)."""
         ref_frames = 0
-        if request.in_context:
+        if request.ref_codes is not None:
+            ref_frames = request.ref_codes.shape[0]
+        elif request.in_context:
             ref_frames = -(-request.ref_audio.shape[0] // self.samples_per_frame)
         return [self.config.codec_pad_id] * prompt_length(self.config, request, ref_frames)
 
@@ -220,7 +239,7 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
         st = self._state(request)
         num_prompt = st.prompt.rows.shape[0]
         rows = [st.prompt.rows[start:min(end, num_prompt)]]
-        rows.extend(st.frame_embeds[k - num_prompt][None] for k in range(max(start, num_prompt), end))
+        rows.extend(self._frame_row(st, k - num_prompt)[None] for k in range(max(start, num_prompt), end))
         return torch.cat(rows)
 
     def embed_request_spans(self, spans, token_ids: torch.Tensor) -> torch.Tensor:
@@ -228,7 +247,29 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
         states = [self._state(request) for request, _, _ in spans]
         if not all(end == start + 1 and start >= st.prompt.rows.shape[0] for (_, start, end), st in zip(spans, states)):
             return super().embed_request_spans(spans, token_ids)
-        return torch.stack([st.frame_embeds[start - st.prompt.rows.shape[0]] for (_, start, _), st in zip(spans, states)])
+        return torch.stack([self._frame_row(st, start - st.prompt.rows.shape[0])
+                            for (_, start, _), st in zip(spans, states)])
+
+    @staticmethod
+    def _frame_row(st: _RequestState, k: int) -> torch.Tensor:
+        row = st.frame_embeds[k]
+        if row is None:
+            row = st.frame_embeds[k] = st.waiting.pop(k) + st.text.row(k)
+        return row
+
+    # --- streamed text (the speech socket) ----------------------------------------
+    def append_request_inputs(self, request, info: Mapping[str, Any], final: bool) -> None:
+        """More text for a request whose text streams in: {"streamed_text_ids": [ids]}."""
+        st = self._state(request)
+        ids = text_ids_chunk(info) if info else []
+        with torch.inference_mode():
+            rows = self._text_rows(ids) if ids else st.prompt.trailing[:0]
+            st.text.append(rows, final, st.prompt.eos)
+
+    def available_positions(self, request) -> int | None:
+        st = self._state(request)
+        frames = st.text.decidable()
+        return None if frames is None else st.prompt.rows.shape[0] + frames
 
     def _request(self, info: Mapping[str, Any]) -> TTSRequest:
         request = TTSRequest.from_info(info)
@@ -238,8 +279,14 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
         if request.language != "auto" and request.language not in tc.codec_language_id:
             raise ValueError(f"unsupported language {request.language!r}; supported: "
                              f"{['auto', *sorted(k for k in tc.codec_language_id if 'dialect' not in k)]}")
-        if request.ref_audio is not None and not self.is_base:
-            raise ValueError("voice cloning (ref_audio) needs a Base checkpoint")
+        if request.clones and not self.is_base:
+            raise ValueError("voice cloning (ref_audio, a stored voice) needs a Base checkpoint")
+        if request.ref_speaker is not None and request.ref_speaker.shape[0] != tc.hidden_size:
+            raise ValueError(f"the stored voice's speaker row has {request.ref_speaker.shape[0]} values; this "
+                             f"talker's are {tc.hidden_size} wide (a voice of another checkpoint)")
+        if request.ref_codes is not None and request.ref_codes.shape[1] != tc.num_code_groups:
+            raise ValueError(f"the stored voice's codes have {request.ref_codes.shape[1]} groups; this talker "
+                             f"reads {tc.num_code_groups}")
         return request
 
     def _state(self, request) -> _RequestState:
@@ -258,15 +305,20 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
         if tts.ref_audio is not None:
             reference = self.reference_cache.encode(tts.ref_audio, with_codes=tts.in_context)
             speaker = reference.speaker
-            if tts.in_context:  # (an x-vector-only request ignores codes another request cached)
-                ref_codes = reference.codes
-                ref_rows = self.code_predictor.embed_codes(ref_codes, self.model.embed_tokens)
+            # (an x-vector-only request ignores codes another request cached)
+            ref_codes = reference.codes if tts.in_context else None
+        elif tts.ref_speaker is not None:  # a stored voice: encoded when it was made
+            speaker = tts.ref_speaker.to(device=device, dtype=self.codec_head.weight.dtype)
+            ref_codes = None if tts.ref_codes is None else to_device_nowait(tts.ref_codes.long(), device)
+        if ref_codes is not None:
+            ref_rows = self.code_predictor.embed_codes(ref_codes, self.model.embed_tokens)
         prompt = build_prompt(self.config, self.special_text_ids, tts, self._text_rows, self._codec_rows,
                               speaker, ref_rows)
         if prompt.rows.shape[0] != request.num_prompt_tokens:
             raise ValueError(f"request {request.request_id}: talker prompt has {prompt.rows.shape[0]} rows, "
                              f"expected {request.num_prompt_tokens} (see prompt_token_ids)")
-        return _RequestState(prompt=prompt, ref_codes=None if ref_codes is None else HostCopy(ref_codes))
+        text = TextFeed(prompt.trailing, prompt.pad, tts.text_complete, prompt.text_read, tts.max_frames_per_token)
+        return _RequestState(prompt=prompt, text=text, ref_codes=None if ref_codes is None else HostCopy(ref_codes))
 
     def _text_rows(self, ids: list[int]) -> torch.Tensor:
         return self.text_projection(self.text_embedding(self._on_device(ids)))

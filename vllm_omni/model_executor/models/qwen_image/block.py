@@ -24,6 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_omni.model_executor.models.diffusion_acceleration import fused_gelu_mlp
+from vllm_omni.model_executor.models.diffusion_attention import AttentionSite
+
 Runs = Sequence[tuple[int, int, int]]  # (first row, end row, valid text length) of rows sharing a prompt length
 
 
@@ -52,25 +55,27 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return (pairs * cos + pairs.flip(-1) * signed_sin).flatten(-2).type_as(x)
 
 
-def _gelu_mlp(ff: Any, x: torch.Tensor) -> torch.Tensor:
-    """diffusers' FeedForward (Linear + tanh GELU, then Linear) with the GELU in the first GEMM's
-    epilogue (cuBLASLt): the [tokens, 4 * dim] activation is written once instead of three times."""
-    proj, out = ff.net[0].proj, ff.net[2]
-    hidden = torch._addmm_activation(proj.bias, x.flatten(0, -2), proj.weight.t(), use_gelu=True)
-    return out(hidden.unflatten(0, x.shape[:-1]))
-
-
 def _modulate(x: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     shift, scale, gate = params.chunk(3, dim=-1)
     return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1), gate.unsqueeze(1)
 
 
 def joint_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image_tokens: int, text_tokens: int,
-                    runs: Runs) -> torch.Tensor:
+                    runs: Runs, site: AttentionSite | None = None) -> torch.Tensor:
     """SDPA over [B, S, H, D] tensors in [image, text] order; each run attends over its valid
     prefix. SDPA takes heads-first views and returns a view of a [B, S, H, D] buffer (its
-    layout follows the query's), so no transpose is copied on either side."""
+    layout follows the query's), so no transpose is copied on either side. `site`: the block's
+    attention settings (kernel, FP8 K/V; models/diffusion_attention.py), None: the caller's."""
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if site is not None:
+        k, v = site.kv(k, v)
+        with site.kernel(q.device):
+            return _runs_attention(q, k, v, image_tokens, text_tokens, runs)
+    return _runs_attention(q, k, v, image_tokens, text_tokens, runs)
+
+
+def _runs_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image_tokens: int, text_tokens: int,
+                    runs: Runs) -> torch.Tensor:
     if len(runs) == 1 and runs[0][2] == text_tokens:  # no padding
         return F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
     out = torch.zeros_like(q)
@@ -82,9 +87,10 @@ def joint_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image_tok
 
 
 class CompilableBlock(nn.Module):
-    def __init__(self, block: Any, compile_fn: Any = None) -> None:
+    def __init__(self, block: Any, compile_fn: Any = None, site: AttentionSite | None = None) -> None:
         super().__init__()
         self.block = block
+        self.site = site
         compile_fn = compile_fn or (lambda f: f)
         self.before_attention = compile_fn(self._before_attention)
         self.after_attention = compile_fn(self._after_attention)
@@ -92,7 +98,7 @@ class CompilableBlock(nn.Module):
     def forward(self, hidden: torch.Tensor, encoder: torch.Tensor, temb: torch.Tensor,
                 rope: tuple[torch.Tensor, ...], runs: Runs) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v, img_gate1, img_mod2, txt_gate1, txt_mod2 = self.before_attention(hidden, encoder, temb, rope)
-        out = joint_attention(q, k, v, hidden.shape[1], encoder.shape[1], runs)
+        out = joint_attention(q, k, v, hidden.shape[1], encoder.shape[1], runs, self.site)
         return self.after_attention(out, hidden, encoder, img_gate1, img_mod2, txt_gate1, txt_mod2)
 
     def _before_attention(self, hidden: torch.Tensor, encoder: torch.Tensor, temb: torch.Tensor,
@@ -125,7 +131,7 @@ class CompilableBlock(nn.Module):
         hidden = hidden + img_gate1 * attn.to_out[0](out[:, :seq_img].contiguous())
         encoder = encoder + txt_gate1 * attn.to_add_out(out[:, seq_img:].contiguous())
         img, img_gate2 = _modulate(b.img_norm2(hidden), img_mod2)
-        hidden = hidden + img_gate2 * _gelu_mlp(b.img_mlp, img)
+        hidden = hidden + img_gate2 * fused_gelu_mlp(b.img_mlp, img)
         txt, txt_gate2 = _modulate(b.txt_norm2(encoder), txt_mod2)
         encoder = encoder + txt_gate2 * b.txt_mlp(txt)
         if hidden.dtype == torch.float16:  # as diffusers: keep float16 finite

@@ -24,7 +24,7 @@ def embed(transformer: Any, batch: QwenImageBatch) -> Embedded:
     text_seq_len, _, mask = compute_text_seq_len_from_mask(encoder, batch.encoder_mask)
     temb = transformer.time_text_embed(timestep, hidden, None)
     rope = transformer.pos_embed(batch.img_shapes, max_txt_seq_len=text_seq_len, device=hidden.device)
-    return Embedded(hidden, encoder, mask, batch.text_lengths, temb, rope, batch.num_latent_tokens)
+    return Embedded(hidden, encoder, mask, batch.text_lengths, temb, rope, batch.num_latent_tokens, batch.steps)
 
 
 def modulated_input(transformer: Any, emb: Embedded) -> torch.Tensor:
@@ -36,22 +36,33 @@ def modulated_input(transformer: Any, emb: Embedded) -> torch.Tensor:
 
 
 def run_blocks(blocks: Sequence[Any], emb: Embedded, rows: torch.Tensor | None, compiled: bool) -> torch.Tensor:
-    """The transformer blocks over `rows` of the batch (None: all): diffusers' blocks with the
-    padding mask, or their CompilableBlock wrappers (`compiled`), which need no mask."""
+    """The transformer blocks' image output over `rows` of the batch (None: all)."""
+    return run_block_range(blocks, emb, rows, compiled)[0]
+
+
+def run_block_range(blocks: Sequence[Any], emb: Embedded, rows: torch.Tensor | None, compiled: bool,
+                    state: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
+                    end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks [start, end) over `rows` of the batch (None: all), from `state` (the image and text
+    streams of those rows; None: the block inputs): diffusers' blocks with the padding mask, or
+    our CompilableBlock wrappers (`compiled`), which need no mask. Returns (image, text)."""
     hidden, encoder, mask, temb, lengths = emb.hidden, emb.encoder, emb.mask, emb.temb, emb.text_lengths
     if rows is not None:
         hidden, encoder, temb = hidden[rows], encoder[rows], temb[rows]
         mask = mask[rows] if mask is not None else None
         lengths = tuple(lengths[i] for i in rows.tolist())
+    if state is not None:
+        hidden, encoder = state
+    blocks = blocks[start:end]
     if compiled:
         rope, runs = (*real_rope(emb.rope[0]), *real_rope(emb.rope[1])), length_runs(lengths)
         for block in blocks:
             encoder, hidden = block(hidden, encoder, temb, rope, runs)
-        return hidden
+        return hidden, encoder
     for block in blocks:
         encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, encoder_hidden_states_mask=mask,
                                 temb=temb, image_rotary_emb=emb.rope, joint_attention_kwargs={}, modulate_index=None)
-    return hidden
+    return hidden, encoder
 
 
 def finish(transformer: Any, emb: Embedded, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,12 @@
 """Typed payloads of the Qwen-Image stage model: one prepared request, one denoiser batch."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
+
+from vllm_omni.model_executor.models.diffusion_solvers import FlowEuler
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,17 @@ class QwenImageRequest:
     def do_cfg(self) -> bool:
         return self.negative is not None
 
+    @functools.cached_property
+    def solver(self) -> FlowEuler:
+        """The pipeline's FlowMatchEulerDiscreteScheduler steps, made once per request (its state)."""
+        return FlowEuler(self.sigmas)
+
+    def expert(self, step: int) -> int:
+        return 0  # one transformer
+
+    def cfg_scale(self, step: int) -> float:
+        return self.true_cfg_scale
+
 
 @dataclass(frozen=True)
 class QwenImageBatch:
@@ -49,6 +63,7 @@ class QwenImageBatch:
     timestep: torch.Tensor  # [rows], already / 1000 as the pipeline passes it
     img_shapes: list[list[tuple[int, int, int]]]
     num_latent_tokens: int  # the prediction covers the sample only, not the edit's image tokens
+    steps: tuple[int, ...] = ()  # each row's denoising step (attention quantization skips steps)
 
 
 @dataclass
@@ -62,3 +77,4 @@ class Embedded:
     temb: torch.Tensor
     rope: tuple[torch.Tensor, torch.Tensor]  # complex tables of the image and the (padded) text positions
     num_latent_tokens: int
+    steps: tuple[int, ...] = ()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,9 @@ import torch
 
 from vllm_omni.model_executor.models import diffusion_inputs
 from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
+from vllm_omni.model_executor.models.diffusion_attention import row_steps, rows_steps
+from vllm_omni.model_executor.models.diffusers_folder import set_vae_options
+from vllm_omni.model_executor.models.diffusion_offload import OffloadBlocks, visiting
 from vllm_omni.model_executor.models.qwen_image import denoiser
 from vllm_omni.model_executor.models.qwen_image.block import CompilableBlock
 from vllm_omni.model_executor.models.qwen_image.components import QwenImageComponents, load_components
@@ -31,11 +34,7 @@ from vllm_omni.stage_io import StageRequest
 
 DEFAULT_SAMPLE_SIZE = 128  # latent pixels: 1024 x 1024 images by default, as the pipeline
 EDIT_TARGET_AREA = 1024 * 1024  # the edit pipeline resizes the input image to about this many pixels
-
-
-# Layerwise offload (diffusion/layerwise_offload.py): called with the blocks the denoiser runs, in
-# order, while the transformer is still in CPU memory; it keeps their weights there and hooks them.
-OffloadBlocks = Callable[[Sequence[torch.nn.Module], torch.device], Any]
+ROLES = {"joint": "self"}  # attention roles (models/diffusion_attention.py): one joint attention per block
 
 
 class QwenImageModel:
@@ -49,9 +48,17 @@ class QwenImageModel:
         self.device = device
         self.acceleration = acceleration
         self.compiled = acceleration.compiles(device)
+        self.own_blocks = acceleration.own_blocks(device)
         blocks = components.transformer.transformer_blocks
-        # Compiled: one wrapper per block, all running the same compiled code (regional compilation).
-        self.blocks = [CompilableBlock(b, acceleration.compile_fn) for b in blocks] if self.compiled else blocks
+        dtype = components.transformer.dtype
+        acceleration.prepare_transformers([blocks], device, dtype)
+        # Our blocks: one wrapper per block, compiled all running the same compiled code (regional
+        # compilation), each with its attention site (models/diffusion_attention.py).
+        self.blocks = blocks
+        if self.own_blocks:
+            sites = acceleration.attention_sites(ROLES, len(blocks), device, dtype, "Qwen-Image")["joint"]
+            compile_fn = acceleration.compile_fn if self.compiled else None
+            self.blocks = [CompilableBlock(b, compile_fn, site) for b, site in zip(blocks, sites)]
         if offload_blocks is not None:
             offload_blocks(self.blocks, device)
             components.transformer.to(device)  # the rest of it; the offloaded blocks' views are there already
@@ -68,16 +75,16 @@ class QwenImageModel:
     @classmethod
     def load(cls, model_path: str | Path, *, device: torch.device, dtype: torch.dtype, dummy: bool = False,
              vae_use_slicing: bool = False, vae_use_tiling: bool = False, cpu_offload: bool = False,
-             acceleration: DenoiserAcceleration = DenoiserAcceleration(),
-             offload_blocks: OffloadBlocks | None = None) -> QwenImageModel:
+             acceleration: DenoiserAcceleration = DenoiserAcceleration(), boundary_ratio: float | None = None,
+             flow_shift: float | None = None, offload_blocks: OffloadBlocks | None = None) -> QwenImageModel:
+        for name, value in (("boundary_ratio", boundary_ratio), ("flow_shift", flow_shift)):
+            if value is not None:
+                raise ValueError(f"{name}={value}: Qwen-Image has no such setting (video models only: Wan2.2)")
         # Offloaded: the transformer loads into CPU memory, and only what is not offloaded moves.
         transformer_device = torch.device("cpu") if offload_blocks is not None else device
         components = load_components(model_path, device=device, dtype=dtype, dummy=dummy,
-                                     transformer_device=transformer_device)
-        if vae_use_slicing:
-            components.vae.enable_slicing()
-        if vae_use_tiling:
-            components.vae.enable_tiling()
+                                     quantization=acceleration.quantization, transformer_device=transformer_device)
+        set_vae_options(components.vae, vae_use_slicing, vae_use_tiling)
         return cls(components, device=device, cpu_offload=cpu_offload, acceleration=acceleration,
                    offload_blocks=offload_blocks)
 
@@ -189,7 +196,8 @@ class QwenImageModel:
         first: QwenImageRequest = groups[0].prepared
         rows = sum(g.num_rows for g in groups)
         return QwenImageBatch(torch.cat(hidden), encoder, mask, tuple(e.shape[0] for e in embeds), torch.cat(timesteps),
-                              [list(first.img_shapes)] * rows, groups[0].latents.shape[1])
+                              [list(first.img_shapes)] * rows, groups[0].latents.shape[1],
+                              tuple(g.step for g in groups for _ in range(g.num_rows)))
 
     def embed(self, batch: QwenImageBatch) -> Embedded:
         return denoiser.embed(self.c.transformer, batch)
@@ -201,8 +209,20 @@ class QwenImageModel:
         return emb.hidden
 
     def run_blocks(self, emb: Embedded, rows: torch.Tensor | None) -> torch.Tensor:
-        with self.acceleration.attention(self.device):
-            return denoiser.run_blocks(self.blocks, emb, rows, self.compiled)
+        return self.run_block_range(emb, rows, None, 0, None)[0]
+
+    def num_blocks(self, emb: Embedded) -> int:
+        return len(self.blocks)
+
+    def blocks_state(self, emb: Embedded) -> tuple[torch.Tensor, torch.Tensor]:
+        return emb.hidden, emb.encoder
+
+    def run_block_range(self, emb: Embedded, rows: torch.Tensor | None, state: tuple[torch.Tensor, torch.Tensor] | None,
+                        start: int, end: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        steps = rows_steps(emb.steps, rows) if self.acceleration.attention.active else None
+        kernels = contextlib.nullcontext() if self.own_blocks else self.acceleration.attention_context(self.device)
+        with kernels, row_steps(steps):
+            return denoiser.run_block_range(self.blocks, emb, rows, self.own_blocks, state, start, end)
 
     def finish(self, emb: Embedded, hidden: torch.Tensor) -> torch.Tensor:
         return denoiser.finish(self.c.transformer, emb, hidden)
@@ -239,18 +259,10 @@ class QwenImageModel:
         return {"pipeline": self.c.pipeline_class, "transformer": type(self.c.transformer).__name__,
                 "transformer_layers": t.num_layers,
                 "dtype": str(self.c.transformer.dtype).removeprefix("torch."), "cpu_offload": self.offload,
-                **self.acceleration.describe(self.device)}
+                **self.acceleration.describe(self.device, [self.c.transformer])}
 
-    @contextlib.contextmanager
-    def _on_device(self, module: Any) -> Iterator[None]:
-        if not self.offload:
-            yield
-            return
-        module.to(self.device)
-        try:
-            yield
-        finally:
-            module.to("cpu")
+    def _on_device(self, module: Any) -> contextlib.AbstractContextManager[None]:
+        return visiting(module, self.device, self.offload)
 
 
 def _pad(embeds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,0 +1,262 @@
+"""/v1/audio/voices: the served model's preset voices and the voices clients make.
+
+    GET    /v1/audio/voices          {"voices": [names], "task_type": ..., "data": [voice objects]}
+    POST   /v1/audio/voices          multipart: name, audio_sample (file), ref_text   -> voice object
+                                     (x_vector_only_mode: true: no ref_text, the speaker row alone)
+                                     VoiceDesign: name, instructions (a described voice, kept by name)
+    GET    /v1/audio/voices/{name}   voice object; 404 unknown, 409 made for another checkpoint
+    DELETE /v1/audio/voices/{name}   {"id", "object": "audio.voice.deleted", "deleted": true}
+
+A voice object: {"id", "object": "audio.voice", "name", "kind": "preset" | "cloned" | "designed",
+"created_at", ...}; `voices` keeps the names (presets first), as before this store existed.
+A Base checkpoint's voice is encoded once when it is made (voice_encoder.py, in this process,
+one at a time) and stored (voices_store.py); speaking with it (`speech_options`) hands the
+talker its tensors. The uploaded audio is decoded under the media limits (`decode_sample`).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request
+from starlette.datastructures import FormData, UploadFile
+
+from vllm_omni.entrypoints.openai.errors import APIError
+from vllm_omni.entrypoints.openai.tts_limits import VoiceLimits
+from vllm_omni.entrypoints.openai.voices_store import DESIGNED_FINGERPRINT, StoredVoice, VoiceError, VoiceStore
+
+logger = logging.getLogger(__name__)
+
+_FIELDS = {"name", "audio_sample", "ref_text", "instructions", "x_vector_only_mode"}
+_MAX_TEXT_FIELD = 64 * 1024
+
+
+def decode_sample(data: bytes, max_seconds: float) -> Any:
+    """An uploaded voice sample -> [N] float32 at 24 kHz, as the talker's input processor decodes
+    an inline ref_audio (so a stored voice speaks as the same file given inline). MediaError:
+    undecodable or too long. The one place a voice sample is decoded (the media gate's spot):
+    the duration its header declares is checked before decoding, the decoded one after."""
+    from vllm_omni.multimodal.media import MediaError
+    from vllm_omni.multimodal.qwen3_tts_input import SAMPLE_RATE, load_reference_audio
+
+    seconds = _declared_seconds(data)
+    if seconds is None or seconds <= max_seconds:
+        wave = load_reference_audio(data)
+        seconds = wave.shape[0] / SAMPLE_RATE
+        if seconds <= max_seconds:
+            return wave
+    raise MediaError(f"the voice sample is {seconds:.1f} s long; the limit is {max_seconds:g} s "
+                     "(--max-voice-audio-s)")
+
+
+def _declared_seconds(data: bytes) -> float | None:
+    """The duration a file's header declares (None: it declares none, or is not audio)."""
+    import io
+
+    import av
+    import soundfile as sf
+
+    try:
+        return sf.info(io.BytesIO(data)).duration
+    except Exception:  # noqa: BLE001 - not a libsndfile format: ask FFmpeg
+        pass
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            return container.duration / 1e6 if container.duration else None
+    except Exception:  # noqa: BLE001 - undecodable: load_reference_audio says why
+        return None
+
+
+class VoicesService:
+    def __init__(self, model_path: str, task_type: str | None, presets: list[str], limits: VoiceLimits,
+                 max_instructions_length: int) -> None:
+        """task_type: the TTS checkpoint's (None: not a TTS model); presets: its named voices."""
+        self.model_path = model_path
+        self.task_type = task_type
+        self.presets = presets
+        self.limits = limits
+        self.max_instructions_length = max_instructions_length
+        self.store: VoiceStore | None = None
+        self._encoder: Any = None
+        self._encoding = asyncio.Lock()  # one encoding at a time: it takes the CPU
+
+    @property
+    def makes_voices(self) -> bool:
+        return self.task_type in ("Base", "VoiceDesign")
+
+    def open(self) -> None:
+        """Load the voices folder (at startup: a Base checkpoint's fingerprint hashes its encoders)."""
+        if not self.makes_voices:
+            return
+        if self.task_type == "Base":
+            from vllm_omni.model_executor.models.qwen3_tts.voice_encoder import voice_fingerprint
+
+            fingerprint = voice_fingerprint(self.model_path)
+        else:
+            fingerprint = DESIGNED_FINGERPRINT
+        self.store = VoiceStore.open(self.limits, fingerprint, self.model_path)
+
+    # --- reading ------------------------------------------------------------------------
+    def list(self) -> dict[str, Any]:
+        stored = self.store.list() if self.store is not None else []
+        data = [{"id": p, "object": "audio.voice", "name": p, "kind": "preset"} for p in self.presets]
+        data += [v.wire() for v in stored]
+        out: dict[str, Any] = {"voices": [*self.presets, *(v.name for v in stored)], "data": data}
+        if self.task_type is not None:
+            out["task_type"] = self.task_type
+        return out
+
+    def get(self, name: str) -> dict[str, Any]:
+        preset = self._preset(name)
+        if preset is not None:
+            return {"id": preset, "object": "audio.voice", "name": preset, "kind": "preset"}
+        return self._stored(name).wire()
+
+    def _preset(self, name: str) -> str | None:
+        return next((p for p in self.presets if p.lower() == name.lower()), None)
+
+    def _stored(self, name: str) -> StoredVoice:
+        if self.store is None:
+            raise APIError(404, f"there is no voice {name!r}; this model's voices: {self.presets}")
+        try:
+            return self.store.get(name)
+        except VoiceError as e:
+            raise APIError(e.status, str(e)) from None
+
+    def speech_options(self, voice: str | None, has_reference: bool, has_instructions: bool) -> dict[str, Any]:
+        """What a request's `voice` adds to a TTS prompt: a preset's `speaker`, a cloned voice's
+        encodings, a designed voice's instructions (`{}`: the voice names nothing here and the
+        request brings its own: ref_audio, or instructions; the OpenAI client always sends one)."""
+        if not voice:
+            return {}
+        if self.task_type == "CustomVoice":
+            return {"speaker": voice}  # the input processor names the voices if it is none of them
+        try:
+            stored = self.store.find(voice) if self.store is not None else None
+        except VoiceError as e:
+            raise APIError(400, str(e), param="voice") from None
+        brings_own = has_reference if self.task_type == "Base" else has_instructions
+        if stored is None:
+            if brings_own or self.store is None:
+                return {}
+            names = [v.name for v in self.store.list()]
+            raise APIError(400, f"unknown voice {voice!r}; stored voices: {names}" + (
+                " (or give ref_audio and ref_text)" if self.task_type == "Base" else " (or give instructions)"),
+                param="voice")
+        if brings_own:
+            what = "ref_audio / ref_text" if self.task_type == "Base" else "instructions"
+            raise APIError(400, f"voice {stored.name!r} is a stored voice: give no {what} with it", param="voice")
+        if stored.cloned is not None:
+            return {"cloned_voice": stored.cloned}
+        return {"instructions": stored.instructions}
+
+    # --- changes ------------------------------------------------------------------------
+    async def create(self, raw: Request) -> dict[str, Any]:
+        if not self.makes_voices or self.store is None:
+            what = "a text-to-speech model" if self.task_type is None else f"a {self.task_type} checkpoint"
+            raise APIError(400, f"this server serves {what}: voices are made on Base (cloned from audio) and "
+                                "VoiceDesign (described) Qwen3-TTS checkpoints")
+        form = await _read_form(raw)
+        name = _text(form, "name")
+        if name is None:
+            raise APIError(400, "'name' is required", param="name")
+        self._check(lambda: self.store.check_new(name, self.presets))
+        if self.task_type == "VoiceDesign":
+            voice = self._designed(name, form)
+        else:
+            voice = await self._cloned(name, form)
+        self._check(lambda: self.store.add(voice, self.presets))
+        logger.info("voices: made %s voice %r", voice.kind, voice.name)
+        return voice.wire()
+
+    def delete(self, name: str) -> dict[str, Any]:
+        if self._preset(name) is not None:
+            raise APIError(400, f"{name!r} is a preset voice of this model; only stored voices can be deleted")
+        voice = self._stored(name)
+        self._check(lambda: self.store.delete(voice.name))
+        return {"id": voice.name, "object": "audio.voice.deleted", "deleted": True}
+
+    @staticmethod
+    def _check(action: Any) -> Any:
+        try:
+            return action()
+        except VoiceError as e:
+            raise APIError(e.status, str(e), param="name" if e.status in (400, 409) else None) from None
+
+    def _designed(self, name: str, form: FormData) -> StoredVoice:
+        for key in ("audio_sample", "ref_text", "x_vector_only_mode"):
+            if key in form:
+                raise APIError(400, f"a VoiceDesign checkpoint makes voices from 'instructions'; {key!r} is for "
+                                    "Base checkpoints", param=key)
+        instructions = (_text(form, "instructions") or "").strip()
+        if not instructions:
+            raise APIError(400, "a designed voice needs 'instructions' describing it", param="instructions")
+        if len(instructions) > self.max_instructions_length:
+            raise APIError(400, f"instructions are {len(instructions)} characters; the limit is "
+                                f"{self.max_instructions_length} (--tts-max-instructions-length)", param="instructions")
+        return StoredVoice(name, "designed", self.store.fingerprint, model=self.model_path, instructions=instructions)
+
+    async def _cloned(self, name: str, form: FormData) -> StoredVoice:
+        from vllm_omni.multimodal.media import MediaError
+        from vllm_omni.multimodal.qwen3_tts_input import SAMPLE_RATE
+
+        if "instructions" in form:
+            raise APIError(400, "a Base checkpoint takes no instructions: its voice is the audio sample",
+                           param="instructions")
+        upload = form.get("audio_sample")
+        if not isinstance(upload, UploadFile):
+            raise APIError(400, "'audio_sample' (an audio file of the voice) is required", param="audio_sample")
+        if upload.size is not None and upload.size > self.limits.max_upload_bytes:
+            raise APIError(413, f"the voice sample is {upload.size} bytes; the limit is "
+                                f"{self.limits.max_upload_bytes} (--max-voice-bytes)", param="audio_sample")
+        x_vector_only = (_text(form, "x_vector_only_mode") or "false").lower()
+        if x_vector_only not in ("true", "false"):
+            raise APIError(400, "x_vector_only_mode must be true or false", param="x_vector_only_mode")
+        ref_text = _text(form, "ref_text")
+        if x_vector_only == "true":
+            if ref_text is not None:
+                raise APIError(400, "an x-vector-only voice has no transcript: give no ref_text", param="ref_text")
+        elif not (ref_text or "").strip():
+            raise APIError(400, "'ref_text' (the transcript of the audio sample) is required, or "
+                                "x_vector_only_mode=true to clone from the voice alone", param="ref_text")
+        data = await upload.read(self.limits.max_upload_bytes + 1)
+        if len(data) > self.limits.max_upload_bytes:
+            raise APIError(413, f"the voice sample is over the {self.limits.max_upload_bytes} byte limit "
+                                "(--max-voice-bytes)", param="audio_sample")
+        async with self._encoding:
+            try:
+                wave = await asyncio.to_thread(decode_sample, data, self.limits.max_audio_s)
+            except MediaError as e:
+                raise APIError(400, f"cannot use the voice sample: {e}", param="audio_sample") from None
+            cloned = await asyncio.to_thread(self._encode, wave, ref_text)
+        return StoredVoice(name, "cloned", self.store.fingerprint, model=self.model_path,
+                           audio_seconds=round(wave.shape[0] / SAMPLE_RATE, 3), cloned=cloned)
+
+    def _encode(self, wave: Any, ref_text: str | None) -> Any:
+        from vllm_omni.model_executor.models.qwen3_tts.voice_encoder import VoiceEncoder
+
+        if self._encoder is None:  # loaded once, at the first voice (its weights: a few hundred MB on CPU)
+            self._encoder = VoiceEncoder.load(Path(self.model_path))
+        return self._encoder.encode(wave, ref_text)
+
+
+async def _read_form(raw: Request) -> FormData:
+    try:
+        form = await raw.form(max_files=1, max_fields=len(_FIELDS), max_part_size=_MAX_TEXT_FIELD)
+    except Exception as e:  # noqa: BLE001 - starlette's MultiPartException and friends: a malformed body
+        raise APIError(400, f"POST /v1/audio/voices takes multipart/form-data: {e}") from None
+    unknown = sorted(set(form.keys()) - _FIELDS)
+    if unknown:
+        raise APIError(400, f"unsupported parameter {unknown[0]!r}; the fields are {sorted(_FIELDS)}", param=unknown[0])
+    return form
+
+
+def _text(form: FormData, key: str) -> str | None:
+    value = form.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise APIError(400, f"{key!r} must be a text field", param=key)
+    return value
