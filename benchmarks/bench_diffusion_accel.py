@@ -97,8 +97,8 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def model_for(variant: str, components: Any, device: torch.device, compile_blocks: bool) -> Any:
     from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
-    from vllm_omni.config.diffusion_attention_spec import AttentionSettings
-    from vllm_omni.config.diffusion_quantization_spec import DiffusionQuantization
+    from vllm_omni.model_executor.models.diffusion_attention_spec import AttentionSettings
+    from vllm_omni.model_executor.models.diffusion_quantization_spec import DiffusionQuantization
     from vllm_omni.model_executor.models.qwen_image.model import QwenImageModel
 
     fp8 = DiffusionQuantization("fp8") if variant.startswith("fp8") else None

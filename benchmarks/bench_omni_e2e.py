@@ -1,24 +1,29 @@
-"""End to end Qwen2.5-Omni (thinker -> talker -> code2wav): our pipeline vs transformers.
+"""End to end Qwen2.5-Omni / Qwen3-Omni (thinker -> talker -> code2wav): our pipeline under
+sustained load, in-process or over HTTP, and transformers at one request.
 
 Each request is a chat prompt; the reply has a fixed length (EOS ignored): `--text-tokens`
 thinker tokens, `--codec-tokens` talker codes, greedy, code2wav with its default 10 ODE steps.
 Ours runs through `AsyncOmni` (real stage processes) with at most C requests in flight for
-each C in `--concurrency`, streaming (output_partial) to time the first text token. transformers
-runs `Qwen2_5OmniForConditionalGeneration.generate` one request at a time in this process.
+each C in `--concurrency` (at least 4 x C requests: --num-requests is raised unless
+--allow-short; the first 10% are warm-up, reported apart), streaming (output_partial) to time
+the first text token and each audio chunk. `--mode http` runs the same workload through
+`vllm-omni serve` (streamed chat completions with audio, timed by the `vllm bench serve` client
+in this process), `--mode both` does both and reports the HTTP path's cost on first audio p50.
+transformers runs `generate` one request at a time in this process.
 
 Ours runs twice in the same run by default (`--async-chunk both`): with streaming edges
 (async_chunk: the talker starts on the thinker's first tokens, code2wav on the talker's first
 codes) and without (each stage hands its finished output to the next).
 
-Reported per engine and concurrency: e2e latency (mean / p50 / p90), TTFT (first text token),
-time to first audio (p50 / p90), RTF = generation seconds / audio seconds (per request, and
-the aggregate wall time / audio seconds), requests/s, the gaps between a request's audio
-chunks (p50 / p99) and playback underruns (a chunk arriving after everything before it has
-played, for a client that starts playing at the first chunk). Per stage (the orchestrator's
-counters): requests, tokens, busy time, early starts over streaming edges, flow-control pauses.
+Reported per engine and concurrency (bench_load.py, vllm bench serve's metrics): first audio
+p50/p90/p95/p99, TTFT, e2e, RTF, requests/s, playback underruns (a chunk arriving after
+everything before it has played, for a client that starts playing at the first chunk) and the
+worst gap; each request's first audio in send order and the slowest requests' stage timings
+(log_stats). Per stage (the orchestrator's counters): requests, tokens, busy time, early starts
+over streaming edges, flow-control pauses.
 
-    python benchmarks/bench_omni_e2e.py                                # tiny random checkpoint, CPU
-    python benchmarks/bench_omni_e2e.py --model DIR --concurrency 1,8,32 --num-requests 64 --skip-hf
+    python benchmarks/bench_omni_e2e.py --allow-short                  # tiny random checkpoint, CPU
+    python benchmarks/bench_omni_e2e.py --model DIR --concurrency 1,8,32 --skip-hf
     # GPU, real architecture, random bf16 weights (Qwen2.5-Omni-7B or Qwen3-Omni-30B-A3B):
     python benchmarks/bench_omni_e2e.py --dummy-config benchmarks/configs/qwen2_5_omni_7b.json \
         --concurrency 1,8,32 --prompt-words 100 --text-tokens 128 --codec-tokens 500
@@ -35,15 +40,16 @@ import asyncio
 import json
 import logging
 import platform
-import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import bench_load  # benchmarks/ (the script's folder)
 import torch
 import transformers
-from stage_stats import print_stage_table, stage_counters  # benchmarks/ (the script's folder)
+from bench_load import Run
+from stage_stats import print_stage_table, stage_counters
 
 WORDS = ("river mountain city music light garden ocean story morning window paper bridge voice "
          "forest winter market dream silver orange travel").split()
@@ -54,7 +60,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", help="Qwen2.5-Omni checkpoint directory (default: build the tiny one)")
     p.add_argument("--dummy-config", help="real config.json: random weights of that architecture (GPU)")
     p.add_argument("--concurrency", default="1,4", help="comma-separated in-flight request limits")
-    p.add_argument("--num-requests", type=int, default=8, help="requests per concurrency level (at least C)")
+    p.add_argument("--num-requests", type=int, default=8, help="requests per concurrency level (raised to 4 x C)")
+    p.add_argument("--allow-short", action="store_true", help="keep --num-requests as given (a quick check)")
+    p.add_argument("--mode", choices=("inproc", "http", "both"), default="inproc",
+                   help="AsyncOmni in this process, vllm-omni serve over HTTP, or both (the HTTP cost)")
+    p.add_argument("--admission-policy", choices=("off", "queue", "reject"), default="off",
+                   help="admission by playback load (docs/streaming.md)")
     p.add_argument("--prompt-words", type=int, default=12)
     p.add_argument("--text-tokens", type=int, default=16)
     p.add_argument("--codec-tokens", type=int, default=64)
@@ -70,7 +81,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--async-chunk", choices=("both", "on", "off"), default="both",
                    help="run ours with streaming edges, without, or both (same run)")
     p.add_argument("--log-requests", action="store_true",
-                   help="log each request's stage timings (when each stage got it, its first output)")
+                   help="log every request's stage timings (the slowest ones are printed anyway)")
     p.add_argument("--json", default="bench_omni_e2e.json")
     return p.parse_args()
 
@@ -79,20 +90,6 @@ DUMMY = False  # set from --dummy-config: prompts become real-vocabulary token i
 # With random weights and EOS ignored a talker also samples its special ids, which no vocoder
 # decodes: with --dummy-config the talker may only sample real codes [0, NUM_CODES).
 NUM_CODES: int | None = None
-
-
-def make_prompts(n: int, words: int) -> list[dict[str, Any]]:
-    if DUMMY:
-        from vllm_omni.testing.dummy_checkpoints import chat_prompt_ids
-
-        return [{"prompt_token_ids": chat_prompt_ids(words, seed=i)} for i in range(n)]
-    g = torch.Generator().manual_seed(0)
-    prompts = []
-    for _ in range(n):
-        picks = torch.randint(0, len(WORDS), (words,), generator=g).tolist()
-        text = "Tell me about " + " ".join(WORDS[i] for i in picks) + "."
-        prompts.append({"messages": [{"role": "user", "content": text}]})
-    return prompts
 
 
 def fixed_length_params(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -110,94 +107,103 @@ def codec_code_count(config: dict[str, Any]) -> int:
     return config["token2wav_config"]["dit_config"]["num_embeds"]  # Qwen2.5-Omni token2wav
 
 
-def summarize(rows: list[dict[str, float]], wall: float) -> dict[str, Any]:
-    def stats(key: str) -> dict[str, float] | None:
-        values = sorted(r[key] for r in rows if r.get(key) is not None)
-        if not values:
-            return None
-        return {"mean": statistics.fmean(values), "p50": values[len(values) // 2],
-                "p90": values[min(len(values) - 1, int(0.9 * len(values)))]}
-
-    audio = sum(r["audio_s"] for r in rows)
-    gaps = sorted(g for r in rows for g in r.get("gaps_s", []))
-    return {"requests": len(rows), "wall_s": wall, "requests_per_s": len(rows) / wall, "audio_s": audio,
-            "e2e_s": stats("e2e_s"), "ttft_s": stats("ttft_s"), "ttfa_s": stats("ttfa_s"),
-            "rtf": stats("rtf"), "rtf_aggregate": wall / audio if audio else None,
-            "gap_p50_s": gaps[len(gaps) // 2] if gaps else None,
-            "gap_p99_s": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else None,
-            "underruns": sum(r.get("underruns", 0) for r in rows),
-            # Each request's start on time.perf_counter() (the stage profiler's clock) and its times.
-            "each": [{k: r.get(k) for k in ("start_s", "ttft_s", "ttfa_s", "e2e_s", "underruns", "gaps_s")}
-                     for r in rows]}
+def text_prompts(n: int, words: int) -> list[str]:
+    g = torch.Generator().manual_seed(0)
+    return ["Tell me about " + " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (words,), generator=g).tolist())
+            + "." for _ in range(n)]
 
 
-# ----------------------------------------------------------------------------------------- ours
+def make_prompts(n: int, words: int, http: bool = False) -> list[dict[str, Any]]:
+    """In-process prompts; in the HTTP modes chat text for both paths (the server takes chat
+    messages), else token ids laid out as a ChatML turn with --dummy-config."""
+    if DUMMY and not http:
+        from vllm_omni.testing.dummy_checkpoints import chat_prompt_ids
+
+        return [{"prompt_token_ids": chat_prompt_ids(words, seed=i)} for i in range(n)]
+    return [{"messages": [{"role": "user", "content": text}]} for text in text_prompts(n, words)]
 
 
-async def _one(omni, prompt, params) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    ttft = None
-    chunks: list[tuple[float, float]] = []  # (arrival, seconds of audio) per audio chunk
-    rate = None
-    async for out in omni.generate(prompt, params, output_partial=True):
-        now = time.perf_counter() - t0
-        if out.final_output_type == "text" and ttft is None and out.delta.token_ids:
-            ttft = now
-        if out.final_output_type == "audio":
-            mm = out.delta.multimodal_output
-            rate = int(mm["sample_rate"]) if "sample_rate" in mm else rate
-            if "audio" in mm and mm["audio"].numel():
-                chunks.append((now, mm["audio"].numel() / (rate or 24000)))
-    e2e = time.perf_counter() - t0
-    audio_s = sum(d for _, d in chunks)
-    # Playback starts at the first chunk; chunk i underruns if it arrives after all before it played.
-    underruns, played_until = 0, None
-    for arrival, duration in chunks:
-        if played_until is not None and arrival > played_until:
-            underruns += 1
-        played_until = max(played_until or arrival, arrival) + duration
-    return {"start_s": t0, "e2e_s": e2e, "ttft_s": ttft, "ttfa_s": chunks[0][0] if chunks else None,
-            "audio_s": audio_s, "rtf": e2e / audio_s if audio_s else None, "underruns": underruns,
-            "gaps_s": [b[0] - a[0] for a, b in zip(chunks, chunks[1:])]}
+def plan_runs(args: argparse.Namespace) -> list[Run]:
+    return [bench_load.sustain(Run.closed(int(c), args.num_requests), args.allow_short)
+            for c in args.concurrency.split(",") if c]
 
 
-async def _level(omni, prompts, params, concurrency: int) -> dict[str, Any]:
-    gate = asyncio.Semaphore(concurrency)
-
-    async def limited(prompt):
-        async with gate:
-            return await _one(omni, prompt, params)
-
-    start = time.perf_counter()
-    rows = await asyncio.gather(*(limited(p) for p in prompts))
-    return summarize(rows, time.perf_counter() - start)
-
-
-def bench_ours(model: str, args: argparse.Namespace, levels: list[int], async_chunk: bool) -> dict[str, Any]:
-    from vllm_omni import AsyncOmni
-
-    overrides = args.stage_overrides or {str(s): {"max_num_seqs": max(levels)} for s in range(3)}
+def stage_overrides(args: argparse.Namespace, runs: list[Run], http: bool) -> dict[str, Any]:
+    """max_num_seqs = the largest concurrency; with --dummy-config random weights, CUDA graphs and
+    bf16 decoders. Over HTTP the talker's and code2wav's fixed-length sampling are their stage
+    defaults (a chat request's sampling fields reach the thinker only)."""
+    top = max(r.concurrency or 1 for r in runs)
+    overrides = args.stage_overrides or {str(s): {"max_num_seqs": top} for s in range(3)}
     if DUMMY:
         for stage, values in overrides.items():
             values["load_format"] = "dummy"
             if stage in ("0", "1"):  # the AR stages: CUDA graphs and bf16
                 values.update(enforce_eager=False, dtype="bfloat16")
+    if http:
+        _, talker, code2wav = fixed_length_params(args)
+        overrides.setdefault("1", {})["default_sampling_params"] = talker
+        overrides.setdefault("2", {})["default_sampling_params"] = code2wav
+    return overrides
+
+
+def bench_inproc(model: str, args: argparse.Namespace, runs: list[Run], async_chunk: bool) -> dict[str, Any]:
+    from vllm_omni import AsyncOmni
+
     engine_args = {"dtype": args.dtype} if args.dtype else {}
+    stage_log = bench_load.StageLog.install()
     t0 = time.perf_counter()
     omni = AsyncOmni(model, stage_configs_path=args.stage_configs_path, deploy_config=args.deploy_config,
-                     stage_overrides=overrides, async_chunk=async_chunk, log_stats=True, **engine_args)
+                     stage_overrides=stage_overrides(args, runs, http=False), async_chunk=async_chunk, log_stats=True,
+                     admission_policy=args.admission_policy, **engine_args)
     startup = time.perf_counter() - t0
+    bench_load.serving_process()
     params = fixed_length_params(args)
+    http_prompts = args.mode == "both"  # the same chat text as the HTTP run
+
+    def send(run: Run):
+        prompts = make_prompts(run.num_requests, args.prompt_words, http=http_prompts)
+        return bench_load.drive(lambda i: bench_load.inproc_request(omni, prompts[i], params, f"{run.name}-{i}"), run)
+
+    loop = asyncio.new_event_loop()
     try:
-        async def run() -> dict[str, Any]:
-            await _level(omni, make_prompts(2, args.prompt_words), params, 2)  # warm-up
-            return {str(c): await _level(omni, make_prompts(max(c, args.num_requests), args.prompt_words), params, c)
-                    for c in levels}
-        results = asyncio.run(run())
+        loop.run_until_complete(bench_load.warm_up(send))
+        rows = bench_load.measure(runs, lambda run: loop.run_until_complete(send(run)),
+                                  f"in-process, async_chunk {'on' if async_chunk else 'off'}",
+                                  lambda run, i: f"{run.name}-{i}", stage_log)
         stages = stage_counters(omni)
     finally:
+        loop.close()
         omni.close()
-    return {"startup_s": startup, "async_chunk": async_chunk, "by_concurrency": results, "stages": stages}
+    return {"startup_s": startup, "async_chunk": async_chunk, "rows": rows, "stages": stages}
+
+
+def bench_http(model: str, args: argparse.Namespace, runs: list[Run], async_chunk: bool) -> dict[str, Any]:
+    from vllm_omni.entrypoints.cli.bench import runner
+    from vllm_omni.entrypoints.cli.bench.datasets import SampleRequest
+
+    serve_args = ["--stage-overrides", json.dumps(stage_overrides(args, runs, http=True)), "--log-stats",
+                  "--admission-policy", args.admission_policy, "--async-chunk" if async_chunk else "--no-async-chunk"]
+    for flag, value in (("--stage-configs-path", args.stage_configs_path), ("--deploy-config", args.deploy_config),
+                        ("--dtype", args.dtype)):
+        serve_args += [flag, value] if value else []
+    thinker = {"temperature": 0.0, "ignore_eos": True}
+    t0 = time.perf_counter()
+    with bench_load.Server(model, serve_args, Path(args.json).resolve().parent / "server.log") as server:
+        startup = time.perf_counter() - t0
+        target = server.target("/v1/chat/completions", thinker)
+
+        async def send(run: Run) -> tuple[list, float]:
+            samples = [SampleRequest(text, 0, args.text_tokens) for text in
+                       text_prompts(run.num_requests, args.prompt_words)]
+            return await runner.run("openai-chat-omni", target, samples, rate=float("inf"), burstiness=1.0,
+                                    max_concurrency=run.concurrency, seed=0, timeout_s=600.0)
+
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(bench_load.warm_up(send))
+        rows = bench_load.measure(runs, lambda run: loop.run_until_complete(send(run)),
+                                  f"HTTP, async_chunk {'on' if async_chunk else 'off'}")
+        loop.close()
+    return {"startup_s": startup, "async_chunk": async_chunk, "rows": rows}
 
 
 # --------------------------------------------------------------------------------- transformers
@@ -232,6 +238,8 @@ def load_hf(model: str, device: str, dtype: torch.dtype):
 def bench_hf(model: str, args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
+    from vllm_omni.entrypoints.cli.bench.backends import RequestResult
+
     if args.hf_threads is not None:
         torch.set_num_threads(args.hf_threads)
     cuda = torch.cuda.is_available()
@@ -255,14 +263,16 @@ def bench_hf(model: str, args: argparse.Namespace) -> dict[str, Any]:
                 talker_min_new_tokens=args.codec_tokens, talker_do_sample=False)
         sync(device)
         e2e = time.perf_counter() - t0
-        audio_s = wav.numel() / 24000
-        return {"e2e_s": e2e, "ttft_s": None, "ttfa_s": e2e, "audio_s": audio_s, "rtf": e2e / audio_s}
+        # Not streaming: its first audio is its latency, one chunk of the whole reply.
+        return RequestResult(success=True, start=t0, latency=e2e, audio_chunks=[(e2e, wav.numel() / 24000)])
 
     one(make_prompts(1, args.prompt_words)[0])  # warm-up
     start = time.perf_counter()
-    rows = [one(p) for p in make_prompts(args.hf_requests, args.prompt_words)]
-    return {"by_concurrency": {"1": summarize(rows, time.perf_counter() - start)}, "device": device,
-            "dtype": str(dtype), "threads": torch.get_num_threads()}
+    results = [one(p) for p in make_prompts(args.hf_requests, args.prompt_words)]
+    row = bench_load.summarize(Run("transformers c=1", len(results), concurrency=1), results,
+                               time.perf_counter() - start)
+    bench_load.print_rows([row])
+    return {"rows": [row], "device": device, "dtype": str(dtype), "threads": torch.get_num_threads()}
 
 
 def sync(device: str) -> None:
@@ -273,17 +283,10 @@ def sync(device: str) -> None:
 # ------------------------------------------------------------------------------------------ main
 
 
-def fmt(value: dict[str, float] | float | None, key: str | None = None) -> str:
-    if isinstance(value, dict):
-        value = value[key]
-    return "-" if value is None else f"{value:.3f}"
-
-
 def main() -> None:
     args = parse_args()
-    if args.log_requests:  # the orchestrator's per-request line (log_stats)
+    if args.log_requests:  # every request's line (log_stats); the slowest ones are printed anyway
         logging.basicConfig(format="%(message)s")
-        logging.getLogger("vllm_omni.engine.orchestrator").setLevel(logging.INFO)
     from vllm_omni.engine.stage_init_utils import prepare_engine_environment
 
     prepare_engine_environment()  # spawn for the stages, before building a model picks a start method
@@ -299,30 +302,30 @@ def main() -> None:
         from vllm_omni.testing import make_tiny_model
 
         model = str(make_tiny_model("qwen2_5_omni", Path(tempfile.mkdtemp()) / "qwen2_5_omni", seed=0))
-    levels = [int(c) for c in args.concurrency.split(",")]
+    runs = plan_runs(args)
     result: dict[str, Any] = {
         "model": args.dummy_config or args.model or "tiny qwen2_5_omni (vllm_omni.testing, seed 0)",
         "text_tokens": args.text_tokens, "codec_tokens": args.codec_tokens, "prompt_words": args.prompt_words,
-        "torch": torch.__version__, "transformers_version": transformers.__version__, "host": platform.node(),
-        "cpu_threads": torch.get_num_threads(),
+        "runs": [vars(r) for r in runs], "torch": torch.__version__, "transformers_version": transformers.__version__,
+        "host": platform.node(), "cpu_threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
-    for mode in ("on", "off"):
-        if args.async_chunk in (mode, "both"):
-            result[f"ours_async_chunk_{mode}"] = bench_ours(model, args, levels, async_chunk=mode == "on")
+    for chunked in ("on", "off"):
+        if args.async_chunk not in (chunked, "both"):
+            continue
+        if args.mode in ("inproc", "both"):
+            result[f"ours_async_chunk_{chunked}"] = bench_inproc(model, args, runs, async_chunk=chunked == "on")
+        if args.mode in ("http", "both"):
+            result[f"http_async_chunk_{chunked}"] = bench_http(model, args, runs, async_chunk=chunked == "on")
+        if args.mode == "both":
+            result[f"http_vs_inproc_async_chunk_{chunked}"] = [
+                bench_load.compare_http(a, b) for a, b in zip(result[f"ours_async_chunk_{chunked}"]["rows"],
+                                                              result[f"http_async_chunk_{chunked}"]["rows"])]
     if not args.skip_hf:
         result["transformers"] = bench_hf(model, args)
-    Path(args.json).write_text(json.dumps(result, indent=2))
-    names = ("ours_async_chunk_on", "ours_async_chunk_off", "transformers")
-    print(f"{'engine':<22}{'conc':>5}{'reqs':>6}{'e2e mean':>10}{'e2e p90':>9}{'TTFT':>8}{'TTFA p50':>9}"
-          f"{'TTFA p90':>9}{'RTF':>8}{'RTF agg':>9}{'req/s':>8}{'gap p50':>9}{'gap p99':>9}{'underrun':>9}")
-    for name in names:
-        for conc, r in result.get(name, {}).get("by_concurrency", {}).items():
-            print(f"{name:<22}{conc:>5}{r['requests']:>6}{fmt(r['e2e_s'], 'mean'):>10}{fmt(r['e2e_s'], 'p90'):>9}"
-                  f"{fmt(r['ttft_s'], 'p50'):>8}{fmt(r['ttfa_s'], 'p50'):>9}{fmt(r['ttfa_s'], 'p90'):>9}"
-                  f"{fmt(r['rtf'], 'mean'):>8}{fmt(r['rtf_aggregate']):>9}{r['requests_per_s']:>8.2f}"
-                  f"{fmt(r.get('gap_p50_s')):>9}{fmt(r.get('gap_p99_s')):>9}{r.get('underruns', 0):>9}")
-    print_stage_table({name: result[name]["stages"] for name in names[:2] if name in result})
+    bench_load.write_json(args.json, result)
+    print_stage_table({name: result[name]["stages"] for name in ("ours_async_chunk_on", "ours_async_chunk_off")
+                       if name in result})
 
 
 if __name__ == "__main__":

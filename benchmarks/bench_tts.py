@@ -1,27 +1,32 @@
-"""Qwen3-TTS serving benchmark: time to first audio, RTF and throughput under load.
+"""Qwen3-TTS serving benchmark: first audio, playback underruns, RTF and throughput under
+sustained load, in-process (`AsyncOmni`) or over HTTP (`vllm-omni serve`, streamed
+`/v1/audio/speech`, timed by the `vllm bench serve` client in this process), or both in one run.
 
-Requests go through `AsyncOmni` (real stage processes: talker with code predictor -> code2wav),
-streaming (output_partial) so the first audio is timed when the pipeline hands it on. Each
-request speaks one sentence with a named voice (or clones a voice with --task Base) and
-generates exactly --frames codec frames (12.5 per audio second; EOS ignored, so every run does
-the same work), or, with --frames LO-HI, a number drawn per request (uniform, seeded by the
-request's index: every run and mode gets the same lengths).
+Each request speaks one sentence with a named voice (or clones a voice with --task Base,
+in-process only) and generates exactly --frames codec frames (12.5 per audio second; EOS
+ignored, so every run does the same work), or, with --frames LO-HI, a number drawn per request
+(uniform, seeded by the request's index: every run and mode gets the same lengths).
 
-- closed loop: for each C in --concurrency, --num-requests requests with at most C in flight;
-- open loop: --rate R sends --num-requests requests at Poisson arrivals of R requests/s.
+- closed loop: for each C in --concurrency, at least 4 x C requests with at most C in flight;
+- open loop: for each R in --rate, Poisson arrivals at R requests/s for at least 30 s
+  (--num-requests is raised to what sustained load needs; --allow-short keeps it, for a quick
+  check, not a measurement);
+- the first 10% of each run's requests are warm-up, reported apart.
 
-Reported per run: time to first audio (mean / p50 / p90 / p95), end-to-end latency, RTF =
-request latency / audio seconds (mean, and aggregate wall / audio), throughput in audio seconds
-per second; then per stage, over all runs and the warm-up (stage_stats.py, the table of
-bench_omni_e2e.py): requests, output tokens, busy seconds, early starts, pauses.
+Reported per run (bench_load.py, with vllm bench serve's metrics): first audio p50/p90/p95/p99,
+e2e, RTF, requests/s, audio seconds per second, playback underruns (a chunk arriving after
+everything before it has played, for a listener that starts at the first chunk) and the worst
+gap; each request's first audio in send order and the slowest requests' stage timings
+(log_stats); then per stage (stage_stats.py): requests, output tokens, busy seconds, early
+starts, pauses. --mode both runs the same workload in-process, then over HTTP, and reports the
+HTTP path's cost on first audio p50 (target: <= 5 ms).
 --qwen-tts-python runs qwen-tts (its reference venv, tests/reference/qwen_tts) at c=1 on the
 same checkpoint for comparison: it is not streaming, so its first audio is its latency.
 
-    python benchmarks/bench_tts.py                       # tiny random checkpoint on CPU (smoke test)
-    python benchmarks/bench_tts.py --rate 4 --num-requests 16
-    # GPU: the released 1.7B CustomVoice architecture with random bf16 weights
-    python benchmarks/bench_tts.py --real-arch --concurrency 1,16,64 --num-requests 128 --frames 150 \
-        --rate 20 --json bench_tts.json
+    python benchmarks/bench_tts.py --allow-short                 # tiny random checkpoint on CPU (smoke test)
+    # GPU: the released 1.7B CustomVoice architecture with random bf16 weights, 3-8 s utterances
+    python benchmarks/bench_tts.py --real-arch --frames 38-100 --concurrency "" --rate 1,10,20,40 --json tts.json
+    python benchmarks/bench_tts.py --real-arch --frames 38-100 --concurrency "" --rate 10 --mode both
     # a stored voice (/v1/audio/voices: its encodings in the request, no encoder runs) against a preset
     python benchmarks/bench_tts.py --real-arch --task Base --stored-voice --concurrency 1 --num-requests 32
     python benchmarks/bench_tts.py --real-arch --concurrency 1 --num-requests 32
@@ -35,7 +40,6 @@ import json
 import os
 import random
 import shutil
-import statistics
 import subprocess
 import tempfile
 import time
@@ -43,7 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stage_stats import print_stage_table, stage_counters  # benchmarks/ (the script's folder)
+import bench_load  # benchmarks/ (the script's folder)
+from bench_load import Run
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 REAL_CONFIG = CONFIGS / "qwen3_tts_12hz_1.7b_customvoice.json"
@@ -65,8 +70,17 @@ def parse_args() -> argparse.Namespace:
                    help="Base: the requests speak with a stored voice (a 2 s reference's speaker row and codes, "
                         "encoded once: random ones of the right shapes with --real-arch) instead of ref_audio")
     p.add_argument("--concurrency", default="1,16", help="comma-separated in-flight limits (closed loop)")
-    p.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (open loop)")
-    p.add_argument("--num-requests", type=int, default=16, help="requests per run (at least C)")
+    p.add_argument("--rate", default="", help="comma-separated Poisson arrival rates per second (open loop)")
+    p.add_argument("--num-requests", type=int, default=16,
+                   help="requests per run, raised to 4 x C (closed) or 30 s of arrivals (open)")
+    p.add_argument("--allow-short", action="store_true", help="keep --num-requests as given (a quick check)")
+    p.add_argument("--mode", choices=("inproc", "http", "both"), default="inproc",
+                   help="AsyncOmni in this process, vllm-omni serve over HTTP, or both (the HTTP cost)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="both stages' max_num_seqs (default: the largest concurrency, at least 64)")
+    p.add_argument("--admission-policy", choices=("off", "queue", "reject"), default="off",
+                   help="admission by playback load (docs/streaming.md)")
+    p.add_argument("--timelines", type=int, default=3, help="stage timings of the N slowest first audios per run")
     p.add_argument("--frames", type=frame_range, default=(24, 24),
                    help="codec frames per request (12.5 per second): N, or LO-HI drawn per request")
     p.add_argument("--dtype", default=None, help="talker dtype (default: bfloat16 on GPU, the config's on CPU)")
@@ -120,14 +134,6 @@ def real_arch_checkpoint(out: Path, task: str = "CustomVoice") -> Path:
     (out / "speech_tokenizer").mkdir(exist_ok=True)
     shutil.copy(REAL_SPEECH_TOKENIZER, out / "speech_tokenizer" / "config.json")
     return out
-
-
-@dataclass
-class Result:
-    ttfa: float
-    latency: float
-    audio_s: float
-    start: float = 0.0  # time.perf_counter() at submission: one clock with the stage profiles' timelines
 
 
 REF_TEXT = "This is my voice, please copy it."
@@ -191,68 +197,38 @@ class Workload:
         n = self.frames_of(i)
         return [self.talker.new_sampling_params(max_tokens=n, min_tokens=n), None]
 
-
-async def one(engine, i: int, work: Workload) -> Result:
-    start, first, samples = time.perf_counter(), None, 0
-    async for out in engine.generate(work.prompt(i), work.params(i), request_id=f"bench-{i}-{start}", modalities=["audio"],
-                                     output_partial=True):
-        if out.error is not None:
-            raise RuntimeError(out.error)
-        audio = out.request_output.outputs[0].multimodal_output.get("audio")
-        if audio is not None and audio.numel():
-            first = first or time.perf_counter()
-            samples = audio.numel()
-    end = time.perf_counter()
-    return Result(first - start, end - start, samples / SAMPLE_RATE, start)
+    # (In HTTP mode `talker` is None: the server applies the same stage defaults, and each request
+    # sends max_new_tokens = frames_of(i).)
 
 
-async def closed_loop(engine, n: int, concurrency: int, work: Workload) -> tuple[list[Result], float]:
-    gate = asyncio.Semaphore(concurrency)
-
-    async def limited(i: int) -> Result:
-        async with gate:
-            return await one(engine, i, work)
-
-    start = time.perf_counter()
-    results = await asyncio.gather(*(limited(i) for i in range(n)))
-    return list(results), time.perf_counter() - start
+def request_id(i: int) -> str:
+    return f"bench-{i}"
 
 
-async def open_loop(engine, n: int, rate: float, work: Workload) -> tuple[list[Result], float]:
-    rng = random.Random(0)
-    start, tasks = time.perf_counter(), []
-    for i in range(n):
-        tasks.append(asyncio.ensure_future(one(engine, i, work)))
-        await asyncio.sleep(rng.expovariate(rate))
-    results = await asyncio.gather(*tasks)
-    return list(results), time.perf_counter() - start
+async def run_inproc(engine: Any, work: Workload, run: Run) -> tuple[list, float]:
+    return await bench_load.drive(lambda i: bench_load.inproc_request(
+        engine, work.prompt(i), work.params(i), f"{request_id(i)}-{run.name}", modalities=["audio"]), run)
 
 
-def summarize(name: str, results: list[Result], wall: float) -> dict[str, Any]:
-    def pct(values: list[float], q: float) -> float:
-        return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+async def run_http(server: bench_load.Server, work: Workload, run: Run) -> tuple[list, float]:
+    from vllm_omni.entrypoints.cli.bench import runner
+    from vllm_omni.entrypoints.cli.bench.datasets import SampleRequest
 
-    ttfa, lat = [r.ttfa for r in results], [r.latency for r in results]
-    audio = sum(r.audio_s for r in results)
-    row = {"run": name, "requests": len(results), "ttfa_mean_ms": 1e3 * statistics.mean(ttfa),
-           "ttfa_p50_ms": 1e3 * pct(ttfa, 50), "ttfa_p90_ms": 1e3 * pct(ttfa, 90), "ttfa_p95_ms": 1e3 * pct(ttfa, 95),
-           "latency_p50_ms": 1e3 * pct(lat, 50), "rtf_mean": statistics.mean(r.latency / r.audio_s for r in results),
-           "rtf_aggregate": wall / audio, "audio_s_per_s": audio / wall,
-           "each": [{"start": r.start, "ttfa_ms": 1e3 * r.ttfa} for r in results]}
-    print(f"{name:>14}: TTFA mean {row['ttfa_mean_ms']:8.1f} p50 {row['ttfa_p50_ms']:8.1f} p90 "
-          f"{row['ttfa_p90_ms']:8.1f} p95 {row['ttfa_p95_ms']:8.1f} ms | latency p50 {row['latency_p50_ms']:8.1f} ms "
-          f"| RTF {row['rtf_mean']:.3f} (aggregate {row['rtf_aggregate']:.3f}) | {row['audio_s_per_s']:.2f} audio s/s",
-          flush=True)
-    return row
+    samples = [SampleRequest(SENTENCES[i % len(SENTENCES)], 0, work.frames_of(i)) for i in range(run.num_requests)]
+    return await runner.run("openai-audio-speech", server.target("/v1/audio/speech", {"voice": "vivian"}), samples,
+                            rate=run.rate or float("inf"), burstiness=1.0, max_concurrency=run.concurrency, seed=0,
+                            timeout_s=600.0)
 
 
-def stage_overrides(args: argparse.Namespace, max_c: int) -> dict[str, Any]:
+def stage_overrides(args: argparse.Namespace, runs: list[Run]) -> dict[str, Any]:
     import torch
 
     cuda = torch.cuda.is_available()
-    talker: dict[str, Any] = {"max_num_seqs": max_c, "enforce_eager": args.eager or not cuda,
+    # Not the request count of an open-loop run (400 requests made 400-row batches): the bundled 64.
+    max_seqs = args.max_num_seqs or max([64, *(r.concurrency or 0 for r in runs)])
+    talker: dict[str, Any] = {"max_num_seqs": max_seqs, "enforce_eager": args.eager or not cuda,
                               "default_sampling_params": {"max_tokens": args.frames[1], "ignore_eos": True}}
-    code2wav: dict[str, Any] = {"max_num_seqs": max_c, "enforce_eager": args.code2wav_eager}
+    code2wav: dict[str, Any] = {"max_num_seqs": max_seqs, "enforce_eager": args.code2wav_eager}
     dtype = args.dtype or ("bfloat16" if cuda else None)
     if dtype:
         talker["dtype"] = dtype
@@ -266,7 +242,9 @@ def stage_overrides(args: argparse.Namespace, max_c: int) -> dict[str, Any]:
 
 def run_qwen_tts(python: str, model: Path, args: argparse.Namespace) -> dict[str, Any]:
     """qwen-tts at c=1, in its own venv, sampling with its defaults (EOS may end a request early:
-    its RTF is per audio second it made)."""
+    its RTF is per audio second it made); not streaming: its first audio is its latency."""
+    from vllm_omni.entrypoints.cli.bench.backends import RequestResult
+
     script = f"""
 import time, torch, json
 from qwen_tts import Qwen3TTSModel
@@ -281,20 +259,67 @@ print(json.dumps({{"latency": lat[1:], "audio": audio[1:]}}))
 """
     out = subprocess.run([python, "-c", script], capture_output=True, text=True, check=True)
     data = json.loads(out.stdout.strip().splitlines()[-1])
-    return summarize("qwen-tts c=1", [Result(lt, lt, a) for lt, a in zip(data["latency"], data["audio"])],
-                     sum(data["latency"]))
+    results = [RequestResult(success=True, latency=lt, audio_chunks=[(lt, a)]) for lt, a in
+               zip(data["latency"], data["audio"])]
+    run = Run("qwen-tts c=1", len(results), concurrency=1)
+    return bench_load.summarize(run, results, sum(data["latency"]))
+
+
+def plan_runs(args: argparse.Namespace) -> list[Run]:
+    runs = [Run.closed(int(c), args.num_requests) for c in args.concurrency.split(",") if c]
+    runs += [Run.poisson(float(r), args.num_requests) for r in args.rate.split(",") if r]
+    return [bench_load.sustain(run, args.allow_short) for run in runs]
+
+
+def bench_inproc(model: Path, args: argparse.Namespace, runs: list[Run], save) -> dict[str, Any]:
+    from stage_stats import print_stage_table, stage_counters
+
+    from vllm_omni.entrypoints.async_omni import AsyncOmni
+
+    stage_log = bench_load.StageLog.install()
+    with AsyncOmni(model=str(model), deploy_config=args.deploy_config, stage_overrides=stage_overrides(args, runs),
+                   log_stats=True, admission_policy=args.admission_policy) as engine:
+        bench_load.serving_process()
+        stored = stored_voice(model, args.real_arch) if args.stored_voice else None
+        work = Workload(args.task, engine.pipeline.stages[0], args.frames, args.voices, stored)
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(bench_load.warm_up(lambda run: run_inproc(engine, work, run)))
+        rows = bench_load.measure(runs, lambda run: loop.run_until_complete(run_inproc(engine, work, run)),
+                                  "in-process", lambda run, i: f"{request_id(i)}-{run.name}", stage_log,
+                                  lambda rows: save({"rows": rows}))
+        loop.close()
+        stages = stage_counters(engine)
+    print_stage_table({"ours": stages})
+    return {"rows": rows, "stages": stages}
+
+
+def bench_http(model: Path, args: argparse.Namespace, runs: list[Run], log_dir: Path, save) -> dict[str, Any]:
+    if args.task != "CustomVoice":
+        raise SystemExit("--mode http / both: CustomVoice only (the speech client sends a named voice)")
+    serve_args = ["--stage-overrides", json.dumps(stage_overrides(args, runs)), "--log-stats",
+                  "--admission-policy", args.admission_policy]
+    if args.deploy_config:
+        serve_args += ["--deploy-config", args.deploy_config]
+    t0 = time.perf_counter()
+    with bench_load.Server(str(model), serve_args, log_dir / "server.log") as server:
+        print(f"server up in {time.perf_counter() - t0:.1f} s", flush=True)
+        work = Workload(args.task, None, args.frames, args.voices)
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(bench_load.warm_up(lambda run: run_http(server, work, run)))
+        rows = bench_load.measure(runs, lambda run: loop.run_until_complete(run_http(server, work, run)), "HTTP",
+                                  save=lambda rows: save({"rows": rows}))
+        loop.close()
+    return {"rows": rows}
 
 
 def main() -> None:
     args = parse_args()
     if args.stored_voice and args.task != "Base":
         raise SystemExit("--stored-voice needs --task Base (stored voices are cloned voices)")
-    from vllm_omni.entrypoints.async_omni import AsyncOmni
-
     if args.eager or args.no_predictor_graphs:  # read by the talker (stage processes inherit it)
         os.environ["VLLM_OMNI_PREDICTOR_CUDA_GRAPHS"] = "0"
-    concurrency = [int(c) for c in args.concurrency.split(",") if c]
-    max_c = max([*concurrency, args.num_requests if args.rate else 1])
+    runs = plan_runs(args)
+    result: dict[str, Any] = {"args": vars(args), "runs": [vars(r) for r in runs]}
     with tempfile.TemporaryDirectory() as tmp:
         if args.model:
             model = Path(args.model)
@@ -302,29 +327,27 @@ def main() -> None:
             model = real_arch_checkpoint(Path(tmp) / "real", args.task)
         else:
             model = tiny_checkpoint(args.task, Path(tmp) / "tiny")
-        rows: list[dict[str, Any]] = []
-        with AsyncOmni(model=str(model), deploy_config=args.deploy_config,
-                       stage_overrides=stage_overrides(args, max_c)) as engine:
-            stored = stored_voice(model, args.real_arch) if args.stored_voice else None
-            work = Workload(args.task, engine.pipeline.stages[0], args.frames, args.voices, stored)
-            loop = asyncio.new_event_loop()
-            loop.run_until_complete(closed_loop(engine, 2, 1, work))  # warm-up
-            for c in concurrency:
-                n = max(args.num_requests, c)
-                rows.append(summarize(f"c={c}", *loop.run_until_complete(closed_loop(engine, n, c, work))))
-            if args.rate:
-                rows.append(summarize(f"poisson {args.rate}/s", *loop.run_until_complete(
-                    open_loop(engine, args.num_requests, args.rate, work))))
-            loop.close()
-            stages = stage_counters(engine)
-        print_stage_table({"ours": stages})
+        def saver(key: str):
+            def save(value: dict[str, Any]) -> None:
+                result[key] = value
+                bench_load.write_json(args.json, result)
+            return save
+
+        if args.mode in ("inproc", "both"):
+            result["inproc"] = bench_inproc(model, args, runs, saver("inproc"))
+        if args.mode in ("http", "both"):
+            log_dir = Path(args.json).resolve().parent if args.json else Path(tmp)
+            result["http"] = bench_http(model, args, runs, log_dir, saver("http"))
+        if args.mode == "both":
+            result["http_vs_inproc"] = [bench_load.compare_http(a, b) for a, b in
+                                        zip(result["inproc"]["rows"], result["http"]["rows"])]
         if args.qwen_tts_python:
             if args.real_arch:
                 print("qwen-tts needs real weights on disk; skipped with --real-arch")
             else:
-                rows.append(run_qwen_tts(args.qwen_tts_python, model, args))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": rows, "stages": stages}, indent=1))
+                result["qwen_tts"] = run_qwen_tts(args.qwen_tts_python, model, args)
+                bench_load.print_rows([result["qwen_tts"]])
+    bench_load.write_json(args.json, result)
 
 
 if __name__ == "__main__":

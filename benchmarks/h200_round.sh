@@ -33,6 +33,10 @@
 #   benchmarks/h200_round.sh diffusion_accel  # Qwen-Image 1024^2: FP8, TeaCache, cache-dit, fixed schedule (s + PSNR)
 #   benchmarks/h200_round.sh video     # Wan2.2: compiled stage vs diffusers (GPU tests), T2V-A14B step + video
 #   benchmarks/h200_round.sh video_ti2v  # Wan2.2 TI2V-5B 1280x704x121: one step and a 4-step video vs diffusers
+#   benchmarks/h200_round.sh i44       # issue 44 in one call (~9.5 min): the TTS Poisson sweep (1/10/20/40 req/s,
+#                                      # 30 s each), HTTP vs AsyncOmni, Qwen3-Omni c=1/64, Qwen2.5-Omni c=1/32
+#   benchmarks/h200_round.sh i44_tts   # its TTS half (the sweep, HTTP vs AsyncOmni, 40 req/s with admission)
+#   benchmarks/h200_round.sh i44_omni  # its Omni half, and the GPU tests of issue 44
 # Logs and JSON go to $OUT (or ./h200_out). Each step has its own time limit, so one slow step
 # still leaves the others' results.
 set -u
@@ -46,7 +50,24 @@ step() {  # step NAME SECONDS COMMAND...
   local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "=== $name: exit $? after $((SECONDS - t0))s"
-  grep -E "^\|| log_stats|stage [0-9].*ms|^batch [0-9]+:|^first step|Error|error:" "$OUT/$name.log" | tail -40
+  grep -E "^\|| log_stats|stage [0-9].*ms|^batch [0-9]+:|^first step|Error|error:|^\[|^c=|^poisson|^HTTP vs|first audio ms|took .* ms|Triton kernel" \
+    "$OUT/$name.log" | tail -40
+}
+# Issue 44's runs (docs/benchmarks.md, "Sustained load"): every run sustained (closed loops of >= 4 x C
+# requests, >= 30 s of Poisson arrivals), the first 10% warm-up; kernel compiles while serving logged.
+i44_tts() {
+  step i44_tts_sweep 240 env VLLM_OMNI_LOG_COMPILES=1 $PY benchmarks/bench_tts.py --real-arch --frames 38-100 \
+    --concurrency "" --rate 1,10,20,40 --json "$OUT/i44_tts_sweep.json"
+  step i44_tts_http 100 $PY benchmarks/bench_tts.py --real-arch --frames 38-100 --concurrency 1 --num-requests 20 \
+    --mode both --json "$OUT/i44_tts_http.json"
+}
+i44_omni() {
+  step i44_qwen3 135 env VLLM_OMNI_LOG_COMPILES=1 $PY benchmarks/bench_omni_e2e.py \
+    --dummy-config benchmarks/configs/qwen3_omni_30b_a3b.json --concurrency 1,64 --prompt-words 74 \
+    --text-tokens 64 --codec-tokens 100 --skip-hf --async-chunk on --json "$OUT/i44_qwen3.json"
+  step i44_qwen2_5 115 env VLLM_OMNI_LOG_COMPILES=1 $PY benchmarks/bench_omni_e2e.py \
+    --dummy-config benchmarks/configs/qwen2_5_omni_7b.json --concurrency 1,32 --prompt-words 100 \
+    --text-tokens 128 --codec-tokens 500 --skip-hf --async-chunk on --json "$OUT/i44_qwen2_5.json"
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case "${1:-}" in
@@ -251,5 +272,15 @@ case "${1:-}" in
     step video_a14b 400 $PY benchmarks/bench_video.py --models a14b --json "$OUT/video_a14b.json" ;;
   video_ti2v)
     step video_ti2v 560 $PY benchmarks/bench_video.py --models ti2v --json "$OUT/video_ti2v.json" ;;
+  i44) i44_tts; i44_omni ;;
+  i44_tts)
+    i44_tts
+    # The highest rate above, now with admission by playback load: new requests wait instead.
+    step i44_tts_40_queue 120 $PY benchmarks/bench_tts.py --real-arch --frames 38-100 --concurrency "" --rate 40 \
+      --admission-policy queue --json "$OUT/i44_tts_40_queue.json" ;;
+  i44_omni)
+    step i44_gpu_tests 100 $PY -m pytest -q tests/gpu/test_predictor_slices.py tests/gpu/test_kernel_compile_log.py \
+      -p no:cacheprovider
+    i44_omni ;;
   *) sed -n 's/^#   benchmarks\/h200_round.sh /  /p' "$0"; exit 2 ;;
 esac

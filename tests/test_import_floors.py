@@ -16,7 +16,7 @@ ROOT = Path(vllm_omni.__file__).parent
 
 # Lowest first. A top-level module or folder of vllm_omni belongs to exactly one floor.
 FLOORS: list[set[str]] = [
-    {"stage_io", "sampling_params", "outputs", "inputs", "imports", "logging_filters", "version", "growing_tensor",
+    {"stage_io", "sampling_params", "outputs", "inputs", "imports", "logging_filters", "version", "growing_tensor", "playback",
      "deploy"},  # the vocabulary (and the bundled deploy YAMLs)
     {"model_executor"},  # layers, models, family records, bridges
     {"multimodal"},  # prompt and media processing (reads model files: speakers, templates)

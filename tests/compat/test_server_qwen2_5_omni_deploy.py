@@ -1,17 +1,20 @@
 """Upstream's newer format served as written: `vllm-omni serve MODEL --deploy-config` with our
 copy of a 2026 deploy YAML (nested stage sections, ignored engine args, an NPU section only an
-NPU would read) on the tiny Qwen2.5-Omni checkpoint; OpenAI's streaming shape by default.
+NPU would read) on the tiny Qwen2.5-Omni checkpoint (its stages as threads of the server);
+OpenAI's streaming shape by default.
 """
 from __future__ import annotations
 
 import base64
 import io
+import json
 
 import openai
 import pytest
 import soundfile as sf
 
 from tests.compat.test_config_compat import DEPLOY
+from tests.conftest import in_threads
 from tests.server.conftest import ServerProcess
 
 NAME = "Qwen/Qwen2.5-Omni-7B"
@@ -21,7 +24,8 @@ NAME = "Qwen/Qwen2.5-Omni-7B"
 def server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("compat-qwen2_5-deploy") / "server.log"
     proc = ServerProcess.launch([str(tiny_model("qwen2_5_omni")), "--served-model-name", NAME,
-                                 "--deploy-config", str(DEPLOY), "--enable-log-requests"], log)
+                                 "--deploy-config", str(DEPLOY), "--enable-log-requests",
+                                 "--stage-overrides", json.dumps(in_threads(3))], log)
     try:
         yield proc.wait_ready()
     finally:

@@ -1,7 +1,8 @@
 """A user moving from upstream vLLM-Omni: `vllm serve MODEL --omni` with upstream's flags and an
 upstream-format stage config (our copy of v0.12's bundled Qwen3-Omni YAML), driven by the
 request shapes of upstream's examples, curl scripts and e2e tests, through the official
-`openai` client and raw HTTP. Tiny Qwen3-Omni checkpoint, real server, real stages.
+`openai` client and raw HTTP. Tiny Qwen3-Omni checkpoint, real server, real stages (threads of
+the server).
 
 Ends with an fps sweep: videos at real frame rates and lengths (29.97 fps, 1 s clips, ...)
 with speech out, every one answered with its text and its audio.
@@ -21,6 +22,7 @@ import pytest
 import soundfile as sf
 
 from tests.compat.test_config_compat import V012
+from tests.conftest import in_threads
 from tests.multimodal.media_files import mp4_bytes
 from tests.server.conftest import ServerProcess
 from vllm_omni.multimodal.qwen3_omni_chat_template import QWEN3_OMNI_CHAT_TEMPLATE
@@ -43,6 +45,7 @@ def server(tiny_model, tmp_path_factory):
         "--stage-configs-path", str(V012), "--init-sleep-seconds", "20", "--disable-log-requests",
         "--no-async-chunk", "--limit-mm-per-prompt", '{"video": 1, "image": 2}',
         "--chat-template", str(folder / "template.jinja"), "--audio-stream-shape", "upstream",
+        "--stage-overrides", json.dumps(in_threads(3)),
     ], folder / "server.log", entry="vllm")
     try:
         yield proc.wait_ready()

@@ -1,21 +1,11 @@
+"""User plugin packages for the config tests (`plugin_package`); YAML files come from the root
+conftest's `write_yaml`."""
 import itertools
 import textwrap
-from pathlib import Path
 
 import pytest
 
 _ids = itertools.count()
-
-
-@pytest.fixture
-def write_yaml(tmp_path):
-    """write_yaml(text, name="stages.yaml") -> Path of a dedented YAML file in tmp_path."""
-    def write(text: str, name: str = "stages.yaml") -> Path:
-        path = tmp_path / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text))
-        return path
-    return write
 
 
 @pytest.fixture

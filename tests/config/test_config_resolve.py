@@ -24,7 +24,9 @@ def test_parsing_imports_nothing_heavy(tmp_path):
         load_pipeline_config({str(STAGE_CONFIGS_DIR / 'qwen3_omni_moe.yaml')!r})
         records = {{'vllm_omni.model_executor.models', 'vllm_omni.model_executor.models.family',
                    'vllm_omni.model_executor.models.families',
-                   'vllm_omni.model_executor.dtypes'}}  # dtype spellings: imports no torch
+                   'vllm_omni.model_executor.dtypes',  # dtype spellings: imports no torch
+                   'vllm_omni.model_executor.models.diffusion_attention_spec',  # flag parsing, no torch
+                   'vllm_omni.model_executor.models.diffusion_quantization_spec'}}
         # each family's package (the folder holding its record)
         records |= {{f.stage_models[s].split(':')[0].rsplit('.', 1)[0] for f in FAMILIES for s in f.stage_models}}
         heavy = [m for m in sys.modules if m.startswith(('vllm_omni.worker.', 'vllm_omni.model_executor.',

@@ -10,7 +10,7 @@ from tests.diffusion.test_tea_cache import psnr
 from vllm_omni.config import ConfigError, load_pipeline_config
 from vllm_omni.entrypoints.cli import serve_args
 from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
-from vllm_omni.config.diffusion_attention_spec import AttentionSettings, DiffusionAttentionConfig, parse_selector
+from vllm_omni.model_executor.models.diffusion_attention_spec import AttentionSettings, DiffusionAttentionConfig, parse_selector
 from vllm_omni.model_executor.models.diffusion_attention import fp8_per_head
 
 QWEN_IMAGE = {"architectures": ["QwenImagePipeline"]}
@@ -136,7 +136,7 @@ def test_wan_with_fp8_weights_fp8_self_attention_and_cache_dit(wan_dir, wan_mode
     TORCH_SDPA) and DBCache on a fixed schedule (its steps counted per expert, as cache-dit's one
     context per transformer): what runs where, and the video within a bounded PSNR of float32's."""
     from vllm_omni.model_executor.layers.fp8_linear import Fp8Linear
-    from vllm_omni.config.diffusion_quantization_spec import DiffusionQuantization
+    from vllm_omni.model_executor.models.diffusion_quantization_spec import DiffusionQuantization
     from vllm_omni.diffusion.db_cache import DBCache, DBCacheConfig
     from vllm_omni.diffusion.engine import DiffusionEngine
     from vllm_omni.model_executor.models.wan2_2.model import WanModel

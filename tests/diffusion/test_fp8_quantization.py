@@ -11,7 +11,7 @@ from tests.diffusion.conftest import Case, image_of, run_engine
 from tests.diffusion.test_tea_cache import psnr
 from vllm_omni.model_executor.layers.fp8_linear import FP8_DTYPE, Fp8Linear, quantize_linears
 from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
-from vllm_omni.config.diffusion_quantization_spec import DiffusionQuantization
+from vllm_omni.model_executor.models.diffusion_quantization_spec import DiffusionQuantization
 
 FP8 = DiffusionQuantization("fp8")
 # e4m3 keeps 3 mantissa bits: rounding moves a value by at most 2^-4 of itself (half an ulp),

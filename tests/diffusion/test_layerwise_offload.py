@@ -134,7 +134,7 @@ def test_wan_offloads_each_experts_blocks_and_its_video_is_unchanged(wan_dir, wa
 def test_fp8_blocks_are_offloaded_as_they_are(qwen_image_dir, make_engine):
     """Online FP8 quantizes the blocks before they are offloaded: the ring holds their float8 weights
     and scales, and the image equals the FP8 model's without offload."""
-    from vllm_omni.config.diffusion_quantization_spec import DiffusionQuantization
+    from vllm_omni.model_executor.models.diffusion_quantization_spec import DiffusionQuantization
     from vllm_omni.model_executor.layers.fp8_linear import Fp8Linear
     from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
     from vllm_omni.model_executor.models.qwen_image.model import QwenImageModel

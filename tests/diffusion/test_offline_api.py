@@ -1,5 +1,6 @@
-"""Offline image generation with real stage processes: `Omni(model).generate(...)` and
-`vllm-omni generate MODEL --prompt ... -o out.png`, checked against diffusers' pipeline."""
+"""Offline image generation: `Omni(model).generate(...)` (its stage a thread) and
+`vllm-omni generate MODEL --prompt ... -o out.png` (a real process with a stage process),
+checked against diffusers' pipeline."""
 from __future__ import annotations
 
 import subprocess
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.conftest import in_threads
 from tests.diffusion.conftest import BATCH_TOLERANCE, Case
 from vllm_omni.multimodal.diffusion_prompt import to_pil_image
 from vllm_omni.sampling_params import DiffusionSamplingParams, SamplingParams
@@ -21,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_omni_generates_images_like_diffusers(qwen_image_dir, t2i_pipe):
     from vllm_omni import Omni
 
-    with Omni(str(qwen_image_dir)) as omni:
+    with Omni(str(qwen_image_dir), stage_overrides=in_threads(1)) as omni:
         assert omni.output_modalities == ["image"]
         outs = omni.generate([{"prompt": "a red fox", "negative_prompt": "blurry"}, "a cat"],
                              DiffusionSamplingParams(**PARAMS), use_tqdm=False)

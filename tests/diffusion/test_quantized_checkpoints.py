@@ -13,7 +13,7 @@ from tests.diffusion.conftest import Case, image_of, run_engine
 from tests.diffusion.test_tea_cache import psnr
 from vllm_omni.model_executor.layers.fp8_linear import Fp8Linear, quantize_rows
 from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
-from vllm_omni.config.diffusion_quantization_spec import DiffusionQuantization
+from vllm_omni.model_executor.models.diffusion_quantization_spec import DiffusionQuantization
 
 CPU = torch.device("cpu")
 

@@ -1,11 +1,21 @@
-"""Shared pieces of the end-to-end tests: the tiny Qwen2.5-Omni and Qwen3-Omni checkpoints,
+"""Shared pieces of the end-to-end tests: the tiny Qwen3-Omni checkpoint with audible voices,
+one pipeline of each with real stage processes for the whole package (`omni25`, `omni3`),
 media as a client sends them (data URLs, base64 audio, raw arrays) and small per-stage
-sampling params."""
+sampling params.
+
+`omni25` and `omni3` are the bundled configs (every edge streams) with BATCH_8, started once
+and used by every test that needs that pipeline: read counters as differences (before/after),
+never as totals. Pipelines of other settings run their stages as threads (`in_threads`)
+unless the test is about stage processes.
+"""
 from __future__ import annotations
 
 import base64
+import json
+import shutil
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from tests.multimodal.media_files import audio_bytes, image_bytes, mp4_bytes, sine
 
@@ -19,13 +29,35 @@ SMALL_VIDEO = {"min_pixels": 28 * 28, "max_pixels": 4 * 28 * 28}
 
 
 @pytest.fixture(scope="session")
-def omni_dir(tiny_model):
-    return tiny_model("qwen2_5_omni")
+def qwen3_omni_voices_dir(qwen3_omni_dir, tmp_path_factory):
+    """The tiny Qwen3-Omni checkpoint with audible voices: its random speaker rows (one talker
+    prompt row among many) barely move the codes, so the same request spoke alike in both
+    voices and a voice lost on the way would go unnoticed. 5x the rows makes them change the codes."""
+    path = tmp_path_factory.mktemp("qwen3-omni-voices")
+    shutil.copytree(qwen3_omni_dir, path, dirs_exist_ok=True)
+    voices = json.loads((path / "config.json").read_text())["talker_config"]["speaker_id"]
+    weights = load_file(path / "model.safetensors")
+    weights["talker.model.codec_embedding.weight"][list(voices.values())] *= 5
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
 
 
-@pytest.fixture(scope="session")
-def qwen3_omni_dir(tiny_model):
-    return tiny_model("qwen3_omni_moe")
+@pytest.fixture(scope="package")
+def omni25(omni_dir):
+    """Qwen2.5-Omni, bundled configs, BATCH_8, three stage processes: shared by the package."""
+    from vllm_omni import Omni
+
+    with Omni(model=str(omni_dir), stage_overrides=BATCH_8) as omni:
+        yield omni
+
+
+@pytest.fixture(scope="package")
+def omni3(qwen3_omni_voices_dir):
+    """Qwen3-Omni (audible voices), bundled configs, BATCH_8, three stage processes: shared by the package."""
+    from vllm_omni import Omni
+
+    with Omni(model=str(qwen3_omni_voices_dir), stage_overrides=BATCH_8) as omni:
+        yield omni
 
 
 def short_params(thinker=THINKER_TOKENS, talker=TALKER_TOKENS, code2wav_seed=None) -> list:

@@ -1,5 +1,5 @@
 """AsyncOmni on Qwen2.5-Omni without audio: `output_modalities=["text"]` loads the bundled
-thinker-only variant (one stage process); `output_partial=True` streams the text."""
+thinker-only variant (one stage, run as a thread); `output_partial=True` streams the text."""
 from __future__ import annotations
 
 import asyncio
@@ -7,13 +7,14 @@ import asyncio
 import pytest
 import torch
 
+from tests.conftest import in_threads
 from tests.e2e.conftest import mixed_prompts, user
 from vllm_omni import AsyncOmni
 
 
 @pytest.fixture(scope="module")
 def text_omni(omni_dir):
-    omni = AsyncOmni(model=str(omni_dir), output_modalities=["text"])
+    omni = AsyncOmni(model=str(omni_dir), output_modalities=["text"], stage_overrides=in_threads(1))
     yield omni
     omni.close()
 

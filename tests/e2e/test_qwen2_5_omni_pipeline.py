@@ -3,7 +3,8 @@ processes (thinker -> talker -> code2wav), the tiny random checkpoint.
 
 - 8 concurrent mixed-modality requests each equal their solo run (text tokens identical,
   codec codes identical, waveform within 1e-4);
-- text, codes and waveform equal transformers' `Qwen2_5OmniForConditionalGeneration.generate`;
+- text, codes and waveform equal transformers' `Qwen2_5OmniForConditionalGeneration.generate`
+  (also on other shapes, whose pipeline runs its stages as threads);
 - `modalities` returns only what was asked and runs only the stages it needs;
 - bad prompts fail in generate, before anything is queued.
 """
@@ -12,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.e2e.conftest import BATCH_8, by_request, mixed_prompts, short_params, user
+from tests.conftest import in_threads
+from tests.e2e.conftest import by_request, mixed_prompts, short_params, user
 from tests.reference.hf_talker import give_talker_a_mask
 from vllm_omni import Omni
 
@@ -20,9 +22,9 @@ SAMPLE_RATE = 24000
 
 
 @pytest.fixture(scope="module")
-def omni(omni_dir):
-    with Omni(model=str(omni_dir), stage_overrides=BATCH_8) as omni:
-        yield omni
+def omni(omni25):
+    """The package's Qwen2.5-Omni pipeline (real stage processes, tests/e2e/conftest.py)."""
+    return omni25
 
 
 def stage_requests(omni) -> list[int]:
@@ -74,7 +76,7 @@ OTHER_SHAPES = dict(thinker_hidden_size=96, thinker_num_attention_heads=2, think
 
 def test_other_shapes_stream_what_transformers_generates(tiny_model):
     ckpt = tiny_model("qwen2_5_omni", **OTHER_SHAPES)
-    with Omni(model=str(ckpt)) as omni:  # the bundled deploy config: every edge streams
+    with Omni(model=str(ckpt), stage_overrides=in_threads(3)) as omni:  # the bundled deploy config: every edge streams
         check_matches_transformers(omni, ckpt, talker_tokens=60)
         assert omni._runtime.orchestrator.stage_counters[2]["early_starts"] == 1
 

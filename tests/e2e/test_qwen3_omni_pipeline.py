@@ -3,7 +3,8 @@ processes (thinker -> talker with code predictor -> code2wav), the tiny random c
 
 - 8 concurrent requests (text, audio+text, image+text) each equal their solo run: text tokens
   identical, every code group of every frame identical, waveform within 1e-4;
-- text, codes and waveform equal transformers' `Qwen3OmniMoeForConditionalGeneration.generate`;
+- text, codes and waveform equal transformers' `Qwen3OmniMoeForConditionalGeneration.generate`
+  (also on other shapes, whose pipeline runs its stages as threads);
 - `modalities=["text"]` runs the thinker alone; `output_modalities=["text"]` loads the
   thinker-only variant;
 - the voice comes from config.json's `talker_config.speaker_id` and reaches the talker.
@@ -11,14 +12,12 @@ processes (thinker -> talker with code predictor -> code2wav), the tiny random c
 from __future__ import annotations
 
 import base64
-import json
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from tests.e2e.conftest import BATCH_8, by_request, data_url, user
+from tests.conftest import in_threads
+from tests.e2e.conftest import by_request, data_url, user
 from tests.multimodal.media_files import audio_bytes, image_bytes, sine
 from vllm_omni import Omni
 
@@ -27,23 +26,14 @@ PARAMS = [{"max_tokens": 8}, {"max_tokens": 16}, None]
 
 
 @pytest.fixture(scope="module")
-def ckpt(qwen3_omni_dir, tmp_path_factory):
-    """The tiny checkpoint with audible voices: its random speaker rows (one talker prompt row
-    among many) barely move the codes, so the same request spoke alike in both voices and a
-    voice lost on the way would go unnoticed. 5x the rows makes them change the codes."""
-    path = tmp_path_factory.mktemp("qwen3-omni-voices")
-    shutil.copytree(qwen3_omni_dir, path, dirs_exist_ok=True)
-    voices = json.loads((path / "config.json").read_text())["talker_config"]["speaker_id"]
-    weights = load_file(path / "model.safetensors")
-    weights["talker.model.codec_embedding.weight"][list(voices.values())] *= 5
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    return path
+def ckpt(qwen3_omni_voices_dir):
+    return qwen3_omni_voices_dir
 
 
 @pytest.fixture(scope="module")
-def omni(ckpt):
-    with Omni(model=str(ckpt), stage_overrides=BATCH_8) as omni:
-        yield omni
+def omni(omni3):
+    """The package's Qwen3-Omni pipeline (real stage processes, tests/e2e/conftest.py)."""
+    return omni3
 
 
 def stage_requests(omni) -> list[int]:
@@ -152,7 +142,7 @@ OTHER_SHAPES = dict(code2wav_num_quantizers=8, code2wav_codebook_size=32, code_p
 
 def test_other_shapes_stream_what_transformers_generates(tiny_model):
     ckpt = tiny_model("qwen3_omni_moe", **OTHER_SHAPES)
-    with Omni(model=str(ckpt)) as omni:  # the bundled deploy config: every edge streams
+    with Omni(model=str(ckpt), stage_overrides=in_threads(3)) as omni:  # the bundled deploy config: every edge streams
         check_matches_transformers(omni, ckpt, user(text("What is the capital of France?")), talker_tokens=30)
         assert omni._runtime.orchestrator.stage_counters[2]["early_starts"] == 1
 
@@ -241,7 +231,7 @@ def test_bad_prompts_fail_before_anything_is_queued(omni, bad, match):
 def test_text_output_loads_the_thinker_only_variant(omni, ckpt):
     prompt = {"messages": user(text("Hello there"))}
     [full] = by_request(omni.generate(prompt, PARAMS, use_tqdm=False))
-    with Omni(model=str(ckpt), output_modalities=["text"]) as thinker_only:
+    with Omni(model=str(ckpt), output_modalities=["text"], stage_overrides=in_threads(1)) as thinker_only:
         assert thinker_only._runtime.pipeline.pipeline_name == "qwen3_omni_moe_thinker_only"
         assert thinker_only.output_modalities == ["text"]
         [out] = thinker_only.generate(prompt, PARAMS[:1], use_tqdm=False)

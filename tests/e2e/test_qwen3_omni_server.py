@@ -1,5 +1,5 @@
 """Qwen3-Omni through the API server: a real `vllm-omni serve <tiny Qwen3-Omni dir>` subprocess
-(bundled config, three stage processes) and the official `openai` client.
+(bundled config, its three stages as threads of the server) and the official `openai` client.
 
 8 concurrent chat requests with speech out (text, audio+text, image+text) each equal their
 solo request: the same text and the same encoded audio bytes. The talker samples (bundled
@@ -18,6 +18,7 @@ import openai
 import pytest
 import soundfile as sf
 
+from tests.conftest import in_threads
 from tests.multimodal.media_files import audio_bytes, image_bytes
 from tests.server.conftest import ServerProcess
 
@@ -32,7 +33,7 @@ OVERRIDES = {"0": {"default_sampling_params": {"max_tokens": 8}},
 def server(qwen3_omni_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("qwen3-omni-server") / "server.log"
     proc = ServerProcess.launch([str(qwen3_omni_dir), "--served-model-name", NAME,
-                                 "--stage-overrides", json.dumps(OVERRIDES)], log)
+                                 "--stage-overrides", json.dumps(in_threads(3, OVERRIDES))], log)
     try:
         yield proc.wait_ready()
     finally:

@@ -1,18 +1,19 @@
 """The stage-process profiler of the GPU benchmarks (engine/step_profiler.py), on the CPU: the
 named stage alone writes its profile after the asked steps (or when it stops first), with a
-timeline of its steps, and the outputs are unchanged."""
+timeline of its steps, and the outputs are unchanged. The first test runs stage processes (they
+inherit the variables); the timeline-only ones run the same stage loop as threads."""
 from __future__ import annotations
 
+from tests.conftest import in_threads
 from tests.e2e.conftest import by_request, short_params, user
 from vllm_omni import Omni
 from vllm_omni.engine import step_profiler
 
 
-def test_a_named_stage_writes_its_profile(omni_dir, tmp_path, monkeypatch):
+def test_a_named_stage_writes_its_profile(omni_dir, omni25, tmp_path, monkeypatch):
     prompts = [{"messages": user({"type": "text", "text": "Say something."})}]
     params = short_params(thinker=8, talker=16)
-    with Omni(model=str(omni_dir)) as omni:
-        reference = by_request(omni.generate(prompts, params, use_tqdm=False))
+    reference = by_request(omni25.generate(prompts, params, use_tqdm=False))  # the package's pipeline, unprofiled
     for name, value in {step_profiler.DIR_ENV: str(tmp_path), step_profiler.STAGES_ENV: "1",
                         step_profiler.SKIP_ENV: "2", step_profiler.STEPS_ENV: "5"}.items():
         monkeypatch.setenv(name, value)  # the stage processes inherit them
@@ -38,7 +39,7 @@ def test_a_stage_that_stops_first_writes_its_timeline(omni_dir, tmp_path, monkey
                         step_profiler.SKIP_ENV: "0", step_profiler.STEPS_ENV: "100000",
                         step_profiler.OPS_ENV: "0"}.items():
         monkeypatch.setenv(name, value)
-    with Omni(model=str(omni_dir)) as omni:
+    with Omni(model=str(omni_dir), stage_overrides=in_threads(3)) as omni:
         omni.generate([{"messages": user({"type": "text", "text": "Hi."})}], short_params(thinker=4, talker=8),
                       use_tqdm=False)
     text = (tmp_path / "stage2-profile.txt").read_text()  # written when code2wav shut down
@@ -52,7 +53,7 @@ def test_per_stage_skips_and_the_python_profile(omni_dir, tmp_path, monkeypatch)
                         step_profiler.SKIP_ENV: "0:1,1:3", step_profiler.STEPS_ENV: "2",
                         step_profiler.OPS_ENV: "0", step_profiler.PYTHON_ENV: "1"}.items():
         monkeypatch.setenv(name, value)
-    with Omni(model=str(omni_dir)) as omni:
+    with Omni(model=str(omni_dir), stage_overrides=in_threads(3)) as omni:
         omni.generate([{"messages": user({"type": "text", "text": "Hi."})}], short_params(thinker=8, talker=8),
                       use_tqdm=False)
     thinker, talker = ((tmp_path / f"stage{i}-profile.txt").read_text() for i in (0, 1))

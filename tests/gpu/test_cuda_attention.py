@@ -12,7 +12,7 @@ from vllm_omni.model_executor.forward_context import AttentionMetadata  # noqa: 
 from vllm_omni.model_executor.layers.attention import TorchAttentionBackend  # noqa: E402
 from vllm_omni.model_executor.layers.triton_attention import TritonAttentionBackend  # noqa: E402
 
-from ..engine.test_llm_vs_hf import hf_greedy, make_prompts  # noqa: E402
+from ..core.test_llm_vs_hf import hf_greedy, make_prompts  # noqa: E402
 
 
 def build_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, block_size=16, seed=0):

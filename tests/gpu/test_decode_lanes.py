@@ -18,6 +18,7 @@ from vllm_omni.sampling_params import SamplingParams  # noqa: E402
 from vllm_omni.stage_io import StageInputChunk, StageRequest  # noqa: E402
 from vllm_omni.worker.decode_lanes import CudaLanes, HostLanes  # noqa: E402
 from vllm_omni.worker.generation_stage_engine import GenerationStageEngine  # noqa: E402
+from vllm_omni.worker.playback_deadlines import StreamDeadlines  # noqa: E402
 
 FAMILIES = {"qwen3_tts": Qwen3TTSCode2Wav, "qwen3_omni_moe": Qwen3OmniMoeCode2Wav}
 CONFIG = Code2WavStreamConfig(initial_chunk_frames=1, chunk_frames=6, left_context_frames=8)
@@ -51,7 +52,10 @@ def test_first_chunks_do_not_wait_for_later_chunks_on_the_gpu(tiny_model, family
               for rid, n in (("a", 30), ("b", 23), ("c", 41), ("new", 17))}
 
     lanes = CudaLanes(torch.device("cuda"))
-    engine = GenerationStageEngine(model, OmniGenerationScheduler(8), stage_id=1, device="cuda", lanes=lanes)
+    # The tiny codecs' frames last well under a millisecond: a first-audio target below zero
+    # stands for streams with more sound left than a new one's margin (its first chunk goes first).
+    engine = GenerationStageEngine(model, OmniGenerationScheduler(8), stage_id=1, device="cuda", lanes=lanes,
+                                   deadlines=StreamDeadlines(first_audio_target_s=-1.0))
     audio: dict[str, list[torch.Tensor]] = {}
     for rid in "abc":
         _open(engine, rid, frames[rid])

@@ -42,7 +42,7 @@ def test_static_input_scale_on_scaled_mm():
 
 def test_a_bf16_stage_runs_its_fp8_layers_on_scaled_mm_and_accepts_force_cutlass(tiny_model):
     from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
-    from vllm_omni.config.diffusion_quantization_spec import DiffusionQuantization
+    from vllm_omni.model_executor.models.diffusion_quantization_spec import DiffusionQuantization
     from vllm_omni.model_executor.models.qwen_image.model import QwenImageModel
 
     model = QwenImageModel.load(tiny_model("qwen_image"), device=torch.device("cuda"), dtype=torch.bfloat16,

@@ -67,3 +67,28 @@ def test_offloaded_blocks_compute_the_same_with_two_blocks_of_memory():
     print(f"resident {resident_s * 1e3:.1f} ms, offloaded {offloaded_s * 1e3:.1f} ms, copies alone "
           f"{copies_s * 1e3:.1f} ms")
     assert offloaded_s < resident_s + copies_s  # overlapped, not serialized
+
+
+def test_wan_experts_offloaded_on_cuda_make_the_same_video(tiny_model):
+    """Wan2.2 A14B (tiny) on CUDA: each expert's blocks offloaded to pinned CPU memory, the video
+    crossing the expert boundary equals the resident model's (with cpu_offload too: the experts'
+    blocks stay where layerwise offload put them, only the text encoder and the VAE visit)."""
+    from tests.diffusion.conftest import WanCase, run_engine, video_of
+    from vllm_omni.diffusion.engine import DiffusionEngine
+    from vllm_omni.model_executor.models.wan2_2.model import WanModel
+
+    folder, cuda = tiny_model("wan2_2", layout="a14b"), torch.device("cuda")
+    case = WanCase("a", "a red fox running in the snow",
+                   params=dict(height=32, width=48, num_frames=5, num_inference_steps=4, guidance_scale=4.0, seed=5))
+
+    def video(**load):
+        model = WanModel.load(folder, device=cuda, dtype=torch.float32, **load)
+        return video_of(run_engine(DiffusionEngine(model, stage_id=0, max_batch_size=2), [case])["a"])
+
+    want = video()
+    offloads = []
+    got = video(cpu_offload=True, offload_blocks=lambda blocks, device: offloads.append(
+        LayerwiseOffload.install(blocks, device)))
+    assert len(offloads) == 2 and all(o.copies > 0 and o.cuda for o in offloads)
+    assert all(b.host.is_pinned() for o in offloads for b in o.blocks)
+    assert (got - want).abs().max() <= 1e-5

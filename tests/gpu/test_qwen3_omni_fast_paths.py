@@ -16,7 +16,7 @@ from vllm_omni.model_executor.layers.moe import grouped_mm_available  # noqa: E4
 from vllm_omni.model_executor.models.predictor_graphs import PredictorFrame, PredictorGraphs  # noqa: E402
 from vllm_omni.sampling_params import SamplingParams  # noqa: E402
 
-from ..engine.test_llm_vs_hf import make_prompts  # noqa: E402
+from ..core.test_llm_vs_hf import make_prompts  # noqa: E402
 
 
 def engine(path, stage: str, dtype: str, eager: bool, architecture: str | None = None) -> LLMEngine:

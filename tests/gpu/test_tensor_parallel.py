@@ -18,7 +18,7 @@ import torch
 if torch.cuda.device_count() < 2:
     pytest.skip("needs 2 CUDA devices", allow_module_level=True)
 
-from tests.engine.test_llm_vs_hf import make_prompts  # noqa: E402
+from tests.core.test_llm_vs_hf import make_prompts  # noqa: E402
 from tests.parallel.test_tp_thinkers import FAMILIES, run_batch  # noqa: E402
 from vllm_omni import LLM, SamplingParams  # noqa: E402
 from vllm_omni.core.engine_config import EngineConfig  # noqa: E402

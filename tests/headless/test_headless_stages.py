@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import in_threads
 from tests.pipeline.conftest import pid_alive, wait_until
 from tests.server.under_load import assert_each_ended, post_until
 from tests.server.conftest import REPO, ServerProcess, free_port
@@ -85,10 +86,10 @@ def model(tiny_model) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(model, tmp_path_factory) -> dict[str, tuple]:
-    """The same requests on the one-process deployment (every stage launched by the server)."""
+    """The same requests on the one-process deployment (every stage a thread of the server)."""
     tmp = tmp_path_factory.mktemp("one-process")
-    proc = ServerProcess.launch([str(model), "--served-model-name", NAME, "--stage-overrides", json.dumps(OVERRIDES)],
-                                tmp / "server.log")
+    proc = ServerProcess.launch([str(model), "--served-model-name", NAME, "--stage-overrides",
+                                 json.dumps(in_threads(3, OVERRIDES))], tmp / "server.log")
     try:
         proc.wait_ready(READY_S)
         return {"speech": answer(proc, SPEECH), "text": answer(proc, TEXT)}

@@ -1,5 +1,5 @@
 """Chunk options set on a deploy file's connector reach the code2wav stage of a running pipeline
-(real stage processes, tiny Qwen3-TTS): `initial_codec_chunk_frames: 1, codec_chunk_frames: 3`
+(stages as threads, tiny Qwen3-TTS): `initial_codec_chunk_frames: 1, codec_chunk_frames: 3`
 streams the first audio chunk after one talker frame and then chunks that grow to 3 frames
 (code2wav_stream.py's ramp: 1, 2, 3, 3, ...), and the joined chunks are the audio of the
 non-streaming path (code2wav's whole-request decode of the same codes). A bad value stops
@@ -13,6 +13,7 @@ import asyncio
 import pytest
 import torch
 
+from tests.conftest import in_threads
 from tests.models.codec_streams import audio_of, open_empty, run_stream, snr_db
 from tests.models.test_qwen3_tts import CASES, SEED, case_prompt
 from vllm_omni import AsyncOmni, Omni
@@ -52,7 +53,7 @@ async def collect(omni, prompt, params):
 
 def test_connector_chunk_options_shape_the_streamed_audio(custom_voice, tmp_path):
     deploy = deploy_file(tmp_path, "{initial_codec_chunk_frames: 1, codec_chunk_frames: 3}")
-    omni = AsyncOmni(model=str(custom_voice), deploy_config=deploy)
+    omni = AsyncOmni(model=str(custom_voice), deploy_config=deploy, stage_overrides=in_threads(2))
     try:
         outs = asyncio.run(collect(omni, case_prompt("CustomVoice", CASES["CustomVoice"][0]), [TALKER, None]))
     finally:

@@ -41,18 +41,6 @@ THINKER_TOKENS, TALKER_TOKENS = 12, 48
 
 
 @pytest.fixture(scope="module")
-def omni_dir(tmp_path_factory):
-    import vllm_omni.testing.tiny_omni  # noqa: F401  (registers "qwen2_5_omni")
-    from vllm_omni.testing.tiny_models import make_tiny_model
-    from vllm_omni.testing.tokenizer import make_tiny_tokenizer
-
-    ids = make_tiny_tokenizer().convert_tokens_to_ids
-    # transformers' thinker get_rope_index reads vision_start_token_id from the thinker config.
-    vision = {"vision_start_token_id": ids("<|vision_bos|>"), "vision_end_token_id": ids("<|vision_eos|>")}
-    return make_tiny_model("qwen2_5_omni", tmp_path_factory.mktemp("omni"), thinker_config=vision)
-
-
-@pytest.fixture(scope="module")
 def hf_model(omni_dir):
     from transformers import Qwen2_5OmniForConditionalGeneration
 

@@ -1,21 +1,24 @@
-"""Qwen3-TTS through the whole pipeline (bundled configs, real stage processes) against qwen-tts:
+"""Qwen3-TTS through the whole pipeline (bundled configs, stages as threads) against qwen-tts:
 `Omni(model).generate` and `vllm-omni generate` speak exactly what qwen-tts speaks (greedy; the
 reference waveforms of tests/reference/qwen_tts/fixtures), and refuse bad voices before any
 stage runs."""
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
 import pytest
 import soundfile as sf
 
+from tests.conftest import in_threads
 from tests.models.test_qwen3_tts import CASES, MAX_NEW_TOKENS, REFERENCE, SEED, WAVE_ATOL, case_prompt
 from vllm_omni import Omni
 from vllm_omni.entrypoints.cli.main import main
 
 # qwen-tts' greedy settings (see test_qwen3_tts.greedy), as per-stage overrides.
 GREEDY = [{"temperature": 0.0, "max_tokens": MAX_NEW_TOKENS - 1, "repetition_penalty": 1.05, "min_tokens": 2}, None]
+BATCH_4 = in_threads(2, {"0": {"max_num_seqs": 4}, "1": {"max_num_seqs": 4}})
 
 
 def reference_wave(task: str, name: str) -> np.ndarray:
@@ -29,7 +32,7 @@ def custom_voice(tiny_model):
 
 def test_omni_generate_speaks_like_qwen_tts(custom_voice):
     cases = CASES["CustomVoice"]
-    with Omni(model=str(custom_voice), stage_overrides={"0": {"max_num_seqs": 4}, "1": {"max_num_seqs": 4}}) as omni:
+    with Omni(model=str(custom_voice), stage_overrides=BATCH_4) as omni:
         outputs = omni.generate([case_prompt("CustomVoice", c) for c in cases], GREEDY, use_tqdm=False)
         with pytest.raises(ValueError, match=r"unknown voice 'nobody'; available voices: \['eric', 'ryan', 'vivian'\]"):
             omni.generate([{"prompt": "Hi", "speaker": "nobody"}], use_tqdm=False)
@@ -49,7 +52,8 @@ def test_cli_generate_writes_the_wav(custom_voice, tmp_path, capsys):
     out_dir = tmp_path / "out"
     argv = ["generate", str(custom_voice), "--prompt", case["text"], "--speaker", case["speaker"],
             "--instructions", case["instruct"], "--language", case["language"], "--temperature", "0",
-            "--max-tokens", str(MAX_NEW_TOKENS - 1), "--output-dir", str(out_dir)]
+            "--max-tokens", str(MAX_NEW_TOKENS - 1), "--output-dir", str(out_dir),
+            "--stage-overrides", json.dumps(in_threads(2))]
     assert main(argv) == 0, capsys.readouterr().out
     wave, rate = sf.read(out_dir / "reply_0.wav", dtype="float32")
     assert rate == 24000
@@ -65,10 +69,9 @@ def test_streaming_edge_starts_code2wav_early_and_changes_nothing(custom_voice):
     handing over finished requests (up to the chunked decode's 25-frame context)."""
     cases = CASES["CustomVoice"]
     prompts = [case_prompt("CustomVoice", c) for c in cases]
-    overrides = {"0": {"max_num_seqs": 4}, "1": {"max_num_seqs": 4}}
     results = {}
     for streaming in (False, True):
-        with Omni(model=str(custom_voice), stage_overrides=overrides, async_chunk=streaming) as omni:
+        with Omni(model=str(custom_voice), stage_overrides=BATCH_4, async_chunk=streaming) as omni:
             outs = omni.generate(prompts, GREEDY, use_tqdm=False)
             early = omni._runtime.orchestrator.stage_counters[1].get("early_starts", 0)
         assert early == (len(cases) if streaming else 0)

@@ -1,9 +1,7 @@
+"""The Qwen2.5-Omni input processor on the session's tiny checkpoint (tests/conftest.py
+`omni_dir`), built once for the package: loading its tokenizer and feature extractors is the
+slow part of these tests."""
 import pytest
-
-
-@pytest.fixture(scope="session")
-def omni_dir(tiny_model):
-    return tiny_model("qwen2_5_omni")
 
 
 @pytest.fixture(scope="session")

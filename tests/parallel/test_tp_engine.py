@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.test_llm_vs_hf import make_prompts
+from tests.core.test_llm_vs_hf import make_prompts
 from vllm_omni import LLM, SamplingParams
 
 ARCHS = ["qwen2", "qwen3", "qwen3_moe"]

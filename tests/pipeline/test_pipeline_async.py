@@ -1,17 +1,20 @@
-"""AsyncOmni: streaming final outputs, aborts that reach every stage and free KV blocks."""
+"""AsyncOmni: streaming final outputs, aborts that reach every stage and free KV blocks (the toy
+pipeline's stages as threads; tests/pipeline/test_pipeline_e2e.py runs them as processes)."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
 
+from tests.conftest import in_threads
 from tests.pipeline.conftest import assert_matches, random_prompts, run_reference
 from vllm_omni import AsyncOmni, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def async_omni(toy_pipeline):
-    omni = AsyncOmni(model=str(toy_pipeline.thinker), stage_configs_path=str(toy_pipeline.long_yaml))
+    omni = AsyncOmni(model=str(toy_pipeline.thinker), stage_configs_path=str(toy_pipeline.long_yaml),
+                     stage_overrides=in_threads(3))
     yield omni
     omni.close()
 

@@ -146,7 +146,8 @@ class OneUnitChunks:
     def decode_streams(self, decoders):
         for d in decoders:
             d.pending, d.consumed = d.pending - 1, d.consumed + 1
-        return [{"x": torch.zeros(1)} for _ in decoders]
+        # One second of audio a unit: a stream that has played is not due for a while.
+        return [{"audio": torch.zeros(10), "sample_rate": torch.tensor(10)} for _ in decoders]
 
 
 def test_streams_share_the_batch_round_robin():

@@ -1,5 +1,6 @@
-"""One `vllm-omni serve` of the embedded demo model (tiny Qwen2.5-Omni) for the realtime,
-transcription and page tests, and a realtime client over a real WebSocket (`websockets`)."""
+"""The session's demo server (tests/conftest.py `demo_server`: the embedded tiny Qwen2.5-Omni) for
+the realtime, transcription and page tests, and a realtime client over a real WebSocket
+(`websockets`)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,27 +13,18 @@ import openai
 import pytest
 import websockets
 
+from tests.conftest import DEMO_MAX_HISTORY_AUDIO_S, DEMO_MAX_INPUT_AUDIO_S
 from tests.server.conftest import ServerProcess
 from vllm_omni.entrypoints.cli.serve import DEMO_SERVED_NAME
 
-MAX_INPUT_AUDIO_S = 10  # --realtime-max-input-audio-s of the test server
-MAX_HISTORY_AUDIO_S = 25
+MAX_INPUT_AUDIO_S = DEMO_MAX_INPUT_AUDIO_S  # --realtime-max-input-audio-s of the demo server
+MAX_HISTORY_AUDIO_S = DEMO_MAX_HISTORY_AUDIO_S
 EVENT_TIMEOUT_S = 90.0  # one event; generous for a loaded 2-core machine
 
 
 @pytest.fixture(scope="session")
-def demo(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("realtime-demo")
-    # The demo model lives in the user's cache, as for `vllm-omni serve` with no MODEL.
-    # Replies of at most 24 thinker tokens (unless a request says otherwise) keep every test short.
-    srv = ServerProcess.launch(["--realtime-max-input-audio-s", str(MAX_INPUT_AUDIO_S),
-                                "--realtime-max-history-audio-s", str(MAX_HISTORY_AUDIO_S),
-                                "--stage-overrides", json.dumps({"0": {"default_sampling_params": {"max_tokens": 24}}})],
-                               tmp / "server.log")
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
+def demo(demo_server):
+    return demo_server
 
 
 def openai_client(server: ServerProcess) -> openai.OpenAI:

@@ -1,4 +1,5 @@
-"""/v1/images/generations on a real `vllm-omni serve` of the tiny Qwen-Image, with the `openai` client.
+"""/v1/images/generations on a real `vllm-omni serve` of the tiny Qwen-Image (its stage a thread of
+the server), with the `openai` client.
 
 Images are checked against diffusers' own QwenImagePipeline run in this process (8-bit PNGs:
 equal up to one level where a float pixel sits on a rounding edge)."""
@@ -7,6 +8,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import io
+import json
 import time
 
 import httpx
@@ -16,6 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.conftest import in_threads
 from tests.pipeline.conftest import wait_until
 from tests.server.conftest import ServerProcess
 
@@ -34,7 +37,8 @@ def server(model_dir, tmp_path_factory):
     # Layerwise offload and the pipeline profiler change no image (the tests at the end check the profiler).
     srv = ServerProcess.launch([str(model_dir), "--served-model-name", NAME, "--max-generated-image-size",
                                 str(MAX_PIXELS), "--default-sampling-params", '{"0": {"num_inference_steps": 2}}',
-                                "--enable-layerwise-offload", "--enable-diffusion-pipeline-profiler"],
+                                "--enable-layerwise-offload", "--enable-diffusion-pipeline-profiler",
+                                "--stage-overrides", json.dumps(in_threads(1))],
                                tmp / "stdout.log")
     try:
         yield srv.wait_ready()

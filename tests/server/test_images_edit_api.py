@@ -1,17 +1,19 @@
-"""/v1/images/edits (multipart) on a real server of the tiny Qwen-Image-Edit, with the `openai`
-client. The edit runs at the pipeline's real condition size (about 1024 x 1024 pixels), the
+"""/v1/images/edits (multipart) on a real server of the tiny Qwen-Image-Edit (its stage a thread of
+the server), with the `openai` client. The edit runs at the pipeline's real condition size (about 1024 x 1024 pixels), the
 slowest request of the tiny models; its pixels are checked against diffusers in
 tests/diffusion/test_qwen_image_edit_vs_diffusers.py."""
 from __future__ import annotations
 
 import base64
 import io
+import json
 
 import numpy as np
 import openai
 import pytest
 from PIL import Image
 
+from tests.conftest import in_threads
 from tests.server.conftest import ServerProcess
 
 NAME = "tiny-edit"
@@ -27,7 +29,8 @@ def png(width: int, height: int, seed: int = 0) -> bytes:
 @pytest.fixture(scope="module")
 def edit_server(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("edit-server")
-    srv = ServerProcess.launch([str(tiny_model("qwen_image_edit")), "--served-model-name", NAME],
+    srv = ServerProcess.launch([str(tiny_model("qwen_image_edit")), "--served-model-name", NAME,
+                                "--stage-overrides", json.dumps(in_threads(1))],
                                tmp / "stdout.log").wait_ready()
     try:
         yield srv

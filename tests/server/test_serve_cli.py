@@ -156,4 +156,5 @@ def test_flags_reach_async_omni(monkeypatch):
                     "heartbeat_timeout": 3.0, "max_stage_restarts": 3, "lb_policy": "random",
                     "worker_backend": "ray", "ray_address": "auto", "max_num_seqs": 8, "dtype": "float32",
                     "stage_id": None, "master_address": None, "master_port": None, "omni_secret_file": None,
-                    "max_message_bytes": 1 << 30, "max_replicas_per_stage": 16, "registration_rate": 10.0}
+                    "max_message_bytes": 1 << 30, "max_replicas_per_stage": 16, "registration_rate": 10.0,
+                    "admission_policy": "off", "admission_headroom": 0.2, "admission_max_wait": 10}

@@ -5,26 +5,12 @@ import base64
 import io
 
 import openai
-import pytest
 import soundfile as sf
 
-from tests.server.conftest import ServerProcess
 from vllm_omni.entrypoints.cli.serve import DEMO_SERVED_NAME
 
 
-@pytest.fixture(scope="module")
-def demo_server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("demo-server")
-    # A fresh cache: the server builds the demo model itself, as on a new user's machine.
-    srv = ServerProcess.launch(["--omni"], tmp / "server.log", env={"VLLM_OMNI_CACHE": str(tmp / "cache")},
-                               entry="vllm")
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
-
-
-def test_demo_model_answers_a_chat_request(demo_server):
+def test_demo_model_answers_a_chat_request(demo_server):  # the session's (tests/conftest.py): fresh cache
     client = openai.OpenAI(base_url=f"{demo_server.url}/v1", api_key="none", max_retries=0, timeout=120)
     assert [m.id for m in client.models.list().data] == [DEMO_SERVED_NAME]
     resp = client.chat.completions.create(model=DEMO_SERVED_NAME, max_tokens=8,

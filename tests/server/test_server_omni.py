@@ -2,8 +2,9 @@
 `openai` client: text and speech equal to what `Omni.generate` returns for the same request,
 streaming, input media, every error status, 16 concurrent requests, disconnects, /metrics.
 
-The reference `Omni` runs in this process (started while the server boots) with the same
-stage overrides; outputs are compared exactly (speech after the 16-bit PCM encoding).
+The server runs real stage processes (the last test kills one); the reference `Omni` runs in
+this process (started while the server boots) with the same stage overrides and its stages as
+threads; outputs are compared exactly (speech after the 16-bit PCM encoding).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import openai
 import pytest
 import soundfile as sf
 
+from tests.conftest import in_threads
 from tests.multimodal.media_files import audio_bytes, image_bytes, mp4_bytes
 from tests.pipeline.conftest import wait_until
 from tests.server.conftest import ServerProcess, free_port
@@ -82,7 +84,7 @@ def env(tiny_model, tmp_path_factory):
     httpd = ThreadingHTTPServer(("127.0.0.1", free_port()), partial(_QuietHandler, directory=str(media)))
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
-        omni = Omni(model=str(model), stage_overrides=OVERRIDES)  # loads while the server starts
+        omni = Omni(model=str(model), stage_overrides=in_threads(3, OVERRIDES))  # loads while the server starts
         try:
             server.wait_ready()
             client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 
 import httpx
 import openai
@@ -52,7 +53,6 @@ def test_the_ar_profiler_reports_each_stage_in_the_response_and_metrics(server):
     assert server.metric("vllm_omni:request_stage_duration_seconds_count", phase="ar_stage_1.decode") >= 1
 
 
-
 def test_completions_and_streams_carry_the_durations_too(server):
     body = server.post("/v1/completions", {"model": DEMO_SERVED_NAME, "prompt": ["Hi", "Bye"], "max_tokens": 3}).json()
     assert [set(c["metrics"]["stage_durations"]) >= {"ar_stage_0", "ar_stage_0.decode"} for c in body["choices"]] == [
@@ -72,11 +72,14 @@ def test_sleep_and_wake_up_at_both_levels(server):
         assert server.get("/is_sleeping").json() == {"is_sleeping": True}
         asleep = server.post("/v1/chat/completions", CHAT)
         assert asleep.status_code == 503 and "sleeping" in asleep.json()["error"]["message"]
+        if level == 1:  # past the heartbeat timeout (3 s): a sleeping stage still beats, it is not down
+            time.sleep(3.5)
         assert server.get("/health").status_code == 200
         for tags in wake:  # level 2 wakes the weights, then the KV cache (vLLM's tags)
             assert httpx.post(f"{server.url}/wake_up", params={"tags": tags} if tags else None,
                               timeout=120).status_code == 200
         assert server.get("/is_sleeping").json() == {"is_sleeping": False}
+        assert server.get("/health").status_code == 200
         assert _answer(_chat(server)) == before, f"level {level}"
 
 

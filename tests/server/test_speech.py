@@ -1,5 +1,6 @@
 """POST /v1/audio/speech and GET /v1/audio/voices on real `vllm-omni serve` processes with the tiny
-Qwen3-TTS checkpoints (one server per task type), through the official `openai` client.
+Qwen3-TTS checkpoints (one server per task type, its two stages as threads of the server), through
+the official `openai` client.
 
 - every response format decodes to the same speech (wav/pcm: the same 16-bit samples, flac
   within 1 LSB; mp3/opus/aac: the same duration);
@@ -31,13 +32,14 @@ import pytest
 import soundfile as sf
 
 from tests.multimodal.media_files import flac_bomb
+from tests.conftest import in_threads
 from tests.server.conftest import REPO, ServerProcess
 
 SR = 24000
 FRAMES = 12  # codec frames per request (12.5 Hz: ~1 s of speech)
 MAX_INSTRUCTIONS = 40
-OVERRIDES = json.dumps({"0": {"max_num_seqs": 8, "default_sampling_params": {"max_tokens": FRAMES}},
-                        "1": {"max_num_seqs": 8}})
+OVERRIDES = json.dumps(in_threads(2, {"0": {"max_num_seqs": 8, "default_sampling_params": {"max_tokens": FRAMES}},
+                                       "1": {"max_num_seqs": 8}}))
 TEXTS = ["Hello! How are you today?", "The weather is nice today.", "What is the capital of France?",
          "Please write a short poem.", "Once upon a time.", "A journey of a thousand miles.",
          "She sells sea shells.", "Numbers: 1 2 3."]

@@ -220,8 +220,8 @@ def _check_diffusion_stages(stages: tuple[StageConfig, ...], merged: dict[int, _
             _check_acceleration(stage, merged[stage.stage_id])
 
 
-def _check_settings_have_a_stage(stages: tuple[StageConfig, ...], merged: dict[int, _Merged],
-                                 worker_type: WorkerType, settings: dict[str, schema.FieldSpec], kind: tuple[str, str]) -> None:
+def _check_settings_have_a_stage(stages: tuple[StageConfig, ...], merged: dict[int, _Merged], worker_type: WorkerType,
+                                 settings: dict[str, schema.FieldSpec], kind: tuple[str, str]) -> None:
     """Settings of one kind of stage (CLI flags apply them to every stage) need such a stage to use them."""
     if any(s.worker_type == worker_type for s in stages):
         return

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_omni.config.errors import BadValue
-from vllm_omni.config.diffusion_attention_spec import DiffusionAttentionConfig, parse_selector
-from vllm_omni.config.diffusion_quantization_spec import DiffusionQuantization
+from vllm_omni.model_executor.models.diffusion_attention_spec import DiffusionAttentionConfig, parse_selector
+from vllm_omni.model_executor.models.diffusion_quantization_spec import DiffusionQuantization
 
 
 def check_quantization(v: Any) -> DiffusionQuantization | None:

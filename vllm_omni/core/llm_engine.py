@@ -98,7 +98,7 @@ class LLMEngine:
         self._pending: _InFlight | None = None
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                            config.enable_chunked_prefill),
+                            config.enable_chunked_prefill, audio_seconds_per_token=self.model.audio_seconds_per_token),
             self.block_manager,
         )
         logger.info(

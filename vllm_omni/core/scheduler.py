@@ -10,15 +10,25 @@ its next position has no input yet (or it is paused by flow control). It then le
 batch for `waiting_for_input`, keeping its KV blocks but not its batch slot, and comes back
 (before any new request) once `wake()` finds it computable. Such requests are the first
 preempted when the pool runs dry: they hold memory and do no work.
+
+A talker whose tokens become audio downstream (`audio_seconds_per_token`) orders its requests by
+playback deadline instead of arrival (vllm_omni/playback.py, `token_deadline`): the waiting ones
+are admitted earliest deadline first (a new request is due at its arrival + the first-audio
+target, a preempted one when the audio of its tokens has played), and the running ones are kept
+in deadline order, so the one preempted first is the one with the most audio ahead of its
+listener. Every running row still decodes each step: the order matters only at admission and
+preemption (docs/streaming.md, "Scheduling by playback deadline").
 """
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vllm_omni.core.block_manager import BlockManager
 from vllm_omni.core.request import Request, RequestStatus
+from vllm_omni.playback import DEFAULT_FIRST_AUDIO_TARGET_S, token_deadline
 
 
 @dataclass(frozen=True)
@@ -29,11 +39,17 @@ class SchedulerConfig:
     # False (vLLM's enable_chunked_prefill=False): a prompt is prefilled in one step or waits.
     # Recomputing a preempted request may still take several steps (same results).
     enable_chunked_prefill: bool = True
+    # Seconds of audio each output token becomes downstream (a talker's codec frame); None: order
+    # requests by arrival (not an audio stream).
+    audio_seconds_per_token: float | None = None
+    first_audio_target_s: float = DEFAULT_FIRST_AUDIO_TARGET_S
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.audio_seconds_per_token is not None and not self.audio_seconds_per_token > 0:
+            raise ValueError(f"audio_seconds_per_token must be > 0, got {self.audio_seconds_per_token}")
 
 
 @dataclass
@@ -58,19 +74,35 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.clock = clock
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in arrival order: the last one is preempted first
+        # In arrival (or playback deadline) order: the last one is preempted first.
+        self.running: list[Request] = []
         self.waiting_for_input: dict[str, Request] = {}  # started, blocked on streamed input
         self.resumable: deque[Request] = deque()  # blocked ones that can go on: before `waiting`
         self.requests: dict[str, Request] = {}
+        self._arrived_at: dict[str, float] = {}  # playback order only
+
+    @property
+    def by_deadline(self) -> bool:
+        return self.config.audio_seconds_per_token is not None
+
+    def deadline(self, request: Request) -> float:
+        """When the audio of this request's tokens so far has played (playback order only)."""
+        assert self.config.audio_seconds_per_token is not None
+        return token_deadline(self._arrived_at[request.request_id], request.num_output_tokens,
+                              self.config.audio_seconds_per_token, self.config.first_audio_target_s)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        if self.by_deadline:
+            self._arrived_at[request.request_id] = self.clock()
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -100,6 +132,8 @@ class Scheduler:
             request = self.resumable.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+        if self.by_deadline:
+            self.running.sort(key=self.deadline)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -123,7 +157,7 @@ class Scheduler:
 
         # New work only when nothing had to be preempted this step (vLLM does the same):
         # admitting requests while evicting others would thrash.
-        for request in list(self.waiting):
+        for request in sorted(self.waiting, key=self.deadline) if self.by_deadline else list(self.waiting):
             if not (budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs):
                 break
             if not request.computable:  # paused, or its first input chunk is not there yet
@@ -158,9 +192,9 @@ class Scheduler:
             self.waiting_for_input[request.request_id] = request
 
     def _blocked_victim(self) -> Request | None:
-        """The newest request that holds blocks without running, if any."""
+        """The newest (latest due) request that holds blocks without running, if any."""
         parked = [*self.waiting_for_input.values(), *self.resumable]
-        return max(parked, key=lambda r: r.arrival_order) if parked else None
+        return max(parked, key=self.deadline if self.by_deadline else lambda r: r.arrival_order) if parked else None
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         if request in self.running:
@@ -194,3 +228,4 @@ class Scheduler:
                 self.waiting_for_input.pop(request.request_id, None)
             self.block_manager.free(request)
         self.requests.pop(request.request_id, None)
+        self._arrived_at.pop(request.request_id, None)

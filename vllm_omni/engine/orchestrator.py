@@ -17,6 +17,7 @@ Launching, restarting, health and shutdown of the replicas are the `StageFleet`'
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 from collections import Counter
@@ -28,6 +29,7 @@ from vllm_omni.engine.cluster_secret import CurveKeys
 from vllm_omni.engine.messages import AbortRequests, PauseRequests, StageOutputBatch
 from vllm_omni.engine.load_balancer import DEFAULT_LB_POLICY
 from vllm_omni.engine.pipeline_sleep import SLEEPING, PipelineSleep
+from vllm_omni.engine.playback_admission import AdmissionOptions, PlaybackAdmission
 from vllm_omni.engine.streaming import EdgeFlow, StreamingEdge, resolve_streaming_edges
 from vllm_omni.stage_io import OutputKind, StageInputChunk, StageOutput, StageRequest
 from vllm_omni.engine.request_plan import RequestPlan
@@ -69,6 +71,8 @@ class RuntimeOptions:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_replicas_per_stage: int = DEFAULT_MAX_REPLICAS_PER_STAGE
     registration_rate: float = DEFAULT_REGISTRATION_RATE
+    # New audio requests wait (or are refused) past the playback load (playback_admission.py).
+    admission: AdmissionOptions = field(default_factory=AdmissionOptions)
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < 1:
@@ -115,6 +119,12 @@ class Orchestrator:
         # --enable-ar-profiler: the time a request spends in these stages goes in its stage_durations.
         self._profiled = {sid for sid, s in self.stages.items()
                           if s.engine_args.enable_ar_profiler and s.worker_type != WorkerType.DIFFUSION}
+        self._audio_stages = frozenset(s.stage_id for s in pipeline.stages if s.final_output_type.value == "audio")
+        self.admission: PlaybackAdmission[Submission] = PlaybackAdmission(
+            options.admission, self._start, self._overloaded, lambda delay, fn: asyncio.get_running_loop().call_later(
+                delay, fn))
+        # Streamed input (input_complete=False) that arrives while admission holds its request.
+        self._input_while_queued: dict[str, list[tuple[dict[str, Any], bool]]] = {}
 
     # --- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
@@ -129,12 +139,14 @@ class Orchestrator:
             raise
 
     async def close(self) -> None:
+        self._fail_queued("the pipeline is shutting down")
         for state in list(self._requests.values()):
             self._fail(state, "the pipeline is shutting down", None)
         await self.fleet.close()
         if self.options.log_stats:
             for sid, counters in self.stage_counters.items():
                 logger.info("%s: %s", self.pools[sid].name, dict(counters))
+            logger.info("admission by playback load: %s", dict(self.admission.counters))
 
     # --- requests -------------------------------------------------------------
     def submit(self, sub: Submission) -> None:
@@ -147,16 +159,31 @@ class Orchestrator:
         if self.sleep_mode.sleeping:
             sub.sink.put(RequestDone(sub.request_id, error=SLEEPING))
             return
-        if sub.request_id in self._keys:
+        if sub.request_id in self._keys or self.admission.is_queued(sub.request_id):
             sub.sink.put(RequestDone(sub.request_id, error=f"request id {sub.request_id!r} is already in flight"))
             return
+        self.admission.submit(sub, sub.request_id, audio=bool(sub.plan.outputs & self._audio_stages))
+
+    def _overloaded(self, sub: Submission, why: str) -> None:
+        self._input_while_queued.pop(sub.request_id, None)
+        sub.sink.put(RequestDone(sub.request_id, error=why, overloaded=True))
+
+    def _start(self, sub: Submission) -> str | None:
+        """Send an admitted request to its entry stages; its key (None: it failed at once)."""
+        try:
+            return self._start_request(sub)
+        except Exception as e:  # noqa: BLE001 - whatever broke, the request ends with an error
+            self._fail_unexpected(sub.request_id, sub.sink, e, None)
+            return None
+
+    def _start_request(self, sub: Submission) -> str | None:
         # Only the stages this request runs must be up (a text-only request survives a dead talker).
         down = [self.fleet.stage_health(sid) for sid, p in self.pools.items() if sid in sub.plan.stages and not p.is_up]
         if down:
             reason = "; ".join(f"{self.pools[h.stage_id].name} is {h.state.value}: {h.reason or 'not ready'}"
                                for h in down)
             sub.sink.put(RequestDone(sub.request_id, error=reason, failed_stage=down[0].stage_id))
-            return
+            return None
         key = f"{sub.request_id}#{next(self._counter)}"
         state = RequestState(sub.request_id, key, sub.prompt, sub.prompt_token_ids, sub.params, sub.sink,
                              stages=sub.plan.stages, output_stages=sub.plan.outputs)
@@ -169,14 +196,21 @@ class Orchestrator:
                 continue
             if not self._send(state, stage.stage_id, sub.prompt_token_ids, text, info,
                               sub.prompt.get("multi_modal_data"), input_complete=sub.input_complete):
-                return
+                return None
+        for info, final in self._input_while_queued.pop(sub.request_id, ()):
+            self.append_input(sub.request_id, info, final)
+        return key
 
     async def sleep(self, level: int) -> None:
-        await self.sleep_mode.sleep(level, in_flight=lambda: len(self._requests))
+        # Requests that playback admission holds count too: they would start in a sleeping pipeline.
+        await self.sleep_mode.sleep(level, in_flight=lambda: len(self._requests) + self.admission.queued)
 
     def append_input(self, request_id: str, info: dict[str, Any], final: bool) -> None:
         """More input for a request submitted with input_complete=False: a chunk to each entry
         stage still running it (one that finished early, e.g. at max_tokens, gets nothing)."""
+        if self.admission.is_queued(request_id):  # sent when admission starts it
+            self._input_while_queued.setdefault(request_id, []).append((info, final))
+            return
         key = self._keys.get(request_id)
         if key is None:
             return  # finished or aborted meanwhile
@@ -189,6 +223,11 @@ class Orchestrator:
                     return
 
     def abort(self, request_id: str) -> None:
+        queued = self.admission.take(request_id)
+        self._input_while_queued.pop(request_id, None)
+        if queued is not None:
+            queued.sink.put(RequestDone(request_id, aborted=True))
+            return
         key = self._keys.get(request_id)
         if key is None:
             return  # finished (or never existed): nothing to abort
@@ -263,6 +302,8 @@ class Orchestrator:
             return
         state.replay.pop(stage_id, None)  # it answered: from now on the request stays on this replica
         state.apply(stage_id, out)
+        if stage_id in self._audio_stages:
+            self._audio_chunk(state, stage_id, out)
         if out.finished:
             pool.release(state.key)
             if stage_id in self._profiled:
@@ -362,6 +403,13 @@ class Orchestrator:
         self._send_message(state, edge.src, PauseRequests([state.key], paused))
         self.stage_counters[edge.src]["pauses" if paused else "resumes"] += 1
 
+    def _audio_chunk(self, state: RequestState, stage_id: int, out: StageOutput) -> None:
+        """The playback load counts every chunk of audio the pipeline hands on."""
+        audio = out.multimodal_output.get("audio")
+        rate = state.outputs[stage_id].outputs[0].multimodal_output.get("sample_rate")
+        if audio is not None and rate is not None and int(rate) > 0:
+            self.admission.chunk(state.key, audio.numel() / int(rate))
+
     def _count(self, state: RequestState, stage_id: int) -> None:
         c = self.stage_counters[stage_id]
         t = state.timings[stage_id]
@@ -427,6 +475,7 @@ class Orchestrator:
             self._abort_in(state, frozenset(state.outputs))
         for pool in self.pools.values():
             pool.release(state.key)
+        self.admission.finished(state.key)  # may start a queued request
 
     def _abort_in(self, state: RequestState, stage_ids: frozenset[int]) -> None:
         """Abort the request in those of `stage_ids` that got it and have not finished it."""
@@ -473,8 +522,15 @@ class Orchestrator:
                 break  # it failed (and was told so)
         return True
 
+    def _fail_queued(self, error: str) -> None:
+        while self.admission.queued:
+            sub = self.admission.take_first()
+            self._input_while_queued.pop(sub.request_id, None)
+            sub.sink.put(RequestDone(sub.request_id, error=error))
+
     def fail_all(self, error: str) -> None:
         """Used when the loop stops for good: no request may wait forever."""
+        self._fail_queued(error)
         for state in list(self._requests.values()):
             self._fail(state, error, None)
 

@@ -23,6 +23,7 @@ class RequestDone:
     error: str | None = None
     failed_stage: int | None = None
     aborted: bool = False
+    overloaded: bool = False  # not admitted: the pipeline is at its playback load (HTTP 429)
 
 
 class RequestSink(Protocol):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ from vllm_omni.engine.request_plan import check_modalities, plan_request
 from vllm_omni.engine.request_state import RequestSink
 from vllm_omni.engine.stage_client import StageHealth
 from vllm_omni.engine.stage_init_utils import prepare_engine_environment
+from vllm_omni.engine.stage_worker import IN_PROCESS_INIT
 from vllm_omni.engine.messages import StageStats
 from vllm_omni.inputs import needs_input_processing, parse_prompt
 from vllm_omni.multimodal.media_policy import TRUSTED, MediaPolicy
@@ -55,8 +57,11 @@ class OmniRuntime:
         self._thread.start()
         future = asyncio.run_coroutine_threadsafe(self.orchestrator.start(), self._loop)
         try:
-            # The caller's half of the startup runs while the stages load their models.
-            self._input_processor = self._load_input_processor()
+            # The caller's half of the startup runs while the stages load their models; not
+            # while a stage in this process does (IN_PROCESS_INIT: imports are not thread-safe).
+            in_process = not all(s.runtime.process for s in pipeline.stages)
+            with IN_PROCESS_INIT if in_process else contextlib.nullcontext():
+                self._input_processor = self._load_input_processor()
         except BaseException:
             self._abandon_start(future)
             raise

@@ -21,6 +21,7 @@ import zmq
 
 from vllm_omni.config.stage_config import StageConfig, WorkerType
 from vllm_omni.engine import stage_init_utils as siu
+from vllm_omni.engine.serving_stalls import freeze_startup_heap, log_kernel_compiles, log_long_pauses
 from vllm_omni.engine.step_profiler import StepProfiler
 from vllm_omni.engine.messages import (
     AbortRequests, Heartbeat, PauseRequests, Shutdown, SleepRequest, SleepStatus, StageFatal, StageInitFailed,
@@ -130,6 +131,10 @@ def run_stage_worker(spec: WorkerSpec, device: str) -> int:
             leave = "initialization failed"
             chan.send(StageInitFailed(spec.stage_id, os.getpid(), traceback.format_exc()))
             return 1
+        if not spec.in_process:  # a process of its own: nothing of the caller's heap to freeze
+            freeze_startup_heap()
+            log_long_pauses(f"stage {spec.stage_id}")
+            log_kernel_compiles(f"stage {spec.stage_id}")
         chan.send(StageReady(spec.stage_id, os.getpid(), engine.describe()))
         try:
             return _serve(engine, chan, spec, link)
@@ -177,7 +182,7 @@ def _build_engine(spec: WorkerSpec, device: str) -> StageEngine:
     # they take a lock of the process, which also keeps a neighbour's CUDA graph captures away
     # from this stage's memory profiling (a device-wide wait during a capture is an error).
     if spec.in_process:
-        with _IN_PROCESS_INIT:
+        with IN_PROCESS_INIT:
             return worker_cls(spec.stage, spec.model, device=device).build_engine()
     locks: list[int] = []
     if torch.cuda.is_available():
@@ -189,7 +194,10 @@ def _build_engine(spec: WorkerSpec, device: str) -> StageEngine:
         siu.release_device_locks(locks)
 
 
-_IN_PROCESS_INIT = threading.Lock()
+# Held while a stage that is a thread of this process builds its engine, and by the caller's
+# own startup beside it (runtime.py): first imports of transformers' lazy modules in two threads
+# at once can fail ("cannot import name 'AutoTokenizer' from 'transformers'").
+IN_PROCESS_INIT = threading.Lock()
 
 
 def _worker_class(stage: StageConfig) -> type:

@@ -39,6 +39,11 @@ class RequestFailedError(RuntimeError):
         self.stage_id = stage_id
 
 
+class PipelineOverloadedError(RequestFailedError):
+    """Not admitted: the pipeline is at its playback load (admission policy reject, or the queue's
+    wait ran out). The server answers 429."""
+
+
 class _AsyncSink:
     def __init__(self, loop: asyncio.AbstractEventLoop, wants_partial: bool = False) -> None:
         self.wants_partial = wants_partial
@@ -113,7 +118,8 @@ class AsyncOmni(OmniBase):
                     if item.error == SLEEPING:  # the pipeline fell asleep before the request reached it
                         raise PipelineSleepingError()
                     if item.error is not None:
-                        raise RequestFailedError(request_id, item.failed_stage, item.error)
+                        error = PipelineOverloadedError if item.overloaded else RequestFailedError
+                        raise error(request_id, item.failed_stage, item.error)
                     return
                 yield item
         finally:

@@ -10,6 +10,7 @@ from vllm_omni.config.stage_config import PipelineConfig
 from vllm_omni.engine.cluster_secret import load_cluster_keys
 from vllm_omni.engine.load_balancer import DEFAULT_LB_POLICY
 from vllm_omni.engine.orchestrator import RuntimeOptions
+from vllm_omni.engine.playback_admission import AdmissionOptions
 from vllm_omni.engine.request_plan import available_modalities
 from vllm_omni.engine.runtime import OmniRuntime
 from vllm_omni.engine.stage_client import StageHealth
@@ -77,7 +78,11 @@ class OmniBase:
     second (docs/operations.md, "Security: the stage transport").
 
     `media_policy`: where the media of prompts may come from and how much they may decode to
-    (multimodal/media_policy.py; TRUSTED: any file or address, the default decode limits)."""
+    (multimodal/media_policy.py; TRUSTED: any file or address, the default decode limits).
+
+    `admission_policy` ("queue", "reject" or "off"), `admission_headroom`, `admission_max_wait`:
+    new audio requests wait (or fail as overloaded) while the pipeline is at its playback load
+    (engine/playback_admission.py, docs/streaming.md)."""
 
     def __init__(
         self,
@@ -105,6 +110,9 @@ class OmniBase:
         max_replicas_per_stage: int = DEFAULT_MAX_REPLICAS_PER_STAGE,
         registration_rate: float = DEFAULT_REGISTRATION_RATE,
         strategy_config: str | os.PathLike | None = None,
+        admission_policy: str = AdmissionOptions.policy,
+        admission_headroom: float = AdmissionOptions.headroom,
+        admission_max_wait: float = AdmissionOptions.max_wait_s,
         **engine_args: Any,
     ) -> None:
         model = os.fspath(model)
@@ -122,7 +130,9 @@ class OmniBase:
                                  cluster_keys=load_cluster_keys(omni_secret_file) if master_address else None,
                                  max_message_bytes=int(max_message_bytes),
                                  max_replicas_per_stage=int(max_replicas_per_stage),
-                                 registration_rate=float(registration_rate))
+                                 registration_rate=float(registration_rate),
+                                 admission=AdmissionOptions(admission_policy, float(admission_headroom),
+                                                            float(admission_max_wait)))
         self._runtime = OmniRuntime(pipeline, model, options, output_modalities, media_policy)
 
     @property

@@ -6,9 +6,9 @@ alone. A whole request is `FINAL_ONLY` by nature: its one output is its whole re
 A request whose input streams in (`input_complete=False`, a streaming edge from a talker)
 gets a `StreamingDecoder` from the model; its units arrive with `add_input`, and each step
 decodes, in one batched call, a chunk of up to max_batch_size requests whose decoders are
-ready (round robin among them; new streams' first chunks in steps of their own; no more than
-the model's `streams_per_step` says), sending each chunk on at once with how many units it has
-consumed (flow control upstream).
+ready (earliest playback deadline first, playback_deadlines.py; new streams' first chunks in
+calls of their own; no more than the model's `streams_per_step` says), sending each chunk on at
+once with how many units it has consumed (flow control upstream).
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import torch
 
 from vllm_omni.core.sched.omni_generation_scheduler import OmniGenerationScheduler
 from vllm_omni.worker.decode_lanes import CudaLanes, HostLanes, Launched, decode_lanes
+from vllm_omni.worker.playback_deadlines import StepPlan, StreamDeadlines
 
 from vllm_omni.stage_io import (
     STREAM_UNITS_KEY, GenerationModel, StageInputChunk, StageOutput, StageRequest, StreamingDecoder,
@@ -42,8 +43,10 @@ class _InFlight:
 
 class GenerationStageEngine:
     def __init__(self, model: GenerationModel, scheduler: OmniGenerationScheduler, *, stage_id: int,
-                 device: str = "cpu", lanes: HostLanes | CudaLanes | None = None) -> None:
-        """`lanes`: where stream decodes run (default: `decode_lanes` for the model and device)."""
+                 device: str = "cpu", lanes: HostLanes | CudaLanes | None = None,
+                 deadlines: StreamDeadlines | None = None) -> None:
+        """`lanes`: where stream decodes run (default: `decode_lanes` for the model and device);
+        `deadlines`: the streams' playback timelines, which order the decodes."""
         self.model = model
         self.scheduler = scheduler
         self.stage_id = stage_id
@@ -51,9 +54,8 @@ class GenerationStageEngine:
         self._ready: list[StageOutput] = []
         self._streams: dict[str, StreamingDecoder] = {}  # requests whose input streams in
         self._no_units: dict[str, torch.Tensor] = {}  # per stream: zero units of its kind, for a bare final
-        self._last_turn: dict[str, int] = {}  # per stream: the step that last decoded it (0: none yet)
         self._new: set[str] = set()  # streams whose first chunk no step has taken yet
-        self._turns = 0
+        self._deadlines = deadlines or StreamDeadlines()
         self._lanes = decode_lanes(device, model) if lanes is None else lanes
         self._in_flight: _InFlight | None = None  # later chunks launched on the GPU, not yet collected
 
@@ -78,7 +80,7 @@ class GenerationStageEngine:
             decoder.push(units, final=False)
             self._no_units[req.request_id] = units[:0]
         self._streams[req.request_id] = decoder
-        self._last_turn[req.request_id] = 0
+        self._deadlines.open(req.request_id)
         self._new.add(req.request_id)
 
     def add_input(self, chunk: StageInputChunk) -> None:
@@ -110,7 +112,7 @@ class GenerationStageEngine:
     def _close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         self._no_units.pop(request_id, None)
-        self._last_turn.pop(request_id, None)
+        self._deadlines.close(request_id)
         self._new.discard(request_id)
 
     def pause(self, request_ids: Sequence[str], paused: bool) -> None:
@@ -125,17 +127,14 @@ class GenerationStageEngine:
         outputs, self._ready = self._ready, []
         if self._in_flight is not None and self._in_flight.launched.done():
             outputs.extend(self._collect())
-        # Round robin: the streams decoded longest ago (or never) first, so a long stream that
-        # always has a chunk ready cannot hold the batch's slots while the others wait.
-        ready = sorted(self._ready_streams(), key=self._last_turn.__getitem__)
-        # New streams' first chunks go first, in a call of their own: a first audio (a small
-        # window) goes out after one short decode, not after a batch of later chunks (windows of
-        # up to 50 frames) that it would otherwise join; those streams still have audio playing.
+        # Earliest playback deadline first (playback_deadlines.py). New streams' first chunks go in
+        # a call of their own: a first audio (a small window) goes out after one short decode, not
+        # after a batch of later chunks (windows of up to 50 frames) that it would otherwise join.
         # Where the lanes overlap (decode_lanes.py), the later chunks run on the GPU meanwhile.
-        later = [rid for rid in ready if rid not in self._new]
-        first = self._plan([rid for rid in ready if rid in self._new])
-        if later and self._in_flight is None and (self._lanes.overlapping or not first):
-            outputs.extend(self._launch(self._plan(later)))
+        plan = self._step_plan()
+        first = self._plan(plan.first)
+        if plan.later:
+            outputs.extend(self._launch(self._plan(plan.later)))
         if first:
             outputs.extend(self._decode_now(first))
         if self._in_flight is not None and self._in_flight.launched.done():
@@ -145,21 +144,23 @@ class GenerationStageEngine:
             outputs.extend(self._run(batch))
         return outputs
 
+    def _step_plan(self) -> StepPlan:
+        in_flight = self._in_flight.ids if self._in_flight is not None else []
+        return self._deadlines.plan(self._ready_streams(), self._new, in_flight,
+                                    can_launch=self._in_flight is None, overlapping=self._lanes.overlapping)
+
     def _ready_streams(self) -> list[str]:
         busy = self._in_flight.ids if self._in_flight is not None else ()
         return [rid for rid, d in self._streams.items() if d.ready() and rid not in busy]
 
     def _plan(self, ids: list[str]) -> list[str]:
-        """The streams one call takes (up to max_batch_size, as many as the model runs well), now
-        the last ones decoded."""
+        """The streams one call takes: the first of `ids` (up to max_batch_size, as many as the
+        model runs well)."""
         ids = ids[: self.scheduler.max_batch_size]
         plan = getattr(self.model, "streams_per_step", None)
         if plan is not None and ids:
             ids = ids[: max(1, plan([self._streams[rid] for rid in ids]))]
-        if ids:
-            self._turns += 1
-            self._last_turn.update(dict.fromkeys(ids, self._turns))
-            self._new.difference_update(ids)
+        self._new.difference_update(ids)
         return ids
 
     def _decode_now(self, ids: list[str]) -> list[StageOutput]:
@@ -202,6 +203,7 @@ class GenerationStageEngine:
                         results: list[dict[str, torch.Tensor]]) -> list[StageOutput]:
         outputs = []
         for rid, decoder, result in zip(ids, decoders, results):
+            self._deadlines.record(rid, result)
             if decoder.finished:
                 self._close_stream(rid)
             outputs.append(StageOutput(request_id=rid, finished=decoder.finished,
@@ -243,9 +245,8 @@ class GenerationStageEngine:
     def has_work(self) -> bool:
         if self._ready or self.scheduler.has_unfinished():
             return True
-        if self._in_flight is not None:  # then only first chunks can go, or the launch's results
-            # (asked every poll while a launch is out: only the new streams are looked at)
-            return self._in_flight.launched.done() or any(self._streams[rid].ready() for rid in self._new)
+        if self._in_flight is not None:  # then only first chunks can go (if due), or the launch's results
+            return self._in_flight.launched.done() or bool(self._step_plan().first)
         return bool(self._ready_streams())
 
     def poll_ms(self) -> int | None:

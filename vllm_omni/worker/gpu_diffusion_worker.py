@@ -15,7 +15,7 @@ import torch
 from vllm_omni.config.stage_config import StageConfig, StageEngineArgs
 from vllm_omni.model_executor.dtypes import canonical_dtype, torch_dtype
 from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
-from vllm_omni.config.diffusion_attention_spec import AttentionSettings
+from vllm_omni.model_executor.models.diffusion_attention_spec import AttentionSettings
 
 # dtype "auto": what the real checkpoints are run in on a GPU; float32 on the CPU (bf16 matmuls there are slow).
 _AUTO_CUDA_DTYPE = torch.bfloat16

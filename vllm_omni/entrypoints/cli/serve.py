@@ -81,6 +81,8 @@ def _check(args: argparse.Namespace) -> list[str]:
             problems.append(f"--{name.replace('_', '-')} must be >= 0")
     if args.tts_max_instructions_length is not None and args.tts_max_instructions_length < 1:
         problems.append("--tts-max-instructions-length must be >= 1")
+    if not 0.0 <= args.admission_headroom < 1.0:
+        problems.append("--admission-headroom must be in [0, 1)")
     if args.omni_heartbeat_timeout <= 0:
         problems.append("--omni-heartbeat-timeout must be > 0")
     if args.omni_dp_size_local < 1:
@@ -225,6 +227,8 @@ def _start_engine(args: argparse.Namespace, model: str, media: Any):
         init_timeout=args.init_timeout, shm_threshold_bytes=args.shm_threshold_bytes, log_stats=args.log_stats,
         async_chunk=args.async_chunk, heartbeat_timeout=args.omni_heartbeat_timeout,
         max_stage_restarts=args.max_stage_restarts, lb_policy=args.omni_lb_policy, worker_backend=args.worker_backend,
-        ray_address=args.ray_address, media_policy=media, **stage_cli.head_arguments(args),
+        ray_address=args.ray_address, media_policy=media, admission_policy=args.admission_policy,
+        admission_headroom=args.admission_headroom, admission_max_wait=args.batch_timeout,
+        **stage_cli.head_arguments(args),
         **serve_args.engine_args(args), **({"strategy_config": args.strategy_config} if args.strategy_config else {}),
     )

@@ -226,6 +226,12 @@ SERVER_FLAGS: tuple[Flag, ...] = (
        type=int, default=256),
     _f("--max-queued-requests", "Requests that may wait for admission; one more is answered 429 at once.",
        type=int, default=1024),
+    _f("--admission-policy", "What a new audio request meets when the pipeline is at its playback load (the streams "
+       "playing would run dry with one more; docs/streaming.md): queue (it waits, at most --batch-timeout, then "
+       "429), reject (429 at once) or off (only the request-count limits).", choices=("queue", "reject", "off"),
+       default="off"),
+    _f("--admission-headroom", "Playback-load margin: a new audio request starts while the estimated load with it "
+       "(GPU-seconds per second of the streams playing) is at most 1 minus this.", type=float, default=0.2),
     _f("--uvicorn-log-level", "uvicorn's log level.", choices=("critical", "error", "warning", "info", "debug",
        "trace"), default="info"),
     _bool("--headless", "Run stage --stage-id without the API server, for the head at --omni-master-address/"

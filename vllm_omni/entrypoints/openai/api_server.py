@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_omni.engine.serving_stalls import freeze_startup_heap, log_long_pauses
 from vllm_omni.entrypoints.openai.admission import AdmissionGate
 from vllm_omni.entrypoints.openai.app import build_app
 from vllm_omni.entrypoints.openai.chat_options import ChatOptions
@@ -89,6 +90,10 @@ def run_server(engine: Any, settings: ServerSettings, sock: socket.socket) -> No
     from vllm_omni.entrypoints.openai.shutdown import GracefulServer
 
     ctx = build_context(engine, settings)
+    # This process routes every output (the orchestrator's thread) and answers every request:
+    # a full collection over its start-up heap would stall both (engine/serving_stalls.py).
+    freeze_startup_heap()
+    log_long_pauses("api server")
     app = build_app(ctx, api_key=settings.api_key, max_request_bytes=settings.max_request_bytes,
                     realtime=settings.realtime, tts_max_instructions_length=settings.tts_max_instructions_length,
                     video=settings.video, voice_limits=settings.voices, speech_stream=settings.speech_stream)

@@ -17,7 +17,7 @@ from starlette.types import Receive, Scope, Send
 from vllm_omni.config.stage_config import ConfigFormat, PipelineConfig
 from vllm_omni.engine.pipeline_sleep import PipelineSleepingError
 from vllm_omni.engine.stage_client import StageState
-from vllm_omni.entrypoints.async_omni import RequestFailedError
+from vllm_omni.entrypoints.async_omni import PipelineOverloadedError, RequestFailedError
 from vllm_omni.entrypoints.openai.accumulator import RequestAccumulator
 from vllm_omni.entrypoints.openai.admission import AdmissionGate
 from vllm_omni.entrypoints.openai.audio import OUTPUT_SAMPLE_RATE
@@ -210,6 +210,8 @@ def engine_error(ctx: ServingContext, exc: BaseException) -> BaseException:
         return APIError(503, str(exc))
     if ctx.shutting_down and isinstance(exc, RuntimeError):  # RequestFailedError or "the pipeline is closed"
         return APIError(503, f"the server is shutting down: {exc}")  # its outputs will never come
+    if isinstance(exc, PipelineOverloadedError):
+        return APIError(429, str(exc), retry_after_s=1.0)
     if isinstance(exc, RequestFailedError):
         return from_request_failure(exc.stage_id, str(exc), ctx.engine.stage_health())
     if isinstance(exc, InvalidParameter):

@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 ENDPOINT = "/v1/chat/completions"
 AUDIO_TTL_S = 24 * 3600  # `expires_at` of audio objects (upstream's value); nothing is stored
+CHEAP_FORMATS = ("wav", "pcm16")  # a streamed chunk in these is encoded on the loop
 
 
 class ChatView:
@@ -73,9 +74,15 @@ class ChatView:
     def index(self, modality: str) -> int | None:
         return self.modalities.index(modality) if modality in self.modalities else None
 
-    async def audio_object(self, samples: Any, transcript: str) -> dict[str, Any]:
-        # Encoding (mp3 / opus especially) and base64 of long speech take a while: off the loop.
-        raw = await asyncio.to_thread(encode_audio, samples, OUTPUT_SAMPLE_RATE, self.audio_format)
+    async def audio_object(self, samples: Any, transcript: str, chunk: bool = False) -> dict[str, Any]:
+        """`chunk`: one streamed chunk (a few seconds at most), which as wav or pcm16 is a header
+        and a copy: encoded at once, on the loop (a thread hop, ~0.1-1 ms and more when the loop's
+        pool is busy, came before every audio chunk). A whole reply, and mp3 / opus / aac / flac
+        (an encoder's work), go off the loop."""
+        if chunk and self.audio_format in CHEAP_FORMATS:
+            raw = encode_audio(samples, OUTPUT_SAMPLE_RATE, self.audio_format)
+        else:
+            raw = await asyncio.to_thread(encode_audio, samples, OUTPUT_SAMPLE_RATE, self.audio_format)
         data = base64.b64encode(raw).decode("ascii")
         return {"id": self.audio_id, "data": data, "expires_at": self.created + AUDIO_TTL_S, "transcript": transcript}
 
@@ -120,7 +127,7 @@ class ChatView:
             return None
         delta: dict[str, Any] = {"role": "assistant"} if first_audio or self.audio_in_content else {}
         if event.samples.size or event.finished:
-            audio = await self.audio_object(event.samples, acc.text if event.finished else "")
+            audio = await self.audio_object(event.samples, acc.text if event.finished else "", chunk=True)
             if self.audio_in_content:  # upstream vLLM-Omni's shape: the base64 file is the content
                 delta["content"] = audio["data"]
             else:

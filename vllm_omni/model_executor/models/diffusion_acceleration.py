@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllm_omni.config.diffusion_attention_spec import AttentionSettings, backend_problem
-from vllm_omni.config.diffusion_quantization_spec import DiffusionQuantization
+from vllm_omni.model_executor.models.diffusion_attention_spec import AttentionSettings, backend_problem
+from vllm_omni.model_executor.models.diffusion_quantization_spec import DiffusionQuantization
 from vllm_omni.model_executor.models.diffusion_attention import AttentionSite, build_sites, sdpa_backend
 from vllm_omni.model_executor.models.diffusion_quantization import check_force_cutlass
 from vllm_omni.model_executor.models.diffusion_quantization import describe as describe_quantization

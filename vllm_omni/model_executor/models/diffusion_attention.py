@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_omni.config.diffusion_attention_spec import AttentionQuant, AttentionSettings, DiffusionAttentionConfig
+from vllm_omni.model_executor.models.diffusion_attention_spec import AttentionQuant, AttentionSettings, DiffusionAttentionConfig
 from vllm_omni.model_executor.layers.fp8_linear import FP8_DTYPE, FP8_MAX
 
 # --- running one attention ---------------------------------------------------------------------

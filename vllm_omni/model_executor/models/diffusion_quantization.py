@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllm_omni.config.diffusion_quantization_spec import DiffusionQuantization
+from vllm_omni.model_executor.models.diffusion_quantization_spec import DiffusionQuantization
 from vllm_omni.model_executor.layers.fp8_linear import Fp8Linear, fp8_gemm_problem, quantize_linears
 
 logger = logging.getLogger(__name__)

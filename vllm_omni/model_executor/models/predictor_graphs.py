@@ -41,7 +41,7 @@ from vllm_omni.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 PREDICTOR_GRAPHS_ENV = "VLLM_OMNI_PREDICTOR_CUDA_GRAPHS"
-MAX_GRAPH_BATCH = 64  # larger batches run eagerly (launch overhead is amortised there)
+MAX_GRAPH_BATCH = 64  # larger batches replay the graphs in slices of at most this many rows
 MAX_FUSED_VOCAB = 4096  # a row's sort stays in one program's registers
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
@@ -166,10 +166,20 @@ class GraphedPredictor:
         self.graphs.capture()
 
     def predict(self, requests: list, hidden: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(codes [B, G-1], their embeddings) of the frames whose group-0 codes embed to `first`."""
-        if self.graphs is not None and hidden.shape[0] <= MAX_GRAPH_BATCH:
-            return self.graphs.run(hidden, first, self._greedy_rows(requests), [r.generator for r in requests])
-        return self.predictor(hidden, first, self._sample_fn(requests))
+        """(codes [B, G-1], their embeddings) of the frames whose group-0 codes embed to `first`.
+
+        With graphs, a batch over MAX_GRAPH_BATCH rows replays them slice by slice: the eager
+        frame (a host wait per group, ~1000 launches) made a talker step of 65+ rows several times
+        slower than one of 64, so past 64 requests in flight a TTS server fell behind for good."""
+        if self.graphs is None:
+            return self.predictor(hidden, first, self._sample_fn(requests))
+        greedy, generators = self._greedy_rows(requests), [r.generator for r in requests]
+        parts = [self.graphs.run(hidden[i: i + MAX_GRAPH_BATCH], first[i: i + MAX_GRAPH_BATCH],
+                                 greedy[i: i + MAX_GRAPH_BATCH], generators[i: i + MAX_GRAPH_BATCH])
+                 for i in range(0, hidden.shape[0], MAX_GRAPH_BATCH)]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([codes for codes, _ in parts]), torch.cat([embeds for _, embeds in parts])
 
     def _greedy_rows(self, requests: list) -> list[bool]:
         return [self.sampling.greedy_for(r.sampling_params) for r in requests]

@@ -91,6 +91,9 @@ class StageModel(nn.Module):
     # A talker whose code predictor samples groups 1..G-1 of each frame: its sampling settings
     # (a stage's subtalker_sampling_params) are set once, at load, by set_predictor_sampling.
     has_code_predictor: ClassVar[bool] = False
+    # A talker: seconds of audio each output token becomes downstream (a codec frame). The
+    # scheduler then orders its requests by playback deadline (core/scheduler.py).
+    audio_seconds_per_token: ClassVar[float | None] = None
 
     # --- sizes (set by the subclass) -----------------------------------------------------
     num_layers: int

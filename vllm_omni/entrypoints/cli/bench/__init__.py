@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from vllm_omni.entrypoints.cli.bench import metrics, report, runner
     from vllm_omni.entrypoints.cli.bench.backends import Target
     from vllm_omni.entrypoints.cli.bench.datasets import load_tokenizer, sample_requests
+    from vllm_omni.entrypoints.cli.bench.sustained import why_short
 
     if problem := check_serve_arguments(args):
         print(f"error: {problem}", file=sys.stderr)
@@ -51,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
                     ignore_eos=args.ignore_eos, sample_rate=args.audio_sample_rate)
     print(f"Benchmarking {target.url} ({args.backend}): {len(samples)} requests, rate {args.request_rate}, "
           f"max concurrency {args.max_concurrency}")
+    if short := why_short(len(samples), concurrency=args.max_concurrency, rate=args.request_rate):
+        print(f"note: not a sustained run ({short}); the figures mostly show a start and a drain")
     results, duration = asyncio.run(runner.run(args.backend, target, samples, rate=args.request_rate,
                                                burstiness=args.burstiness, max_concurrency=args.max_concurrency,
                                                seed=args.seed, timeout_s=args.request_timeout))

@@ -12,7 +12,8 @@ resumes with that chunk.
 
 Warm-up: the first `warmup` requests sent (first-request costs: graph captures, caches) are
 summarised apart and left out of the latency percentiles; throughputs count every request over
-the whole run, as vLLM's client does.
+the whole run, as vLLM's client does. sustained.py says what a run must hold to measure
+sustained load; benchmarks/bench_tts.py and bench_omni_e2e.py compute their figures here too.
 """
 from __future__ import annotations
 

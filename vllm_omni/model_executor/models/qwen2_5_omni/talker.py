@@ -64,6 +64,7 @@ class Qwen2_5OmniTalkerForConditionalGeneration(StageModel):
     uses_mrope = True
     embeds_requests = True
     accepts_streamed_input = True  # the thinker's reply rows, as it generates them
+    audio_seconds_per_token = 1 / 50  # a codec code (token2wav: 50 codes a second)
     exports_hidden_states = False  # code2wav reads its codes
 
 

@@ -117,6 +117,7 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(StageModel):
     accepts_streamed_input = True  # the thinker's reply rows, as it generates them
     exports_hidden_states = False  # code2wav reads its codes
     has_code_predictor = True
+    audio_seconds_per_token = 1 / 12.5  # a codec frame
     # The decode step (embeddings in, logits out) is graph-safe; the code predictor runs after it
     # (as its own graphs on CUDA: predictor_graphs.py).
 

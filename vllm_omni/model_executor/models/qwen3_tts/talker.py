@@ -82,6 +82,7 @@ class Qwen3TTSTalkerForConditionalGeneration(StageModel):
     accepts_streamed_input = True  # text that streams in (the speech socket)
     exports_hidden_states = False  # it exports its codes (request_outputs)
     has_code_predictor = True
+    audio_seconds_per_token = 1 / 12.5  # a codec frame
     # The decode step (embeddings in, logits out) is graph-safe; the code predictor runs after it
     # (eagerly, or as its own graphs: predictor_graphs.py).
 

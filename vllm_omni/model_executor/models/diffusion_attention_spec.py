@@ -1,5 +1,5 @@
 """What `--diffusion-attention-config` and `--diffusion-kv-cache-*` say, parsed and checked at the
-config edge without torch; models/diffusion_attention.py runs it (its docstring has the format)."""
+config edge without torch (config/ reads it); diffusion_attention.py runs it (its docstring has the format)."""
 from __future__ import annotations
 
 from collections.abc import Mapping

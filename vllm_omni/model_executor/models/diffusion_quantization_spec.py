@@ -1,5 +1,5 @@
-"""What `--diffusion-quantization-config` says, parsed and checked at the config edge without torch;
-models/diffusion_quantization.py applies it (its docstring has the methods)."""
+"""What `--diffusion-quantization-config` says, parsed and checked at the config edge without torch (config/ reads it);
+diffusion_quantization.py applies it (its docstring has the methods)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
