@@ -129,6 +129,11 @@ def combination_problems(values: dict[str, Any]) -> list[tuple[str, str]]:
             if spec.quant is not None and spec.quant.method != kv:
                 problems.append(("diffusion_attention_config", f"{role}.quant.method {spec.quant.method!r} contradicts "
                                                                f"diffusion_kv_cache_dtype {kv!r}"))
+    quant = values["diffusion_quantization_config"]
+    if values["enable_layerwise_offload"] and quant is not None and quant.method == "gguf":
+        problems.append(("enable_layerwise_offload", "copies each block's plain tensors to the device; a GGUF "
+                                                     "transformer's quantized parameters are not plain tensors: "
+                                                     "choose one (FP8 weights do combine with it)"))
     adapter_only = [n for n in ("diffusion_quantization_config", "diffusion_attention_config", "diffusion_kv_cache_dtype")
                     if values[n] is not None] + (["force_cutlass_fp8"] if values["force_cutlass_fp8"] else [])
     if values["diffusion_load_format"] == "diffusers":

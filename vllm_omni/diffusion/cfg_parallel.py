@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import inspect
 import logging
 import os
 import socket
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vllm_omni.diffusion.layerwise_offload import LayerwiseOffload
 from vllm_omni.imports import import_dotted
 from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
 
@@ -49,14 +51,22 @@ class ModelSpec:
     acceleration: DenoiserAcceleration = DenoiserAcceleration()
     boundary_ratio: float | None = None  # video models (Wan2.2): None keeps the checkpoint's
     flow_shift: float | None = None
+    layerwise_offload: bool = False  # the transformer blocks' weights in CPU memory (layerwise_offload.py)
 
     def build(self, device: torch.device) -> Any:
         if self.dummy:
             torch.manual_seed(self.seed)
-        return import_dotted(self.class_path).load(
+        cls = import_dotted(self.class_path)
+        extra = {}
+        if self.layerwise_offload:
+            if "offload_blocks" not in inspect.signature(cls.load).parameters:
+                raise ValueError(f"enable_layerwise_offload: {cls.__name__} does not support it (its load() takes "
+                                 "no offload_blocks)")
+            extra["offload_blocks"] = LayerwiseOffload.install
+        return cls.load(
             self.model_path, device=device, dtype=getattr(torch, self.dtype), dummy=self.dummy,
             vae_use_slicing=self.vae_use_slicing, vae_use_tiling=self.vae_use_tiling, cpu_offload=self.cpu_offload,
-            acceleration=self.acceleration, boundary_ratio=self.boundary_ratio, flow_shift=self.flow_shift)
+            acceleration=self.acceleration, boundary_ratio=self.boundary_ratio, flow_shift=self.flow_shift, **extra)
 
 
 class CfgParallelGroup:

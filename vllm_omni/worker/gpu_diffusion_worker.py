@@ -48,7 +48,8 @@ class GPUDiffusionWorker:
             pipe = load_diffusers_pipeline(self.model_path, ea, self.device, dtype)
             return DiffusersPipelineEngine(pipe, stage_id=self.stage.stage_id, device=str(self.device),
                                            call_kwargs=dict(ea.diffusers_call_kwargs),
-                                           max_image_pixels=ea.max_generated_image_size)
+                                           max_image_pixels=ea.max_generated_image_size,
+                                           profile=ea.enable_diffusion_pipeline_profiler)
         from vllm_omni.diffusion.cfg_parallel import CfgParallelGroup, ModelSpec
         from vllm_omni.diffusion.denoise import build_cache
         from vllm_omni.diffusion.engine import DiffusionEngine
@@ -60,7 +61,8 @@ class GPUDiffusionWorker:
         spec = ModelSpec(model_class_path(self.stage, self.model_path), self.model_path, str(dtype).removeprefix("torch."),
                          dummy=load_format(ea) == "dummy", seed=ea.seed or 0, vae_use_slicing=ea.vae_use_slicing,
                          vae_use_tiling=ea.vae_use_tiling, cpu_offload=ea.enable_cpu_offload,
-                         acceleration=acceleration(ea), boundary_ratio=ea.boundary_ratio, flow_shift=ea.flow_shift)
+                         acceleration=acceleration(ea), boundary_ratio=ea.boundary_ratio, flow_shift=ea.flow_shift,
+                         layerwise_offload=ea.enable_layerwise_offload)
         cache_spec = self._cache_spec()
         cfg_group = CfgParallelGroup.start(spec, cache_spec, self.device) if ea.cfg_parallel_size == 2 else None
         try:
@@ -73,7 +75,8 @@ class GPUDiffusionWorker:
         if cfg_group is not None:
             cfg_group.wait_ready()
         return DiffusionEngine(model, stage_id=self.stage.stage_id, max_batch_size=batch, device=str(self.device),
-                               cache=cache, cfg_group=cfg_group, max_image_pixels=ea.max_generated_image_size)
+                               cache=cache, cfg_group=cfg_group, max_image_pixels=ea.max_generated_image_size,
+                               profile=ea.enable_diffusion_pipeline_profiler)
 
     def _cache_spec(self) -> tuple[str, dict[str, Any], bool] | None:
         """(cache_backend, cache_config, summary) of the stage; None without a cache."""

@@ -29,10 +29,13 @@ class QwenImageComponents:
 
 
 def load_components(model_dir: str | Path, *, device: torch.device, dtype: torch.dtype,
-                    dummy: bool = False, quantization: Any = None) -> QwenImageComponents:
+                    dummy: bool = False, quantization: Any = None,
+                    transformer_device: torch.device | None = None) -> QwenImageComponents:
+    """`transformer_device`: where the transformer loads (default: `device`; layerwise offload: the CPU)."""
     model_dir = Path(model_dir)
     index = read_index(model_dir, PIPELINES, "Qwen-Image")
-    models = {name: load_component(model_dir, name, index[name], device, dtype, dummy, quantization)
+    where = {"transformer": transformer_device or device, "vae": device, "text_encoder": device}
+    models = {name: load_component(model_dir, name, index[name], where[name], dtype, dummy, quantization)
               for name in ("transformer", "vae", "text_encoder")}
     tokenizer = component_class(index["tokenizer"]).from_pretrained(model_dir / "tokenizer")
     from diffusers import FlowMatchEulerDiscreteScheduler

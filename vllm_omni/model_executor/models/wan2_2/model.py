@@ -23,7 +23,7 @@ from vllm_omni.model_executor.models import diffusion_inputs
 from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
 from vllm_omni.model_executor.models.diffusion_attention import row_steps, rows_steps
 from vllm_omni.model_executor.models.diffusers_folder import set_vae_options
-from vllm_omni.model_executor.models.diffusion_offload import Experts, visiting
+from vllm_omni.model_executor.models.diffusion_offload import Experts, OffloadBlocks, visiting
 from vllm_omni.model_executor.models.diffusion_solvers import solver_for
 from vllm_omni.model_executor.models.wan2_2 import denoiser
 from vllm_omni.model_executor.models.wan2_2.block import CompilableWanBlock
@@ -43,16 +43,18 @@ ROLES = {"self": "self", "cross": "cross"}  # attention roles (models/diffusion_
 
 class WanModel:
     def __init__(self, components: WanComponents, *, device: torch.device, cpu_offload: bool = False,
-                 acceleration: DenoiserAcceleration = DenoiserAcceleration()) -> None:
+                 acceleration: DenoiserAcceleration = DenoiserAcceleration(),
+                 offload_blocks: OffloadBlocks | None = None) -> None:
         from diffusers.video_processor import VideoProcessor
 
         self.c = components
         self.device = device
         self.acceleration = acceleration
         self.compiled = acceleration.compiles(device)
-        # Offload: the text encoder, the VAE and the expert not in use wait on the CPU.
+        # Offload: the text encoder, the VAE and the expert not in use wait on the CPU (with layerwise
+        # offload the experts' blocks are there already: they stay put).
         self.offload = cpu_offload and device.type != "cpu"
-        self.experts = Experts(components.transformers, device, self.offload)
+        self.experts = Experts(components.transformers, device, self.offload and offload_blocks is None)
         self.own_blocks = acceleration.own_blocks(device)
         dtype = components.transformers[0].dtype
         acceleration.prepare_transformers([t.blocks for t in components.transformers], device, dtype)
@@ -60,6 +62,10 @@ class WanModel:
         # compilation), each with its self- and cross-attention sites (models/diffusion_attention.py).
         self.blocks = [self._own_blocks(t.blocks, dtype) if self.own_blocks else t.blocks
                        for t in components.transformers]
+        if offload_blocks is not None:  # each expert its own ring (diffusion/layerwise_offload.py)
+            for transformer, blocks in zip(components.transformers, self.blocks):
+                offload_blocks(blocks, device)
+                transformer.to(device)  # the rest of it; the offloaded blocks' views are there already
         vae = components.vae.config
         self.temporal, self.spatial = vae.scale_factor_temporal, vae.scale_factor_spatial
         self.video_processor = VideoProcessor(vae_scale_factor=self.spatial)
@@ -77,12 +83,15 @@ class WanModel:
     def load(cls, model_path: str | Path, *, device: torch.device, dtype: torch.dtype, dummy: bool = False,
              vae_use_slicing: bool = False, vae_use_tiling: bool = False, cpu_offload: bool = False,
              acceleration: DenoiserAcceleration = DenoiserAcceleration(), boundary_ratio: float | None = None,
-             flow_shift: float | None = None) -> WanModel:
+             flow_shift: float | None = None, offload_blocks: OffloadBlocks | None = None) -> WanModel:
+        # Offloaded: the transformers load into CPU memory, and only what is not offloaded moves.
+        transformer_device = torch.device("cpu") if offload_blocks is not None else device
         components = load_components(model_path, device=device, dtype=dtype, dummy=dummy,
                                      boundary_ratio=boundary_ratio, flow_shift=flow_shift,
-                                     quantization=acceleration.quantization)
+                                     quantization=acceleration.quantization, transformer_device=transformer_device)
         set_vae_options(components.vae, vae_use_slicing, vae_use_tiling)
-        return cls(components, device=device, cpu_offload=cpu_offload, acceleration=acceleration)
+        return cls(components, device=device, cpu_offload=cpu_offload, acceleration=acceleration,
+                   offload_blocks=offload_blocks)
 
     @property
     def fps(self) -> int:
