@@ -28,6 +28,17 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class RequestMetrics:
+    """When a request reached the phases of an AR engine (vLLM's RequestMetrics fields; seconds of
+    time.monotonic() in the engine's process). None: not reached."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -37,6 +48,7 @@ class RequestOutput:
     finished: bool
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    metrics: RequestMetrics | None = None  # an AR engine's, on a finished output
 
 
 @dataclass
@@ -63,6 +75,9 @@ class OmniRequestOutput:
     request_output: RequestOutput
     finished: bool = True
     delta: CompletionOutput | None = None
+    # Seconds per phase of the request in the stages that profile it (upstream's field: e.g.
+    # "ar_stage_0", "ar_stage_0.prefill", "QwenImagePipeline.diffuse"); empty when none does.
+    stage_durations: dict[str, float] = field(default_factory=dict)
 
     @property
     def error(self) -> str | None:

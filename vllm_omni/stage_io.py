@@ -87,6 +87,9 @@ class StageOutput(msgspec.Struct, kw_only=True):
     error: str | None = None
     # A request whose input streams in: input units used so far (flow control upstream).
     consumed_units: int | None = None
+    # Seconds each phase of the request took in this stage, by name (a stage's profiler, when
+    # on: --enable-ar-profiler, --enable-diffusion-pipeline-profiler); on the finished output.
+    stage_durations: dict[str, float] | None = None
 
 
 def error_output(request_id: str, error: str) -> StageOutput:

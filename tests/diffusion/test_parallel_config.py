@@ -78,11 +78,27 @@ def test_upstream_parallel_config_sets_the_same_fields():
     (dict(ring_degree=2, diffusion_attention_backend="cudnn_attn"), 2, "engine_args.ring_degree", "CUDNN_ATTN"),
     (dict(ulysses_degree=2, use_hsdp=True, diffusion_quantization_config={"method": "fp8"}), 2,
      "engine_args.use_hsdp", "FSDP2.* shards float weights"),
+    # Layerwise offload keeps whole blocks in CPU memory; FSDP2 owns the sharded ones (i46-memory).
+    (dict(ulysses_degree=2, use_hsdp=True, enable_layerwise_offload=True), 2, "engine_args.enable_layerwise_offload",
+     "use_hsdp shards those weights"),
+    (dict(use_hsdp=True, hsdp_shard_size=2, enable_layerwise_offload=True), 2, "engine_args.enable_layerwise_offload",
+     "choose one"),
+    # Sleep mode rebuilds the stage's engine in its own process: not the other ranks'.
+    (dict(ulysses_degree=2, enable_sleep_mode=True), 2, "engine_args.ulysses_degree",
+     "does not combine with enable_sleep_mode"),
+    (dict(use_hsdp=True, hsdp_shard_size=2, enable_sleep_mode=True), 2, "engine_args.use_hsdp",
+     "does not combine with enable_sleep_mode"),
 ])
 def test_combinations_that_cannot_run_are_refused_naming_the_field(cli, devices, field, message):
     with pytest.raises(ConfigError, match=message) as e:
         _stage(cli, _devices(devices))
     assert e.value.field == field
+
+
+def test_layerwise_offload_combines_with_sequence_and_cfg_parallelism():
+    for cli in (dict(ulysses_degree=2), dict(ring_degree=2), dict(cfg_parallel_size=2)):
+        ea = _stage({**cli, "enable_layerwise_offload": True}, _devices(2)).engine_args
+        assert ea.enable_layerwise_offload and ea.diffusion_parallel.world_size == 2
 
 
 def test_the_rank_layout_puts_ulysses_innermost():

@@ -2,10 +2,10 @@
 
 One run per layout that matters, each a real world of spawned ranks that load the model:
 Ulysses 2 (uneven tokens and heads, with HSDP over both ranks, TeaCache and a patch-parallel VAE
-decode, built from a stage config by the worker), ring 2, Ulysses 2 x ring 2 with FP8 K/V (standalone HSDP
-is checked on its own in test_sequence_parallel.py). Images agree within float32 rounding:
-sequence parallelism runs the CompilableBlock form of the blocks and attention over split key
-blocks.
+decode, built from a stage config by the worker), ring 2 (with layerwise offload on every rank),
+Ulysses 2 x ring 2 with FP8 K/V (standalone HSDP is checked on its own in test_sequence_parallel.py).
+Images agree within float32 rounding: sequence parallelism runs the CompilableBlock form of the
+blocks and attention over split key blocks.
 """
 from __future__ import annotations
 
@@ -42,8 +42,10 @@ def _case(rid: str, size: tuple[int, int], steps: int = 3, guided: bool = True, 
 
 @contextlib.contextmanager
 def _parallel_engine(model_dir: Any, layout: DiffusionParallelConfig,
-                     acceleration: DenoiserAcceleration = DenoiserAcceleration()) -> Iterator[DiffusionEngine]:
-    spec = ModelSpec(QWEN_IMAGE, str(model_dir), "float32", acceleration=acceleration)
+                     acceleration: DenoiserAcceleration = DenoiserAcceleration(),
+                     layerwise_offload: bool = False) -> Iterator[DiffusionEngine]:
+    spec = ModelSpec(QWEN_IMAGE, str(model_dir), "float32", acceleration=acceleration,
+                     layerwise_offload=layerwise_offload)
     group = DiffusionProcessGroup.start(spec, None, CPU, layout, init_timeout_s=120)
     try:
         model = spec.build(CPU, group.join())
@@ -85,7 +87,8 @@ def test_ulysses_with_hsdp_tea_cache_and_vae_patches_from_a_stage_config(qwen_im
 
 
 @pytest.mark.parametrize("layout, cases, fp8_kv", [
-    # Ring only: uneven blocks (5 + 4 tokens), every key block seen once around the ring.
+    # Ring only: uneven blocks (5 + 4 tokens), every key block seen once around the ring; every rank
+    # offloads its blocks layerwise (enable_layerwise_offload: each rank its own ring of buffers).
     (DiffusionParallelConfig(ring_degree=2, ulysses_mode="advanced_uaa"), [_case("ring", (48, 48))], False),
     # Ulysses inside, ring across: 8 tokens (2 per rank) and 9 (ring chunks 5 + 4, then 3 + 2, 2 + 2), with
     # FP8 K/V at every joint attention (the scales' absmax reduced over the ranks, padded prompt tokens too).
@@ -99,7 +102,9 @@ def test_sequence_parallel_layouts_give_the_images_of_one_process(qwen_image_dir
     reference = QwenImageModel.load(qwen_image_dir, device=CPU, dtype=torch.float32, acceleration=acceleration) \
         if fp8_kv else None
     one = run_engine(make_engine(model=reference), cases)
-    with _parallel_engine(qwen_image_dir, layout, acceleration) as engine:
+    offload = layout.ulysses_degree == 1
+    with _parallel_engine(qwen_image_dir, layout, acceleration, layerwise_offload=offload) as engine:
+        assert bool(engine.model.blocks[1]._forward_hooks) == offload  # the offload's hook on an offloaded block
         many = run_engine(engine, cases)
         quantized = engine.model.blocks[0].site.stats if fp8_kv else None
     _assert_same_images(one, many, cases)

@@ -84,7 +84,10 @@ def build_pipeline(layers: Sequence[Layer], *, fmt: ConfigFormat, source: str,
         return merged[sid].source(path)
 
     graph.check_graph(stages, source_of=source_of, source=source)
-    _check_diffusion_settings(stages, merged)
+    for worker_type, settings, kind in ((WorkerType.DIFFUSION, schema.DIFFUSION_FIELDS, ("a", "diffusion")),
+                                        (WorkerType.AR, schema.AR_FIELDS, ("an", "AR"))):
+        _check_settings_have_a_stage(stages, merged, worker_type, settings, kind)
+    _check_diffusion_stages(stages, merged)
     runtime = PipelineRuntimeConfig(enabled=top.get("runtime.enabled", True),
                                     window_size=top.get("runtime.defaults.window_size", -1),
                                     max_inflight=top.get("runtime.defaults.max_inflight", 1))
@@ -135,6 +138,7 @@ def build_stage(stage_id: int, m: _Merged, *, feeds_another_stage: bool) -> Stag
     engine_args = StageEngineArgs(**engine_values)
     _check_diffusion_parallel(stage_id, engine_args, m)
     _check_devices(stage_id, runtime, engine_args, m)
+    _check_sleep_mode(stage_id, engine_args, m)
     return StageConfig(
         stage_id=stage_id, runtime=runtime, engine_args=engine_args,
         default_sampling_params=_sampling(stage_id, m, diffusion=worker_type == WorkerType.DIFFUSION),
@@ -210,20 +214,25 @@ def _worker(stage_id: int, m: _Merged) -> tuple[WorkerType, str | None, str | No
     return worker_type, worker_cls, scheduler_cls
 
 
-def _check_diffusion_settings(stages: tuple[StageConfig, ...], merged: dict[int, _Merged]) -> None:
-    """Diffusion settings (CLI flags apply them to every stage) need a diffusion stage to use them,
-    and a native pipeline class must be one our diffusion engine runs."""
+def _check_diffusion_stages(stages: tuple[StageConfig, ...], merged: dict[int, _Merged]) -> None:
+    """A native pipeline class must be one our diffusion engine runs; acceleration settings must agree."""
     if any(s.worker_type == WorkerType.DIFFUSION for s in stages):
         for stage in stages:
             _check_pipeline_class(stage, merged[stage.stage_id])
             _check_acceleration(stage, merged[stage.stage_id])
+
+
+def _check_settings_have_a_stage(stages: tuple[StageConfig, ...], merged: dict[int, _Merged], worker_type: WorkerType,
+                                 settings: dict[str, schema.FieldSpec], kind: tuple[str, str]) -> None:
+    """Settings of one kind of stage (CLI flags apply them to every stage) need such a stage to use them."""
+    if any(s.worker_type == worker_type for s in stages):
         return
     for stage in stages:
         m = merged[stage.stage_id]
-        for name in schema.DIFFUSION_FIELDS:
+        for name in settings:
             path = f"engine_args.{name}"
             if m.has(path) and m.get(path) != schema.STAGE_FIELDS[path].default:
-                raise ConfigError("is a diffusion setting and this pipeline has no diffusion stage",
+                raise ConfigError(f"is {kind[0]} {kind[1]} setting and this pipeline has no {kind[1]} stage",
                                   source=m.source(path), stage_id=stage.stage_id, field=path, value=m.get(path))
 
 
@@ -296,6 +305,30 @@ def _check_devices(stage_id: int, runtime: StageRuntimeConfig, args: StageEngine
                       f"{args.diffusion_parallel.describe_world()} needs {need}",
                       source=m.source("runtime.devices"), stage_id=stage_id, field="runtime.devices",
                       value=runtime.devices, allowed=f"exactly {need} device indices")
+
+
+def _check_sleep_mode(stage_id: int, args: StageEngineArgs, m: _Merged) -> None:
+    """A sleeping stage drops its engine and builds it again in its own process (worker/sleep_mode.py),
+    at level 1 from placeholder weights that its CPU copy overwrites."""
+    if not args.enable_sleep_mode:
+        return
+    conflicts = (
+        ("tensor_parallel_size", args.tensor_parallel_size != 1, "its other ranks run in other processes"),
+        ("cfg_parallel_size", args.cfg_parallel_size != 1, "its second rank runs in another process"),
+        *((name, getattr(args, name) != off, "the diffusion stage's other ranks run in other processes")
+          for name, off in (("ulysses_degree", 1), ("ring_degree", 1), ("use_hsdp", False),
+                            ("vae_patch_parallel_size", 1))),
+        ("diffusion_load_format", args.diffusion_load_format == "diffusers",
+         "the diffusers adapter has no placeholder weights to wake into"),
+        ("enable_layerwise_offload", args.enable_layerwise_offload, "the offloaded blocks live in CPU memory already"),
+    )
+    for name, conflict, why in conflicts:
+        if conflict:
+            value = getattr(args, name)
+            raise ConfigError(f"does not combine with enable_sleep_mode (from "
+                              f"{m.source('engine_args.enable_sleep_mode')}): {why}",
+                              source=m.source(f"engine_args.{name}"), stage_id=stage_id,
+                              field=f"engine_args.{name}", value=value)
 
 
 def _refs(m: _Merged, prefix: str) -> tuple[tuple[int, str], ...]:

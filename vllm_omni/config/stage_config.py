@@ -130,6 +130,18 @@ class StageEngineArgs:
     diffusion_kv_cache_skip_layers: tuple[int, ...] = ()
     diffusion_attention_config: Any = None  # DiffusionAttentionConfig | None
     auxiliary_text_encoder: str | None = None
+    enable_layerwise_offload: bool = False
+    enable_diffusion_pipeline_profiler: bool = False
+    # AR stages: per-request queue / prefill / decode durations; checkpoint reading threads
+    # (enable_multithread_weight_load false: one).
+    enable_ar_profiler: bool = False
+    enable_multithread_weight_load: bool = True
+    num_weight_load_threads: int = 4
+    enable_sleep_mode: bool = False  # POST /sleep frees the stage's device memory
+
+    @property
+    def weight_load_threads(self) -> int:
+        return self.num_weight_load_threads if self.enable_multithread_weight_load else 1
 
     @property
     def diffusion_parallel(self) -> DiffusionParallelConfig:

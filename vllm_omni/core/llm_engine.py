@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,7 @@ from vllm_omni.core.kv_cache_sizing import plan_kv_cache
 from vllm_omni.model_executor.dtypes import torch_dtype
 from vllm_omni.model_executor.model_loader import load_hf_config, load_model
 from vllm_omni.model_executor.models.stage_model import StageModel, hidden_state_name
-from vllm_omni.outputs import CompletionOutput, RequestOutput
+from vllm_omni.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vllm_omni.sampling_params import SamplingParams
 from vllm_omni.core.model_runner import ARModelRunner, PendingTokens, StepHiddenStates
 from vllm_omni.core.tp_executor import TPExecutor
@@ -73,7 +74,7 @@ class LLMEngine:
         tp = TPExecutor(config, self.hf_config, self.dtype, self.device) if config.tensor_parallel_size > 1 else None
         self.model: StageModel = tp.model if tp is not None else load_model(
             config.model, self.hf_config, self.dtype, self.device, config.architecture, config.model_stage,
-            config.load_format, dict(config.predictor_sampling),
+            config.load_format, dict(config.predictor_sampling), config.num_weight_load_threads,
         )
         # A stage model whose vocabulary is not the tokenizer's (a talker's codec) names its own EOS.
         self.eos_token_ids = self.model.eos_token_ids or self.eos_token_ids
@@ -333,6 +334,8 @@ class LLMEngine:
 
     def _append_token(self, request: Request, token: int, logprobs: dict[int, float] | None) -> None:
         request.append_output_token(token)
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
         if logprobs is not None:
             request.logprobs.append(logprobs)
             request.cumulative_logprob += logprobs[token]
@@ -379,6 +382,8 @@ class LLMEngine:
             request.hidden_chunks = {}
         if request.error is None:
             completion.multimodal_output.update(self.model.request_outputs(request, finished))
+        metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time,
+                                 time.monotonic()) if finished else None
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -387,4 +392,5 @@ class LLMEngine:
             finished=finished,
             error=request.error,
             num_cached_tokens=request.num_cached_tokens,
+            metrics=metrics,
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -74,6 +75,10 @@ class Request:
         # M-RoPE positions); survives preemption because it depends only on the inputs.
         self.model_state: dict[str, Any] = {}
         self.arrival_order = next(_arrival_counter)
+        # time.monotonic() of the request's phases (outputs.RequestMetrics)
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
         # A request fed by a streaming edge starts before its input is complete: only positions
         # below `input_limit` have their inputs (None: all). Paused: its consumer is behind.
         self.input_complete = input_complete

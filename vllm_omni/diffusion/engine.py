@@ -19,6 +19,7 @@ import torch
 
 from vllm_omni.diffusion.denoise import Cache, Denoiser
 from vllm_omni.diffusion.model import DiffusionModel
+from vllm_omni.diffusion.profiler import DECODE, DIFFUSE, ENCODE, PipelineProfiler, timed
 from vllm_omni.diffusion.request import DiffusionRequest
 from vllm_omni.diffusion.scheduler import DiffusionScheduler
 from vllm_omni.diffusion.tea_cache import TeaCache
@@ -30,7 +31,9 @@ logger = logging.getLogger(__name__)
 
 class DiffusionEngine:
     def __init__(self, model: DiffusionModel, *, stage_id: int, max_batch_size: int, device: str = "cpu",
-                 cache: Cache | None = None, group: Any = None, max_image_pixels: int | None = None) -> None:
+                 cache: Cache | None = None, group: Any = None, max_image_pixels: int | None = None,
+                 profile: bool = False) -> None:
+        """`profile` (enable_diffusion_pipeline_profiler): finished outputs carry their phases' seconds."""
         self.model = model
         self.stage_id = stage_id
         self.device = device
@@ -41,6 +44,7 @@ class DiffusionEngine:
         self.denoiser = Denoiser(model, cache, group)
         self.steps_done = 0  # request-steps denoised since start (/metrics)
         self._ready: list[StageOutput] = []
+        self.profiler = PipelineProfiler(model.describe()["pipeline"], device) if profile else None
 
     # --- StageEngine ----------------------------------------------------------------------
     def add_request(self, req: StageRequest) -> None:
@@ -57,6 +61,8 @@ class DiffusionEngine:
     def abort(self, request_ids: Sequence[str]) -> None:
         self.scheduler.abort(request_ids)
         self.denoiser.retain(self.scheduler.running)
+        for rid in request_ids:
+            self._durations(rid)
 
     @torch.inference_mode()
     def step(self) -> list[StageOutput]:
@@ -78,7 +84,10 @@ class DiffusionEngine:
         return bool(self._ready) or self.scheduler.has_unfinished()
 
     def fail_all(self, error: str) -> list[StageOutput]:
-        outputs = [error_output(r.request_id, error) for r in self.scheduler.clear_running()]
+        cleared = self.scheduler.clear_running()
+        for r in cleared:
+            self._durations(r.request_id)
+        outputs = [error_output(r.request_id, error) for r in cleared]
         outputs += self._ready
         self._ready = []
         return outputs
@@ -97,7 +106,8 @@ class DiffusionEngine:
     # --- internals ------------------------------------------------------------------------
     def _prepare(self, r: DiffusionRequest) -> bool:
         try:
-            prepared = self.model.prepare(r.request, r.params)
+            with timed(self.profiler, ENCODE, [r.request_id]):
+                prepared = self.model.prepare(r.request, r.params)
         except Exception as e:  # noqa: BLE001 - a request that cannot start fails alone
             logger.warning("stage %d: request %s cannot start: %s", self.stage_id, r.request_id, e)
             # ValueError is a model's "this request cannot run"; anything else is named.
@@ -111,14 +121,15 @@ class DiffusionEngine:
 
     def _denoise(self, running: list[DiffusionRequest]) -> None:
         try:
-            velocities = self.denoiser.velocities(running)
+            with timed(self.profiler, DIFFUSE, [r.request_id for r in running]):
+                velocities = self.denoiser.velocities(running)
+                for r, v in zip(running, velocities):
+                    r.advance(v)
         except Exception as e:  # noqa: BLE001 - the batch fails; the engine serves the next requests
             logger.exception("stage %d: a denoising step of %d requests failed", self.stage_id, len(running))
             for r in self.scheduler.clear_running():
                 self._fail(r.request_id, f"denoising failed: {type(e).__name__}: {e}")
             return
-        for r, v in zip(running, velocities):
-            r.advance(v)
         self.steps_done += len(running)
         finished = [r for r in running if r.finished]
         if finished:
@@ -129,8 +140,9 @@ class DiffusionEngine:
     def _decode(self, finished: list[DiffusionRequest]) -> None:
         try:
             prepared, latents = [r.prepared for r in finished], [r.latents for r in finished]
-            results = self.group.decode(self.model.decode, prepared, latents) if self.group else \
-                self.model.decode(prepared, latents)
+            with timed(self.profiler, DECODE, [r.request_id for r in finished]):
+                results = self.group.decode(self.model.decode, prepared, latents) if self.group else \
+                    self.model.decode(prepared, latents)
         except Exception as e:  # noqa: BLE001 - these requests fail; the others go on
             logger.exception("stage %d: decoding %d images failed", self.stage_id, len(finished))
             for r in finished:
@@ -138,10 +150,14 @@ class DiffusionEngine:
             return
         for r, result in zip(finished, results):
             self._ready.append(StageOutput(request_id=r.request_id, finished=True, finish_reason="stop",
-                                           multimodal_output=result))
+                                           multimodal_output=result, stage_durations=self._durations(r.request_id)))
 
     def _fail(self, request_id: str, error: str) -> None:
+        self._durations(request_id)
         self._ready.append(error_output(request_id, f"stage {self.stage_id}: {error}"))
+
+    def _durations(self, request_id: str) -> dict[str, float] | None:
+        return self.profiler.pop(request_id) if self.profiler is not None else None
 
     def _too_large(self, height: int, width: int) -> bool:
         return self.max_image_pixels is not None and height * width > self.max_image_pixels

@@ -65,6 +65,7 @@ class ModelSpec:
     acceleration: DenoiserAcceleration = DenoiserAcceleration()
     boundary_ratio: float | None = None  # video models (Wan2.2): None keeps the checkpoint's
     flow_shift: float | None = None
+    layerwise_offload: bool = False  # the transformer blocks' weights in CPU memory (layerwise_offload.py)
 
     def build(self, device: torch.device, parallel: DiffusionParallelism | None = None) -> Any:
         """`parallel`: the rank and the model's groups (sequence parallelism, VAE patches, HSDP). A
@@ -73,12 +74,20 @@ class ModelSpec:
         if self.dummy:
             torch.manual_seed(self.seed)
         cls = import_dotted(self.class_path)
+        params = inspect.signature(cls.load).parameters
         extra = {}
-        if parallel is not None and "parallel" in inspect.signature(cls.load).parameters:
+        if parallel is not None and "parallel" in params:
             extra["parallel"] = parallel
         elif parallel is not None and parallel.active:
             raise ValueError(f"{cls.__name__} does not implement sequence parallelism, HSDP or patch-parallel VAE "
                              "decoding (its load() takes no `parallel`); use cfg_parallel_size alone")
+        if self.layerwise_offload:
+            if "offload_blocks" not in params:
+                raise ValueError(f"enable_layerwise_offload: {cls.__name__} does not support it (its load() takes "
+                                 "no offload_blocks)")
+            from vllm_omni.diffusion.layerwise_offload import LayerwiseOffload
+
+            extra["offload_blocks"] = LayerwiseOffload.install
         return cls.load(
             self.model_path, device=device, dtype=getattr(torch, self.dtype), dummy=self.dummy,
             vae_use_slicing=self.vae_use_slicing, vae_use_tiling=self.vae_use_tiling, cpu_offload=self.cpu_offload,

@@ -78,6 +78,8 @@ class RequestState:
     # chunks): replayed to another replica if the one holding the request dies first (at most once).
     replay: dict[int, list[Any]] = field(default_factory=dict)
     retried: set[int] = field(default_factory=set)  # stages where the request moved to another replica
+    # Seconds per phase in the stages that profile the request (OmniRequestOutput.stage_durations).
+    stage_durations: dict[str, float] = field(default_factory=dict)
 
     @property
     def done(self) -> bool:
@@ -117,6 +119,8 @@ class RequestState:
                 comp.multimodal_output[key] = grown[key].view
         out.finished = delta.finished
         out.error = delta.error
+        if delta.stage_durations:
+            self.stage_durations.update(delta.stage_durations)
         timing = self.timings[stage_id]
         now = time.monotonic()
         if timing.first_output_at is None:
@@ -134,7 +138,8 @@ class RequestState:
             out.outputs[0].token_ids = list(out.outputs[0].token_ids)
             out.outputs[0].multimodal_output = dict(out.outputs[0].multimodal_output)
         return OmniRequestOutput(self.request_id, stage_id, final_output_type, out, finished=out.finished,
-                                 delta=self._delta(stage_id, out.outputs[0]))
+                                 delta=self._delta(stage_id, out.outputs[0]),
+                                 stage_durations=dict(self.stage_durations))
 
     def _delta(self, stage_id: int, comp: CompletionOutput) -> CompletionOutput:
         """What the caller has not seen yet of a stage's output (see OmniRequestOutput.delta)."""

@@ -22,7 +22,7 @@ from vllm_omni.stage_io import (
 
 if TYPE_CHECKING:
     from vllm_omni.core.llm_engine import LLMEngine
-    from vllm_omni.outputs import RequestOutput
+    from vllm_omni.outputs import RequestMetrics, RequestOutput
 
 
 @dataclass
@@ -37,10 +37,13 @@ class _Sent:
 
 
 class ARStageEngine:
-    def __init__(self, engine: LLMEngine, *, stage_id: int, export_hidden_states: bool) -> None:
+    def __init__(self, engine: LLMEngine, *, stage_id: int, export_hidden_states: bool, profile: bool = False) -> None:
+        """`profile` (--enable-ar-profiler): a finished output carries the request's queue, prefill
+        and decode seconds in this stage (`stage_durations`)."""
         self.engine = engine
         self.stage_id = stage_id
         self.export_hidden_states = export_hidden_states
+        self.profile = profile
         self._sent: dict[str, _Sent] = {}  # unfinished requests
         self._ready: list[StageOutput] = []  # immediate errors, returned by the next step()
 
@@ -96,7 +99,9 @@ class ARStageEngine:
 
     def step(self) -> list[StageOutput]:
         outputs, self._ready = self._ready, []
-        if self.engine.has_unfinished_requests():
+        # has_work, not has_unfinished_requests: a step launched before the last request was aborted
+        # is still to be settled (else has_work stays true and the worker loop spins).
+        if self.engine.has_work():
             outputs.extend(self._delta(o) for o in self.engine.step() if o.request_id in self._sent)
         return outputs
 
@@ -125,6 +130,7 @@ class ARStageEngine:
             multimodal_output=dict(comp.multimodal_output),
             error=out.error,
             consumed_units=len(comp.token_ids) if sent.streamed_input else None,
+            stage_durations=phase_durations(self.stage_id, out.metrics) if self.profile and out.metrics else None,
         )
         sent.tokens, sent.text = len(comp.token_ids), text_end
         sent.logprobs = len(comp.logprobs) if comp.logprobs is not None else 0
@@ -152,3 +158,16 @@ class ARStageEngine:
             "kv_total_blocks": self.engine.block_manager.num_blocks,
             "vocab_size": self.engine.vocab_size,  # callers check prompt token ids against it
         }
+
+
+def phase_durations(stage_id: int, m: RequestMetrics) -> dict[str, float]:
+    """Seconds from arrival to the first step that computed the request (queue), from there to its
+    first token (prefill) and from that token to the end (decode): the phases it reached."""
+    key = f"ar_stage_{stage_id}"
+    durations: dict[str, float] = {}
+    if m.first_scheduled_time is not None:
+        durations[f"{key}.queue"] = m.first_scheduled_time - m.arrival_time
+        if m.first_token_time is not None:
+            durations[f"{key}.prefill"] = m.first_token_time - m.first_scheduled_time
+            durations[f"{key}.decode"] = m.finished_time - m.first_token_time
+    return durations

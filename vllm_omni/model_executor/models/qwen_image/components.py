@@ -29,13 +29,16 @@ class QwenImageComponents:
 
 
 def load_components(model_dir: str | Path, *, device: torch.device, dtype: torch.dtype, dummy: bool = False,
-                    quantization: Any = None, text_encoder: bool = True) -> QwenImageComponents:
+                    quantization: Any = None, text_encoder: bool = True,
+                    transformer_device: torch.device | None = None) -> QwenImageComponents:
     """`text_encoder=False`: a rank of a parallel stage that never encodes a prompt (rank 0
-    prepares every request) leaves out the 7B text encoder."""
+    prepares every request) leaves out the 7B text encoder. `transformer_device`: where the
+    transformer loads (default: `device`; layerwise offload: the CPU)."""
     model_dir = Path(model_dir)
     index = read_index(model_dir, PIPELINES, "Qwen-Image")
     names = ("transformer", "vae", "text_encoder") if text_encoder else ("transformer", "vae")
-    models = {name: load_component(model_dir, name, index[name], device, dtype, dummy, quantization)
+    where = {"transformer": transformer_device or device, "vae": device, "text_encoder": device}
+    models = {name: load_component(model_dir, name, index[name], where[name], dtype, dummy, quantization)
               for name in names}
     tokenizer = component_class(index["tokenizer"]).from_pretrained(model_dir / "tokenizer")
     from diffusers import FlowMatchEulerDiscreteScheduler

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from vllm_omni.model_executor.models import diffusion_inputs
 from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
 from vllm_omni.model_executor.models.diffusion_attention import row_steps, rows_steps
 from vllm_omni.model_executor.models.diffusers_folder import set_vae_options
-from vllm_omni.model_executor.models.diffusion_offload import visiting
+from vllm_omni.model_executor.models.diffusion_offload import OffloadBlocks, visiting
 from vllm_omni.model_executor.models.qwen_image import denoiser, vae_decode
 from vllm_omni.model_executor.models.qwen_image.block import CompilableBlock
 from vllm_omni.model_executor.models.qwen_image.components import QwenImageComponents, load_components
@@ -41,7 +41,8 @@ ROLES = {"joint": "self"}  # attention roles (models/diffusion_attention.py): on
 class QwenImageModel:
     def __init__(self, components: QwenImageComponents, *, device: torch.device, cpu_offload: bool = False,
                  acceleration: DenoiserAcceleration = DenoiserAcceleration(),
-                 parallel: DiffusionParallelism = DiffusionParallelism()) -> None:
+                 parallel: DiffusionParallelism = DiffusionParallelism(),
+                 offload_blocks: OffloadBlocks | None = None) -> None:
         from diffusers.image_processor import VaeImageProcessor
 
         denoiser.check_supported(components.transformer)
@@ -64,8 +65,14 @@ class QwenImageModel:
             sites = acceleration.attention_sites(ROLES, len(blocks), device, dtype, "Qwen-Image")["joint"]
             compile_fn = acceleration.compile_fn if self.compiled else None
             self.blocks = [CompilableBlock(b, compile_fn, site) for b, site in zip(blocks, sites)]
+        if offload_blocks is not None and parallel.hsdp_mesh is not None:  # config refuses it first (diffusion_accel.py)
+            raise ValueError("enable_layerwise_offload and use_hsdp: HSDP shards the blocks' weights over the ranks, "
+                             "layerwise offload keeps them whole in CPU memory: choose one")
         if parallel.hsdp_mesh is not None:
             shard_with_hsdp(self.blocks, parallel.hsdp_mesh)
+        if offload_blocks is not None:
+            offload_blocks(self.blocks, device)
+            components.transformer.to(device)  # the rest of it; the offloaded blocks' views are there already
         # Offload: the text encoder and the VAE wait on the CPU and visit the device for their calls;
         # the transformer, used every step, stays.
         self.offload = cpu_offload and device.type != "cpu"
@@ -81,15 +88,20 @@ class QwenImageModel:
     def load(cls, model_path: str | Path, *, device: torch.device, dtype: torch.dtype, dummy: bool = False,
              vae_use_slicing: bool = False, vae_use_tiling: bool = False, cpu_offload: bool = False,
              acceleration: DenoiserAcceleration = DenoiserAcceleration(), boundary_ratio: float | None = None,
-             flow_shift: float | None = None, parallel: DiffusionParallelism = DiffusionParallelism()) -> QwenImageModel:
+             flow_shift: float | None = None, parallel: DiffusionParallelism = DiffusionParallelism(),
+             offload_blocks: OffloadBlocks | None = None) -> QwenImageModel:
         for name, value in (("boundary_ratio", boundary_ratio), ("flow_shift", flow_shift)):
             if value is not None:
                 raise ValueError(f"{name}={value}: Qwen-Image has no such setting (video models only: Wan2.2)")
         # Only rank 0 of a parallel stage prepares requests: the others need no text encoder.
+        # Offloaded: the transformer loads into CPU memory, and only what is not offloaded moves.
+        transformer_device = torch.device("cpu") if offload_blocks is not None else device
         components = load_components(model_path, device=device, dtype=dtype, dummy=dummy,
-                                     quantization=acceleration.quantization, text_encoder=parallel.rank == 0)
+                                     quantization=acceleration.quantization, text_encoder=parallel.rank == 0,
+                                     transformer_device=transformer_device)
         set_vae_options(components.vae, vae_use_slicing, vae_use_tiling)
-        return cls(components, device=device, cpu_offload=cpu_offload, acceleration=acceleration, parallel=parallel)
+        return cls(components, device=device, cpu_offload=cpu_offload, acceleration=acceleration, parallel=parallel,
+                   offload_blocks=offload_blocks)
 
     # --- one request -----------------------------------------------------------------------
     def prepare(self, request: StageRequest, params: DiffusionSamplingParams) -> QwenImageRequest:

@@ -24,7 +24,7 @@ from vllm_omni.model_executor.models import diffusion_inputs
 from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
 from vllm_omni.model_executor.models.diffusion_attention import row_steps, rows_steps
 from vllm_omni.model_executor.models.diffusers_folder import set_vae_options
-from vllm_omni.model_executor.models.diffusion_offload import Experts, visiting
+from vllm_omni.model_executor.models.diffusion_offload import Experts, OffloadBlocks, visiting
 from vllm_omni.model_executor.models.diffusion_solvers import solver_for
 from vllm_omni.model_executor.models.wan2_2 import denoiser
 from vllm_omni.model_executor.models.wan2_2.block import CompilableWanBlock
@@ -45,7 +45,8 @@ ROLES = {"self": "self", "cross": "cross"}  # attention roles (models/diffusion_
 class WanModel:
     def __init__(self, components: WanComponents, *, device: torch.device, cpu_offload: bool = False,
                  acceleration: DenoiserAcceleration = DenoiserAcceleration(),
-                 parallel: DiffusionParallelism = DiffusionParallelism()) -> None:
+                 parallel: DiffusionParallelism = DiffusionParallelism(),
+                 offload_blocks: OffloadBlocks | None = None) -> None:
         from diffusers.video_processor import VideoProcessor
 
         self.c = components
@@ -53,10 +54,11 @@ class WanModel:
         self.acceleration = acceleration
         self.parallel = parallel
         self.compiled = acceleration.compiles(device)
-        # Offload: the text encoder, the VAE and the expert not in use wait on the CPU.
+        # Offload: the text encoder, the VAE and the expert not in use wait on the CPU (with layerwise
+        # offload the experts' blocks are there already: they stay put).
         self.offload = cpu_offload and device.type != "cpu"
-        _check_parallel(parallel, components, self.offload)
-        self.experts = Experts(components.transformers, device, self.offload)
+        _check_parallel(parallel, components, self.offload, layerwise=offload_blocks is not None)
+        self.experts = Experts(components.transformers, device, self.offload and offload_blocks is None)
         # Sequence parallelism runs our blocks too (compiled or not): their self-attention is pluggable.
         self.own_blocks = acceleration.own_blocks(device) or parallel.sequence is not None
         dtype = components.transformers[0].dtype
@@ -68,6 +70,10 @@ class WanModel:
         if parallel.hsdp_mesh is not None:
             for blocks in self.blocks:
                 shard_with_hsdp(blocks, parallel.hsdp_mesh)
+        if offload_blocks is not None:  # each expert its own ring (diffusion/layerwise_offload.py)
+            for transformer, blocks in zip(components.transformers, self.blocks):
+                offload_blocks(blocks, device)
+                transformer.to(device)  # the rest of it; the offloaded blocks' views are there already
         vae = components.vae.config
         self.temporal, self.spatial = vae.scale_factor_temporal, vae.scale_factor_spatial
         self.video_processor = VideoProcessor(vae_scale_factor=self.spatial)
@@ -86,13 +92,18 @@ class WanModel:
     def load(cls, model_path: str | Path, *, device: torch.device, dtype: torch.dtype, dummy: bool = False,
              vae_use_slicing: bool = False, vae_use_tiling: bool = False, cpu_offload: bool = False,
              acceleration: DenoiserAcceleration = DenoiserAcceleration(), boundary_ratio: float | None = None,
-             flow_shift: float | None = None, parallel: DiffusionParallelism = DiffusionParallelism()) -> WanModel:
+             flow_shift: float | None = None, parallel: DiffusionParallelism = DiffusionParallelism(),
+             offload_blocks: OffloadBlocks | None = None) -> WanModel:
         # Only rank 0 of a parallel stage prepares requests: the others need no text encoder.
+        # Offloaded: the transformers load into CPU memory, and only what is not offloaded moves.
+        transformer_device = torch.device("cpu") if offload_blocks is not None else device
         components = load_components(model_path, device=device, dtype=dtype, dummy=dummy,
                                      boundary_ratio=boundary_ratio, flow_shift=flow_shift,
-                                     quantization=acceleration.quantization, text_encoder=parallel.rank == 0)
+                                     quantization=acceleration.quantization, text_encoder=parallel.rank == 0,
+                                     transformer_device=transformer_device)
         set_vae_options(components.vae, vae_use_slicing, vae_use_tiling)
-        return cls(components, device=device, cpu_offload=cpu_offload, acceleration=acceleration, parallel=parallel)
+        return cls(components, device=device, cpu_offload=cpu_offload, acceleration=acceleration, parallel=parallel,
+                   offload_blocks=offload_blocks)
 
     @property
     def fps(self) -> int:
@@ -267,7 +278,8 @@ class WanModel:
                 **self.acceleration.describe(self.device, list(self.c.transformers))}
 
 
-def _check_parallel(parallel: DiffusionParallelism, components: WanComponents, offload: bool) -> None:
+def _check_parallel(parallel: DiffusionParallelism, components: WanComponents, offload: bool,
+                    layerwise: bool = False) -> None:
     """What of the stage's parallelism Wan2.2 runs: sequence parallelism and HSDP; ValueError
     with the reason for the rest."""
     if parallel.vae is not None:
@@ -277,6 +289,9 @@ def _check_parallel(parallel: DiffusionParallelism, components: WanComponents, o
     if parallel.hsdp_mesh is not None and offload:
         raise ValueError("use_hsdp with enable_cpu_offload: Wan2.2's offload moves the expert not in use to the CPU, "
                          "and HSDP's sharded weights stay on their devices; choose one")
+    if parallel.hsdp_mesh is not None and layerwise:  # config refuses it first (diffusion_accel.py)
+        raise ValueError("enable_layerwise_offload and use_hsdp: HSDP shards the blocks' weights over the ranks, "
+                         "layerwise offload keeps them whole in CPU memory: choose one")
     if parallel.sequence is not None:
         for transformer in components.transformers:
             parallel.sequence.check_heads(transformer.config.num_attention_heads)
