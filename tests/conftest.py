@@ -38,8 +38,6 @@ import pytest  # noqa: E402
 # The demo server's realtime caps, which tests/realtime reaches on purpose.
 DEMO_MAX_INPUT_AUDIO_S = 10
 DEMO_MAX_HISTORY_AUDIO_S = 25
-# Replies of at most 24 thinker tokens (unless a request says otherwise) keep every demo test short.
-DEMO_OVERRIDES = {"0": {"default_sampling_params": {"max_tokens": 24}}}
 
 
 @pytest.fixture(scope="session")
@@ -66,15 +64,14 @@ def tiny_model(tmp_path_factory):
 def demo_server(tmp_path_factory):
     """`vllm serve --omni` with no MODEL (the upstream spelling): the server builds the embedded
     demo model in a fresh cache, as on a new user's machine, and runs it with real stage
-    processes. Started at its first use, stopped (stages checked gone) at the end of the session."""
-    import json
-
+    processes, with the demo's own settings (short replies: vllm_omni/testing/demo_model.py), which
+    tests/server/test_server_demo.py checks as a new user meets them. Started at its first use,
+    stopped (stages checked gone) at the end of the session."""
     from tests.server.conftest import ServerProcess
 
     tmp = tmp_path_factory.mktemp("demo-server")
     srv = ServerProcess.launch(["--omni", "--realtime-max-input-audio-s", str(DEMO_MAX_INPUT_AUDIO_S),
-                                "--realtime-max-history-audio-s", str(DEMO_MAX_HISTORY_AUDIO_S),
-                                "--stage-overrides", json.dumps(DEMO_OVERRIDES)],
+                                "--realtime-max-history-audio-s", str(DEMO_MAX_HISTORY_AUDIO_S)],
                                tmp / "server.log", env={"VLLM_OMNI_CACHE": str(tmp / "cache")}, entry="vllm")
     try:
         yield srv.wait_ready()

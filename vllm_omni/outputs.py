@@ -78,6 +78,9 @@ class OmniRequestOutput:
     request_output: RequestOutput
     finished: bool = True
     delta: CompletionOutput | None = None
+    # Seconds per phase of the request in the stages that profile it (upstream's field: e.g.
+    # "ar_stage_0", "ar_stage_0.prefill", "QwenImagePipeline.diffuse"); empty when none does.
+    stage_durations: dict[str, float] = field(default_factory=dict)
 
     @property
     def error(self) -> str | None:

@@ -90,6 +90,9 @@ class StageOutput(msgspec.Struct, kw_only=True):
     # A request whose input streams in: input units used so far (flow control upstream).
     consumed_units: int | None = None
     num_cached_tokens: int = 0  # prompt tokens an AR stage served from its prefix cache
+    # Seconds each phase of the request took in this stage, by name (a stage's profiler, when
+    # on: --enable-ar-profiler, --enable-diffusion-pipeline-profiler); on the finished output.
+    stage_durations: dict[str, float] | None = None
 
 
 class VideoInfo(msgspec.Struct, kw_only=True, frozen=True):

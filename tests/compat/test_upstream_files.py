@@ -30,7 +30,7 @@ TTS = ["talker", "code2wav"]
 NOT_HERE = "is not supported: stages exchange data as ZMQ messages"  # other connectors
 EXPECTED: dict[str, list[str] | str] = {
     "benchmarks/diffusion/wan2_2_tp2.yaml": r"parallel_config\.tensor_parallel_size=2: tensor_parallel_size is "
-                                            r"not supported: our diffusion engine runs a stage on one device",
+                                            r"not supported: tensor parallelism of the diffusion transformer",
     "benchmarks/qwen3-tts/vllm_omni/configs/qwen3_tts_bs1.yaml": TTS,
     "benchmarks/qwen3-tts/vllm_omni/configs/qwen3_tts_bs16.yaml": TTS,
     "benchmarks/qwen3-tts/vllm_omni/configs/qwen3_tts_bs4.yaml": TTS,

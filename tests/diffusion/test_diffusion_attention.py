@@ -121,7 +121,7 @@ def test_fp8_kv_skips_the_selected_steps_and_layers(qwen_image_dir, make_engine,
 
     calls = []  # the quantizer seen from outside: one call for K, one for V, per quantizing forward
     real = diffusion_attention.fp8_per_head
-    monkeypatch.setattr(diffusion_attention, "fp8_per_head", lambda x: calls.append(x.shape[0]) or real(x))
+    monkeypatch.setattr(diffusion_attention, "fp8_per_head", lambda x, *more: calls.append(x.shape[0]) or real(x, *more))
     quantized = image_of(run_engine(make_engine(model), [case])["k"])
     assert calls == [2] * 4  # layer 1 in steps 2 and 3, K and V of both CFG rows
     stats = model.blocks[0].site.stats

@@ -118,8 +118,8 @@ def test_serve_flags_reach_the_diffusion_stage():
 
 
 def test_unimplemented_diffusion_flags_are_refused_by_name():
-    args = _serve(["--ulysses-degree", "2", "--cache-backend", "tea_cache"])
-    assert [m.split("=")[0] for m in serve_args.refused_flags(args)] == ["--usp"]
+    args = _serve(["--no-guardrails", "--cache-backend", "tea_cache"])
+    assert [m.split("=")[0] for m in serve_args.refused_flags(args)] == ["--no-guardrails"]
     with pytest.raises(ConfigError, match="allowed: 'none' | 'tea_cache' | 'cache_dit'"):
         load_pipeline_config(model=QWEN_IMAGE, cli_args={"cache_backend": "mag_cache"}, platform="cpu")
     with pytest.raises(ConfigError, match="'default' | 'dummy' | 'diffusers'"):

@@ -62,3 +62,7 @@ def test_cli_generate_writes_the_images(qwen_image_dir, tmp_path, t2i_pipe):
         # PNG holds 8-bit pixels: equal after rounding, give or take one level where the float is on an edge.
         assert written.shape == (32, 48, 3)
         assert np.abs(written - np.asarray(to_pil_image(expected), dtype=np.int16)).max() <= 1
+    # A normal run says nothing alarming (issue 40): no "pip install accelerate" per diffusers
+    # component, no "leaked semaphore objects" left by the stage process's progress bars.
+    for noise in ("accelerate", "leaked semaphore"):
+        assert noise not in proc.stderr, proc.stderr

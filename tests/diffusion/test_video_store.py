@@ -60,4 +60,4 @@ def test_store_options_are_checked():
     with pytest.raises(ValueError, match="must be > 0"):
         VideoStoreOptions(ttl_s=0)
     with pytest.raises(ValueError, match="is not a directory"):
-        VideoStore(VideoStoreOptions(folder="/nonexistent/videos"))
+        VideoStoreOptions(folder="/nonexistent/videos")  # at startup, before any stage: serve says "error: ..."

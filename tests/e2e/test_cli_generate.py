@@ -1,23 +1,34 @@
 """The README's main command, `vllm-omni generate` with no model: the embedded tiny Qwen2.5-Omni
-demo through `Omni` (three stage processes), text printed, speech written to wav files that
-one can hear (about a second, loud enough)."""
+demo through `Omni` (three stage processes), its words printed, its speech written to wav files
+that one can hear (a tenth of a second per word, loud enough)."""
 from __future__ import annotations
 
+import ast
+import re
+
 import numpy as np
+import pytest
 import soundfile as sf
 
 from vllm_omni.entrypoints.cli.main import main
+from vllm_omni.testing import make_tiny_tokenizer
+from vllm_omni.testing.demo_model import DEFAULT_REPLY_TOKENS, SECONDS_PER_CODE, demo_words
 
 
 def test_generate_runs_the_demo_omni_pipeline(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("VLLM_OMNI_CACHE", str(tmp_path / "cache"))  # built here, as on a new machine
     out_dir = tmp_path / "out"
-    assert main(["generate", "--prompt", "Hi", "--prompt", "Bye", "--speaker", "Ethan", "--max-tokens", "5",
+    assert main(["generate", "--prompt", "Hi", "--prompt", "Bye", "--speaker", "Ethan",
                  "--output-dir", str(out_dir)]) == 0
     printed = capsys.readouterr().out
-    assert "embedded demo model" in printed and "[0] prompt: 'Hi'" in printed and "[1] text: " in printed
-    for i in range(2):
+    assert "embedded demo model" in printed and "[0] prompt: 'Hi'" in printed
+    vocabulary = {w.strip() for w in demo_words(make_tiny_tokenizer()).values()}
+    texts = [ast.literal_eval(t) for t in re.findall(r"\[\d\] text: ('.*?'|\".*?\")  \[length\]", printed)]
+    assert len(texts) == 2
+    for i, text in enumerate(texts):
+        assert len(text.split()) == DEFAULT_REPLY_TOKENS and set(text.split()) <= vocabulary  # short, words
         wav, rate = sf.read(out_dir / f"reply_{i}.wav")
-        assert rate == 24000 and wav.ndim == 1 and len(wav) >= 0.8 * rate  # audible: a second,
-        assert np.sqrt(np.mean(wav**2)) > 0.01  # not -60 dB
+        assert rate == 24000 and wav.ndim == 1
+        assert len(wav) / rate == pytest.approx(DEFAULT_REPLY_TOKENS * SECONDS_PER_CODE) and len(wav) >= rate
+        assert np.sqrt(np.mean(wav**2)) > 0.02  # not -60 dB
         assert f"{out_dir / f'reply_{i}.wav'} (" in printed

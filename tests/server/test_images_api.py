@@ -34,8 +34,10 @@ def model_dir(tiny_model):
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("images-server")
+    # Layerwise offload and the pipeline profiler change no image (the tests at the end check the profiler).
     srv = ServerProcess.launch([str(model_dir), "--served-model-name", NAME, "--max-generated-image-size",
                                 str(MAX_PIXELS), "--default-sampling-params", '{"0": {"num_inference_steps": 2}}',
+                                "--enable-layerwise-offload", "--enable-diffusion-pipeline-profiler",
                                 "--stage-overrides", json.dumps(in_threads(1))],
                                tmp / "stdout.log")
     try:
@@ -152,3 +154,21 @@ def test_a_text_to_image_model_refuses_an_edit(client):
 
     with pytest.raises(openai.BadRequestError, match="takes no input image"):
         client.images.edit(model=NAME, image=("in.png", png(16, 16), "image/png"), prompt="x", size="32x32")
+
+
+PHASES = ("QwenImagePipeline.text_encoder.forward", "QwenImagePipeline.diffuse", "QwenImagePipeline.vae.decode")
+
+
+def test_the_pipeline_profiler_reports_each_request_phases(client, server):
+    counts = [server.metric("vllm_omni:request_stage_duration_seconds_count", phase=p) or 0 for p in PHASES]
+    resp = client.images.generate(model=NAME, prompt="a red fox", size="32x32", extra_body={"seed": 3})
+    durations = resp.model_extra["metrics"]["stage_durations"]
+    assert set(durations) == set(PHASES) and all(d > 0 for d in durations.values())
+    assert [server.metric("vllm_omni:request_stage_duration_seconds_count", phase=p) for p in PHASES] == [
+        c + 1 for c in counts]
+
+
+def test_sleep_routes_are_404_without_sleep_mode(server):
+    assert httpx.get(f"{server.url}/is_sleeping", timeout=10).status_code == 404
+    assert httpx.post(f"{server.url}/sleep", params={"level": 1}, timeout=10).status_code == 404
+    assert httpx.post(f"{server.url}/wake_up", timeout=10).status_code == 404

@@ -262,3 +262,10 @@ def test_task_type_must_match_the_checkpoint(tiny_model):
         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "does not match the checkpoint, a CustomVoice model" in result.stderr
+
+
+def test_the_server_logs_no_config_fallback_warning(custom_voice):
+    server, _ = custom_voice
+    # AutoTokenizer, not knowing `qwen3_tts`, read the config as a bare PretrainedConfig and warned
+    # "... to instantiate a model of type ``" (issue 40); our config class is registered first now.
+    assert "to instantiate a model of type" not in server.log_path.read_text()

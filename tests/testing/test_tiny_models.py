@@ -117,10 +117,10 @@ def test_unknown_arch(tmp_path):
 def test_demo_model_path(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_OMNI_CACHE", str(tmp_path))
     path = demo_model_path("qwen3")
-    assert path == tmp_path / "demo-qwen3-v1" and (path / "model.safetensors").is_file()
+    assert path == tmp_path / "demo-qwen3-v2" and (path / "model.safetensors").is_file()
     mtime = (path / "model.safetensors").stat().st_mtime_ns
     assert demo_model_path("qwen3") == path and (path / "model.safetensors").stat().st_mtime_ns == mtime
-    assert [p.name for p in tmp_path.iterdir()] == ["demo-qwen3-v1"]  # no temp dir left
+    assert [p.name for p in tmp_path.iterdir()] == ["demo-qwen3-v2"]  # no temp dir left
     with pytest.raises(ValueError, match="no demo model for 'llama'"):
         demo_model_path("llama")
 
@@ -129,7 +129,8 @@ def test_default_demo_model_is_the_tiny_omni():
     import vllm_omni.testing.tiny_models as tm
 
     # What `vllm-omni generate` runs without a model (built in tests/e2e/test_cli_generate.py).
-    assert tm.DEMO_ARCH == "qwen2_5_omni" and tm.DEMO_MODEL_NAMES[tm.DEMO_ARCH] == "demo-qwen2_5_omni-v2"
+    assert tm.DEMO_ARCH == "qwen2_5_omni" and tm.DEMO_MODELS[tm.DEMO_ARCH] == ("qwen2_5_omni_demo",
+                                                                            "demo-qwen2_5_omni-v3")
 
 
 def test_cli(tmp_path, capsys):
@@ -154,9 +155,9 @@ def test_demo_model_path_lost_race(tmp_path, monkeypatch):
     real_make = tm.make_tiny_model
 
     def make_and_lose(arch, out_dir, **kw):
-        real_make(arch, tmp_path / "demo-qwen3-v1", **kw)
+        real_make(arch, tmp_path / "demo-qwen3-v2", **kw)
         return real_make(arch, out_dir, **kw)
 
     monkeypatch.setattr(tm, "make_tiny_model", make_and_lose)
-    assert tm.demo_model_path("qwen3") == tmp_path / "demo-qwen3-v1"
-    assert [p.name for p in tmp_path.iterdir()] == ["demo-qwen3-v1"]
+    assert tm.demo_model_path("qwen3") == tmp_path / "demo-qwen3-v2"
+    assert [p.name for p in tmp_path.iterdir()] == ["demo-qwen3-v2"]

@@ -12,6 +12,7 @@ from typing import Any
 
 from vllm_omni.config import graph, resolve, schema, support
 from vllm_omni.config.diffusion_accel import combination_problems
+from vllm_omni.config.diffusion_parallel import ParallelConfigError
 from vllm_omni.config.errors import ConfigError
 from vllm_omni.config.layers import STAGE_STREAMS, Layer
 from vllm_omni.config.strategy import LB_POLICY_PATH
@@ -83,7 +84,10 @@ def build_pipeline(layers: Sequence[Layer], *, fmt: ConfigFormat, source: str,
         return merged[sid].source(path)
 
     graph.check_graph(stages, source_of=source_of, source=source)
-    _check_diffusion_settings(stages, merged)
+    for worker_type, settings, kind in ((WorkerType.DIFFUSION, schema.DIFFUSION_FIELDS, ("a", "diffusion")),
+                                        (WorkerType.AR, schema.AR_FIELDS, ("an", "AR"))):
+        _check_settings_have_a_stage(stages, merged, worker_type, settings, kind)
+    _check_diffusion_stages(stages, merged)
     runtime = PipelineRuntimeConfig(enabled=top.get("runtime.enabled", True),
                                     window_size=top.get("runtime.defaults.window_size", -1),
                                     max_inflight=top.get("runtime.defaults.max_inflight", 1))
@@ -148,7 +152,9 @@ def build_stage(stage_id: int, m: _Merged, *, feeds_another_stage: bool) -> Stag
     engine_values.update(worker_type=worker_type, worker_cls=worker_cls, scheduler_cls=scheduler_cls,
                          **_own_stage_names(stage_id, m))
     engine_args = StageEngineArgs(**engine_values)
+    _check_diffusion_parallel(stage_id, engine_args, m)
     _check_devices(stage_id, runtime, engine_args, m)
+    _check_sleep_mode(stage_id, engine_args, m)
     return StageConfig(
         stage_id=stage_id, runtime=runtime, engine_args=engine_args,
         default_sampling_params=_sampling(stage_id, m, diffusion=worker_type == WorkerType.DIFFUSION),
@@ -224,20 +230,25 @@ def _worker(stage_id: int, m: _Merged) -> tuple[WorkerType, str | None, str | No
     return worker_type, worker_cls, scheduler_cls
 
 
-def _check_diffusion_settings(stages: tuple[StageConfig, ...], merged: dict[int, _Merged]) -> None:
-    """Diffusion settings (CLI flags apply them to every stage) need a diffusion stage to use them,
-    and a native pipeline class must be one our diffusion engine runs."""
+def _check_diffusion_stages(stages: tuple[StageConfig, ...], merged: dict[int, _Merged]) -> None:
+    """A native pipeline class must be one our diffusion engine runs; acceleration settings must agree."""
     if any(s.worker_type == WorkerType.DIFFUSION for s in stages):
         for stage in stages:
             _check_pipeline_class(stage, merged[stage.stage_id])
             _check_acceleration(stage, merged[stage.stage_id])
+
+
+def _check_settings_have_a_stage(stages: tuple[StageConfig, ...], merged: dict[int, _Merged], worker_type: WorkerType,
+                                 settings: dict[str, schema.FieldSpec], kind: tuple[str, str]) -> None:
+    """Settings of one kind of stage (CLI flags apply them to every stage) need such a stage to use them."""
+    if any(s.worker_type == worker_type for s in stages):
         return
     for stage in stages:
         m = merged[stage.stage_id]
-        for name in schema.DIFFUSION_FIELDS:
+        for name in settings:
             path = f"engine_args.{name}"
             if m.has(path) and m.get(path) != schema.STAGE_FIELDS[path].default:
-                raise ConfigError("is a diffusion setting and this pipeline has no diffusion stage",
+                raise ConfigError(f"is {kind[0]} {kind[1]} setting and this pipeline has no {kind[1]} stage",
                                   source=m.source(path), stage_id=stage.stage_id, field=path, value=m.get(path))
 
 
@@ -277,18 +288,63 @@ def _sampling(stage_id: int, m: _Merged, *, diffusion: bool) -> SamplingParams |
                           stage_id=stage_id) from None
 
 
+def _check_diffusion_parallel(stage_id: int, args: StageEngineArgs, m: _Merged) -> None:
+    """The diffusion world (CFG x sequence parallelism x HSDP, VAE patches, num_gpus) can be laid out."""
+    try:
+        parallel = args.diffusion_parallel.check()
+    except ParallelConfigError as exc:
+        path = f"engine_args.{exc.field}"
+        raise ConfigError(exc.problem, source=m.source(path), stage_id=stage_id, field=path,
+                          value=getattr(args, exc.field), allowed=exc.allowed) from None
+    if parallel.world_size > 1 and args.diffusion_load_format == "diffusers":
+        raise ConfigError(f"a diffusion world of {parallel.world_size} ranks ({parallel.describe_world()}) needs "
+                          "our diffusion engine; the diffusers adapter runs a whole pipeline in one process",
+                          source=m.source("engine_args.diffusion_load_format"), stage_id=stage_id,
+                          field="engine_args.diffusion_load_format", value=args.diffusion_load_format,
+                          allowed="'default' or 'dummy'")
+    if parallel.vae_patch_parallel_size > 1 and args.vae_use_tiling:
+        raise ConfigError("vae_use_tiling and vae_patch_parallel_size > 1 both split the VAE decode; choose one",
+                          source=m.source("engine_args.vae_use_tiling"), stage_id=stage_id,
+                          field="engine_args.vae_use_tiling", value=True, allowed="false")
+
+
 def _check_devices(stage_id: int, runtime: StageRuntimeConfig, args: StageEngineArgs, m: _Merged) -> None:
     # One replica uses tensor_parallel_size devices; a replica pool lists them all (spec 002).
-    # A diffusion stage with cfg_parallel_size 2 runs its two guidance branches on two devices.
-    n, tp, replicas = len(runtime.device_ids), args.tensor_parallel_size * args.cfg_parallel_size, runtime.num_replicas
-    if n == tp or n == tp * replicas:
+    # A diffusion stage runs one rank per device: CFG branches x sequence parallelism (x HSDP replicas).
+    n, per_replica, replicas = len(runtime.device_ids), args.devices_per_replica, runtime.num_replicas
+    if n == per_replica or n == per_replica * replicas:
         return
-    need = f"{tp}" + (f" (template) or {tp * replicas} (pool of {replicas} replicas)" if replicas > 1 else "")
+    need = f"{per_replica}" + (f" (template) or {per_replica * replicas} (pool of {replicas} replicas)"
+                               if replicas > 1 else "")
     raise ConfigError(f"lists {n} device(s) but tensor_parallel_size={args.tensor_parallel_size} "
-                      f"(from {m.source('engine_args.tensor_parallel_size')}) x cfg_parallel_size="
-                      f"{args.cfg_parallel_size} needs {need}",
+                      f"(from {m.source('engine_args.tensor_parallel_size')}) x "
+                      f"{args.diffusion_parallel.describe_world()} needs {need}",
                       source=m.source("runtime.devices"), stage_id=stage_id, field="runtime.devices",
                       value=runtime.devices, allowed=f"exactly {need} device indices")
+
+
+def _check_sleep_mode(stage_id: int, args: StageEngineArgs, m: _Merged) -> None:
+    """A sleeping stage drops its engine and builds it again in its own process (worker/sleep_mode.py),
+    at level 1 from placeholder weights that its CPU copy overwrites."""
+    if not args.enable_sleep_mode:
+        return
+    conflicts = (
+        ("tensor_parallel_size", args.tensor_parallel_size != 1, "its other ranks run in other processes"),
+        ("cfg_parallel_size", args.cfg_parallel_size != 1, "its second rank runs in another process"),
+        *((name, getattr(args, name) != off, "the diffusion stage's other ranks run in other processes")
+          for name, off in (("ulysses_degree", 1), ("ring_degree", 1), ("use_hsdp", False),
+                            ("vae_patch_parallel_size", 1))),
+        ("diffusion_load_format", args.diffusion_load_format == "diffusers",
+         "the diffusers adapter has no placeholder weights to wake into"),
+        ("enable_layerwise_offload", args.enable_layerwise_offload, "the offloaded blocks live in CPU memory already"),
+    )
+    for name, conflict, why in conflicts:
+        if conflict:
+            value = getattr(args, name)
+            raise ConfigError(f"does not combine with enable_sleep_mode (from "
+                              f"{m.source('engine_args.enable_sleep_mode')}): {why}",
+                              source=m.source(f"engine_args.{name}"), stage_id=stage_id,
+                              field=f"engine_args.{name}", value=value)
 
 
 def _refs(m: _Merged, prefix: str) -> tuple[tuple[int, str], ...]:

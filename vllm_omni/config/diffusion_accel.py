@@ -129,6 +129,12 @@ def combination_problems(values: dict[str, Any]) -> list[tuple[str, str]]:
             if spec.quant is not None and spec.quant.method != kv:
                 problems.append(("diffusion_attention_config", f"{role}.quant.method {spec.quant.method!r} contradicts "
                                                                f"diffusion_kv_cache_dtype {kv!r}"))
+    quant = values["diffusion_quantization_config"]
+    if values["enable_layerwise_offload"] and quant is not None and quant.method == "gguf":
+        problems.append(("enable_layerwise_offload", "copies each block's plain tensors to the device; a GGUF "
+                                                     "transformer's quantized parameters are not plain tensors: "
+                                                     "choose one (FP8 weights do combine with it)"))
+    problems += _parallel_problems(values)
     adapter_only = [n for n in ("diffusion_quantization_config", "diffusion_attention_config", "diffusion_kv_cache_dtype")
                     if values[n] is not None] + (["force_cutlass_fp8"] if values["force_cutlass_fp8"] else [])
     if values["diffusion_load_format"] == "diffusers":
@@ -136,4 +142,31 @@ def combination_problems(values: dict[str, Any]) -> list[tuple[str, str]]:
             adapter_only.append("cache_backend")
         problems += [(n, "is a setting of our diffusion engine; diffusion_load_format diffusers runs diffusers' "
                          "pipeline as it is") for n in adapter_only]
+    return problems
+
+
+def _parallel_problems(values: dict[str, Any]) -> list[tuple[str, str]]:
+    """Sequence parallelism and HSDP against the acceleration settings. FP8 K/V and a backend's
+    kernel compose with Ulysses (its attention is local); ring attention merges key blocks by their
+    log-sum-exp, which PyTorch's FlashAttention / memory-efficient kernels return and cuDNN's
+    SDPA path does not; FSDP2 gathers float weights, not FP8 / GGUF layers' quantized tensors, and
+    owns the blocks' weights that layerwise offload would keep in CPU memory."""
+    problems = []
+    config = values["diffusion_attention_config"]
+    named = [values["diffusion_attention_backend"]]
+    if config is not None:
+        named += [config.default.backend, *(spec.backend for _, spec in config.per_role)]
+    if values["ring_degree"] > 1 and any(b is not None and b.upper() == "CUDNN_ATTN" for b in named):
+        problems.append(("ring_degree", "ring attention runs its key blocks on PyTorch's FlashAttention or "
+                                        "memory-efficient kernel (they return the log-sum-exp its merge needs); "
+                                        "the CUDNN_ATTN backend is set: use TORCH_SDPA or FLASH_ATTN, or "
+                                        "ulysses_degree instead of ring_degree"))
+    if values["use_hsdp"] and values["diffusion_quantization_config"] is not None:
+        problems.append(("use_hsdp", "HSDP (FSDP2) shards float weights; diffusion_quantization_config's FP8 / GGUF "
+                                     "layers hold quantized tensors and scales it does not gather: use one of them"))
+    if values["use_hsdp"] and values["enable_layerwise_offload"]:
+        problems.append(("enable_layerwise_offload", "keeps each transformer block's whole weights in CPU memory and "
+                                                     "copies them into device buffers; use_hsdp shards those weights "
+                                                     "over the ranks (FSDP2 gathers them itself): choose one "
+                                                     "(sequence parallelism and cfg_parallel_size do combine with it)"))
     return problems

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from vllm_omni.config import schema, upstream_keys
+from vllm_omni.config import schema, upstream_keys, upstream_parallel
 from vllm_omni.config.errors import BadValue, ConfigError, bad_value, unknown_keys
 from vllm_omni.config.upstream_keys import IGNORED_PREFIX
 
@@ -112,8 +112,8 @@ def read_stage_fields(entry: dict[str, Any], *, source: str, stage_id: int | Non
             # per stage (upstream deploy): streaming is decided for the whole pipeline here
             check_bool_field("async_chunk", value, source=source, stage_id=stage_id)
             out[f"{IGNORED_PREFIX}async_chunk"] = upstream_keys.PER_STAGE_STREAMING
-        elif key == "parallel_config":  # upstream's diffusion stages (flat deploy key)
-            out.update(_read_parallel_config(value, source=source, stage_id=stage_id, shown=key))
+        elif key == upstream_parallel.KEY:  # upstream's diffusion stages (flat deploy key)
+            out.update(upstream_parallel.read_parallel_config(value, source=source, stage_id=stage_id, shown=key))
         elif key in _FLAT or key in schema.TOP_STAGE_KEYS:
             path = _FLAT.get(key, key)
             _check_not_topology(path, key, style, source=source, stage_id=stage_id)
@@ -125,7 +125,7 @@ def read_stage_fields(entry: dict[str, Any], *, source: str, stage_id: int | Non
 
 def _allowed_keys(style: Style) -> set[str]:
     common = {"default_sampling_params", "stage_type", "max_tokens_limit", "subtalker_sampling_params",
-              "tts_max_instructions_length", "tts_args", *_CONNECTOR_KEY}
+              "tts_max_instructions_length", "tts_args", upstream_parallel.KEY, *_CONNECTOR_KEY}
     if style == "legacy":
         return common | set(schema.TOP_STAGE_KEYS) | set(_SECTIONS)
     deploy_flat = {k for k, p in _FLAT.items() if p not in schema.TOPOLOGY_FIELDS}
@@ -163,7 +163,7 @@ def _read_section(section: str, value: Any, out: dict[str, Any], *, source: str,
     known = schema.RUNTIME_KEYS if section == "runtime" else schema.ENGINE_KEYS
     policy = section == "engine_args"
     unknown = [k for k in value if k not in known
-               and not (policy and (upstream_keys.is_policy_key(k) or k in _STREAM_ARGS))]
+               and not (policy and (upstream_keys.is_policy_key(k) or k in (*_STREAM_ARGS, upstream_parallel.KEY)))]
     if unknown:
         raise unknown_keys(unknown, known, source=source, stage_id=stage_id, section=shown)
     for key, v in value.items():
@@ -171,8 +171,8 @@ def _read_section(section: str, value: Any, out: dict[str, Any], *, source: str,
         if section == "engine_args" and key in _STREAM_ARGS:
             out.update(_read_stream_arg(key, v, source=source, stage_id=stage_id, shown=where))
             continue
-        if section == "engine_args" and key == "parallel_config":
-            out.update(_read_parallel_config(v, source=source, stage_id=stage_id, shown=where))
+        if section == "engine_args" and key == upstream_parallel.KEY:
+            out.update(upstream_parallel.read_parallel_config(v, source=source, stage_id=stage_id, shown=where))
             continue
         if key not in known:
             _read_policy_key(key, v, out, source=source, stage_id=stage_id, shown=where)
@@ -281,30 +281,3 @@ def _read_tts_args(value: Any, *, source: str, stage_id: int | None) -> dict[str
             for k, v in value.items()}
 
 
-# upstream's diffusion `parallel_config`: each key the diffusion engine implements, or its "off" value.
-_PARALLEL_OFF = {"pipeline_parallel_size": 1, "data_parallel_size": 1, "tensor_parallel_size": 1,
-                 "enable_expert_parallel": False, "sequence_parallel_size": 1, "ulysses_degree": 1,
-                 "ring_degree": 1, "allgather_degree": 1, "vae_patch_parallel_size": 1, "use_hsdp": False,
-                 "hsdp_shard_size": -1, "hsdp_replicate_size": 1}
-
-
-def _read_parallel_config(value: Any, *, source: str, stage_id: int | None, shown: str) -> dict[str, Any]:
-    """`cfg_parallel_size` is ours (engine_args.cfg_parallel_size); every other key must say "off"."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ConfigError("must be a mapping", source=source, stage_id=stage_id, field=shown, value=value)
-    out: dict[str, Any] = {}
-    for key, v in value.items():
-        where = f"{shown}.{key}"
-        if key == "cfg_parallel_size":
-            out["engine_args.cfg_parallel_size"] = check_field("engine_args.cfg_parallel_size", v, source=source,
-                                                               stage_id=stage_id, shown=where)
-        elif key not in _PARALLEL_OFF:
-            raise unknown_keys([key], ("cfg_parallel_size", *_PARALLEL_OFF), source=source, stage_id=stage_id,
-                               section=shown)
-        elif v != _PARALLEL_OFF[key] or type(v) is not type(_PARALLEL_OFF[key]):
-            raise ConfigError(f"{key} is not supported: our diffusion engine runs a stage on one device (two "
-                              "with cfg_parallel_size 2; docs/diffusion.md)", source=source, stage_id=stage_id,
-                              field=where, value=v, allowed=f"{_PARALLEL_OFF[key]!r} (off)")
-    return out

@@ -10,7 +10,8 @@ Precedence, highest first (DESIGN 6):
   bundled pipeline found from --model. The pipeline's stage_args YAML is the
   "bundled defaults" layer and fixes the topology.
 - No file: the model's bundled deploy YAML over its bundled pipeline, or a
-  one-stage pipeline for a plain causal LM. The bundled pipeline has variants: text only
+  one-stage pipeline for a plain causal LM; then the checkpoint's own deploy settings, if its
+  folder has them (checkpoint_deploy.py). The bundled pipeline has variants: text only
   when `output_modalities` leaves audio out (or the checkpoint has no audio output), one
   device when only one GPU is visible.
 """
@@ -25,6 +26,7 @@ from typing import Any, Literal
 
 from vllm_omni.config import bundled, toplevel
 from vllm_omni.config.build import build_pipeline
+from vllm_omni.config.checkpoint_deploy import checkpoint_deploy_layers
 from vllm_omni.config.deploy import DeployChain, is_deploy_data, read_deploy_chain
 from vllm_omni.config.errors import ConfigError, unknown_keys
 from vllm_omni.config.layers import Layer, read_stage_fields, read_stage_list
@@ -153,12 +155,15 @@ def _bundled_layers(model: ModelRef, platform: str, audio_output: bool | None, n
                           allowed="a config file path or --model")
     pipeline = bundled.pipeline_for_model(model, audio_output=audio_output, num_devices=num_devices)
     if pipeline is None:
-        return [_single_stage_layer(model)], ConfigFormat.SINGLE_STAGE, _single_stage_source(model), None
+        topo = _single_stage_layer(model)
+        return ([topo, *checkpoint_deploy_layers(model, platform, topo.stages)], ConfigFormat.SINGLE_STAGE,
+                _single_stage_source(model), None)
     topo = _legacy_file_layer(pipeline.legacy_path, bundled_default=True)
+    own = checkpoint_deploy_layers(model, platform, topo.stages)  # the checkpoint's own settings, over the bundled ones
     if not pipeline.deploy_path.is_file():
-        return [topo], ConfigFormat.LEGACY, str(pipeline.legacy_path), pipeline.name
+        return [topo, *own], ConfigFormat.LEGACY, str(pipeline.legacy_path), pipeline.name
     chain = read_deploy_chain(pipeline.deploy_path, platform=platform)
-    return [topo, *chain.layers], ConfigFormat.DEPLOY, str(pipeline.deploy_path), pipeline.name
+    return [topo, *chain.layers, *own], ConfigFormat.DEPLOY, str(pipeline.deploy_path), pipeline.name
 
 
 def _deploy_topology(chain: DeployChain, model: ModelRef) -> tuple[Layer, str | None]:

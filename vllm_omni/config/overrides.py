@@ -14,7 +14,7 @@ from typing import Any
 
 from vllm_omni.config.errors import ConfigError
 from vllm_omni.config.layers import Layer, read_stage_fields
-from vllm_omni.config.schema import DIFFUSION_FIELDS
+from vllm_omni.config.schema import AR_FIELDS, DIFFUSION_FIELDS
 
 STAGE_OVERRIDES = "--stage-overrides"
 CLI_FLAGS = "CLI flags"
@@ -26,7 +26,9 @@ STAGE_CLI_FIELDS = (
     "enable_chunked_prefill", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "dtype",
     "block_size", "tensor_parallel_size", "seed", "load_format", "max_tokens_limit",
     "num_replicas",  # --omni-dp-size-local (runtime.num_replicas)
+    "enable_sleep_mode",
     *DIFFUSION_FIELDS,  # spec 001's diffusion flags, for the pipeline's diffusion stages
+    *AR_FIELDS,  # and those of its AR stages
 )
 
 

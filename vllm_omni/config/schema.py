@@ -233,6 +233,15 @@ DIFFUSION_FIELDS: dict[str, FieldSpec] = {
     "vae_use_tiling": FieldSpec(check_bool, False),
     "enable_cpu_offload": FieldSpec(check_bool, False),
     "cfg_parallel_size": FieldSpec(check_cfg_parallel_size, 1),
+    # Sequence parallelism, HSDP, VAE patches and the world they make (config/diffusion_parallel.py).
+    "ulysses_degree": FieldSpec(check_int(1), 1),
+    "ulysses_mode": FieldSpec(check_choice("strict", "advanced_uaa"), "strict"),
+    "ring_degree": FieldSpec(check_int(1), 1),
+    "vae_patch_parallel_size": FieldSpec(check_int(1), 1),
+    "use_hsdp": FieldSpec(check_bool, False),
+    "hsdp_shard_size": FieldSpec(check_int(1, extra=(-1,)), -1),
+    "hsdp_replicate_size": FieldSpec(check_int(1), 1),
+    "num_gpus": FieldSpec(check_int(1, optional=True), None),
     "max_generated_image_size": FieldSpec(check_int(1, optional=True), None),
     # With enforce_eager false the transformer blocks are compiled (docs/diffusion.md).
     "diffusion_attention_backend": FieldSpec(check_attention_backend, None),
@@ -249,6 +258,19 @@ DIFFUSION_FIELDS: dict[str, FieldSpec] = {
     "diffusion_kv_cache_skip_layers": FieldSpec(diffusion_accel.check_selector("diffusion_kv_cache_skip_layers"), ()),
     "diffusion_attention_config": FieldSpec(diffusion_accel.check_attention_config, None),
     "auxiliary_text_encoder": FieldSpec(check_str(), None),
+    # Each transformer block's weights wait on the CPU and are prefetched before it runs
+    # (diffusion/layerwise_offload.py).
+    "enable_layerwise_offload": FieldSpec(check_bool, False),
+    # Per-request durations of prompt encoding, denoising and VAE decoding (stage_durations).
+    "enable_diffusion_pipeline_profiler": FieldSpec(check_bool, False),
+}
+
+# Engine args that only AR stages use (spec 001's --enable-ar-profiler and the weight loader's
+# threads; model_executor/model_loader.py).
+AR_FIELDS: dict[str, FieldSpec] = {
+    "enable_ar_profiler": FieldSpec(check_bool, False),
+    "enable_multithread_weight_load": FieldSpec(check_bool, True),
+    "num_weight_load_threads": FieldSpec(check_int(1), 4),
 }
 
 # Topology fields describe the model's stage graph; a deploy YAML may not set them
@@ -305,9 +327,12 @@ STAGE_FIELDS: dict[str, FieldSpec] = {
     "engine_args.seed": FieldSpec(check_int(0, optional=True), None),
     # "dummy": random weights of the real shapes, no checkpoint read (benchmarks, vLLM's flag).
     "engine_args.load_format": FieldSpec(check_choice("auto", "dummy"), "auto"),
+    # vLLM's sleep mode: the stage frees its device memory on POST /sleep (worker/sleep_mode.py).
+    "engine_args.enable_sleep_mode": FieldSpec(check_bool, False),
     # "llm" (AR or generation engines) or "diffusion" (upstream's spelling of worker_type: diffusion).
     "stage_type": FieldSpec(check_choice("llm", "diffusion"), None),
     **{f"engine_args.{name}": spec for name, spec in DIFFUSION_FIELDS.items()},
+    **{f"engine_args.{name}": spec for name, spec in AR_FIELDS.items()},
 }
 
 RUNTIME_KEYS = tuple(p.split(".", 1)[1] for p in STAGE_FIELDS if p.startswith("runtime."))

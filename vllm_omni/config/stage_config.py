@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from vllm_omni.config.diffusion_parallel import DiffusionParallelConfig
 from vllm_omni.sampling_params import DiffusionSamplingParams, SamplingParams
 
 
@@ -105,6 +106,14 @@ class StageEngineArgs:
     vae_use_tiling: bool = False
     enable_cpu_offload: bool = False
     cfg_parallel_size: int = 1
+    ulysses_degree: int = 1
+    ulysses_mode: str = "strict"
+    ring_degree: int = 1
+    vae_patch_parallel_size: int = 1
+    use_hsdp: bool = False
+    hsdp_shard_size: int = -1
+    hsdp_replicate_size: int = 1
+    num_gpus: int | None = None  # the diffusion world size, checked against the degrees
     max_generated_image_size: int | None = None
     diffusion_attention_backend: str | None = None  # None: CUDNN_ATTN on CUDA, TORCH_SDPA elsewhere
     diffusion_compile_granularity: str = "regional"
@@ -121,6 +130,27 @@ class StageEngineArgs:
     diffusion_kv_cache_skip_layers: tuple[int, ...] = ()
     diffusion_attention_config: Any = None  # DiffusionAttentionConfig | None
     auxiliary_text_encoder: str | None = None
+    enable_layerwise_offload: bool = False
+    enable_diffusion_pipeline_profiler: bool = False
+    # AR stages: per-request queue / prefill / decode durations; checkpoint reading threads
+    # (enable_multithread_weight_load false: one).
+    enable_ar_profiler: bool = False
+    enable_multithread_weight_load: bool = True
+    num_weight_load_threads: int = 4
+    enable_sleep_mode: bool = False  # POST /sleep frees the stage's device memory
+
+    @property
+    def weight_load_threads(self) -> int:
+        return self.num_weight_load_threads if self.enable_multithread_weight_load else 1
+
+    @property
+    def diffusion_parallel(self) -> DiffusionParallelConfig:
+        return DiffusionParallelConfig.from_engine_args(self)
+
+    @property
+    def devices_per_replica(self) -> int:
+        """Devices one replica of the stage uses: its tensor-parallel ranks x its diffusion world."""
+        return self.tensor_parallel_size * self.diffusion_parallel.world_size
 
 
 @dataclass(frozen=True)

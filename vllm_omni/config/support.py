@@ -30,7 +30,7 @@ def _replica_device_ids(stage: StageConfig) -> tuple[int, ...]:
     """The device indices a stage's replicas use: `runtime.devices` as listed (one replica, or
     spec 002's pool mode), or, in template mode, one replica's shape shifted per replica."""
     ids, replicas = stage.runtime.device_ids, stage.runtime.num_replicas
-    per_replica = stage.engine_args.tensor_parallel_size * stage.engine_args.cfg_parallel_size
+    per_replica = stage.engine_args.devices_per_replica
     if replicas == 1 or len(ids) == replicas * per_replica:
         return ids
     return tuple(r * per_replica + d for r in range(replicas) for d in ids)

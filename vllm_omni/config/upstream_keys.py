@@ -91,9 +91,19 @@ DIFFUSION_KEYS = frozenset({
     "enable_diffusion_pipeline_profiler", "parallel_config",
 })
 
+# Upstream's other sequence-parallel variants and options: accepted when they are off.
+_DIFFUSION_OFF: dict[str, tuple[Any, ...]] = {
+    "allgather_degree": (1,), "context_parallel_degree": (1,), "sequence_parallel_size": (None, 1),
+    "ulysses_a2a_permute": (False,), "text_encoder_tp_size": (1,),
+    # Our patch-parallel decode splits the latent's rows (height) with a halo.
+    "vae_parallel_mode": ("spatial_shard_height",),
+}
+
 UNSUPPORTED_FEATURES: dict[str, Refusal] = {
-    # Those our diffusion engine implements are its stage fields (config/schema.DIFFUSION_FIELDS).
-    **{key: Refusal(_DIFFUSION) for key in DIFFUSION_KEYS - set(DIFFUSION_FIELDS)},
+    # Those our diffusion engine implements are its stage fields (config/schema.DIFFUSION_FIELDS);
+    # parallel_config is read into them (config/upstream_parallel.py).
+    **{key: Refusal(_DIFFUSION, _DIFFUSION_OFF.get(key, ()))
+       for key in DIFFUSION_KEYS - set(DIFFUSION_FIELDS) - {"parallel_config"}},
     "kv_transfer_config": Refusal(_PD, (None,)),
     "is_prefill_only": Refusal(_PD, (False,)),
     "is_decode_only": Refusal(_PD, (False,)),

@@ -32,6 +32,8 @@ class EngineConfig:
     architecture: str | None = None  # override config.architectures[0] (spec 000 `model_arch`)
     model_stage: str | None = None  # which stage model of a multi-stage checkpoint (thinker, talker, ...)
     load_format: str = "auto"  # "dummy": random weights of the real shapes (benchmarks)
+    # Threads reading the checkpoint ahead of the loader (model_loader.iterate_safetensors).
+    num_weight_load_threads: int = 1
     # A talker's code predictor sampling (the stage's subtalker_sampling_params); empty: the model's.
     predictor_sampling: tuple[tuple[str, Any], ...] = ()
     # Ranks that split the model (one process each, rank 0 in this one; core/tp_executor.py).
@@ -59,6 +61,8 @@ class EngineConfig:
             raise bad("gpu_memory_utilization", "in (0, 1]")
         if self.load_format not in ("auto", "dummy"):
             raise bad("load_format", "'auto' or 'dummy'")
+        if self.num_weight_load_threads < 1:
+            raise bad("num_weight_load_threads", ">= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise bad("num_kv_blocks", ">= 1 or None")
         if self.tensor_parallel_size < 1:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -76,7 +77,7 @@ class LLMEngine:
         tp = TPExecutor(config, self.hf_config, self.dtype, self.device) if config.tensor_parallel_size > 1 else None
         self.model: StageModel = tp.model if tp is not None else load_model(
             config.model, self.hf_config, self.dtype, self.device, config.architecture, config.model_stage,
-            config.load_format, dict(config.predictor_sampling),
+            config.load_format, dict(config.predictor_sampling), config.num_weight_load_threads,
         )
         # A stage model whose vocabulary is not the tokenizer's (a talker's codec) names its own EOS.
         self.eos_token_ids = self.model.eos_token_ids or self.eos_token_ids
@@ -335,6 +336,8 @@ class LLMEngine:
 
     def _append_token(self, request: Request, token: int, logprobs: dict[int, float] | None) -> None:
         request.append_output_token(token)
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
         if logprobs is not None:
             request.unsent_logprobs.append(logprobs)
             request.cumulative_logprob += logprobs[token]
@@ -394,4 +397,6 @@ class LLMEngine:
             # A request whose input streams in consumed one input row per output token.
             consumed_units=request.num_sent_tokens if request.streamed_input else None,
             num_cached_tokens=request.num_cached_tokens,
+            # The phases it went through here (a stage's profiler names them: ar_stage_engine.py).
+            stage_durations=request.phase_durations() if finished else None,
         )

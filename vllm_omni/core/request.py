@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -74,6 +75,10 @@ class Request:
         # M-RoPE positions); survives preemption because it depends only on the inputs.
         self.model_state: dict[str, Any] = {}
         self.arrival_order = next(_arrival_counter)
+        # time.monotonic() of the request's phases (phase_durations)
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
         # A request fed by a streaming edge starts before its input is complete: only positions
         # below `input_limit` have their inputs (None: all). Paused: its consumer is behind.
         self.input_complete = input_complete
@@ -120,6 +125,17 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def phase_durations(self) -> dict[str, float]:
+        """Seconds from arrival to the first step that computed it (queue), from there to its first
+        token (prefill) and from that token to now (decode): the phases it reached."""
+        durations: dict[str, float] = {}
+        if self.first_scheduled_time is not None:
+            durations["queue"] = self.first_scheduled_time - self.arrival_time
+            if self.first_token_time is not None:
+                durations["prefill"] = self.first_token_time - self.first_scheduled_time
+                durations["decode"] = time.monotonic() - self.first_token_time
+        return durations
 
     @property
     def computable(self) -> bool:

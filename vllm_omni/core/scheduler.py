@@ -176,6 +176,8 @@ class Scheduler:
             request.num_computed_tokens = num_cached_tokens
             if request.num_output_tokens == 0:
                 request.num_cached_tokens = num_cached_tokens
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))

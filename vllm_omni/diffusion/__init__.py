@@ -7,7 +7,9 @@
     (the model's side: model_executor/models/diffusion_model.py, Qwen-Image: models/qwen_image)
     tea_cache.py    TeaCache, per row
     db_cache.py     cache-dit's DBCache (--cache-backend cache_dit), per row
-    cfg_parallel.py the unconditional rows on a second rank (torch.distributed)
+    process_group.py the stage's other ranks (torch.distributed): CFG parallelism, sequence
+                    parallelism, HSDP, patch-parallel VAE decode
+    rank_groups.py  the groups of one rank in that world
     diffusers_engine.py   any other diffusers pipeline, one whole call per request
 
 See docs/diffusion.md.

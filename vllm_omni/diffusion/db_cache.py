@@ -98,9 +98,13 @@ RunRange = Callable[[torch.Tensor | None, State, int, int], State]  # (rows, sta
 
 
 class DBCache:
-    def __init__(self, config: DBCacheConfig, summary: bool = False) -> None:
+    def __init__(self, config: DBCacheConfig, summary: bool = False,
+                 agree: Callable[[list[bool]], list[bool]] | None = None) -> None:
         self.config = config
         self.summary = summary
+        # Ranks that run the blocks together (sequence parallelism, HSDP) must reuse the same rows:
+        # `agree` returns their leader's decisions (process_group.py); None on a rank of its own.
+        self.agree = agree
         self._rows: dict[Hashable, _RowState] = {}
         self._done: dict[str, dict[Hashable, _RowState]] = {}  # rows let go, per request still running
         self.computed = 0  # rows that ran the middle blocks
@@ -116,6 +120,8 @@ class DBCache:
         for row in rows:
             row.step += 1
         reuse = self._decide(rows, fn_residual)
+        if self.agree is not None:
+            reuse = self.agree(reuse)
         compute = [i for i, r in enumerate(reuse) if not r]
         self.computed += len(compute)
         self.skipped += len(rows) - len(compute)

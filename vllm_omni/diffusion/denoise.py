@@ -3,12 +3,13 @@
 Conditional rows of every request and unconditional rows of the requests that use guidance
 go into ONE forward (rows of different prompt lengths are zero-padded and masked), so a batch
 of B guided requests costs one forward of 2B rows instead of 2B forwards (one per expert when
-the requests' steps run on different experts). With
-`cfg_parallel_size 2` the unconditional rows run on a second rank at the same time.
+the requests' steps run on different experts). With `cfg_parallel_size 2` the unconditional
+rows run on other ranks at the same time; with sequence parallelism or HSDP the stage's ranks
+run each forward together (process_group.py).
 """
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -21,14 +22,16 @@ from vllm_omni.diffusion.tea_cache import TeaCache, TeaCacheConfig
 Cache = TeaCache | DBCache
 
 
-def build_cache(spec: tuple[str, dict[str, Any], bool] | None, transformer_class: str) -> Cache | None:
-    """The cache of `spec` = (cache_backend, cache_config, enable_cache_dit_summary); None: no cache."""
+def build_cache(spec: tuple[str, dict[str, Any], bool] | None, transformer_class: str,
+                agree: Callable[[list[bool]], list[bool]] | None = None) -> Cache | None:
+    """The cache of `spec` = (cache_backend, cache_config, enable_cache_dit_summary); None: no cache.
+    `agree`: on ranks that run the blocks together, their leader's skip decisions (process_group.py)."""
     if spec is None:
         return None
     backend, settings, summary = spec
     if backend == "tea_cache":
-        return TeaCache(TeaCacheConfig.for_model(transformer_class, settings))
-    return DBCache(DBCacheConfig.from_settings(settings), summary=summary)
+        return TeaCache(TeaCacheConfig.for_model(transformer_class, settings), agree=agree)
+    return DBCache(DBCacheConfig.from_settings(settings), summary=summary, agree=agree)
 
 
 def run_denoiser(model: DiffusionModel, batch: Any, cache: Cache | None = None,
@@ -49,10 +52,11 @@ def run_denoiser(model: DiffusionModel, batch: Any, cache: Cache | None = None,
 class Denoiser:
     """Velocity predictions for the running requests, guidance applied."""
 
-    def __init__(self, model: DiffusionModel, cache: Cache | None = None, cfg_group: Any = None) -> None:
+    def __init__(self, model: DiffusionModel, cache: Cache | None = None, group: Any = None) -> None:
         self.model = model
         self.cache = cache
-        self.cfg_group = cfg_group  # cfg_parallel.CfgParallelGroup: the unconditional rows' rank
+        self.group = group  # process_group.DiffusionProcessGroup: the stage's other ranks
+        self._retained: list[Hashable] = []  # the cache rows of the running requests
 
     def velocities(self, requests: Sequence[DiffusionRequest]) -> list[torch.Tensor]:
         """One guided velocity per request. Requests whose step runs on another expert (Wan2.2's
@@ -67,29 +71,38 @@ class Denoiser:
         return [results[id(r)] for r in requests]
 
     def retain(self, running: Sequence[DiffusionRequest]) -> None:
-        """The cache keeps the rows of the running requests (at their current expert) only."""
+        """The cache keeps the rows of the running requests (at their current expert) only (the
+        other ranks' caches too: their next forward brings the keys)."""
+        self._retained = [*_keys(running, False), *_keys([r for r in running if r.prepared.do_cfg], True)]
         if self.cache is not None:
-            self.cache.retain([*_keys(running, False), *_keys([r for r in running if r.prepared.do_cfg], True)])
+            self.cache.retain(self._retained)
 
     def _guided(self, requests: Sequence[DiffusionRequest]) -> list[torch.Tensor]:
         cond = [self._group(r, uncond=False) for r in requests]
         guided = [r for r in requests if r.prepared.do_cfg]
         uncond = [self._group(r, uncond=True) for r in guided]
         cond_keys, uncond_keys = _keys(requests, False), _keys(guided, True)
-        if uncond and self.cfg_group is not None:
-            self.cfg_group.submit(self.model.make_batch(uncond), uncond_keys)
-            cond_out = self._forward(cond, cond_keys)
-            uncond_out = self.cfg_group.result((len(uncond_keys), *cond_out.shape[1:]), cond_out.dtype)
+        if self.group is not None and self.group.cfg_size == 2:  # the branches on their own ranks
+            cond_out, uncond_out = self._forward([(cond, cond_keys), (uncond, uncond_keys) if uncond else None])
         else:
-            out = self._forward(cond + uncond, cond_keys + uncond_keys)
+            out = self._forward([(cond + uncond, cond_keys + uncond_keys)])[0]
             cond_out, uncond_out = out[:len(cond_keys)], out[len(cond_keys):]
         cond_parts = torch.split(cond_out, [g.num_rows for g in cond])
+        if not guided:
+            return list(cond_parts)
         uncond_parts = dict(zip((id(r) for r in guided), torch.split(uncond_out, [g.num_rows for g in uncond])))
         return [self.model.combine_cfg(c, uncond_parts[id(r)], r.prepared.cfg_scale(r.step)) if r.prepared.do_cfg
                 else c for r, c in zip(requests, cond_parts)]
 
-    def _forward(self, groups: list[RowGroup], keys: list[Hashable]) -> torch.Tensor:
-        return run_denoiser(self.model, self.model.make_batch(groups), self.cache, keys)
+    def _forward(self, branches: list[tuple[list[RowGroup], list[Hashable]] | None]) -> list[torch.Tensor | None]:
+        """Each branch's velocities: here, or over the stage's ranks."""
+        batches = [None if b is None else (self.model.make_batch(b[0]), b[1]) for b in branches]
+        if self.group is None:
+            return [self._compute(*batches[0])]
+        return self.group.forward(self._compute, batches, self._retained)
+
+    def _compute(self, batch: Any, keys: Sequence[Hashable]) -> torch.Tensor:
+        return run_denoiser(self.model, batch, self.cache, keys)
 
     @staticmethod
     def _group(request: DiffusionRequest, uncond: bool) -> RowGroup:

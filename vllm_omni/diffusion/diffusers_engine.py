@@ -10,6 +10,7 @@ Images come back as `{"image": [n, 3, H, W]}`, video frames as `{"video": [n, fr
 """
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import logging
 import secrets
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from vllm_omni.config.stage_config import StageEngineArgs
+from vllm_omni.diffusion.profiler import CALL, PipelineProfiler, timed
 from vllm_omni.model_executor.models import diffusion_inputs
 from vllm_omni.sampling_params import DiffusionSamplingParams
 from vllm_omni.stage_io import StageInfo, StageInputChunk, StageOutput, StageRequest, error_output
@@ -31,6 +33,8 @@ _DEFAULTS = DiffusionSamplingParams()
 def load_diffusers_pipeline(model_path: str, args: StageEngineArgs, device: torch.device, dtype: torch.dtype) -> Any:
     import diffusers
 
+    if args.enable_layerwise_offload:
+        _check_block_offload(args)
     cls = diffusers.DiffusionPipeline
     if args.model_class_name is not None:
         cls = getattr(diffusers, args.model_class_name, None)
@@ -45,11 +49,37 @@ def load_diffusers_pipeline(model_path: str, args: StageEngineArgs, device: torc
         pipe.vae.enable_slicing()
     if args.vae_use_tiling:
         pipe.vae.enable_tiling()
-    if args.enable_cpu_offload and device.type != "cpu":
+    if args.enable_layerwise_offload:
+        _offload_blocks(pipe, device)
+    elif args.enable_cpu_offload and device.type != "cpu":
         pipe.enable_model_cpu_offload(device=device)  # diffusers' own offload (needs accelerate)
     else:
         pipe.to(device)
     return pipe
+
+
+def _check_block_offload(args: StageEngineArgs) -> None:
+    """Before loading: what enable_layerwise_offload needs in the adapter."""
+    if args.enable_cpu_offload:
+        raise ValueError("enable_layerwise_offload and enable_cpu_offload do not combine in the diffusers adapter "
+                         "(diffusers offloads a module one way); choose one")
+    if importlib.util.find_spec("accelerate") is None:
+        raise ValueError("enable_layerwise_offload in the diffusers adapter is diffusers' group offload, which needs "
+                         "the accelerate package (pip install accelerate); the native engine needs nothing")
+
+
+def _offload_blocks(pipe: Any, device: torch.device) -> None:
+    """enable_layerwise_offload in the adapter: diffusers' group offload of the denoiser, one block per
+    group, the next one prefetched on a side stream (CUDA); the other components go to the device."""
+    denoiser = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
+    if denoiser is None or not hasattr(denoiser, "enable_group_offload"):
+        raise ValueError(f"enable_layerwise_offload: {type(pipe).__name__} has no transformer or unet that diffusers "
+                         "can offload block by block")
+    denoiser.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"), offload_type="block_level",
+                                  num_blocks_per_group=1, use_stream=device.type == "cuda")
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module) and component is not denoiser:
+            component.to(device)
 
 
 # A pipeline component an auxiliary text encoder fills (upstream's --auxiliary-text-encoder is
@@ -79,7 +109,8 @@ def auxiliary_text_encoder(model_path: str, cls: type, name: str | None, dtype: 
 
 class DiffusersPipelineEngine:
     def __init__(self, pipe: Any, *, stage_id: int, device: str, call_kwargs: dict[str, Any] | None = None,
-                 max_image_pixels: int | None = None) -> None:
+                 max_image_pixels: int | None = None, profile: bool = False) -> None:
+        """`profile` (enable_diffusion_pipeline_profiler): finished outputs carry the call's seconds."""
         self.pipe = pipe
         self.stage_id = stage_id
         self.device = device
@@ -88,6 +119,7 @@ class DiffusersPipelineEngine:
         self._accepted = set(inspect.signature(pipe.__call__).parameters)
         self._queue: deque[StageRequest] = deque()
         self._ready: list[StageOutput] = []
+        self.profiler = PipelineProfiler(type(pipe).__name__, device) if profile else None
 
     def add_request(self, req: StageRequest) -> None:
         params = req.sampling_params
@@ -110,13 +142,15 @@ class DiffusersPipelineEngine:
         if self._queue:
             req = self._queue.popleft()
             try:
-                result = self._call(req)
+                with timed(self.profiler, CALL, [req.request_id]):
+                    result = self._call(req)
             except Exception as e:  # noqa: BLE001 - the request fails alone
                 logger.warning("stage %d: request %s failed: %s", self.stage_id, req.request_id, e)
                 self._ready.append(error_output(req.request_id, f"stage {self.stage_id}: {type(e).__name__}: {e}"))
             else:
+                durations = self.profiler.pop(req.request_id) if self.profiler is not None else None
                 self._ready.append(StageOutput(request_id=req.request_id, finished=True, finish_reason="stop",
-                                               multimodal_output=result))
+                                               multimodal_output=result, stage_durations=durations))
         outputs, self._ready = self._ready, []
         return outputs
 

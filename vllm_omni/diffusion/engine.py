@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from vllm_omni.diffusion.denoise import Cache, Denoiser
+from vllm_omni.diffusion.profiler import DECODE, DIFFUSE, ENCODE, PipelineProfiler, timed
 from vllm_omni.diffusion.request import DiffusionRequest
 from vllm_omni.diffusion.scheduler import DiffusionScheduler
 from vllm_omni.diffusion.tea_cache import TeaCache
@@ -30,17 +31,20 @@ logger = logging.getLogger(__name__)
 
 class DiffusionEngine:
     def __init__(self, model: DiffusionModel, *, stage_id: int, max_batch_size: int, device: str = "cpu",
-                 cache: Cache | None = None, cfg_group: Any = None, max_image_pixels: int | None = None) -> None:
+                 cache: Cache | None = None, group: Any = None, max_image_pixels: int | None = None,
+                 profile: bool = False) -> None:
+        """`profile` (enable_diffusion_pipeline_profiler): finished outputs carry their phases' seconds."""
         self.model = model
         self.stage_id = stage_id
         self.device = device
         self.cache = cache
-        self.cfg_group = cfg_group
+        self.group = group  # process_group.DiffusionProcessGroup: the stage's other ranks, or None
         self.max_image_pixels = max_image_pixels  # --max-generated-image-size (height * width)
         self.scheduler = DiffusionScheduler(max_batch_size)
-        self.denoiser = Denoiser(model, cache, cfg_group)
+        self.denoiser = Denoiser(model, cache, group)
         self.steps_done = 0  # request-steps denoised since start (/metrics)
         self._ready: list[StageOutput] = []
+        self.profiler = PipelineProfiler(model.describe()["pipeline"], device) if profile else None
 
     # --- StageEngine ----------------------------------------------------------------------
     def add_request(self, req: StageRequest) -> None:
@@ -57,6 +61,8 @@ class DiffusionEngine:
     def abort(self, request_ids: Sequence[str]) -> None:
         self.scheduler.abort(request_ids)
         self.denoiser.retain(self.scheduler.running)
+        for rid in request_ids:
+            self._durations(rid)
 
     @torch.inference_mode()
     def step(self) -> list[StageOutput]:
@@ -81,7 +87,10 @@ class DiffusionEngine:
         return bool(self._ready) or self.scheduler.has_unfinished()
 
     def fail_all(self, error: str) -> list[StageOutput]:
-        outputs = [error_output(r.request_id, error) for r in self.scheduler.clear_running()]
+        cleared = self.scheduler.clear_running()
+        for r in cleared:
+            self._durations(r.request_id)
+        outputs = [error_output(r.request_id, error) for r in cleared]
         outputs += self._ready
         self._ready = []
         return outputs
@@ -95,12 +104,14 @@ class DiffusionEngine:
         return StageInfo(engine="diffusion", device=self.device, max_batch_size=self.scheduler.max_batch_size,
                          video=self.model.video_info(),
                          details={"tea_cache": isinstance(self.cache, TeaCache), "cache_backend": _cache_name(self.cache),
-                                  "cfg_parallel_size": 2 if self.cfg_group else 1, **self.model.describe()})
+                                  "parallel": self.group.layout.describe() if self.group else {"world_size": 1},
+                                  **self.model.describe()})
 
     # --- internals ------------------------------------------------------------------------
     def _prepare(self, r: DiffusionRequest) -> bool:
         try:
-            prepared = self.model.prepare(r.request, r.params)
+            with timed(self.profiler, ENCODE, [r.request_id]):
+                prepared = self.model.prepare(r.request, r.params)
         except Exception as e:  # noqa: BLE001 - a request that cannot start fails alone
             logger.warning("stage %d: request %s cannot start: %s", self.stage_id, r.request_id, e)
             # ValueError is a model's "this request cannot run"; anything else is named.
@@ -114,14 +125,15 @@ class DiffusionEngine:
 
     def _denoise(self, running: list[DiffusionRequest]) -> None:
         try:
-            velocities = self.denoiser.velocities(running)
+            with timed(self.profiler, DIFFUSE, [r.request_id for r in running]):
+                velocities = self.denoiser.velocities(running)
+                for r, v in zip(running, velocities):
+                    r.advance(v)
         except Exception as e:  # noqa: BLE001 - the batch fails; the engine serves the next requests
             logger.exception("stage %d: a denoising step of %d requests failed", self.stage_id, len(running))
             for r in self.scheduler.clear_running():
                 self._fail(r.request_id, f"denoising failed: {type(e).__name__}: {e}")
             return
-        for r, v in zip(running, velocities):
-            r.advance(v)
         self.steps_done += len(running)
         finished = [r for r in running if r.finished]
         if finished:
@@ -131,7 +143,10 @@ class DiffusionEngine:
 
     def _decode(self, finished: list[DiffusionRequest]) -> None:
         try:
-            results = self.model.decode([r.prepared for r in finished], [r.latents for r in finished])
+            prepared, latents = [r.prepared for r in finished], [r.latents for r in finished]
+            with timed(self.profiler, DECODE, [r.request_id for r in finished]):
+                results = self.group.decode(self.model.decode, prepared, latents) if self.group else \
+                    self.model.decode(prepared, latents)
         except Exception as e:  # noqa: BLE001 - these requests fail; the others go on
             logger.exception("stage %d: decoding %d images failed", self.stage_id, len(finished))
             for r in finished:
@@ -139,10 +154,14 @@ class DiffusionEngine:
             return
         for r, result in zip(finished, results):
             self._ready.append(StageOutput(request_id=r.request_id, finished=True, finish_reason="stop",
-                                           multimodal_output=result))
+                                           multimodal_output=result, stage_durations=self._durations(r.request_id)))
 
     def _fail(self, request_id: str, error: str) -> None:
+        self._durations(request_id)
         self._ready.append(error_output(request_id, f"stage {self.stage_id}: {error}"))
+
+    def _durations(self, request_id: str) -> dict[str, float] | None:
+        return self.profiler.pop(request_id) if self.profiler is not None else None
 
     def _too_large(self, height: int, width: int) -> bool:
         return self.max_image_pixels is not None and height * width > self.max_image_pixels

@@ -58,8 +58,12 @@ class _RowState:
 
 
 class TeaCache:
-    def __init__(self, config: TeaCacheConfig) -> None:
+    def __init__(self, config: TeaCacheConfig,
+                 agree: Callable[[list[bool]], list[bool]] | None = None) -> None:
         self.config = config
+        # Ranks that run the blocks together (sequence parallelism, HSDP) must skip the same rows:
+        # `agree` returns their leader's decisions (process_group.py); None on a rank of its own.
+        self.agree = agree
         self._rows: dict[Hashable, _RowState] = {}
         self.computed = 0  # rows that ran the blocks
         self.skipped = 0  # rows that reused their residual
@@ -99,12 +103,13 @@ class TeaCache:
         previous = torch.stack([states[i].previous_input for i in known]).flatten(1)
         distances = ((current - previous).abs().mean(1) / (previous.abs().mean(1) + 1e-8)).tolist()
         for i, distance in zip(known, distances):
-            state = states[i]
-            state.accumulated += abs(self.config.rescale(distance))
-            if state.accumulated < self.config.rel_l1_thresh:
-                compute[i] = False
-            else:
-                state.accumulated = 0.0
+            states[i].accumulated += abs(self.config.rescale(distance))
+            compute[i] = states[i].accumulated >= self.config.rel_l1_thresh
+        if self.agree is not None:
+            compute = self.agree(compute)
+        for i in known:
+            if compute[i]:
+                states[i].accumulated = 0.0
         return compute
 
     def retain(self, keys: Iterable[Hashable]) -> None:

@@ -44,7 +44,18 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-ToWorker = Union[StageRequest, StageInputChunk, AbortRequests, PauseRequests, StatsRequest, Shutdown]
+class SleepRequest(msgspec.Struct, tag="sleep", kw_only=True):
+    """Sleep mode (vLLM's POST /sleep and /wake_up; worker/sleep_mode.py): `sleep` at `level` (1: keep
+    the weights in CPU memory, 2: drop them), or wake up (`sleep` false) the parts named in `tags`
+    ("weights", "kv_cache"; None: all). The stage answers with a SleepStatus of the same nonce."""
+
+    nonce: int
+    sleep: bool
+    level: int = 1
+    tags: list[str] | None = None
+
+
+ToWorker = Union[StageRequest, StageInputChunk, AbortRequests, PauseRequests, StatsRequest, SleepRequest, Shutdown]
 
 # --------------------------------------------------------------------------- worker -> orchestrator
 
@@ -94,4 +105,14 @@ class StageStats(msgspec.Struct, tag="stats", kw_only=True):
     transport_drops: dict[str, int] = msgspec.field(default_factory=dict)
 
 
-FromWorker = Union[StageReady, StageInitFailed, Heartbeat, StageFatal, StageOutputBatch, StageStats]
+class SleepStatus(msgspec.Struct, tag="sleep_status", kw_only=True):
+    """A stage's answer to a SleepRequest: whether it sleeps now, or why it did not do as asked."""
+
+    nonce: int
+    stage_id: int
+    sleeping: bool
+    error: str | None = None
+    busy: bool = False  # refused: requests are in flight
+
+
+FromWorker = Union[StageReady, StageInitFailed, Heartbeat, StageFatal, StageOutputBatch, StageStats, SleepStatus]

@@ -24,10 +24,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_omni.config.stage_config import PipelineConfig, StageConfig
+from vllm_omni.config.stage_config import PipelineConfig, StageConfig, WorkerType
 from vllm_omni.engine.cluster_secret import CurveKeys
 from vllm_omni.engine.messages import AbortRequests, PauseRequests, StageOutputBatch
 from vllm_omni.engine.load_balancer import DEFAULT_LB_POLICY
+from vllm_omni.engine.pipeline_sleep import SLEEPING, PipelineSleep
 from vllm_omni.engine.playback_admission import AdmissionOptions, PlaybackAdmission
 from vllm_omni.engine.streaming import EdgeFlow, StreamingEdge, resolve_streaming_edges
 from vllm_omni.stage_io import OutputKind, StageInputChunk, StageOutput, StageRequest
@@ -110,11 +111,15 @@ class Orchestrator:
                          if s.engine_input_source}
         self.fleet = StageFleet(pipeline, model, options, self._on_message, self._on_stage_down)
         self.pools = self.fleet.pools  # routing goes through each stage's replica pool
+        self.sleep_mode = PipelineSleep(pipeline, self.pools, options.stage_init_timeout_s)
         self._streaming: dict[int, StreamingEdge] = {}  # by downstream stage, once the stages are up
         self._requests: dict[str, RequestState] = {}  # internal key -> state
         self._keys: dict[str, str] = {}  # user request id -> internal key
         self._counter = itertools.count()
         self.stage_counters: dict[int, Counter[str]] = {sid: Counter() for sid in self.stages}
+        # --enable-ar-profiler: the time a request spends in these stages goes in its stage_durations.
+        self._profiled = {sid for sid, s in self.stages.items()
+                          if s.engine_args.enable_ar_profiler and s.worker_type != WorkerType.DIFFUSION}
         self._audio_stages = frozenset(s.stage_id for s in pipeline.stages if s.final_output_type.value == "audio")
         self.admission: PlaybackAdmission[Submission] = PlaybackAdmission(
             options.admission, self._start, self._overloaded, lambda delay, fn: asyncio.get_running_loop().call_later(
@@ -152,6 +157,9 @@ class Orchestrator:
             self._fail_unexpected(sub.request_id, sub.sink, e, None)
 
     def _submit(self, sub: Submission) -> None:
+        if self.sleep_mode.sleeping:
+            sub.sink.put(RequestDone(sub.request_id, error=SLEEPING))
+            return
         if sub.request_id in self._keys or self.admission.is_queued(sub.request_id):
             sub.sink.put(RequestDone(sub.request_id, error=f"request id {sub.request_id!r} is already in flight"))
             return
@@ -193,6 +201,10 @@ class Orchestrator:
         for info, final in self._input_while_queued.pop(sub.request_id, ()):
             self.append_input(sub.request_id, info, final)
         return key
+
+    async def sleep(self, level: int) -> None:
+        # Requests that playback admission holds count too: they would start in a sleeping pipeline.
+        await self.sleep_mode.sleep(level, in_flight=lambda: len(self._requests) + self.admission.queued)
 
     def append_input(self, request_id: str, info: dict[str, Any], final: bool) -> None:
         """More input for a request submitted with input_complete=False: a chunk to each entry
@@ -296,6 +308,9 @@ class Orchestrator:
             self._audio_chunk(state, stage_id, out)
         if out.finished:
             pool.release(state.key)
+            if stage_id in self._profiled:
+                timing = state.timings[stage_id]
+                state.stage_durations[f"ar_stage_{stage_id}"] = timing.finished_at - timing.sent_at
         stage = self.stages[stage_id]
         if made is not None and stage_id in state.output_stages:
             state.sink.put(state.final_output(stage_id, stage.final_output_type.value, made))

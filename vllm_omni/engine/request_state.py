@@ -58,6 +58,8 @@ class RequestState:
     # chunks): replayed to another replica if the one holding the request dies first (at most once).
     replay: dict[int, list[Any]] = field(default_factory=dict)
     retried: set[int] = field(default_factory=set)  # stages where the request moved to another replica
+    # Seconds per phase in the stages that profile the request (OmniRequestOutput.stage_durations).
+    stage_durations: dict[str, float] = field(default_factory=dict)
 
     @property
     def done(self) -> bool:
@@ -77,6 +79,8 @@ class RequestState:
         """Fold one delta into the stage's output. -> what the caller gets now and what of it is
         new (for a final stage, as the caller asked), or None."""
         made = self.outputs[stage_id].add(delta)
+        if delta.stage_durations:
+            self.stage_durations.update(delta.stage_durations)
         timing = self.timings[stage_id]
         now = time.monotonic()
         if timing.first_output_at is None:
@@ -89,7 +93,8 @@ class RequestState:
     def final_output(self, stage_id: int, final_output_type: str,
                      made: tuple[RequestOutput, CompletionOutput]) -> OmniRequestOutput:
         out, new = made
-        return OmniRequestOutput(self.request_id, stage_id, final_output_type, out, finished=out.finished, delta=new)
+        return OmniRequestOutput(self.request_id, stage_id, final_output_type, out, finished=out.finished, delta=new,
+                                 stage_durations=dict(self.stage_durations))
 
     def timing_summary(self, names: dict[int, str]) -> str:
         now = time.monotonic()

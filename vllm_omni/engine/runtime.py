@@ -19,6 +19,7 @@ from typing import Any
 
 from vllm_omni.config.stage_config import PipelineConfig, StageConfig, WorkerType
 from vllm_omni.engine.orchestrator import Orchestrator, RuntimeOptions, Submission
+from vllm_omni.engine.pipeline_sleep import PipelineSleepingError
 from vllm_omni.engine.request_plan import check_modalities, plan_request
 from vllm_omni.engine.request_state import RequestSink
 from vllm_omni.engine.stage_client import StageHealth
@@ -117,6 +118,8 @@ class OmniRuntime:
                 modalities: Sequence[str] | None = None, input_complete: bool = True) -> Submission:
         """Validate and process a prompt in the caller's thread (chat template, media, features);
         raises ValueError on bad input, before anything is queued."""
+        if self.is_sleeping:
+            raise PipelineSleepingError()
         if not input_complete:
             self._check_streamed_input()
         plan = plan_request(self.pipeline, modalities if modalities is not None else self.default_modalities)
@@ -210,10 +213,10 @@ class OmniRuntime:
         """The first comprehension stage's tokenizer (None when no stage is one); loaded on first use."""
         stage = self.pipeline.comprehension_stage
         if self._tokenizer is None and stage is not None:
-            from transformers import AutoTokenizer
+            from vllm_omni.model_executor.model_loader import load_tokenizer
 
             ea = stage.engine_args
-            self._tokenizer = AutoTokenizer.from_pretrained(ea.tokenizer or ea.model or self.model)
+            self._tokenizer = load_tokenizer(ea.tokenizer or ea.model or self.model)
         return self._tokenizer
 
     # --- introspection --------------------------------------------------------
@@ -228,8 +231,36 @@ class OmniRuntime:
 
     async def stage_stats_async(self, stage_id: int) -> StageStats:
         timeout = self.options.heartbeat_timeout_s
-        future = asyncio.run_coroutine_threadsafe(self.orchestrator.fleet.stage_stats(stage_id, timeout), self._loop)
-        return await asyncio.wait_for(asyncio.wrap_future(future), timeout + 1.0)
+        return await self._on_loop(self.orchestrator.fleet.stage_stats(stage_id, timeout), timeout + 1.0)
+
+    # --- sleep mode (engine/pipeline_sleep.py) --------------------------------
+    @property
+    def is_sleeping(self) -> bool:
+        return self.orchestrator.sleep_mode.sleeping
+
+    def sleep(self, level: int) -> None:
+        self._run(self.orchestrator.sleep(level), self._sleep_timeout_s)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._run(self.orchestrator.sleep_mode.wake_up(tags), self._sleep_timeout_s)
+
+    async def sleep_async(self, level: int) -> None:
+        await self._on_loop(self.orchestrator.sleep(level), self._sleep_timeout_s)
+
+    async def wake_up_async(self, tags: list[str] | None = None) -> None:
+        await self._on_loop(self.orchestrator.sleep_mode.wake_up(tags), self._sleep_timeout_s)
+
+    @property
+    def _sleep_timeout_s(self) -> float:
+        # The stages answer in parallel; a failed sleep wakes them again (a second round).
+        return 2 * self.options.stage_init_timeout_s + 5.0
+
+    async def _on_loop(self, coro: Any, timeout_s: float) -> Any:
+        if self._closed:
+            coro.close()
+            raise RuntimeError("the Omni pipeline is closed")
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
 
     def _run(self, coro: Any, timeout_s: float) -> Any:
         if self._closed:

@@ -25,7 +25,8 @@ import msgspec
 import zmq
 
 from vllm_omni.engine.messages import (
-    AbortRequests, Heartbeat, Shutdown, StageFatal, StageInitFailed, StageReady, StageStats, StatsRequest,
+    AbortRequests, Heartbeat, Shutdown, SleepRequest, SleepStatus, StageFatal, StageInitFailed, StageReady,
+    StageStats, StatsRequest,
 )
 from vllm_omni.engine.stage_launcher import StageLauncher
 from vllm_omni.engine.transport import OrchestratorChannel
@@ -113,7 +114,10 @@ class StageClient:
         self._started_at = time.monotonic()
         self._ready: asyncio.Future[None] | None = None
         self._reader: asyncio.Task[None] | None = None
-        self._stats: dict[int, asyncio.Future[StageStats]] = {}
+        self._replies: dict[int, asyncio.Future[Any]] = {}  # nonce -> the answer (StageStats, SleepStatus)
+        # Sleeps and wake-ups under way: freeing or building an engine may starve the stage's heartbeat
+        # thread of CPU for longer than the timeout; their own deadline bounds them instead.
+        self._sleep_controls = 0
         self._nonces = itertools.count()
 
     # --- lifecycle ------------------------------------------------------------
@@ -149,7 +153,7 @@ class StageClient:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
         self.channel.close()
-        for fut in self._stats.values():
+        for fut in self._replies.values():
             if not fut.done():
                 fut.set_exception(StageDownError(self.stage_id, f"{self.name} was shut down"))
 
@@ -164,16 +168,29 @@ class StageClient:
             raise StageDownError(self.stage_id, f"{self.name} is down: {self.reason}") from None
 
     async def stats(self, timeout_s: float) -> StageStats:
-        nonce = next(self._nonces)
-        fut: asyncio.Future[StageStats] = asyncio.get_running_loop().create_future()
-        self._stats[nonce] = fut
+        return await self._ask(lambda nonce: StatsRequest(nonce), "a stats request", timeout_s)
+
+    async def sleep_control(self, sleep: bool, level: int, tags: list[str] | None, timeout_s: float) -> SleepStatus:
+        """Sleep (at `level`) or wake up (the parts `tags` names); the stage's SleepStatus."""
+        self._sleep_controls += 1
         try:
-            self.send(StatsRequest(nonce))
+            return await self._ask(lambda nonce: SleepRequest(nonce=nonce, sleep=sleep, level=level, tags=tags),
+                                   "sleep" if sleep else "wake_up", timeout_s)
+        finally:
+            self._sleep_controls -= 1
+
+    async def _ask(self, make: Callable[[int], Any], what: str, timeout_s: float) -> Any:
+        """Send the message `make(nonce)` and wait for the answer with its nonce."""
+        nonce = next(self._nonces)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._replies[nonce] = fut
+        try:
+            self.send(make(nonce))
             return await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
-            raise TimeoutError(f"{self.name} did not answer a stats request within {timeout_s}s") from None
+            raise TimeoutError(f"{self.name} did not answer {what} within {timeout_s}s") from None
         finally:
-            self._stats.pop(nonce, None)
+            self._replies.pop(nonce, None)
 
     def health(self) -> StageHealth:
         heard = None if self._last_heard is None else time.monotonic() - self._last_heard
@@ -220,7 +237,7 @@ class StageClient:
     def _fail_waiters(self, reason: str) -> None:
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(RuntimeError(f"{self.name} failed to start: {reason}"))
-        for fut in self._stats.values():
+        for fut in self._replies.values():
             if not fut.done():
                 fut.set_exception(StageDownError(self.stage_id, f"{self.name} is down: {reason}"))
 
@@ -231,7 +248,7 @@ class StageClient:
     def _next_check(self, now: float) -> float:
         """Seconds until the next liveness deadline (the heartbeat timeout when none applies)."""
         heard = self._last_heard if self._last_heard is not None else self._started_at
-        if self.state == StageState.UP:
+        if self.state == StageState.UP and not self._sleep_controls:
             return heard + self.heartbeat_timeout_s - now
         if self.silent or (self.state == StageState.STARTING and self.heartbeats_from_start):
             return heard + HANG_FACTOR * self.heartbeat_timeout_s - now
@@ -239,7 +256,7 @@ class StageClient:
 
     def _check_liveness(self, now: float) -> None:
         silent = now - (self._last_heard if self._last_heard is not None else self._started_at)
-        if self.state == StageState.UP and silent >= self.heartbeat_timeout_s:
+        if self.state == StageState.UP and silent >= self.heartbeat_timeout_s and not self._sleep_controls:
             self._fall_silent(silent)
         elif (self.silent or (self.state == StageState.STARTING and self.heartbeats_from_start)) \
                 and silent >= HANG_FACTOR * self.heartbeat_timeout_s:
@@ -286,8 +303,8 @@ class StageClient:
             self.mark_down(f"initialization failed:\n{msg.error}")
         elif isinstance(msg, StageFatal):
             self.mark_down(f"worker loop failed:\n{msg.error}")
-        elif isinstance(msg, StageStats):
-            fut = self._stats.get(msg.nonce)
+        elif isinstance(msg, (StageStats, SleepStatus)):
+            fut = self._replies.get(msg.nonce)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
         else:

@@ -24,8 +24,8 @@ from vllm_omni.engine import stage_init_utils as siu
 from vllm_omni.engine.serving_stalls import freeze_startup_heap, log_kernel_compiles, log_long_pauses
 from vllm_omni.engine.step_profiler import StepProfiler
 from vllm_omni.engine.messages import (
-    AbortRequests, Heartbeat, PauseRequests, Shutdown, StageFatal, StageInitFailed, StageOutputBatch, StageReady,
-    StageStats, StatsRequest,
+    AbortRequests, Heartbeat, PauseRequests, Shutdown, SleepRequest, SleepStatus, StageFatal, StageInitFailed,
+    StageOutputBatch, StageReady, StageStats, StatsRequest,
 )
 from vllm_omni.engine.registration import MasterLink, RegistrationRefused, RemoteAttach
 from vllm_omni.engine.transport import LinkGuard, MessageCodec, WorkerChannel
@@ -78,6 +78,7 @@ def stage_process_main(spec: WorkerSpec) -> None:
     if spec.remote is not None:  # the headless parent stops us with SIGTERM: say goodbye to the head first
         signal.signal(signal.SIGTERM, _raise_terminated)
     logging.basicConfig(level=spec.log_level, format=f"[stage {spec.stage_id}] %(levelname)s %(name)s: %(message)s")
+    _thread_lock_for_progress_bars()
     # Visible devices are set before anything initializes CUDA (torch does so lazily).
     with siu.stage_runtime_setup(spec.stage_id, spec.stage.runtime):
         if spec.torch_threads is not None:
@@ -94,6 +95,16 @@ def stage_process_main(spec: WorkerSpec) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _thread_lock_for_progress_bars() -> None:
+    # tqdm's default lock holds a multiprocessing RLock, a named semaphore that the os._exit
+    # ending this process never releases: the resource tracker then warns of "leaked semaphore
+    # objects" at shutdown. The loaders' progress bars here are this process's own: a thread
+    # lock serves them, and no semaphore is made.
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
 
 def run_stage_worker(spec: WorkerSpec, device: str) -> int:
@@ -121,6 +132,11 @@ def run_stage_worker(spec: WorkerSpec, device: str) -> int:
         beat.start()
         try:
             engine = _build_engine(spec, device)
+            if spec.stage.engine_args.enable_sleep_mode:
+                from vllm_omni.worker.sleep_mode import SleepableEngine, placeholder_weights
+
+                engine = SleepableEngine(spec.stage_id, engine, lambda placeholder: _build_engine(dataclasses.replace(
+                    spec, stage=placeholder_weights(spec.stage)) if placeholder else spec, device))
         except Exception:  # noqa: BLE001 - reported to the orchestrator, which names the stage
             leave = "initialization failed"
             chan.send(StageInitFailed(spec.stage_id, os.getpid(), traceback.format_exc()))
@@ -180,7 +196,7 @@ def _build_engine(spec: WorkerSpec, device: str) -> StageEngine:
             return worker_cls(spec.stage, spec.model, device=device).build_engine()
     locks: list[int] = []
     if torch.cuda.is_available():
-        # Every device of the replica: its tensor-parallel ranks, a diffusion stage's CFG ranks.
+        # Every device of the replica: its tensor-parallel ranks, or a diffusion stage's world.
         devices = {"parallel_config": {"world_size": siu.get_stage_devices_per_replica(spec.stage)}}
         locks = siu.acquire_device_locks(spec.stage_id, devices, spec.stage_init_timeout_s)
     try:
@@ -268,6 +284,8 @@ def _handle(msg: object, engine: StageEngine, chan: WorkerChannel, stage_id: int
     elif isinstance(msg, StatsRequest):
         drops = {key.reason: n for key, n in chan.guard.counter.snapshot().items()}
         chan.send(StageStats(nonce=msg.nonce, stage_id=stage_id, **engine.stats(), transport_drops=drops))
+    elif isinstance(msg, SleepRequest):
+        chan.send(_sleep_or_wake(msg, engine, stage_id))
     else:
         raise TypeError(f"stage {stage_id}: unexpected message {type(msg).__name__}")
 
@@ -284,6 +302,26 @@ def _send_outputs(chan: WorkerChannel, stage_id: int, outputs: list[StageOutput]
         except (TypeError, ValueError) as e:
             chan.send(StageOutputBatch(stage_id, [error_output(out.request_id, f"stage {stage_id}: output "
                                                                                f"cannot be sent: {e}")]))
+
+
+def _sleep_or_wake(msg: SleepRequest, engine: StageEngine, stage_id: int) -> SleepStatus:
+    from vllm_omni.worker.sleep_mode import SleepableEngine, SleepRefused  # torch: only in a stage's process
+
+    if not isinstance(engine, SleepableEngine):
+        return SleepStatus(nonce=msg.nonce, stage_id=stage_id, sleeping=False,
+                           error=f"stage {stage_id} does not run in sleep mode (enable_sleep_mode)")
+    try:
+        if msg.sleep:
+            engine.sleep(msg.level)
+        else:
+            engine.wake_up(msg.tags)
+    except SleepRefused as e:
+        return SleepStatus(nonce=msg.nonce, stage_id=stage_id, sleeping=engine.sleeping, error=str(e), busy=True)
+    except Exception as e:  # noqa: BLE001 - e.g. no memory to wake up in: the stage stays as it is and says why
+        logger.exception("stage %d: %s failed", stage_id, "sleep" if msg.sleep else "wake up")
+        return SleepStatus(nonce=msg.nonce, stage_id=stage_id, sleeping=engine.sleeping,
+                           error=f"{type(e).__name__}: {e}")
+    return SleepStatus(nonce=msg.nonce, stage_id=stage_id, sleeping=engine.sleeping)
 
 
 class _Terminated(BaseException):

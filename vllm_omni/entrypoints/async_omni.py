@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vllm_omni.engine.messages import StageStats
+from vllm_omni.engine.pipeline_sleep import SLEEPING, PipelineSleepingError
 from vllm_omni.engine.request_state import RequestDone
 from vllm_omni.entrypoints.omni_base import OmniBase
 from vllm_omni.outputs import OmniRequestOutput, RequestOutputKind
@@ -119,6 +120,8 @@ class AsyncOmni(OmniBase):
                 item = await sink.queue.get()
                 if isinstance(item, RequestDone):
                     done = True
+                    if item.error == SLEEPING:  # the pipeline fell asleep before the request reached it
+                        raise PipelineSleepingError()
                     if item.error is not None:
                         error = PipelineOverloadedError if item.overloaded else RequestFailedError
                         raise error(request_id, item.failed_stage, item.error)
@@ -155,6 +158,21 @@ class AsyncOmni(OmniBase):
 
     async def get_stage_stats(self, stage_id: int) -> StageStats:
         return await self._runtime.stage_stats_async(stage_id)
+
+    # vLLM's AsyncLLM sleep mode API (Omni.sleep has the details).
+    async def sleep(self, level: int = 1) -> None:
+        await self._runtime.sleep_async(level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._runtime.wake_up_async(tags)
+
+    async def is_sleeping(self) -> bool:
+        return self._runtime.is_sleeping
+
+    @property
+    def sleep_mode(self) -> bool:
+        """Whether any stage runs in sleep mode (the server then has its /sleep routes)."""
+        return self._runtime.orchestrator.sleep_mode.enabled
 
     async def __aenter__(self) -> AsyncOmni:
         return self

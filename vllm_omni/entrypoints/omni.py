@@ -111,3 +111,16 @@ class Omni(OmniBase):
     def get_stage_stats(self, stage_id: int) -> StageStats:
         """Ask a stage for its counters (unfinished requests, free KV blocks, ...)."""
         return self._runtime.stage_stats(stage_id)
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's `LLM.sleep`: the stages in sleep mode (`enable_sleep_mode`) free their device memory;
+        level 1 keeps the weights in CPU memory, level 2 drops them (docs/operations.md, "Sleep mode").
+        Raises SleepConflict while requests are in flight."""
+        self._runtime.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's `LLM.wake_up`: `tags` ("weights", "kv_cache"; None: both) wake those parts."""
+        self._runtime.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self._runtime.is_sleeping

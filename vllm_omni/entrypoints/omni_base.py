@@ -17,6 +17,7 @@ from vllm_omni.engine.stage_client import StageHealth
 from vllm_omni.engine.transport_guard import (
     DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_REPLICAS_PER_STAGE, DEFAULT_REGISTRATION_RATE, DropKey,
 )
+from vllm_omni.entrypoints.main_guard import check_main_module_guarded
 from vllm_omni.multimodal.media_policy import TRUSTED, MediaPolicy
 from vllm_omni.stage_io import StageInfo
 
@@ -122,6 +123,8 @@ class OmniBase:
         pipeline = load_pipeline(model, stage_configs_path, deploy_config, stage_overrides, engine_args,
                                  output_modalities, async_chunk, stage_id,
                                  None if strategy_config is None else os.fspath(strategy_config))
+        if worker_backend == "multi_process" and any(s.runtime.process for s in pipeline.stages):
+            check_main_module_guarded(type(self).__name__)  # before any stage starts
         options = RuntimeOptions(stage_init_timeout_s=float(stage_init_timeout), init_timeout_s=float(init_timeout),
                                  shm_threshold_bytes=int(shm_threshold_bytes), log_stats=log_stats,
                                  heartbeat_timeout_s=float(heartbeat_timeout),

@@ -4,7 +4,9 @@ from __future__ import annotations
 import contextlib
 import json
 import zlib
+from collections import deque
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,23 @@ INDEX_FILE = "model.safetensors.index.json"
 def load_hf_config(model: str | Path) -> PretrainedConfig:
     """`AutoConfig.from_pretrained`, also for families whose config class transformers lacks."""
     from transformers import AutoConfig
+
+    _register_config_classes()
+    return AutoConfig.from_pretrained(model)
+
+
+def load_tokenizer(model: str | Path) -> Any:
+    """`AutoTokenizer.from_pretrained`, which reads the model's config first: with our config classes
+    registered it finds them, rather than falling back to a bare PretrainedConfig with a warning
+    ("You are using a model of type `qwen3_tts` to instantiate a model of type ``")."""
+    from transformers import AutoTokenizer
+
+    _register_config_classes()
+    return AutoTokenizer.from_pretrained(model)
+
+
+def _register_config_classes() -> None:
+    from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from vllm_omni.imports import import_dotted
@@ -32,7 +51,6 @@ def load_hf_config(model: str | Path) -> PretrainedConfig:
     for family in FAMILIES:
         if family.hf_config_class is not None and family.model_types[0] not in CONFIG_MAPPING:
             AutoConfig.register(family.model_types[0], import_dotted(family.hf_config_class))
-    return AutoConfig.from_pretrained(model)
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
@@ -45,12 +63,42 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
 
 
-def iterate_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (checkpoint name, CPU tensor) for every tensor of the checkpoint in `model_dir`."""
-    for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+def iterate_safetensors(model_dir: str | Path, num_threads: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (checkpoint name, CPU tensor) for every tensor of the checkpoint in `model_dir`, in
+    the files' order.
+
+    One thread: each tensor is a view of the memory-mapped file, read from disk when the model
+    copies it into its parameter. More (`--num-weight-load-threads`): that many threads read the
+    tensors ahead of the model's loader (each into memory of its own), the order and the values
+    unchanged; at most 2 x num_threads tensors wait in memory."""
+    if num_threads < 1:
+        raise ValueError(f"num_threads={num_threads} must be >= 1")
+    if num_threads == 1:
+        for path in safetensors_files(model_dir):
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        return
+    yield from _read_ahead(safetensors_files(model_dir), num_threads)
+
+
+def _read_ahead(paths: list[Path], num_threads: int) -> Iterator[tuple[str, torch.Tensor]]:
+    # clone() touches every page of the mapping: the disk reads happen in the pool's threads
+    # (torch releases the GIL while it copies), not when the loader copies the tensor.
+    with contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(p), framework="pt", device="cpu")) for p in paths]
+        names = ((f, name) for f in handles for name in f.keys())
+        pool = stack.enter_context(ThreadPoolExecutor(num_threads, thread_name_prefix="weight-load"))
+        stack.callback(pool.shutdown, cancel_futures=True)  # a loader that stops early leaves no reads queued
+        pending: deque[tuple[str, Future[torch.Tensor]]] = deque()
+        for f, name in names:
+            pending.append((name, pool.submit(lambda f=f, name=name: f.get_tensor(name).clone())))
+            if len(pending) >= 2 * num_threads:
+                name, future = pending.popleft()
+                yield name, future.result()
+        while pending:
+            name, future = pending.popleft()
+            yield name, future.result()
 
 
 def iterate_safetensors_slices(model_dir: str | Path) -> Iterator[tuple[str, CheckpointSlice]]:
@@ -81,9 +129,11 @@ def load_model(
     model_stage: str | None = None,
     load_format: str = "auto",
     predictor_sampling: Mapping[str, Any] | None = None,
+    load_threads: int = 1,
 ) -> nn.Module:
     """Construct the registered class for `architecture` (default: the config's first
-    architecture) directly on `device` in `dtype`, then load the checkpoint into it.
+    architecture) directly on `device` in `dtype`, then load the checkpoint into it, read by
+    `load_threads` threads (`iterate_safetensors`).
 
     load_format "dummy" skips the checkpoint and fills every parameter with seeded random
     values: the real architecture's shapes and cost, for benchmarks without weights.
@@ -105,7 +155,7 @@ def load_model(
     elif load_format == "auto" and current_tp_group().size > 1:
         model.load_weights(iterate_safetensors_slices(model_dir))
     elif load_format == "auto":
-        model.load_weights(iterate_safetensors(model_dir))
+        model.load_weights(iterate_safetensors(model_dir, load_threads))
     else:
         raise ValueError(f"load_format={load_format!r} is invalid: must be 'auto' or 'dummy'")
     return model.eval()

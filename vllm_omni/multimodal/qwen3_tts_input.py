@@ -93,9 +93,9 @@ class _Reference:
 class Qwen3TTSInputProcessor:
     def __init__(self, model_dir: str | os.PathLike, tokenizer: Any = None, media: MediaPolicy = TRUSTED) -> None:
         if tokenizer is None:
-            from transformers import AutoTokenizer
+            from vllm_omni.model_executor.model_loader import load_tokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(os.fspath(model_dir))
+            tokenizer = load_tokenizer(os.fspath(model_dir))
         self.tokenizer = tokenizer
         self.text_lock = threading.Lock()  # the tokenizer; reference audio is decoded outside it
         self.media = media

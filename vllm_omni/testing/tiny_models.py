@@ -42,13 +42,9 @@ BASE_TEXT_CONFIG: dict[str, Any] = dict(
     dtype="float32",
 )
 
-# The embedded demo models, by arch: versioned folder names, so a changed builder gets a new folder.
-DEMO_MODEL_NAMES = {"qwen2_5_omni": "demo-qwen2_5_omni-v2", "qwen3": "demo-qwen3-v1"}
-# The demo's vocoder upsamples each code 3x more than the test model's (120 samples at 24 kHz:
-# 200 codes are a second of speech) and is initialized loud enough to hear (measured: rms 0.045,
-# peak 0.18, no clipping), at about the same cost per code.
-DEMO_BUILD_OVERRIDES: dict[str, dict[str, Any]] = {"qwen2_5_omni": dict(
-    bigvgan_upsample_rates=[5, 4, 3], bigvgan_upsample_kernel_sizes=[11, 8, 7], bigvgan_initializer_range=0.08)}
+# The embedded demo models, by arch: (tiny checkpoint, versioned folder name: a changed builder
+# gets a new folder). Both are shaped to say words (the Omni demo also speaks them): demo_model.py.
+DEMO_MODELS = {"qwen2_5_omni": ("qwen2_5_omni_demo", "demo-qwen2_5_omni-v3"), "qwen3": ("qwen3_demo", "demo-qwen3-v2")}
 DEMO_ARCH = "qwen2_5_omni"  # what `vllm-omni generate` / `serve` run without a model
 
 
@@ -145,6 +141,20 @@ def build_tiny_qwen3(out_dir: Path, overrides: dict[str, Any]) -> None:
     save_hf_checkpoint(_build_causal_lm(Qwen3ForCausalLM, Qwen3Config, {**kwargs, **overrides}), tokenizer, out_dir)
 
 
+def build_demo_qwen3(out_dir: Path, overrides: dict[str, Any]) -> None:
+    """The embedded text demo: the tiny Qwen3 with its head apart from its embeddings (the two
+    are edited differently), shaped to say whole words only (demo_model.py)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from vllm_omni.testing.demo_model import shape_text_demo_weights
+
+    tokenizer = make_tiny_tokenizer()
+    kwargs = text_config_kwargs(tokenizer, head_dim=16, tie_word_embeddings=False)
+    model = _build_causal_lm(Qwen3ForCausalLM, Qwen3Config, {**kwargs, **overrides})
+    shape_text_demo_weights(model, tokenizer)
+    save_hf_checkpoint(model, tokenizer, out_dir)
+
+
 def build_tiny_qwen3_moe(out_dir: Path, overrides: dict[str, Any]) -> None:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -212,16 +222,16 @@ def demo_model_path(arch: str = DEMO_ARCH) -> Path:
     Safe against concurrent builders: each builds into its own temp dir and renames it into
     place; the folder therefore exists only when complete, and a losing builder discards its copy.
     """
-    if arch not in DEMO_MODEL_NAMES:
-        raise ValueError(f"no demo model for {arch!r}; available: {sorted(DEMO_MODEL_NAMES)}")
-    name = DEMO_MODEL_NAMES[arch]
+    if arch not in DEMO_MODELS:
+        raise ValueError(f"no demo model for {arch!r}; available: {sorted(DEMO_MODELS)}")
+    checkpoint, name = DEMO_MODELS[arch]
     target = cache_dir() / name
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=target.parent))
     try:
-        make_tiny_model(arch, tmp, seed=0, **DEMO_BUILD_OVERRIDES.get(arch, {}))
+        make_tiny_model(checkpoint, tmp, seed=0)
         try:
             os.rename(tmp, target)
         except OSError:

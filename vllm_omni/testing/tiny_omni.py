@@ -59,6 +59,19 @@ def _write_speakers(out_dir: Path, tokenizer, dit: dict[str, Any]) -> None:
 
 
 def build_tiny_qwen2_5_omni(out_dir: Path, overrides: dict[str, Any]) -> None:
+    _build(out_dir, overrides)
+
+
+def build_demo_qwen2_5_omni(out_dir: Path, overrides: dict[str, Any]) -> None:
+    """The embedded demo (testing/demo_model.py): the tiny model with a vocoder one can hear,
+    its weights shaped to say words and speak them, and its own deploy settings."""
+    from vllm_omni.testing import demo_model
+
+    _build(out_dir, {**demo_model.DEMO_BUILD_OVERRIDES, **overrides}, shape=demo_model.shape_demo_weights)
+    demo_model.write_demo_deploy(out_dir)
+
+
+def _build(out_dir: Path, overrides: dict[str, Any], shape=None) -> None:
     from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
 
     tokenizer = make_tiny_tokenizer()
@@ -79,6 +92,8 @@ def build_tiny_qwen2_5_omni(out_dir: Path, overrides: dict[str, Any]) -> None:
             t2w.code2wav_dit_model.text_embed.codec_embed.weight.normal_(0.0, CODEC_EMBED_STD)
     else:
         perturb_constant_params(model)
+    if shape is not None:
+        shape(model, tokenizer)
     model = model.to(getattr(torch, dtype)).eval()
 
     _write_speakers(out_dir, tokenizer, cfg["token2wav_config"]["dit_config"])

@@ -81,7 +81,7 @@ TOKENIZER_SIZE = 448
 # Learned vocabulary, the 256 byte symbols included (~430 tokens).
 BPE_VOCAB_SIZE = TOKENIZER_SIZE - len(SPECIAL_TOKENS)
 
-_CORPUS = [
+CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Hello! How are you today? I am fine, thank you.",
     "What is the capital of France? The capital of France is Paris.",
@@ -130,7 +130,7 @@ def make_tiny_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS, trainer)
+    tok.train_from_iterator(CORPUS, trainer)
     tok.add_special_tokens(SPECIAL_TOKENS)
     # The corpus must be rich enough for the trainer to learn BPE_VOCAB_SIZE tokens.
     if tok.get_vocab_size() != TOKENIZER_SIZE:

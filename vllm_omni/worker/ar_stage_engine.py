@@ -1,6 +1,7 @@
 """`ARStageEngine`: the stage engine around our AR engine (`core.llm_engine.LLMEngine`).
 
-The engine's outputs are already `StageOutput` deltas; they pass through unchanged. A `DELTA`
+The engine's outputs are already `StageOutput` deltas; they pass through unchanged (a finished
+one's phase durations named for this stage, or dropped when it does not profile). A `DELTA`
 request reports every step that produced something, a `FINAL_ONLY` request once, when it
 finishes (the engine then builds no intermediate outputs at all). A request whose input
 streams in (`input_complete=False`) gets its chunks through `add_input`; its outputs say how
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 from vllm_omni.stage_io import (
@@ -23,10 +25,13 @@ if TYPE_CHECKING:
 
 
 class ARStageEngine:
-    def __init__(self, engine: LLMEngine, *, stage_id: int, export_hidden_states: bool) -> None:
+    def __init__(self, engine: LLMEngine, *, stage_id: int, export_hidden_states: bool, profile: bool = False) -> None:
+        """`profile` (--enable-ar-profiler): a finished output carries the request's queue, prefill
+        and decode seconds in this stage (`stage_durations`)."""
         self.engine = engine
         self.stage_id = stage_id
         self.export_hidden_states = export_hidden_states
+        self.profile = profile
         self._running: set[str] = set()  # unfinished requests
         self._ready: list[StageOutput] = []  # immediate errors, returned by the next step()
 
@@ -80,10 +85,12 @@ class ARStageEngine:
 
     def step(self) -> list[StageOutput]:
         outputs, self._ready = self._ready, []
-        if self.engine.has_unfinished_requests():
+        # has_work, not has_unfinished_requests: a step launched before the last request was aborted
+        # is still to be settled (else has_work stays true and the worker loop spins).
+        if self.engine.has_work():
             for out in self.engine.step():
                 if out.request_id in self._running:
-                    outputs.append(out)
+                    outputs.append(self._named_phases(out) if out.finished else out)
                     if out.finished:
                         self._running.discard(out.request_id)
         return outputs
@@ -99,6 +106,12 @@ class ARStageEngine:
         ids = list(self._running)
         self.abort(ids)
         return [error_output(rid, error) for rid in ids]
+
+    def _named_phases(self, out: StageOutput) -> StageOutput:
+        """A finished output's phases (queue, prefill, decode) as this stage's `stage_durations`
+        when it profiles (--enable-ar-profiler); none otherwise."""
+        phases = {f"ar_stage_{self.stage_id}.{name}": s for name, s in (out.stage_durations or {}).items()}
+        return msgspec.structs.replace(out, stage_durations=phases if self.profile else None)
 
     def stats(self) -> dict[str, int]:
         bm = self.engine.block_manager

@@ -28,6 +28,7 @@ def engine_config_kwargs(stage: StageConfig, model: str, device: str) -> dict[st
         model_stage=ea.model_stage,
         load_format=ea.load_format,
         tensor_parallel_size=ea.tensor_parallel_size,
+        num_weight_load_threads=ea.weight_load_threads,
         predictor_sampling=stage.subtalker_sampling_params,
     )
     optional = dict(seed=ea.seed, max_model_len=ea.max_model_len, block_size=ea.block_size,
@@ -52,7 +53,8 @@ class GPUARWorker:
             layers = exported_hidden_state_layers(kwargs["model"], self.stage)
             kwargs["hidden_state_layers"] = layers or ()
         return ARStageEngine(LLMEngine(EngineConfig(**kwargs)), stage_id=self.stage.stage_id,
-                             export_hidden_states=layers is not None)
+                             export_hidden_states=layers is not None,
+                             profile=self.stage.engine_args.enable_ar_profiler)
 
 
 def exported_hidden_state_layers(model: str, stage: StageConfig) -> tuple[int, ...] | None:

@@ -47,10 +47,10 @@ class GPUDiffusionWorker:
             pipe = load_diffusers_pipeline(self.model_path, ea, self.device, dtype)
             return DiffusersPipelineEngine(pipe, stage_id=self.stage.stage_id, device=str(self.device),
                                            call_kwargs=dict(ea.diffusers_call_kwargs),
-                                           max_image_pixels=ea.max_generated_image_size)
-        from vllm_omni.diffusion.cfg_parallel import CfgParallelGroup, ModelSpec
-        from vllm_omni.diffusion.denoise import build_cache
+                                           max_image_pixels=ea.max_generated_image_size,
+                                           profile=ea.enable_diffusion_pipeline_profiler)
         from vllm_omni.diffusion.engine import DiffusionEngine
+        from vllm_omni.diffusion.process_group import DiffusionProcessGroup, ModelSpec, make_cache
 
         if ea.auxiliary_text_encoder is not None:
             raise ValueError(f"stage {self.stage.stage_id}: auxiliary_text_encoder {ea.auxiliary_text_encoder!r}: the "
@@ -59,20 +59,24 @@ class GPUDiffusionWorker:
         spec = ModelSpec(model_class_path(self.stage, self.model_path), self.model_path, str(dtype).removeprefix("torch."),
                          dummy=load_format(ea) == "dummy", seed=ea.seed or 0, vae_use_slicing=ea.vae_use_slicing,
                          vae_use_tiling=ea.vae_use_tiling, cpu_offload=ea.enable_cpu_offload,
-                         acceleration=acceleration(ea), boundary_ratio=ea.boundary_ratio, flow_shift=ea.flow_shift)
-        cache_spec = self._cache_spec()
-        cfg_group = CfgParallelGroup.start(spec, cache_spec, self.device) if ea.cfg_parallel_size == 2 else None
-        try:
-            model = spec.build(self.device)
-        except BaseException:
-            if cfg_group is not None:
-                cfg_group.close()
-            raise
-        cache = build_cache(cache_spec, model.describe()["transformer"])
-        if cfg_group is not None:
-            cfg_group.wait_ready()
-        return DiffusionEngine(model, stage_id=self.stage.stage_id, max_batch_size=self.stage.batch_limit, device=str(self.device),
-                               cache=cache, cfg_group=cfg_group, max_image_pixels=ea.max_generated_image_size)
+                         acceleration=acceleration(ea), boundary_ratio=ea.boundary_ratio, flow_shift=ea.flow_shift,
+                         layerwise_offload=ea.enable_layerwise_offload)
+        cache_spec, layout = self._cache_spec(), ea.diffusion_parallel
+        if layout.world_size == 1:
+            model, group = spec.build(self.device), None
+        else:  # the other ranks load their models while this one does
+            group = DiffusionProcessGroup.start(spec, cache_spec, self.device, layout)
+            try:
+                model = spec.build(self.device, group.join())
+                group.wait_loaded()
+            except BaseException:
+                group.close()
+                raise
+        cache = make_cache(model, cache_spec, group.groups if group else None)
+        return DiffusionEngine(model, stage_id=self.stage.stage_id, max_batch_size=self.stage.batch_limit,
+                               device=str(self.device), cache=cache, group=group,
+                               max_image_pixels=ea.max_generated_image_size,
+                               profile=ea.enable_diffusion_pipeline_profiler)
 
     def _cache_spec(self) -> tuple[str, dict[str, Any], bool] | None:
         """(cache_backend, cache_config, summary) of the stage; None without a cache."""

@@ -59,9 +59,9 @@ class StageView:
         if isinstance(stage_cfg, StageConfig):
             ea = stage_cfg.engine_args
             diffusion = ea.worker_type == WorkerType.DIFFUSION
-            # Our diffusion stages spread over devices by CFG parallelism alone.
+            # Our diffusion stages spread over the devices of their parallel world (CFG x sequence).
             return cls(stage_cfg.stage_id, "diffusion" if diffusion else "llm", ea.tensor_parallel_size,
-                       ea.tensor_parallel_size * ea.cfg_parallel_size if diffusion else None,
+                       ea.devices_per_replica if diffusion else None,
                        RuntimeView.of(stage_cfg.runtime))
         engine_args = foreign_field(stage_cfg, "engine_args")
         return cls(foreign_field(stage_cfg, "stage_id", default_id), stage_type_of(stage_cfg),

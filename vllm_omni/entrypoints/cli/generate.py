@@ -32,7 +32,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--speaker", default=None, help="voice of the spoken reply (e.g. Chelsie, Ethan)")
     p.add_argument("--modalities", default=None, help="comma-separated outputs, e.g. text or text,audio")
     p.add_argument("--max-tokens", type=int, default=None,
-                   help="text tokens per reply (default 32); TTS: codec frames (default: the model's)")
+                   help="text tokens per reply; TTS: codec frames (default: the stage config's)")
     p.add_argument("--temperature", type=float, default=None, help="default 0 (greedy); TTS: the model's")
     # Text to speech (Qwen3-TTS, docs/tts.md): each --prompt is the text to speak.
     p.add_argument("--instructions", default=None, help="TTS: speaking style, or the voice (VoiceDesign)")
@@ -100,18 +100,16 @@ def run(args: argparse.Namespace) -> int:
     from vllm_omni.entrypoints.omni import Omni
     from vllm_omni.sampling_params import SamplingParams
     from vllm_omni.config import ConfigFormat, WorkerType
-    from vllm_omni.entrypoints.cli.demo_defaults import GENERATE_OVERRIDES, with_demo_overrides
     from vllm_omni.testing import demo_model_path
 
     from vllm_omni.engine.stage_init_utils import prepare_engine_environment
 
     prepare_engine_environment()  # before anything (building the demo) picks a start method
     model = args.model or str(demo_model_path())
-    overrides = args.stage_overrides if args.model else with_demo_overrides(GENERATE_OVERRIDES, args.stage_overrides)
     modalities = args.modalities.split(",") if args.modalities else None
     engine_args = {"dtype": args.dtype} if args.dtype else {}
     with Omni(model, stage_configs_path=args.stage_configs_path, deploy_config=args.deploy_config,
-              stage_overrides=overrides, output_modalities=modalities, **engine_args) as omni:
+              stage_overrides=args.stage_overrides, output_modalities=modalities, **engine_args) as omni:
         if omni.pipeline.entry_stages[0].worker_type == WorkerType.DIFFUSION:
             from vllm_omni.entrypoints.cli.generate_images import generate_images
 
@@ -121,19 +119,16 @@ def run(args: argparse.Namespace) -> int:
         tts = _speaks_from_text(model)
         chat = args.chat if args.chat is not None else omni.pipeline.format is not ConfigFormat.SINGLE_STAGE and not tts
         prompts = build_prompts(args, chat)
-        if tts:
-            overrides = {key: value for key, value in (("temperature", args.temperature), ("top_p", args.top_p),
-                                                        ("seed", args.seed), ("max_tokens", args.max_tokens))
-                         if value is not None}
-        else:
-            overrides = dict(temperature=0.0 if args.temperature is None else args.temperature,
-                             top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed,
-                             max_tokens=32 if args.max_tokens is None else args.max_tokens)
+        overrides = {key: value for key, value in (("temperature", args.temperature), ("top_p", args.top_p),
+                                                    ("seed", args.seed), ("max_tokens", args.max_tokens))
+                     if value is not None}
+        if not tts:  # greedy text unless asked otherwise
+            overrides = {"temperature": 0.0, "top_p": 1.0, **overrides}
         stage0 = omni.pipeline.stages[0].new_sampling_params(**overrides)
         params: list[SamplingParams | None] = [stage0] + [None] * (len(omni.pipeline.stages) - 1)
         outputs = omni.generate(prompts, params, use_tqdm=False, modalities=modalities)
     if args.model is None:
-        print(f"(embedded demo model at {model}: random weights, so the text is gibberish and the speech noise)")
+        print(f"(embedded demo model at {model}: random weights, so the text is random words and the speech noise)")
     texts = args.prompt or DEFAULT_PROMPTS
     order = list(dict.fromkeys(o.request_id for o in outputs))
     for out in outputs:

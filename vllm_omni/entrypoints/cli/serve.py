@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from vllm_omni.entrypoints.cli import serve_args, stage_cli
-from vllm_omni.entrypoints.cli.demo_defaults import SERVE_OVERRIDES, with_demo_overrides
 
 logger = logging.getLogger("vllm_omni.serve")
 
@@ -115,8 +114,6 @@ def serve(args: argparse.Namespace) -> int:
         logger.warning("--disable-log-requests is deprecated: requests are not logged unless --enable-log-requests")
     if args.headless:  # no API server: the stage serves the head at --omni-master-address
         model, _ = _model(args)
-        if args.model is None:
-            args.stage_overrides = with_demo_overrides(SERVE_OVERRIDES, args.stage_overrides)
         return stage_cli.run_headless(args, model, serve_args.stage_overrides(args), serve_args.engine_args(args))
 
     from vllm_omni.entrypoints.openai import input_limits
@@ -140,8 +137,6 @@ def serve(args: argparse.Namespace) -> int:
         print(f"error: {task_problem}", file=sys.stderr)
         sock.close()
         return 2
-    if args.model is None:
-        args.stage_overrides = with_demo_overrides(SERVE_OVERRIDES, args.stage_overrides)
     settings = ServerSettings(
         model_path=model, served_names=names, host=args.host, port=args.port, api_key=args.api_key, media=media,
         max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,

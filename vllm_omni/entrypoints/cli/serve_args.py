@@ -12,13 +12,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_omni.config.schema import DIFFUSION_FIELDS
+from vllm_omni.config.schema import AR_FIELDS, DIFFUSION_FIELDS
 from vllm_omni.entrypoints.cli import stage_cli
 from vllm_omni.entrypoints.openai import input_limits, tts_limits, video_store
 from vllm_omni.entrypoints.openai.chat_options import parse_mm_limits
 from vllm_omni.entrypoints.openai.realtime import limits as realtime_limits
-
-_DIFFUSION = "the diffusion engine does not implement it yet"
 
 
 @dataclass(frozen=True)
@@ -27,11 +25,12 @@ class Flag:
     help: str
     kwargs: dict[str, Any] = field(default_factory=dict)  # argparse: default, type, choices, action...
     refused: str | None = None  # why a non-default value is refused; None: implemented
+    attribute: str | None = None  # the attribute it sets, when its name says the opposite (--disable-...)
 
     @property
     def dest(self) -> str:
         # The long spelling names the attribute (--usp / --ulysses-degree -> ulysses_degree).
-        return max((n for n in self.names if n.startswith("--")), key=len).lstrip("-").replace("-", "_")
+        return self.attribute or max((n for n in self.names if n.startswith("--")), key=len).lstrip("-").replace("-", "_")
 
     @property
     def default(self) -> Any:
@@ -59,7 +58,9 @@ def _bool(names: str, help: str, refused: str | None = None, default: Any = Fals
 OMNI_FLAGS: tuple[Flag, ...] = (
     _bool("--omni", "Enable vLLM-Omni mode for multi-modal and diffusion models (required by `vllm serve`; "
           "`vllm-omni serve` is always in omni mode)."),
-    _bool("--enable-sleep-mode", "Enable GPU memory pool for sleep mode.", "sleep mode is not implemented"),
+    _bool("--enable-sleep-mode", "Enable sleep mode: POST /sleep?level=1|2 frees the stages' device memory (level 1 "
+          "keeps the weights in CPU memory, level 2 reloads them from the checkpoint), POST /wake_up restores it, GET "
+          "/is_sleeping tells; without this flag those routes do not exist (404). docs/operations.md, 'Sleep mode'."),
     _f("--task-type", "Task type of a TTS model (CustomVoice, VoiceDesign or Base); default: inferred from the "
        "checkpoint, which must match.", choices=("CustomVoice", "VoiceDesign", "Base"), default=None),
     _f("--stage-configs-path", "[Deprecated] Path to a legacy stage configs YAML (stage_args format). Prefer "
@@ -105,7 +106,8 @@ OMNI_FLAGS: tuple[Flag, ...] = (
        "killed and restarted. (Spec 001 documents 30.0; stages here send a heartbeat 4 times per timeout, at most "
        "every second, from a thread of their own, so a few seconds detect a frozen stage without mistaking a long "
        "step for one.)", type=float, default=3.0),
-    _f("--num-gpus", "Number of GPUs to use for diffusion model inference.", _DIFFUSION, type=int, default=None),
+    _f("--num-gpus", "Number of GPUs to use for diffusion model inference: the diffusion stage's world size, "
+       "which must equal cfg_parallel_size x ulysses x ring (x standalone HSDP).", type=int, default=None),
     _f("--model-class-name", "Override the diffusion pipeline class name (a native pipeline such as "
        "QwenImagePipeline, or with --diffusion-load-format diffusers any diffusers pipeline class).", default=None),
     _f("--diffusion-load-format", "How to load the diffusion pipeline: default (our engine), dummy (our engine, "
@@ -116,11 +118,13 @@ OMNI_FLAGS: tuple[Flag, ...] = (
        default={}),
     _f("--diffusers-call-kwargs", "JSON object passed to pipeline.__call__() (diffusers load format); a "
        "request's own parameters override it.", type=_json_object, default={}),
-    _f("--usp --ulysses-degree", "Ulysses Sequence Parallelism degree for diffusion models.", _DIFFUSION,
-       type=int, default=None),
-    _f("--ulysses-mode", "Ulysses sequence-parallel mode for diffusion models.", _DIFFUSION,
+    _f("--usp --ulysses-degree", "Ulysses Sequence Parallelism degree for diffusion models (all-to-all over "
+       "heads; docs/diffusion.md, Parallelism).", type=int, default=None),
+    _f("--ulysses-mode", "Ulysses sequence-parallel mode for diffusion models: 'strict' needs heads and sequence "
+       "lengths divisible by the degrees; 'advanced_uaa' pads heads and splits sequences unevenly.",
        choices=("strict", "advanced_uaa"), default="strict"),
-    _f("--ring --ring-degree", "Ring Sequence Parallelism degree for diffusion models.", _DIFFUSION, type=int,
+    _f("--ring --ring-degree", "Ring Sequence Parallelism degree for diffusion models (K/V blocks passed around a "
+       "ring, partial outputs merged by log-sum-exp); with --usp: Ulysses inside, ring across.", type=int,
        default=None),
     _f("--diffusion-quantization-config", "JSON object of the diffusion transformer's quantization: "
        "'{\"method\": \"fp8\"}' (online FP8 weights, per-channel scales, per-token activations) or "
@@ -129,9 +133,11 @@ OMNI_FLAGS: tuple[Flag, ...] = (
           "GEMM (torch._scaled_mm: CUDA, compute capability 8.9+, bfloat16); without it they fall back to a "
           "dequantized product where it cannot run. Refused where it cannot run or without FP8 weights.",
           default=None),
-    _bool("--use-hsdp", "Enable HSDP (Hybrid Sharded Data Parallel) for diffusion models.", _DIFFUSION),
-    _f("--hsdp-shard-size", "Number of GPUs to shard weights across (-1: auto).", _DIFFUSION, type=int, default=-1),
-    _f("--hsdp-replicate-size", "Number of replica groups for HSDP.", _DIFFUSION, type=int, default=1),
+    _bool("--use-hsdp", "Enable HSDP (Hybrid Sharded Data Parallel) for diffusion models: the transformer blocks' "
+          "weights sharded with FSDP2, gathered block by block in each forward."),
+    _f("--hsdp-shard-size", "Number of GPUs to shard weights across (-1: auto, the world / replicate size).",
+       type=int, default=-1),
+    _f("--hsdp-replicate-size", "Number of replica groups for HSDP.", type=int, default=1),
     _f("--diffusion-attention-backend", "Attention kernel of the diffusion transformer: TORCH_SDPA (PyTorch "
        "chooses), CUDNN_ATTN (cuDNN first) or FLASH_ATTN (PyTorch's FlashAttention-2 kernel). Default: CUDNN_ATTN "
        "on CUDA, TORCH_SDPA elsewhere. Shorthand of --diffusion-attention-config.default.backend.", default=None),
@@ -150,13 +156,18 @@ OMNI_FLAGS: tuple[Flag, ...] = (
           "denoising step at a time (requests join and abort between steps); accepted for compatibility."),
     _bool("--vae-use-slicing", "Enable VAE slicing (decode the images of a batch one at a time)."),
     _bool("--vae-use-tiling", "Enable VAE tiling (encode and decode large images in tiles)."),
-    _bool("--disable-multithread-weight-load", "Disable multi-threaded safetensors loading. Our loader reads "
-          "weights on one thread, which is what this (default-on) flag asks for.", default=True),
-    _f("--num-weight-load-threads", "Number of threads for parallel weight loading.",
-       "the weight loader is single-threaded", type=int, default=4),
+    Flag(("--disable-multithread-weight-load",), "Read the checkpoint of AR stages on one thread (the default "
+         "reads it with --num-weight-load-threads threads). The documented default, True, is the value of the "
+         "setting it turns off, enable_multithread_weight_load.",
+         {"action": "store_false", "default": True}, attribute="enable_multithread_weight_load"),
+    _f("--num-weight-load-threads", "Threads that read an AR stage's safetensors checkpoint ahead of its loader "
+       "(the tensors and their order are the same with any number).", type=int, default=4),
     _bool("--enable-cpu-offload", "Enable CPU offloading for diffusion models (the text encoder, the VAE and a "
           "two-expert video model's idle transformer wait on the CPU between their calls)."),
-    _bool("--enable-layerwise-offload", "Enable layerwise offloading on DiT modules.", _DIFFUSION),
+    _bool("--enable-layerwise-offload", "Enable layerwise (blockwise) offloading on DiT modules: each transformer "
+          "block's weights wait in CPU memory and are copied to the device just before the block runs (the next "
+          "block's while one computes), into a ring of two blocks' worth of device memory (per transformer: "
+          "Qwen-Image's, each of Wan2.2's)."),
     _f("--boundary-ratio", "Boundary split ratio for low/high DiT in video models (Wan2.2 A14B: the high-noise "
        "transformer runs while timestep >= ratio * 1000; default: the checkpoint's model_index.json, 0.875 for "
        "T2V, 0.9 for I2V).", type=float, default=None),
@@ -170,7 +181,9 @@ OMNI_FLAGS: tuple[Flag, ...] = (
        default=None),
     _f("--cfg-parallel-size", "Number of devices for CFG parallel computation (2: the unconditional branch on a "
        "second device).", type=int, choices=(1, 2), default=1),
-    _f("--vae-patch-parallel-size", "VAE Patch Parallelism degree.", _DIFFUSION, type=int, default=1),
+    _f("--vae-patch-parallel-size", "VAE Patch Parallelism degree: the latent's rows split across that many of "
+       "the stage's ranks for the VAE decode (with a halo, so the image is the one-process image).", type=int,
+       default=1),
     _f("--default-sampling-params", "JSON default sampling parameters per stage, e.g. '{\"0\": "
        "{\"num_inference_steps\": 30}}' (diffusion models only; --stage-overrides wins).", type=_json_object,
        default=None),
@@ -180,8 +193,10 @@ OMNI_FLAGS: tuple[Flag, ...] = (
     _f("--tts-max-instructions-length", "Maximum length (characters) of TTS voice style instructions; longer "
        "ones get a 400 (default: 500).", type=int, default=None),
     _bool("--no-guardrails", "Disable Cosmos3 text/video safety guardrails.", "Cosmos3 is not supported"),
-    _bool("--enable-diffusion-pipeline-profiler", "Enable the diffusion pipeline profiler.", _DIFFUSION),
-    _bool("--enable-ar-profiler", "Include AR stage timing in stage_durations.", "the AR profiler is not implemented"),
+    _bool("--enable-diffusion-pipeline-profiler", "Report each request's prompt encoding, denoising and VAE decoding "
+          "times (seconds) in stage_durations: the response's metrics and /metrics."),
+    _bool("--enable-ar-profiler", "Report each request's time in every AR stage (queue, prefill, decode; seconds) in "
+          "stage_durations: the response's metrics and /metrics."),
     _f("--auxiliary-text-encoder", "Auxiliary text encoder model name or path, for pipelines that take one "
        "(HiDream-I1's Llama encoder); refused for pipelines that take none (Qwen-Image, Wan2.2).", default=None),
 )
@@ -360,13 +375,14 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.omni_dp_size_local != 1:
         given["num_replicas"] = args.omni_dp_size_local
     for flag in OMNI_FLAGS:
-        if flag.dest in DIFFUSION_STAGE_FLAGS and getattr(args, flag.dest) != flag.default:
+        if flag.dest in STAGE_SETTING_FLAGS and getattr(args, flag.dest) != flag.default:
             given[flag.dest] = getattr(args, flag.dest)
     return given
 
 
-# Diffusion flags of spec 001 that are settings of the diffusion stages (config.STAGE_CLI_FIELDS).
-DIFFUSION_STAGE_FLAGS = tuple(DIFFUSION_FIELDS)
+# Flags of spec 001 that are settings of the stages (config.STAGE_CLI_FIELDS): the diffusion
+# flags for the diffusion stages, the AR ones for the AR stages, sleep mode for every stage.
+STAGE_SETTING_FLAGS = (*DIFFUSION_FIELDS, *AR_FIELDS, "enable_sleep_mode")
 
 
 def stage_overrides(args: argparse.Namespace) -> str | dict[str, Any] | None:

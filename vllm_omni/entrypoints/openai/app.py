@@ -7,7 +7,8 @@ models) and its WebSocket /v1/audio/speech/stream (text in as it is written), PO
 /v1/images/generations and /v1/images/edits (diffusion models), /v1/videos (video models: create,
 list, retrieve, content, delete), GET / POST /v1/audio/voices and GET / DELETE
 /v1/audio/voices/{name}, GET /v1/models, GET /health (503 naming each stage that is down), GET
-/version, GET /metrics (Prometheus text format); the realtime WebSocket GET /v1/realtime, POST
+/version, GET /metrics (Prometheus text format); with --enable-sleep-mode POST /sleep, POST /wake_up
+and GET /is_sleeping (sleep_routes.py); the realtime WebSocket GET /v1/realtime, POST
 /v1/audio/transcriptions and /v1/audio/translations, and the voice-chat page at / (static files
 under /static).
 With an API key, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise), as in
@@ -46,6 +47,7 @@ from vllm_omni.entrypoints.openai.serving_speech import (
 from vllm_omni.entrypoints.openai.serving_transcription import TranscriptionService
 from vllm_omni.entrypoints.openai.serving_video import VideoService, add_video_routes
 from vllm_omni.entrypoints.openai.serving_voices import VoicesService
+from vllm_omni.entrypoints.openai.sleep_routes import add_sleep_routes
 from vllm_omni.entrypoints.openai.speech_stream import SpeechStreamEndpoint
 from vllm_omni.entrypoints.openai.tts_limits import SpeechStreamLimits, VoiceLimits
 from vllm_omni.entrypoints.openai.video_store import VideoStoreOptions
@@ -55,7 +57,8 @@ TRIM_AFTER_BYTES = 1024 * 1024  # bodies this large leave enough freed heap to b
 STATIC_DIR = Path(__file__).resolve().parent / "static"  # the voice-chat page (package data)
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version", "/metrics",
            "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/audio/speech", "/v1/audio/voices",
-           "/v1/audio/speech/stream", "/v1/images/generations", "/v1/images/edits", "/v1/videos")
+           "/v1/audio/speech/stream", "/v1/images/generations", "/v1/images/edits", "/v1/videos", "/sleep",
+           "/wake_up", "/is_sleeping")
 
 
 class StatusMetricsMiddleware:
@@ -263,6 +266,8 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes
     async def metrics() -> Response:
         return Response(await ctx.metrics.render(ctx.engine, ctx.gate), media_type=CONTENT_TYPE_LATEST)
 
+    if ctx.engine.sleep_mode:  # vLLM's /sleep, /wake_up, /is_sleeping (else 404, as without dev mode)
+        add_sleep_routes(app, ctx)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if api_key:  # checked before the body is read
         app.add_middleware(APIKeyMiddleware, api_key=api_key)

@@ -65,6 +65,10 @@ class ServerMetrics:
         self.diffusion_steps = Gauge("vllm_omni:stage_diffusion_steps_done", "Denoising steps done (one per "
                                      "request per step) since the stage started (diffusion stages)", labels,
                                      registry=r)
+        self.stage_durations = Histogram("vllm_omni:request_stage_duration_seconds", "Seconds a finished request "
+                                         "spent in each phase of the stages that profile it (--enable-ar-profiler, "
+                                         "--enable-diffusion-pipeline-profiler), by its stage_durations name",
+                                         ["phase"], buckets=_LATENCY_BUCKETS, registry=r)
         self.transport_drops: dict[DropKey, int] = {}  # set at each scrape; counted in the engine and the stages
         r.register(_TransportDrops(self))
 
@@ -72,10 +76,13 @@ class ServerMetrics:
     def observe_status(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
 
-    def observe_finished(self, endpoint: str, e2e_s: float, prompt_tokens: int, generated_tokens: int) -> None:
+    def observe_finished(self, endpoint: str, e2e_s: float, prompt_tokens: int, generated_tokens: int,
+                         stage_durations: dict[str, float] | None = None) -> None:
         self.e2e.labels(endpoint).observe(e2e_s)
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generated_tokens)
+        for phase, seconds in (stage_durations or {}).items():
+            self.stage_durations.labels(phase).observe(seconds)
 
     def observe_audio(self, finished_after_s: float, audio_s: float) -> None:
         self.audio_seconds.inc(audio_s)

@@ -52,8 +52,10 @@ class ResponseTracker:
     first_audio_at: float | None = None
     last_audio_at: float | None = None
     audio_gaps: list[float] = field(default_factory=list)  # between consecutive audio chunks
+    stage_durations: dict[str, float] = field(default_factory=dict)  # the profilers' (metrics.stage_durations)
 
     def add(self, out: OmniRequestOutput) -> list[TextEvent | AudioEvent]:
+        self.stage_durations.update(out.stage_durations)
         if out.final_output_type == "text":
             event = self._add_text(out)
         elif out.final_output_type == "audio":

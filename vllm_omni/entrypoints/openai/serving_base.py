@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from vllm_omni.config.stage_config import ConfigFormat, PipelineConfig
+from vllm_omni.engine.pipeline_sleep import PipelineSleepingError
 from vllm_omni.engine.stage_client import StageState
 from vllm_omni.entrypoints.async_omni import PipelineOverloadedError, RequestFailedError
 from vllm_omni.entrypoints.openai.response_tracker import ResponseTracker
@@ -134,7 +135,8 @@ class ServingContext:
     def record_finished(self, endpoint: str, acc: ResponseTracker) -> None:
         """A finished request's metrics: latency and tokens, time to first text and audio, audio RTF."""
         m = self.metrics
-        m.observe_finished(endpoint, time.monotonic() - acc.arrived_at, acc.prompt_tokens, acc.completion_tokens)
+        m.observe_finished(endpoint, time.monotonic() - acc.arrived_at, acc.prompt_tokens, acc.completion_tokens,
+                           acc.stage_durations)
         if acc.first_text_at is not None:
             m.ttft.observe(acc.first_text_at - acc.arrived_at)
         if acc.first_audio_at is not None and acc.last_audio_at is not None:
@@ -204,6 +206,8 @@ def engine_error(ctx: ServingContext, exc: BaseException) -> BaseException:
     """An exception out of AsyncOmni.generate -> the APIError the client gets."""
     if isinstance(exc, (APIError, ClientDisconnected, asyncio.CancelledError)):
         return exc
+    if isinstance(exc, PipelineSleepingError):
+        return APIError(503, str(exc))
     if ctx.shutting_down and isinstance(exc, RuntimeError):  # RequestFailedError or "the pipeline is closed"
         return APIError(503, f"the server is shutting down: {exc}")  # its outputs will never come
     if isinstance(exc, PipelineOverloadedError):
@@ -256,3 +260,9 @@ def set_final_status(request: Request, status: int) -> None:
     """For streams, whose HTTP status (200) is sent before the outcome is known: the status the
     request metrics record instead (see app.StatusMetricsMiddleware)."""
     request.state.final_status = status
+
+
+def response_metrics(stage_durations: dict[str, float]) -> dict[str, Any]:
+    """The `metrics` member of a response (upstream's stage_durations, seconds by phase); nothing
+    when no stage profiles requests, so responses keep OpenAI's shape by default."""
+    return {"metrics": {"stage_durations": stage_durations}} if stage_durations else {}

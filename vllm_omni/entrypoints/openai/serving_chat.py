@@ -41,7 +41,8 @@ from vllm_omni.entrypoints.openai.media_fetch import resolve_media
 from vllm_omni.entrypoints.openai.prompt_limits import chat_text_chars
 from vllm_omni.entrypoints.openai.protocol import ChatCompletionRequest
 from vllm_omni.entrypoints.openai.serving_base import (
-    EventStream, ServingContext, as_api_error, engine_error, first_output, race_disconnect, set_final_status,
+    EventStream, ServingContext, as_api_error, engine_error, first_output, race_disconnect, response_metrics,
+    set_final_status,
 )
 from vllm_omni.outputs import OmniRequestOutput
 
@@ -103,7 +104,7 @@ class ChatView:
                 reason = "stop"
             choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
         return {"id": self.request_id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage(acc)}
+                "choices": choices, "usage": usage(acc), **response_metrics(acc.stage_durations)}
 
     def chunk(self, choices: list[dict[str, Any]], modality: str | None = None, **extra: Any) -> str:
         body: dict[str, Any] = {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
@@ -238,6 +239,8 @@ class ChatService:
                         yield chunk
             if include_usage:
                 yield view.chunk([], usage=usage(acc))
+            if acc.stage_durations:
+                yield view.chunk([], **response_metrics(acc.stage_durations))
             yield "data: [DONE]\n\n"
             self.ctx.record_finished(ENDPOINT, acc)
         except BaseException as e:  # noqa: BLE001 - a stream's failure can only be reported in-band

@@ -24,7 +24,8 @@ from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.logprobs import completion_logprobs
 from vllm_omni.entrypoints.openai.protocol import CompletionRequest
 from vllm_omni.entrypoints.openai.serving_base import (
-    EventStream, ServingContext, as_api_error, engine_error, first_output, race_disconnect, set_final_status,
+    EventStream, ServingContext, as_api_error, engine_error, first_output, race_disconnect, response_metrics,
+    set_final_status,
 )
 from vllm_omni.outputs import OmniRequestOutput
 
@@ -73,9 +74,11 @@ class CompletionService:
         for acc in accs:
             self.ctx.record_finished(ENDPOINT, acc)
         tokenizer = ctx.engine.get_tokenizer() if body.logprobs is not None else None
+        # Each prompt is a pipeline request of its own: its choice carries its stage durations.
         choices = [{"index": i, "text": a.text, "finish_reason": a.finish_reason,
                     "logprobs": None if tokenizer is None else completion_logprobs(tokenizer, a.token_logprobs,
-                                                                                   body.logprobs)}
+                                                                                   body.logprobs),
+                    **response_metrics(a.stage_durations)}
                    for i, a in enumerate(accs)]
         total = _usage(accs)
         return JSONResponse({"id": request_id, "object": "text_completion", "created": int(time.time()),
@@ -122,6 +125,8 @@ class CompletionService:
                     yield chunk([choice(event)])
             if include_usage:
                 yield chunk([], usage=_usage([acc]))
+            if acc.stage_durations:
+                yield chunk([], **response_metrics(acc.stage_durations))
             yield "data: [DONE]\n\n"
             self.ctx.record_finished(ENDPOINT, acc)
         except BaseException as e:  # noqa: BLE001 - a stream's failure can only be reported in-band

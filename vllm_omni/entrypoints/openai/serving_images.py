@@ -32,8 +32,9 @@ from vllm_omni.config.stage_config import WorkerType
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.input_limits import DEFAULT_GENERATED_IMAGE_PIXELS
 from vllm_omni.entrypoints.openai.media_fetch import count_upload
-from vllm_omni.entrypoints.openai.serving_base import ServingContext, as_api_error, race_disconnect
+from vllm_omni.entrypoints.openai.serving_base import ServingContext, as_api_error, race_disconnect, response_metrics
 from vllm_omni.multimodal.diffusion_prompt import to_pil_image
+from vllm_omni.outputs import OmniRequestOutput
 from vllm_omni.sampling_params import DiffusionSamplingParams
 
 GENERATIONS, EDITS = "/v1/images/generations", "/v1/images/edits"
@@ -106,14 +107,16 @@ class ImageService:
         ctx.check_stages_up(ctx.shape.needed_stages(["image"]))
         ticket = await race_disconnect(raw, ctx.gate.admit())
         try:
-            images = await race_disconnect(raw, self._collect(prompt, plan))
+            out = await race_disconnect(raw, self._collect(prompt, plan))
         except BaseException as e:
             raise _client_error(e) or as_api_error(ctx, e)  # noqa: B904 - chained inside as_api_error
         finally:
             ticket.release()
-        ctx.metrics.observe_finished(endpoint, time.monotonic() - arrived, 0, 0)
+        images = out.request_output.outputs[0].multimodal_output["image"]
+        ctx.metrics.observe_finished(endpoint, time.monotonic() - arrived, 0, 0, out.stage_durations)
         return {"created": int(time.time()),
-                "data": [{"b64_json": _encode(img, body.output_format), "revised_prompt": None} for img in images]}
+                "data": [{"b64_json": _encode(img, body.output_format), "revised_prompt": None} for img in images],
+                **response_metrics(out.stage_durations)}
 
     def _check_prompt_sizes(self, body: ImageRequest) -> None:
         """A text encoder reads a bounded number of tokens: a prompt far longer is refused before
@@ -137,14 +140,15 @@ class ImageService:
                                 f"this server's limit of {limit} pixels (--max-generated-image-size)", param="size")
         return params
 
-    async def _collect(self, prompt: dict[str, Any], plan: list[Any]) -> torch.Tensor:
+    async def _collect(self, prompt: dict[str, Any], plan: list[Any]) -> OmniRequestOutput:
+        """The request's image output (its multimodal_output holds "image": [n, 3, H, W])."""
         request_id = f"img-{uuid.uuid4().hex}"
-        images = None
+        last = None
         async for out in self.ctx.engine.generate(prompt, plan, request_id=request_id, modalities=["image"]):
-            images = out.request_output.outputs[0].multimodal_output.get("image")
-        if images is None:
+            last = out
+        if last is None or last.request_output.outputs[0].multimodal_output.get("image") is None:
             raise APIError(500, "the pipeline ended the request without an image")
-        return images
+        return last
 
 
 async def _read_edit_form(raw: Request) -> tuple[ImageRequest, bytes]:

@@ -25,7 +25,7 @@ from starlette.datastructures import FormData, UploadFile
 from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.media_fetch import count_upload
 from vllm_omni.entrypoints.openai.serving_base import (
-    EventStream, ServingContext, as_api_error, engine_error, first_output, race_disconnect,
+    EventStream, ServingContext, as_api_error, engine_error, first_output, race_disconnect, set_final_status,
 )
 from vllm_omni.multimodal.media import AUDIO_SAMPLE_RATE, MediaError, MediaPolicy, load_audio
 from vllm_omni.outputs import OmniRequestOutput
@@ -127,7 +127,7 @@ class TranscriptionService:
             ticket.release()
             raise
         if job.stream:
-            return EventStream(_sse(ctx, first, gen), raw, partial(_close, ticket, gen))
+            return EventStream(_sse(ctx, raw, first, gen), raw, partial(_close, ticket, gen))
         try:
             last = await race_disconnect(raw, _last(first, gen))
         except BaseException as e:
@@ -210,9 +210,9 @@ def render(job: AudioTask, out: OmniRequestOutput) -> Response:
                          "segments": [segment], "usage": {"type": "duration", "seconds": round(job.duration, 3)}})
 
 
-async def _sse(ctx: ServingContext, first: OmniRequestOutput,
+async def _sse(ctx: ServingContext, raw: Request, first: OmniRequestOutput,
                gen: AsyncIterator[OmniRequestOutput]) -> AsyncIterator[str]:
-    out = first
+    out, status = first, 200
     try:
         while True:
             if out.delta is not None and out.delta.text:
@@ -225,8 +225,12 @@ async def _sse(ctx: ServingContext, first: OmniRequestOutput,
     except BaseException as e:  # noqa: BLE001 - a stream's failure can only be reported in-band
         err = engine_error(ctx, e)
         if not isinstance(err, APIError):
+            status = 499  # cancelled: the client disconnected (AsyncOmni aborted the request)
             raise
+        status = err.status
         yield _event(err.body())
+    finally:
+        set_final_status(raw, status)  # what the access log and /metrics record for this stream
     yield "data: [DONE]\n\n"
 
 

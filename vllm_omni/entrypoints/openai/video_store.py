@@ -24,6 +24,8 @@ class VideoStoreOptions:
         if self.ttl_s <= 0 or self.max_bytes <= 0:
             raise ValueError(f"--video-ttl-s and --video-store-max-bytes must be > 0, got {self.ttl_s}, "
                              f"{self.max_bytes}")
+        if self.folder is not None and not Path(self.folder).is_dir():  # refused at startup, before any stage
+            raise ValueError(f"--video-store-dir {self.folder!r} is not a directory")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,8 +46,6 @@ def from_args(args: argparse.Namespace) -> VideoStoreOptions:
 
 class VideoStore:
     def __init__(self, options: VideoStoreOptions) -> None:
-        if options.folder is not None and not Path(options.folder).is_dir():
-            raise ValueError(f"--video-store-dir {options.folder!r} is not a directory")
         self.options = options
         # A finalizer removes the folder at exit even when close() is never called.
         self._folder = tempfile.TemporaryDirectory(prefix="vllm-omni-videos-", dir=options.folder)

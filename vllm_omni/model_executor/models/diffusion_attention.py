@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +38,7 @@ from vllm_omni.model_executor.layers.fp8_linear import FP8_DTYPE, FP8_MAX
 
 # --- running one attention ---------------------------------------------------------------------
 
+AmaxReduce = Callable[[torch.Tensor], torch.Tensor]  # a per-(row, head) absmax -> its maximum over ranks
 _ROW_STEPS: contextvars.ContextVar[Sequence[int] | None] = contextvars.ContextVar("diffusion_row_steps", default=None)
 
 
@@ -70,9 +71,12 @@ class AttentionSite:
     skip_steps: frozenset[int] = frozenset()
     stats: Counter = field(default_factory=Counter)  # rows whose K/V were quantized, per (role, layer)
 
-    def kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv(self, k: torch.Tensor, v: torch.Tensor,
+           reduce_amax: AmaxReduce | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [rows, heads, tokens, dim] as the kernel sees them: FP8 for the rows whose
-        step is not skipped."""
+        step is not skipped. `reduce_amax`: the scales' absmax over every rank's tokens when the
+        tokens are split across ranks (sequence parallelism), so each rank quantizes its tokens
+        exactly as one process quantizes all of them."""
         if not self.quantize:
             return k, v
         steps = _ROW_STEPS.get()
@@ -82,7 +86,7 @@ class AttentionSite:
         if not any(rows):
             return k, v
         self.stats[(self.role, self.layer)] += sum(rows)
-        kq, vq = fp8_per_head(k), fp8_per_head(v)
+        kq, vq = fp8_per_head(k, reduce_amax), fp8_per_head(v, reduce_amax)
         if all(rows):
             return kq, vq
         mask = torch.tensor(rows, device=k.device).view(-1, 1, 1, 1)
@@ -94,10 +98,13 @@ class AttentionSite:
             yield
 
 
-def fp8_per_head(x: torch.Tensor) -> torch.Tensor:
+def fp8_per_head(x: torch.Tensor, reduce_amax: AmaxReduce | None = None) -> torch.Tensor:
     """x [rows, heads, tokens, dim] quantized to float8_e4m3fn with one absmax scale per (row,
     head) and multiplied back, in x's dtype."""
-    scale = (x.abs().amax(dim=(-2, -1), keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+    amax = x.abs().amax(dim=(-2, -1), keepdim=True).float()
+    if reduce_amax is not None:
+        amax = reduce_amax(amax)
+    scale = (amax / FP8_MAX).clamp(min=1e-12)
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return (q.float() * scale).to(x.dtype)
 

@@ -13,10 +13,13 @@ TeaCache compares between steps), `run_blocks` (the expensive part, for a subset
 `finish` (output head); DBCache (diffusion/db_cache.py) runs block ranges (`run_block_range`
 over `blocks_state`, `num_blocks` of them). A diffusion model subclasses `DiffusionModel` (as AR models subclass
 `StageModel` and single-pass ones `GenerationModel`); the engine calls its hooks and never probes
-it. `PreparedRequest` is a protocol: each model keeps its own per-request state.
+it. `PreparedRequest` is a protocol: each model keeps its own per-request state. In a stage of
+several ranks (diffusion/process_group.py) rank 0 alone prepares requests; every rank runs the
+denoiser forwards of its CFG branch (and the decode, patch-parallel) on its own model, which
+splits the work with the groups it was loaded with (`load(..., parallel=...)`).
 
 The runtime calls, in order:
-  model = cls.load(model_path, device=..., dtype=..., dummy=..., ...)   # once (diffusion/cfg_parallel.ModelSpec)
+  model = cls.load(model_path, device=..., dtype=..., dummy=..., ...)   # once (diffusion/process_group.ModelSpec)
   model.describe(), model.video_info()      # once, what the stage reports when it is ready
   prepared = model.prepare(request, params)  # once a request, when it reaches the head of the queue
   batch = model.make_batch(groups)           # each step, rows of requests sharing a batch_key
@@ -87,7 +90,7 @@ class DiffusionModel:
     def load(cls, model_path: str, *, device: torch.device, dtype: torch.dtype, dummy: bool = False,
              **options: Any) -> DiffusionModel:
         """The model on `device`; `dummy`: random weights. `options`: the stage's VAE slicing and
-        tiling, CPU offload and acceleration (diffusion/cfg_parallel.ModelSpec)."""
+        tiling, CPU offload, acceleration, parallel groups and layerwise offload (diffusion/process_group.ModelSpec)."""
         raise NotImplementedError
 
     def prepare(self, request: StageRequest, params: DiffusionSamplingParams) -> PreparedRequest:
@@ -141,7 +144,8 @@ class DiffusionModel:
 
     def decode(self, prepared: Sequence[Any], latents: Sequence[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         """Final latents -> one dict of typed tensors per request ({"image": [n, 3, H, W]} or
-        {"video": [n, frames, 3, H, W]}, floats in [0, 1])."""
+        {"video": [n, frames, 3, H, W]}, floats in [0, 1]).
+        In a patch-parallel decode every decoding rank calls it; only rank 0 gets the outputs."""
         raise NotImplementedError
 
     def describe(self) -> dict[str, Any]:

@@ -3,15 +3,21 @@ device for their calls.
 
 The text encoder and the VAE run once per request, so they visit the device for each call.
 The transformer runs every step and stays; a model with several (Wan2.2 A14B's two experts)
-keeps only the one in use on the device and moves the other out when a step needs it.
+keeps only the one in use on the device and moves the other out when a step needs it (not
+with layerwise offload, where every transformer's blocks but the first wait on the CPU already).
 """
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+
+# Layerwise offload (diffusion/layerwise_offload.py, `enable_layerwise_offload`): called with the
+# blocks a transformer runs, in order, while its weights are still in CPU memory; it keeps their
+# weights there and hooks them. The model moves the rest of the transformer to the device after.
+OffloadBlocks = Callable[[Sequence[torch.nn.Module], torch.device], Any]
 
 
 @contextlib.contextmanager

@@ -20,16 +20,20 @@ from vllm_omni.model_executor.models.qwen_image import FAMILY as QWEN_IMAGE
 from vllm_omni.model_executor.models.wan2_2 import FAMILY as WAN2_2
 
 
-def _llm(name: str, module: str, architecture: str) -> ModelFamily:
-    """A plain decoder LLM: one AR stage, no bundled pipeline, a tiny checkpoint named `name`."""
+def _llm(name: str, module: str, architecture: str, demo: bool = False) -> ModelFamily:
+    """A plain decoder LLM: one AR stage, no bundled pipeline, a tiny checkpoint named `name`
+    (and `<name>_demo`, the embedded text demo, where `demo`)."""
+    tiny = {name: f"vllm_omni.testing.tiny_models:build_tiny_{name}"}
+    if demo:
+        tiny[f"{name}_demo"] = f"vllm_omni.testing.tiny_models:build_demo_{name}"
     return ModelFamily(name=name, architectures=(architecture,), model_types=(name,),
                        single_stage_model=f"vllm_omni.model_executor.models.{module}:{architecture}",
-                       tiny_checkpoints={name: f"vllm_omni.testing.tiny_models:build_tiny_{name}"})
+                       tiny_checkpoints=tiny)
 
 
 FAMILIES: tuple[ModelFamily, ...] = (
     _llm("qwen2", "qwen2", "Qwen2ForCausalLM"),
-    _llm("qwen3", "qwen3", "Qwen3ForCausalLM"),
+    _llm("qwen3", "qwen3", "Qwen3ForCausalLM", demo=True),
     _llm("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM"),
     QWEN2_5_OMNI,
     QWEN3_OMNI,

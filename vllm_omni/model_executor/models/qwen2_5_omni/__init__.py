@@ -34,7 +34,8 @@ FAMILY = ModelFamily(
     input_processor="vllm_omni.multimodal.input_processors:Qwen2_5OmniPromptProcessor",
     pipelines={PipelineVariant.DEFAULT: "qwen2_5_omni", PipelineVariant.SINGLE_DEVICE: "qwen2_5_omni_single_gpu",
                PipelineVariant.TEXT_ONLY: "qwen2_5_omni_thinker_only"},
-    tiny_checkpoints={"qwen2_5_omni": "vllm_omni.testing.tiny_omni:build_tiny_qwen2_5_omni"},
+    tiny_checkpoints={"qwen2_5_omni": "vllm_omni.testing.tiny_omni:build_tiny_qwen2_5_omni",
+                      "qwen2_5_omni_demo": "vllm_omni.testing.tiny_omni:build_demo_qwen2_5_omni"},
 )
 
 _EXPORTS = {

@@ -17,17 +17,20 @@ diffusers block up to float rounding; the GPU suite compares the two.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_omni.model_executor.layers.sequence_parallel import SequenceParallelAttention, SequencePlan
 from vllm_omni.model_executor.models.diffusion_acceleration import fused_gelu_mlp
 from vllm_omni.model_executor.models.diffusion_attention import AttentionSite
 
 Runs = Sequence[tuple[int, int, int]]  # (first row, end row, valid text length) of rows sharing a prompt length
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, AttentionSite | None], torch.Tensor]
 
 
 def real_rope(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,8 +63,8 @@ def _modulate(x: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, torc
     return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1), gate.unsqueeze(1)
 
 
-def joint_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image_tokens: int, text_tokens: int,
-                    runs: Runs, site: AttentionSite | None = None) -> torch.Tensor:
+def joint_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image_tokens: int,
+                    site: AttentionSite | None = None, *, text_tokens: int, runs: Runs) -> torch.Tensor:
     """SDPA over [B, S, H, D] tensors in [image, text] order; each run attends over its valid
     prefix. SDPA takes heads-first views and returns a view of a [B, S, H, D] buffer (its
     layout follows the query's), so no transpose is copied on either side. `site`: the block's
@@ -86,6 +89,25 @@ def _runs_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image_tok
     return out.transpose(1, 2)
 
 
+def sequence_parallel_joint_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, image_tokens: int,
+                                      site: AttentionSite | None = None, *, attention: SequenceParallelAttention,
+                                      plan: SequencePlan, runs: Runs) -> torch.Tensor:
+    """joint_attention with the image tokens split across the sequence-parallel ranks: this rank's
+    `image_tokens` image tokens, then the whole prompt (every rank holds it). The prompt's valid
+    tokens join each run's attention as the wrapper's joint tokens (layers/sequence_parallel.py).
+    A `site`'s FP8 K/V scales take their absmax over every rank's tokens (as one process over all)."""
+    if site is not None:
+        k, v = (x.transpose(1, 2) for x in site.kv(k.transpose(1, 2), v.transpose(1, 2), plan.group.all_max))
+    out = torch.zeros_like(q)
+    with site.kernel(q.device) if site is not None else contextlib.nullcontext():
+        for start, end, length in runs:
+            rows, text = slice(start, end), slice(image_tokens, image_tokens + length)
+            out[rows, :image_tokens], out[rows, text] = attention(
+                q[rows, :image_tokens], k[rows, :image_tokens], v[rows, :image_tokens], plan,
+                joint=(q[rows, text], k[rows, text], v[rows, text]))
+    return out
+
+
 class CompilableBlock(nn.Module):
     def __init__(self, block: Any, compile_fn: Any = None, site: AttentionSite | None = None) -> None:
         super().__init__()
@@ -96,9 +118,11 @@ class CompilableBlock(nn.Module):
         self.after_attention = compile_fn(self._after_attention)
 
     def forward(self, hidden: torch.Tensor, encoder: torch.Tensor, temb: torch.Tensor,
-                rope: tuple[torch.Tensor, ...], runs: Runs) -> tuple[torch.Tensor, torch.Tensor]:
+                rope: tuple[torch.Tensor, ...], attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """`attend(q, k, v, image_tokens, site)`: joint_attention or its sequence-parallel form,
+        bound to the forward's prompt lengths."""
         q, k, v, img_gate1, img_mod2, txt_gate1, txt_mod2 = self.before_attention(hidden, encoder, temb, rope)
-        out = joint_attention(q, k, v, hidden.shape[1], encoder.shape[1], runs, self.site)
+        out = attend(q, k, v, hidden.shape[1], self.site)
         return self.after_attention(out, hidden, encoder, img_gate1, img_mod2, txt_gate1, txt_mod2)
 
     def _before_attention(self, hidden: torch.Tensor, encoder: torch.Tensor, temb: torch.Tensor,

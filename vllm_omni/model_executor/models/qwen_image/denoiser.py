@@ -6,12 +6,15 @@ TeaCache skip the blocks for some rows of a batch and reuse their cached residua
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from vllm_omni.model_executor.models.qwen_image.block import length_runs, real_rope
+from vllm_omni.model_executor.layers.sequence_parallel import SequenceParallelAttention, SequenceParallelGroup
+from vllm_omni.model_executor.models.qwen_image.block import (joint_attention, length_runs, real_rope,
+                                                              sequence_parallel_joint_attention)
 from vllm_omni.model_executor.models.qwen_image.inputs import Embedded, QwenImageBatch
 
 
@@ -35,17 +38,19 @@ def modulated_input(transformer: Any, emb: Embedded) -> torch.Tensor:
     return modulated
 
 
-def run_blocks(blocks: Sequence[Any], emb: Embedded, rows: torch.Tensor | None, compiled: bool) -> torch.Tensor:
+def run_blocks(blocks: Sequence[Any], emb: Embedded, rows: torch.Tensor | None, compiled: bool,
+               sequence: SequenceParallelGroup | None = None) -> torch.Tensor:
     """The transformer blocks' image output over `rows` of the batch (None: all)."""
-    return run_block_range(blocks, emb, rows, compiled)[0]
+    return run_block_range(blocks, emb, rows, compiled, sequence=sequence)[0]
 
 
 def run_block_range(blocks: Sequence[Any], emb: Embedded, rows: torch.Tensor | None, compiled: bool,
-                    state: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
-                    end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    state: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0, end: int | None = None,
+                    sequence: SequenceParallelGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks [start, end) over `rows` of the batch (None: all), from `state` (the image and text
     streams of those rows; None: the block inputs): diffusers' blocks with the padding mask, or
-    our CompilableBlock wrappers (`compiled`), which need no mask. Returns (image, text)."""
+    our CompilableBlock wrappers (`compiled`, and always with sequence parallelism), which need
+    no mask. Returns (image, text), whole on every rank."""
     hidden, encoder, mask, temb, lengths = emb.hidden, emb.encoder, emb.mask, emb.temb, emb.text_lengths
     if rows is not None:
         hidden, encoder, temb = hidden[rows], encoder[rows], temb[rows]
@@ -54,15 +59,26 @@ def run_block_range(blocks: Sequence[Any], emb: Embedded, rows: torch.Tensor | N
     if state is not None:
         hidden, encoder = state
     blocks = blocks[start:end]
-    if compiled:
-        rope, runs = (*real_rope(emb.rope[0]), *real_rope(emb.rope[1])), length_runs(lengths)
+    if not compiled:
         for block in blocks:
-            encoder, hidden = block(hidden, encoder, temb, rope, runs)
+            encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder,
+                                    encoder_hidden_states_mask=mask, temb=temb, image_rotary_emb=emb.rope,
+                                    joint_attention_kwargs={}, modulate_index=None)
         return hidden, encoder
+    image_rope, text_rope = real_rope(emb.rope[0]), real_rope(emb.rope[1])
+    runs = length_runs(lengths)
+    if sequence is None:
+        attend = functools.partial(joint_attention, text_tokens=encoder.shape[1], runs=runs)
+    else:
+        # Each rank runs the blocks on its slice of the image tokens (and its rows of their RoPE
+        # table) with the whole prompt; the blocks' image output is gathered back on every rank.
+        plan = sequence.plan(hidden.shape[1])
+        hidden, image_rope = plan.local(hidden, 1), tuple(plan.local(t, 0) for t in image_rope)
+        attend = functools.partial(sequence_parallel_joint_attention, attention=SequenceParallelAttention(sequence),
+                                   plan=plan, runs=runs)
     for block in blocks:
-        encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, encoder_hidden_states_mask=mask,
-                                temb=temb, image_rotary_emb=emb.rope, joint_attention_kwargs={}, modulate_index=None)
-    return hidden, encoder
+        encoder, hidden = block(hidden, encoder, temb, (*image_rope, *text_rope), attend)
+    return (hidden if sequence is None else plan.gather(hidden, 1)), encoder
 
 
 def finish(transformer: Any, emb: Embedded, hidden: torch.Tensor) -> torch.Tensor:

@@ -11,20 +11,21 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from vllm_omni.model_executor.layers.diffusion_parallel import DiffusionParallelism, gathered, shard_with_hsdp
 from vllm_omni.model_executor.models import diffusion_inputs
 from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
 from vllm_omni.model_executor.models.diffusion_attention import row_steps, rows_steps
 from vllm_omni.model_executor.models.diffusers_folder import set_vae_options
 from vllm_omni.model_executor.models.diffusion_model import DiffusionModel
-from vllm_omni.model_executor.models.diffusion_offload import visiting
-from vllm_omni.model_executor.models.qwen_image import denoiser
+from vllm_omni.model_executor.models.diffusion_offload import OffloadBlocks, visiting
+from vllm_omni.model_executor.models.qwen_image import denoiser, vae_decode
 from vllm_omni.model_executor.models.qwen_image.block import CompilableBlock
 from vllm_omni.model_executor.models.qwen_image.components import QwenImageComponents, load_components
 from vllm_omni.model_executor.models.qwen_image.inputs import (Embedded, PromptEmbeds, QwenImageBatch,
@@ -40,15 +41,21 @@ ROLES = {"joint": "self"}  # attention roles (models/diffusion_attention.py): on
 
 class QwenImageModel(DiffusionModel):
     def __init__(self, components: QwenImageComponents, *, device: torch.device, cpu_offload: bool = False,
-                 acceleration: DenoiserAcceleration = DenoiserAcceleration()) -> None:
+                 acceleration: DenoiserAcceleration = DenoiserAcceleration(),
+                 parallel: DiffusionParallelism = DiffusionParallelism(),
+                 offload_blocks: OffloadBlocks | None = None) -> None:
         from diffusers.image_processor import VaeImageProcessor
 
         denoiser.check_supported(components.transformer)
         self.c = components
         self.device = device
         self.acceleration = acceleration
+        self.parallel = parallel
+        if parallel.sequence is not None:
+            parallel.sequence.check_heads(components.transformer.config.num_attention_heads)
         self.compiled = acceleration.compiles(device)
-        self.own_blocks = acceleration.own_blocks(device)
+        # Sequence parallelism runs our blocks too (compiled or not): their attention is pluggable.
+        self.own_blocks = acceleration.own_blocks(device) or parallel.sequence is not None
         blocks = components.transformer.transformer_blocks
         dtype = components.transformer.dtype
         acceleration.prepare_transformers([blocks], device, dtype)
@@ -59,6 +66,14 @@ class QwenImageModel(DiffusionModel):
             sites = acceleration.attention_sites(ROLES, len(blocks), device, dtype, "Qwen-Image")["joint"]
             compile_fn = acceleration.compile_fn if self.compiled else None
             self.blocks = [CompilableBlock(b, compile_fn, site) for b, site in zip(blocks, sites)]
+        if offload_blocks is not None and parallel.hsdp_mesh is not None:  # config refuses it first (diffusion_accel.py)
+            raise ValueError("enable_layerwise_offload and use_hsdp: HSDP shards the blocks' weights over the ranks, "
+                             "layerwise offload keeps them whole in CPU memory: choose one")
+        if parallel.hsdp_mesh is not None:
+            shard_with_hsdp(self.blocks, parallel.hsdp_mesh)
+        if offload_blocks is not None:
+            offload_blocks(self.blocks, device)
+            components.transformer.to(device)  # the rest of it; the offloaded blocks' views are there already
         # Offload: the text encoder and the VAE wait on the CPU and visit the device for their calls;
         # the transformer, used every step, stays.
         self.offload = cpu_offload and device.type != "cpu"
@@ -66,21 +81,28 @@ class QwenImageModel(DiffusionModel):
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
         self.encoder = PromptEncoder(components.text_encoder, components.tokenizer, components.image_processor)
         if self.offload:
-            components.text_encoder.to("cpu")
-            components.vae.to("cpu")
+            for module in (components.text_encoder, components.vae):  # no text encoder on ranks > 0
+                if module is not None:
+                    module.to("cpu")
 
     @classmethod
     def load(cls, model_path: str | Path, *, device: torch.device, dtype: torch.dtype, dummy: bool = False,
              vae_use_slicing: bool = False, vae_use_tiling: bool = False, cpu_offload: bool = False,
              acceleration: DenoiserAcceleration = DenoiserAcceleration(), boundary_ratio: float | None = None,
-             flow_shift: float | None = None) -> QwenImageModel:
+             flow_shift: float | None = None, parallel: DiffusionParallelism = DiffusionParallelism(),
+             offload_blocks: OffloadBlocks | None = None) -> QwenImageModel:
         for name, value in (("boundary_ratio", boundary_ratio), ("flow_shift", flow_shift)):
             if value is not None:
                 raise ValueError(f"{name}={value}: Qwen-Image has no such setting (video models only: Wan2.2)")
+        # Only rank 0 of a parallel stage prepares requests: the others need no text encoder.
+        # Offloaded: the transformer loads into CPU memory, and only what is not offloaded moves.
+        transformer_device = torch.device("cpu") if offload_blocks is not None else device
         components = load_components(model_path, device=device, dtype=dtype, dummy=dummy,
-                                     quantization=acceleration.quantization)
+                                     quantization=acceleration.quantization, text_encoder=parallel.rank == 0,
+                                     transformer_device=transformer_device)
         set_vae_options(components.vae, vae_use_slicing, vae_use_tiling)
-        return cls(components, device=device, cpu_offload=cpu_offload, acceleration=acceleration)
+        return cls(components, device=device, cpu_offload=cpu_offload, acceleration=acceleration, parallel=parallel,
+                   offload_blocks=offload_blocks)
 
     # --- one request -----------------------------------------------------------------------
     def prepare(self, request: StageRequest, params: DiffusionSamplingParams) -> QwenImageRequest:
@@ -103,6 +125,7 @@ class QwenImageModel(DiffusionModel):
             prompt = self.encoder.encode_text(text, self.device)
             neg = self.encoder.encode_text(negative, self.device) if negative is not None else None
         latents = self._noise(params.num_outputs_per_prompt, height, width, prompt.embeds.dtype, generator)
+        self._check_sequence(latents.shape[1])
         sigmas, timesteps = self._schedule(params.num_inference_steps, latents.shape[1])
         shapes = ((1, height // self.vae_scale_factor // 2, width // self.vae_scale_factor // 2),)
         return QwenImageRequest((height, width, None), latents, sigmas, timesteps, prompt, neg, params.true_cfg_scale,
@@ -130,11 +153,17 @@ class QwenImageModel(DiffusionModel):
         packed_image = QwenImagePipeline._pack_latents(image_latents, n, image_latents.shape[1],
                                                        *image_latents.shape[3:])
         latents = self._noise(n, height, width, prompt.embeds.dtype, generator)
+        self._check_sequence(latents.shape[1] + packed_image.shape[1])
         sigmas, timesteps = self._schedule(params.num_inference_steps, latents.shape[1])
         f = self.vae_scale_factor * 2
         shapes = ((1, height // f, width // f), (1, cond_height // f, cond_width // f))
         return QwenImageRequest((height, width, (cond_height, cond_width)), latents, sigmas, timesteps, prompt, neg,
                                 params.true_cfg_scale, height, width, shapes, image_latents=packed_image)
+
+    def _check_sequence(self, image_tokens: int) -> None:
+        """Sequence parallelism: a length its mode cannot split fails this request (ValueError)."""
+        if self.parallel.sequence is not None:
+            self.parallel.sequence.check_length(image_tokens)
 
     def _noise(self, n: int, height: int, width: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
         from diffusers import QwenImagePipeline
@@ -197,7 +226,8 @@ class QwenImageModel(DiffusionModel):
         return denoiser.embed(self.c.transformer, batch)
 
     def modulated_input(self, emb: Embedded) -> torch.Tensor:
-        return denoiser.modulated_input(self.c.transformer, emb)
+        with gathered(self.blocks[0]):  # HSDP: the first block's modulation weights, gathered
+            return denoiser.modulated_input(self.c.transformer, emb)
 
     def block_input(self, emb: Embedded) -> torch.Tensor:
         return emb.hidden
@@ -216,7 +246,8 @@ class QwenImageModel(DiffusionModel):
         steps = rows_steps(emb.steps, rows) if self.acceleration.attention.active else None
         kernels = contextlib.nullcontext() if self.own_blocks else self.acceleration.attention_context(self.device)
         with kernels, row_steps(steps):
-            return denoiser.run_block_range(self.blocks, emb, rows, self.own_blocks, state, start, end)
+            return denoiser.run_block_range(self.blocks, emb, rows, self.own_blocks, state, start, end,
+                                            self.parallel.sequence)
 
     def finish(self, emb: Embedded, hidden: torch.Tensor) -> torch.Tensor:
         return denoiser.finish(self.c.transformer, emb, hidden)
@@ -243,8 +274,10 @@ class QwenImageModel(DiffusionModel):
             packed = packed.to(vae.device, vae.dtype)
             mean, std = self._latent_stats(packed)
             # The pipeline divides by 1 / std (not the same rounding as multiplying by std).
-            images = vae.decode(packed / (1.0 / std) + mean, return_dict=False)[0][:, :, 0]
-        images = self.image_processor.postprocess(images, output_type="pt").float().cpu()
+            images = vae_decode.decode(vae, packed / (1.0 / std) + mean, self.parallel.vae)
+        if images is None:  # another rank of a patch-parallel decode: rank 0 has the images
+            return []
+        images = self.image_processor.postprocess(images[:, :, 0], output_type="pt").float().cpu()
         sizes = [lat.shape[0] for lat in latents]
         return [{"image": part} for part in torch.split(images, sizes)]
 

@@ -13,11 +13,16 @@ cross-attention to the prompt), which run eagerly on the stage's attention kerne
 - The MLP's tanh GELU in the first GEMM's epilogue (diffusion_acceleration.fused_gelu_mlp).
 - A TI2V-5B batch's per-token modulation is per latent frame (denoiser.embed, `per_frame`):
   the hidden states are viewed [rows, frames, tokens per frame, dim] against [rows, frames, 1, dim].
+- The self-attention is pluggable (`attend`): with sequence parallelism a rank runs the block on
+  its slice of the video tokens and `sequence_parallel_self_attention` attends over all of them;
+  the cross-attention's queries are the rank's own tokens and its keys the whole prompt.
 
 The result equals the diffusers block up to float rounding; the GPU suite compares the two.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,7 +30,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_omni.model_executor.models.diffusion_acceleration import fused_gelu_mlp
+from vllm_omni.model_executor.layers.sequence_parallel import SequenceParallelAttention, SequencePlan
 from vllm_omni.model_executor.models.diffusion_attention import AttentionSite
+
+SelfAttend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionSite | None], torch.Tensor]
 
 
 def real_rope(rotary: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,6 +62,19 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, site: Attentio
     return out.transpose(1, 2).flatten(2, 3).type_as(q)
 
 
+def sequence_parallel_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                     site: AttentionSite | None = None, *, attention: SequenceParallelAttention,
+                                     plan: SequencePlan) -> torch.Tensor:
+    """_attention over the video tokens split across the sequence-parallel ranks: this rank's
+    queries, keys and values in, its tokens' output out ([B, S_local, H * D]). A `site`'s FP8 K/V
+    scales take their absmax over every rank's tokens (as one process over all of them)."""
+    if site is not None:
+        k, v = (x.transpose(1, 2) for x in site.kv(k.transpose(1, 2), v.transpose(1, 2), plan.group.all_max))
+    with site.kernel(q.device) if site is not None else contextlib.nullcontext():
+        out = attention(q, k, v, plan)
+    return out.flatten(2, 3).type_as(q)
+
+
 def _modulation(block: Any, proj: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The six [rows, T, 1, dim] float32 modulations of diffusers' block from [rows, T, 6, dim]."""
     return (block.scale_shift_table.unsqueeze(0) + proj.float()).chunk(6, dim=2)
@@ -70,10 +91,11 @@ class CompilableWanBlock(nn.Module):
         self.after_cross_attention = compile_fn(self._after_cross_attention)
 
     def forward(self, hidden: torch.Tensor, encoder: torch.Tensor, proj: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """hidden [rows, tokens, dim]; proj [rows, T, 6, dim] with T dividing tokens (1 or frames)."""
+                rope: tuple[torch.Tensor, torch.Tensor], attend: SelfAttend = _attention) -> torch.Tensor:
+        """hidden [rows, tokens, dim]; proj [rows, T, 6, dim] with T dividing tokens (1, frames, or
+        a rank's tokens); `attend`: the self-attention, _attention or its sequence-parallel form."""
         q, k, v = self.before_self_attention(hidden, proj, *rope)
-        hidden, q, k, v = self.before_cross_attention(_attention(q, k, v, self.self_site), hidden, encoder, proj)
+        hidden, q, k, v = self.before_cross_attention(attend(q, k, v, self.self_site), hidden, encoder, proj)
         return self.after_cross_attention(_attention(q, k, v, self.cross_site), hidden, proj)
 
     def _before_self_attention(self, hidden: torch.Tensor, proj: torch.Tensor, cos: torch.Tensor,

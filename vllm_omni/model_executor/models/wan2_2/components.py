@@ -27,7 +27,7 @@ class WanComponents:
     pipeline_class: str
     transformers: tuple[Any, ...]  # diffusers WanTransformer3DModel: (transformer[, transformer_2])
     vae: Any  # diffusers AutoencoderKLWan
-    text_encoder: Any  # transformers UMT5EncoderModel
+    text_encoder: Any  # transformers UMT5EncoderModel (None: not loaded, see load_components)
     tokenizer: Any
     scheduler: Any  # the folder's scheduler (flow_shift applied); each request schedules a copy
     boundary_ratio: float | None  # two experts: the switch point, as a fraction of num_train_timesteps
@@ -50,7 +50,11 @@ class WanComponents:
 
 def load_components(model_dir: str | Path, *, device: torch.device, dtype: torch.dtype, dummy: bool = False,
                     boundary_ratio: float | None = None, flow_shift: float | None = None,
-                    quantization: Any = None) -> WanComponents:
+                    quantization: Any = None, text_encoder: bool = True,
+                    transformer_device: torch.device | None = None) -> WanComponents:
+    """`text_encoder=False`: a rank of a parallel stage that never encodes a prompt (rank 0
+    prepares every request) leaves out the text encoder (UMT5-XXL in the released models).
+    `transformer_device`: where the transformers load (default: `device`; layerwise offload: the CPU)."""
     model_dir = Path(model_dir)
     index = read_index(model_dir, PIPELINES, "Wan")
     names = ["transformer", "transformer_2"] if _present(index, "transformer_2") else ["transformer"]
@@ -59,12 +63,14 @@ def load_components(model_dir: str | Path, *, device: torch.device, dtype: torch
     if quantization is not None and quantization.method == "gguf" and len(names) == 2:
         raise ValueError(f"{model_dir}: a GGUF file holds one transformer and this Wan2.2 model has two (A14B's "
                          "experts); GGUF runs Wan2.2 TI2V-5B")
-    load = {name: load_component(model_dir, name, index[name], device, dtype, dummy, quantization)
-            for name in (*names, "vae", "text_encoder")}
+    load = {name: load_component(model_dir, name, index[name], transformer_device or device, dtype, dummy, quantization)
+            for name in names}
+    load.update({name: load_component(model_dir, name, index[name], device, dtype, dummy, quantization)
+                 for name in ("vae", *(("text_encoder",) if text_encoder else ()))})
     tokenizer = component_class(index["tokenizer"]).from_pretrained(model_dir / "tokenizer")
     scheduler = load_scheduler(model_dir, index["scheduler"], **_shift(index["scheduler"][1], flow_shift))
     components = WanComponents(index["_class_name"], tuple(load[n] for n in names), load["vae"],
-                               load["text_encoder"], tokenizer, scheduler, boundary,
+                               load.get("text_encoder"), tokenizer, scheduler, boundary,
                                bool(index.get("expand_timesteps", False)))
     _check_supported(components)
     return components

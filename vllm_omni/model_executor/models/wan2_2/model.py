@@ -19,12 +19,13 @@ from typing import Any
 
 import torch
 
+from vllm_omni.model_executor.layers.diffusion_parallel import DiffusionParallelism, shard_with_hsdp
 from vllm_omni.model_executor.models import diffusion_inputs
 from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
 from vllm_omni.model_executor.models.diffusion_attention import row_steps, rows_steps
 from vllm_omni.model_executor.models.diffusers_folder import set_vae_options
 from vllm_omni.model_executor.models.diffusion_model import DiffusionModel
-from vllm_omni.model_executor.models.diffusion_offload import Experts, visiting
+from vllm_omni.model_executor.models.diffusion_offload import Experts, OffloadBlocks, visiting
 from vllm_omni.model_executor.models.diffusion_solvers import solver_for
 from vllm_omni.model_executor.models.wan2_2 import denoiser
 from vllm_omni.model_executor.models.wan2_2.block import CompilableWanBlock
@@ -44,30 +45,44 @@ ROLES = {"self": "self", "cross": "cross"}  # attention roles (models/diffusion_
 
 class WanModel(DiffusionModel):
     def __init__(self, components: WanComponents, *, device: torch.device, cpu_offload: bool = False,
-                 acceleration: DenoiserAcceleration = DenoiserAcceleration()) -> None:
+                 acceleration: DenoiserAcceleration = DenoiserAcceleration(),
+                 parallel: DiffusionParallelism = DiffusionParallelism(),
+                 offload_blocks: OffloadBlocks | None = None) -> None:
         from diffusers.video_processor import VideoProcessor
 
         self.c = components
         self.device = device
         self.acceleration = acceleration
+        self.parallel = parallel
         self.compiled = acceleration.compiles(device)
-        # Offload: the text encoder, the VAE and the expert not in use wait on the CPU.
+        # Offload: the text encoder, the VAE and the expert not in use wait on the CPU (with layerwise
+        # offload the experts' blocks are there already: they stay put).
         self.offload = cpu_offload and device.type != "cpu"
-        self.experts = Experts(components.transformers, device, self.offload)
-        self.own_blocks = acceleration.own_blocks(device)
+        _check_parallel(parallel, components, self.offload, layerwise=offload_blocks is not None)
+        self.experts = Experts(components.transformers, device, self.offload and offload_blocks is None)
+        # Sequence parallelism runs our blocks too (compiled or not): their self-attention is pluggable.
+        self.own_blocks = acceleration.own_blocks(device) or parallel.sequence is not None
         dtype = components.transformers[0].dtype
         acceleration.prepare_transformers([t.blocks for t in components.transformers], device, dtype)
         # Our blocks: one wrapper per block, compiled all running the same compiled code (regional
         # compilation), each with its self- and cross-attention sites (models/diffusion_attention.py).
         self.blocks = [self._own_blocks(t.blocks, dtype) if self.own_blocks else t.blocks
                        for t in components.transformers]
+        if parallel.hsdp_mesh is not None:
+            for blocks in self.blocks:
+                shard_with_hsdp(blocks, parallel.hsdp_mesh)
+        if offload_blocks is not None:  # each expert its own ring (diffusion/layerwise_offload.py)
+            for transformer, blocks in zip(components.transformers, self.blocks):
+                offload_blocks(blocks, device)
+                transformer.to(device)  # the rest of it; the offloaded blocks' views are there already
         vae = components.vae.config
         self.temporal, self.spatial = vae.scale_factor_temporal, vae.scale_factor_spatial
         self.video_processor = VideoProcessor(vae_scale_factor=self.spatial)
         self.encoder = PromptEncoder(components.text_encoder, components.tokenizer)
         if self.offload:
-            components.text_encoder.to("cpu")
-            components.vae.to("cpu")
+            for module in (components.text_encoder, components.vae):  # no text encoder on ranks > 0
+                if module is not None:
+                    module.to("cpu")
 
     def _own_blocks(self, blocks: Any, dtype: torch.dtype) -> list[CompilableWanBlock]:
         sites = self.acceleration.attention_sites(ROLES, len(blocks), self.device, dtype, "Wan2.2")
@@ -78,12 +93,18 @@ class WanModel(DiffusionModel):
     def load(cls, model_path: str | Path, *, device: torch.device, dtype: torch.dtype, dummy: bool = False,
              vae_use_slicing: bool = False, vae_use_tiling: bool = False, cpu_offload: bool = False,
              acceleration: DenoiserAcceleration = DenoiserAcceleration(), boundary_ratio: float | None = None,
-             flow_shift: float | None = None) -> WanModel:
+             flow_shift: float | None = None, parallel: DiffusionParallelism = DiffusionParallelism(),
+             offload_blocks: OffloadBlocks | None = None) -> WanModel:
+        # Only rank 0 of a parallel stage prepares requests: the others need no text encoder.
+        # Offloaded: the transformers load into CPU memory, and only what is not offloaded moves.
+        transformer_device = torch.device("cpu") if offload_blocks is not None else device
         components = load_components(model_path, device=device, dtype=dtype, dummy=dummy,
                                      boundary_ratio=boundary_ratio, flow_shift=flow_shift,
-                                     quantization=acceleration.quantization)
+                                     quantization=acceleration.quantization, text_encoder=parallel.rank == 0,
+                                     transformer_device=transformer_device)
         set_vae_options(components.vae, vae_use_slicing, vae_use_tiling)
-        return cls(components, device=device, cpu_offload=cpu_offload, acceleration=acceleration)
+        return cls(components, device=device, cpu_offload=cpu_offload, acceleration=acceleration, parallel=parallel,
+                   offload_blocks=offload_blocks)
 
     @property
     def fps(self) -> int:
@@ -115,6 +136,7 @@ class WanModel(DiffusionModel):
             neg = self.encoder.encode(negative or "", self.device).to(dtype) if guidance > 1.0 else None
         n = params.num_outputs_per_prompt
         latents = self._noise(n, frames, height, width, generator)
+        self._check_sequence(latents)
         condition = None
         if image is not None:
             with visiting(self.c.vae, self.device, self.offload):
@@ -142,6 +164,12 @@ class WanModel(DiffusionModel):
         if (frames - 1) % self.temporal:
             raise ValueError(f"num_frames={frames} is invalid: must be {self.temporal}k + 1 (e.g. 81)")
         return height, width, frames
+
+    def _check_sequence(self, latents: torch.Tensor) -> None:
+        """Sequence parallelism: a length its mode cannot split fails this request (ValueError)."""
+        if self.parallel.sequence is not None:
+            _, p_h, p_w = self.c.transformers[0].config.patch_size
+            self.parallel.sequence.check_length(latents.shape[2] * (latents.shape[3] // p_h) * (latents.shape[4] // p_w))
 
     def _noise(self, n: int, frames: int, height: int, width: int, generator: torch.Generator) -> torch.Tensor:
         from diffusers.utils.torch_utils import randn_tensor
@@ -209,7 +237,7 @@ class WanModel(DiffusionModel):
         kernels = contextlib.nullcontext() if self.own_blocks else self.acceleration.attention_context(self.device)
         with kernels, row_steps(steps):
             hidden = denoiser.run_block_range(self.blocks[emb.expert], emb, rows, self.own_blocks,
-                                              None if state is None else state[0], start, end)
+                                              None if state is None else state[0], start, end, self.parallel.sequence)
         return hidden, None
 
     def finish(self, emb: Embedded, hidden: torch.Tensor) -> torch.Tensor:
@@ -251,3 +279,22 @@ class WanModel(DiffusionModel):
         return VideoInfo(fps=self.fps, frame_step=self.temporal, size_multiple=self.size_multiple,
                          default_size=f"{DEFAULT_WIDTH}x{DEFAULT_HEIGHT}",
                          image_input="required" if self.c.needs_image else "optional" if self.c.takes_image else "none")
+
+
+def _check_parallel(parallel: DiffusionParallelism, components: WanComponents, offload: bool,
+                    layerwise: bool = False) -> None:
+    """What of the stage's parallelism Wan2.2 runs: sequence parallelism and HSDP; ValueError
+    with the reason for the rest."""
+    if parallel.vae is not None:
+        raise ValueError("vae_patch_parallel_size > 1 is not implemented for Wan2.2: its VAE decodes a video frame "
+                         "by frame through a causal time cache; the patch-parallel decode splits Qwen-Image's "
+                         "single frame")
+    if parallel.hsdp_mesh is not None and offload:
+        raise ValueError("use_hsdp with enable_cpu_offload: Wan2.2's offload moves the expert not in use to the CPU, "
+                         "and HSDP's sharded weights stay on their devices; choose one")
+    if parallel.hsdp_mesh is not None and layerwise:  # config refuses it first (diffusion_accel.py)
+        raise ValueError("enable_layerwise_offload and use_hsdp: HSDP shards the blocks' weights over the ranks, "
+                         "layerwise offload keeps them whole in CPU memory: choose one")
+    if parallel.sequence is not None:
+        for transformer in components.transformers:
+            parallel.sequence.check_heads(transformer.config.num_attention_heads)
