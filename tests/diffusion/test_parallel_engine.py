@@ -75,7 +75,7 @@ def test_ulysses_with_hsdp_tea_cache_and_vae_patches_from_a_stage_config(qwen_im
     one = run_engine(make_engine(cache=single_cache), cases)
     engine = GPUDiffusionWorker(stage, str(qwen_image_dir), device="cpu").build_engine()
     try:
-        assert engine.describe()["parallel"]["world_size"] == 2
+        assert engine.describe().details["parallel"]["world_size"] == 2
         block = engine.model.blocks[0].block.attn.to_q.weight
         assert type(block).__name__ == "DTensor" and block.to_local().shape[0] == block.shape[0] // 2
         many = run_engine(engine, cases)
