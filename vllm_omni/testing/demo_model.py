@@ -101,7 +101,7 @@ def demo_words(tokenizer) -> dict[int, str]:
 def shape_demo_weights(model, tokenizer) -> None:
     """The edits of the module docstring, on a freshly built (random) model."""
     with torch.no_grad():
-        _words_only(model.thinker.model.language_model, model.thinker.lm_head.weight, tokenizer)
+        _words_only(_thinker_lm(model), model.thinker.lm_head.weight, tokenizer)
         _one_code_per_word(model, tokenizer)
         _distinct_voices(model, tokenizer)
         _codes_drive_the_sound(model.token2wav.code2wav_dit_model)
@@ -112,6 +112,12 @@ def write_demo_deploy(out_dir: Path) -> None:
     from vllm_omni.config.checkpoint_deploy import CHECKPOINT_DEPLOY_FILE
 
     (out_dir / CHECKPOINT_DEPLOY_FILE).write_text(DEMO_DEPLOY)
+
+
+def _thinker_lm(model):
+    # transformers >= 5.2x nests the thinker's text model as thinker.model.language_model;
+    # 5.17 (the GPU machine's) has it as thinker.model itself.
+    return getattr(model.thinker.model, "language_model", model.thinker.model)
 
 
 def _keep_coordinate(layers, coordinate: int) -> None:
@@ -138,7 +144,7 @@ def _words_only(lm, head, tokenizer) -> None:
 
 
 def _one_code_per_word(model, tokenizer) -> None:
-    thinker, talker = model.thinker.model.language_model, model.talker
+    thinker, talker = _thinker_lm(model), model.talker
     # Only the <tts_pad> embedding has the pad coordinate; the thinker's final norm zeroes it in
     # the hidden states it hands the talker, and codec embeddings (in the thinker's width) lack it.
     thinker.embed_tokens.weight[:, _THINKER_PAD] = 0.0
@@ -172,7 +178,7 @@ def _distinct_voices(model, tokenizer) -> None:
     # distance.
     from vllm_omni.testing.tiny_omni import SPEAKER_BOS_TOKENS
 
-    thinker, talker = model.thinker.model.language_model, model.talker
+    thinker, talker = _thinker_lm(model), model.talker
     embed = thinker.embed_tokens.weight
     embed[:, _THINKER_VOICE] = 0.0
     for token in SPEAKER_BOS_TOKENS.values():
