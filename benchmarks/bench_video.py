@@ -141,7 +141,6 @@ def bench_model(spec: Spec, args: argparse.Namespace, device: torch.device) -> d
 def bench_video(model: Any, pipe: Any, params: dict[str, Any], steps: int, device: torch.device) -> dict[str, Any]:
     from vllm_omni.diffusion.engine import DiffusionEngine
     from vllm_omni.sampling_params import DiffusionSamplingParams
-    from vllm_omni.stage_io import StageRequest
 
     video_params = DiffusionSamplingParams(**params, num_inference_steps=steps)
     with torch.inference_mode():  # the VAE's first decode of this shape, outside the timings

@@ -350,7 +350,6 @@ class Orchestrator:
     def _stream(self, state: RequestState, edge: StreamingEdge, delta: StageOutput) -> bool:
         """One upstream delta over a streaming edge: start the downstream request, or send a chunk."""
         flow = state.flows.setdefault(edge.dst, EdgeFlow())
-        stage = self.stages[edge.dst]
         try:
             if not flow.started:
                 inp = edge.bridge.start(state.output(edge.src), state.prompt)
