@@ -70,3 +70,14 @@ def test_an_edit_needs_an_image(make_engine, edit_model):
     out = run_engine(make_engine(edit_model), [Case("none", "make it red", params=dict(height=32, width=32,
                                                                                         num_inference_steps=2))])
     assert "Qwen-Image-Edit edits an image: the request has none" in out["none"].error
+
+
+def test_an_edit_prompt_past_the_rotary_positions_fails_with_the_reason(make_engine, edit_model):
+    # An edit prompt is not truncated: past the transformer's 4096 rotary positions (less the
+    # image's) diffusers would fail inside a step; ours names the limit before any step runs.
+    long_prompt = "make it red " * 1400
+    ok = Case("ok", "make it red", image=random_image(32, 32), params=dict(num_inference_steps=2, seed=0))
+    long = Case("long", long_prompt, image=random_image(32, 32), params=dict(num_inference_steps=2, seed=0))
+    out = run_engine(make_engine(edit_model), [ok, long])
+    assert "text-encoder tokens with its image; this model places at most" in out["long"].error
+    assert out["ok"].error is None

@@ -185,11 +185,14 @@ def _encode(image: torch.Tensor, fmt: str) -> str:
 
 def _client_error(exc: BaseException) -> APIError | None:
     """Failures that are the client's, found past the edge: an edit whose size (derived from its
-    image) is over the limit, an image that cannot be decoded, an image for a model that takes
-    none (or none for an edit model). They name the parameter."""
+    image) is over the limit, an edit prompt too long for the model's positions, an image that
+    cannot be decoded, an image for a model that takes none (or none for an edit model). They
+    name the parameter."""
     message = str(exc)
     if "max_generated_image_size" in message:
         return APIError(400, message, param="size")
+    if "text-encoder tokens" in message:
+        return APIError(400, message, param="prompt")
     if any(m in message for m in ("cannot decode image", "image must be", "takes no input image", "edits an image",
                                   "--max-image-pixels")):
         return APIError(400, message, param="image")

@@ -157,8 +157,21 @@ class QwenImageModel(DiffusionModel):
         sigmas, timesteps = self._schedule(params.num_inference_steps, latents.shape[1])
         f = self.vae_scale_factor * 2
         shapes = ((1, height // f, width // f), (1, cond_height // f, cond_width // f))
+        self._check_text_positions(shapes, prompt, neg)
         return QwenImageRequest((height, width, (cond_height, cond_width)), latents, sigmas, timesteps, prompt, neg,
                                 params.true_cfg_scale, height, width, shapes, image_latents=packed_image)
+
+    def _check_text_positions(self, shapes: tuple[tuple[int, int, int], ...], *prompts: PromptEmbeds | None) -> None:
+        """An edit prompt is not truncated (its image's tokens are part of it), and the transformer's
+        rotary table has a fixed number of positions, the text's after the image's: a longer prompt
+        fails this request with the reason (a 400), not inside a step."""
+        rope = self.c.transformer.pos_embed
+        first = max(max(h // 2, w // 2) if rope.scale_rope else max(h, w) for _, h, w in shapes)
+        most = rope.pos_freqs.shape[0] - first
+        longest = max(p.length for p in prompts if p is not None)
+        if longest > most:
+            raise ValueError(f"the prompt is {longest} text-encoder tokens with its image; this model places at "
+                             f"most {most} at this size: shorten the prompt")
 
     def _check_sequence(self, image_tokens: int) -> None:
         """Sequence parallelism: a length its mode cannot split fails this request (ValueError)."""
