@@ -17,7 +17,8 @@ def test_bench_replicas_smoke(omni_dir, tmp_path):
     spec.loader.exec_module(bench)
     out = tmp_path / "bench.json"
     result = bench.main(["--model", str(omni_dir), "--other-stages-in-threads", "--num-requests", "4",
-                         "--concurrency", "2", "--codec-tokens", "8", "--policies", "least-queue-length", "--json", str(out)])
+                         "--concurrency", "2", "--codec-tokens", "8", "--policies", "least-queue-length",
+                         "--json", str(out)])
     assert json.loads(out.read_text()) == result
     throughput = result["throughput"]
     assert throughput["one_replica"]["routed_per_replica"] == [4]
