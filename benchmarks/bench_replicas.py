@@ -41,6 +41,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slow-step-s", type=float, default=0.05, help="the slowed replica's sleep per engine step")
     p.add_argument("--policies", default=",".join(LB_POLICIES), help="comma-separated --omni-lb-policy values")
     p.add_argument("--json", default="bench_replicas.json")
+    p.add_argument("--other-stages-in-threads", action="store_true",
+                   help="run the thinker and code2wav as threads (runtime.process: false), the talker "
+                        "replicas alone as processes: what the test suite's smoke run uses")
     return p.parse_args(argv)
 
 
@@ -49,7 +52,7 @@ def params(args: argparse.Namespace) -> list[dict[str, Any]]:
             {"temperature": 0.0, "max_tokens": args.codec_tokens, "ignore_eos": True}, {"seed": 0}]
 
 
-def talker_overrides(replicas: int, slow_step_s: float | None = None) -> dict[str, Any]:
+def talker_overrides(args: argparse.Namespace, replicas: int, slow_step_s: float | None = None) -> dict[str, Any]:
     # The bundled config puts the talker on device 1; two replicas list two devices (spec 002
     # pool mode; on the CPU they are only names).
     talker: dict[str, Any] = {"max_num_seqs": 32}
@@ -58,7 +61,8 @@ def talker_overrides(replicas: int, slow_step_s: float | None = None) -> dict[st
     if slow_step_s is not None:
         talker.update(worker_cls=SLOW_WORKER,
                       env={"VLLM_OMNI_SLOW_REPLICAS": "1", "VLLM_OMNI_SLOW_STEP_S": str(slow_step_s)})
-    return {TALKER: talker}
+    others = {"0": {"process": False}, "2": {"process": False}} if args.other_stages_in_threads else {}
+    return {**others, TALKER: talker}
 
 
 async def _load(omni: Any, args: argparse.Namespace) -> tuple[list[float], float]:
@@ -104,9 +108,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             from vllm_omni.testing.tiny_models import make_tiny_model
 
             model = str(make_tiny_model("qwen2_5_omni", Path(tmp) / "tiny-omni"))
-        one = run(model, args, talker_overrides(1), "round-robin")
-        two = run(model, args, talker_overrides(2), "round-robin")
-        slowed = [run(model, args, talker_overrides(2, args.slow_step_s), policy)
+        one = run(model, args, talker_overrides(args, 1), "round-robin")
+        two = run(model, args, talker_overrides(args, 2), "round-robin")
+        slowed = [run(model, args, talker_overrides(args, 2, args.slow_step_s), policy)
                   for policy in args.policies.split(",")]
     result = {"machine": platform.platform(), "args": vars(args),
               "throughput": {"one_replica": one, "two_replicas": two,

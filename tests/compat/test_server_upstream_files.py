@@ -2,7 +2,9 @@
 shapes and clients: its Qwen3-TTS deploy file (subtalker settings, connector extras, streaming
 into code2wav) with its speech client's request and `vllm bench serve` on the speech backend,
 and its Qwen3-Omni async-chunk stage config (chunk options on the thinker -> talker connector)
-with its curl example's body, thinker max_tokens 16384 included (the context bounds it)."""
+with its curl example's body, thinker max_tokens 16384 included (the context bounds it).
+The stages run as threads of the server (--stage-overrides process: false): what is checked
+here is the files and requests, not stage processes."""
 from __future__ import annotations
 
 import io
@@ -16,6 +18,7 @@ import pytest
 import soundfile as sf
 
 from tests.compat.test_upstream_files import UPSTREAM
+from tests.conftest import in_threads
 from tests.server.conftest import ServerProcess
 
 TTS_NAME = "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice"  # what upstream's client asks for
@@ -31,7 +34,8 @@ def tts_server(tiny_model, tmp_path_factory):
     proc = ServerProcess.launch([str(tiny_model("qwen3_tts", task_type="CustomVoice")), "--omni",
                                  "--deploy-config", str(UPSTREAM / "vllm_omni/deploy/qwen3_tts.yaml"),
                                  "--served-model-name", TTS_NAME,
-                                 "--stage-overrides", '{"0": {"default_sampling_params": {"max_tokens": 16}}}'],
+                                 "--stage-overrides",
+                                 json.dumps(in_threads(2, {"0": {"default_sampling_params": {"max_tokens": 16}}}))],
                                 log, entry="vllm")
     try:
         yield proc.wait_ready()
@@ -68,7 +72,7 @@ def test_vllm_bench_serve_on_the_speech_backend(tts_server, tmp_path):
 def omni_server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("upstream-omni") / "server.log"
     # Short contexts so that upstream's max_tokens run to them fast on a CPU.
-    overrides = {"0": {"max_model_len": THINKER_CONTEXT}, "1": {"max_model_len": 640}}
+    overrides = in_threads(3, {"0": {"max_model_len": THINKER_CONTEXT}, "1": {"max_model_len": 640}})
     proc = ServerProcess.launch([str(tiny_model("qwen3_omni_moe")), "--omni", "--stage-configs-path",
                                  str(UPSTREAM / "vllm_omni/model_executor/stage_configs/qwen3_omni_moe_async_chunk.yaml"),
                                  "--served-model-name", OMNI_NAME, "--stage-overrides", json.dumps(overrides)],

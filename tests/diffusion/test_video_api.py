@@ -3,6 +3,7 @@ video), with the `openai` client: create, poll, download (decoded with PyAV and 
 diffusers' video through the same encoder), list, delete, and the errors (400, 404, 409)."""
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import openai
 import pytest
 from PIL import Image
 
+from tests.conftest import in_threads
 from tests.diffusion.conftest import MP4_SAME_VIDEO_LEVELS, WanCase, decode_mp4, mp4_levels_from, random_image
 from tests.pipeline.conftest import wait_until
 from tests.server.conftest import ServerProcess
@@ -29,9 +31,10 @@ def store_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(wan_dir, store_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("video-server")
+    # The diffusion stage runs as a thread of the server: nothing here is about stage processes.
     srv = ServerProcess.launch([str(wan_dir("ti2v")), "--served-model-name", NAME, "--video-store-dir",
-                                str(store_dir), "--default-sampling-params", '{"0": {"num_inference_steps": 2}}'],
-                               tmp / "stdout.log")
+                                str(store_dir), "--default-sampling-params", '{"0": {"num_inference_steps": 2}}',
+                                "--stage-overrides", json.dumps(in_threads(1))], tmp / "stdout.log")
     try:
         yield srv.wait_ready()
     finally:

@@ -1,7 +1,8 @@
 """The stage-process profiler of the GPU benchmarks (engine/step_profiler.py), on the CPU: the
 named stage alone writes its profile after the asked steps (or when it stops first), with a
-timeline of its steps, and the outputs are unchanged. The first test runs stage processes (they
-inherit the variables); the timeline-only ones run the same stage loop as threads."""
+timeline of its steps, and the outputs are unchanged. The first test runs the profiled talker as
+a stage process (it inherits the variables; the thinker and code2wav, threads that read the same
+variables, must not profile); the timeline-only ones run the same stage loop as threads."""
 from __future__ import annotations
 
 from tests.conftest import in_threads
@@ -16,8 +17,8 @@ def test_a_named_stage_writes_its_profile(omni_dir, omni25, tmp_path, monkeypatc
     reference = by_request(omni25.generate(prompts, params, use_tqdm=False))  # the package's pipeline, unprofiled
     for name, value in {envs.PROFILE_DIR.name: str(tmp_path), envs.PROFILE_STAGES.name: "1",
                         envs.PROFILE_SKIP.name: "2", envs.PROFILE_STEPS.name: "5"}.items():
-        monkeypatch.setenv(name, value)  # the stage processes inherit them
-    with Omni(model=str(omni_dir)) as omni:
+        monkeypatch.setenv(name, value)  # the talker's process inherits them
+    with Omni(model=str(omni_dir), stage_overrides={"0": {"process": False}, "2": {"process": False}}) as omni:
         profiled = by_request(omni.generate(prompts, params, use_tqdm=False))
     assert [p.name for p in tmp_path.iterdir()] == ["stage1-profile.txt"]  # the talker alone
     text = (tmp_path / "stage1-profile.txt").read_text()

@@ -236,11 +236,13 @@ def test_ctrl_c_stops_a_headless_stage_and_then_the_head(cluster):
 
 def test_a_headless_stage_exits_when_its_head_dies(model, tmp_path):
     """A head killed outright (no Shutdown sent): its headless stage stops hearing from it and exits
-    with a log line, within the heartbeat timeout. (This head never gets its stage 1.)"""
+    with a log line, within the heartbeat timeout. (This head never gets its stage 1; its stage 0
+    runs as a thread of the head: what dies here is the head's process.)"""
     port = free_port()
-    stage2 = Headless(model, 2, port, tmp_path / "stage2.log")
+    overrides = ("--stage-overrides", json.dumps(in_threads(1, OVERRIDES)))  # the same on both sides
+    stage2 = Headless(model, 2, port, tmp_path / "stage2.log", *overrides)
     head = ServerProcess.launch(head_args(model, port, "--stage-id", "0", "--omni-heartbeat-timeout",
-                                          str(HEARTBEAT_TIMEOUT_S)), tmp_path / "head.log")
+                                          str(HEARTBEAT_TIMEOUT_S), *overrides), tmp_path / "head.log")
     try:
         assert wait_until(lambda: "stage 2 (code2wav) replica 0 is UP" in head.log_path.read_text()
                           or stage2.proc.poll() is not None, READY_S, interval_s=0.2), head.log_tail()

@@ -24,10 +24,12 @@ LONG = [SamplingParams(temperature=0.0, max_tokens=1900, ignore_eos=True), None,
 
 
 def test_killed_stage_fails_its_requests_and_the_rest_stays_up(toy_pipeline):
-    # Without restarts (tests/reliability covers them): the stage stays down.
+    # Without restarts (tests/reliability covers them): the stage stays down. The thinker (killed)
+    # and the talker (which close() must stop) are processes; code2wav is a thread.
     omni = AsyncOmni(model=str(toy_pipeline.thinker), stage_configs_path=str(toy_pipeline.long_yaml),
-                     max_stage_restarts=0)
-    pids = [h.pid for h in omni.stage_health()]
+                     max_stage_restarts=0, stage_overrides={"2": {"process": False}})
+    pids = [h.pid for h in omni.stage_health()][:2]
+    assert os.getpid() not in pids
     try:
         async def run():
             tasks = [asyncio.create_task(_drain(omni, {"prompt_token_ids": [7, 8, i]}, LONG)) for i in range(3)]

@@ -13,6 +13,7 @@ import threading
 import httpx
 import pytest
 
+from tests.conftest import in_threads
 from tests.pipeline.conftest import pid_alive, wait_until
 from tests.reliability.conftest import NAME, OVERRIDES, launch
 
@@ -24,13 +25,25 @@ LONG_SPEECH = [None, {"max_tokens": LONG_CODES, "ignore_eos": True}, None]
 OVERRIDES_LONG = {**OVERRIDES, "1": {**OVERRIDES["1"], "max_tokens_limit": LONG_CODES}}
 
 
-@pytest.fixture
-def server(fault_model, tmp_path):
-    proc = launch(tmp_path, fault_model, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), overrides=OVERRIDES_LONG)
+def _launch(fault_model, tmp_path, overrides: dict):
+    proc = launch(tmp_path, fault_model, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), overrides=overrides)
     try:
         yield proc.wait_ready()
     finally:
         proc.stop()
+
+
+@pytest.fixture
+def server(fault_model, tmp_path):
+    """Real stage processes: the SIGTERM test checks that none outlives the server."""
+    yield from _launch(fault_model, tmp_path, OVERRIDES_LONG)
+
+
+@pytest.fixture
+def threaded_server(fault_model, tmp_path):
+    """The stages as threads of the server: the second Ctrl-C is the server's own signal handling
+    (the first test covers the stage processes' shutdown), and one process starts in seconds."""
+    yield from _launch(fault_model, tmp_path, in_threads(3, OVERRIDES_LONG))
 
 
 def _post(url: str, body: dict, out: dict, key: str, started: threading.Event) -> None:
@@ -108,7 +121,8 @@ def test_sigterm_under_load_answers_everyone_and_leaves_nothing(server):
     assert "Traceback" not in log and "ending 2 request(s) still in flight" in log
 
 
-def test_a_second_ctrl_c_ends_the_wait_and_exits_cleanly(server):
+def test_a_second_ctrl_c_ends_the_wait_and_exits_cleanly(threaded_server):
+    server = threaded_server
     talk = [{"role": "user", "content": "Tell me everything."}]
     out: dict[str, tuple] = {}
     started = threading.Event()

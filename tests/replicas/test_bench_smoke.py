@@ -1,5 +1,7 @@
 """benchmarks/bench_replicas.py runs on the CPU with the tiny Qwen2.5-Omni; its numbers are not
-checked here (docs/benchmarks.md records them), only that each configuration runs and routes."""
+checked here (docs/benchmarks.md records them), only that each configuration runs and routes.
+The talker replicas, which the benchmark is about, run as processes; the thinker and code2wav
+as threads (the benchmark's --other-stages-in-threads), on the session's tiny checkpoint."""
 from __future__ import annotations
 
 import importlib.util
@@ -9,13 +11,14 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_replicas.py"
 
 
-def test_bench_replicas_smoke(tmp_path):
+def test_bench_replicas_smoke(omni_dir, tmp_path):
     spec = importlib.util.spec_from_file_location("bench_replicas", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "bench.json"
-    result = bench.main(["--num-requests", "4", "--concurrency", "2", "--codec-tokens", "8",
-                         "--policies", "least-queue-length", "--json", str(out)])
+    result = bench.main(["--model", str(omni_dir), "--other-stages-in-threads", "--num-requests", "4",
+                         "--concurrency", "2", "--codec-tokens", "8", "--policies", "least-queue-length",
+                         "--json", str(out)])
     assert json.loads(out.read_text()) == result
     throughput = result["throughput"]
     assert throughput["one_replica"]["routed_per_replica"] == [4]

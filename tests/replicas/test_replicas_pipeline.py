@@ -2,7 +2,8 @@
 models run by hand (so equal to one replica, greedy), both replicas serve, a replica killed
 while it holds requests hands them to the other (nothing of them had reached the caller: the
 talker answers only when done) and comes back, and a frozen replica misses its heartbeat, is
-marked down, gets no new work, and is restarted."""
+marked down, gets no new work, and is restarted. The talker replicas, which the tests kill and
+freeze, are processes; stages 0 and 2 run as threads."""
 from __future__ import annotations
 
 import os
@@ -23,7 +24,8 @@ TALKER = 1
 def omni(toy_pipeline):
     # Long talker outputs (the long config has room for them) keep requests in a replica long
     # enough to kill it while it holds some.
-    overrides = {str(TALKER): {"num_replicas": 2, "default_sampling_params": {"max_tokens": 120}}}
+    talker = {"num_replicas": 2, "default_sampling_params": {"max_tokens": 120}}
+    overrides = {"0": {"process": False}, str(TALKER): talker, "2": {"process": False}}
     with Omni(model=str(toy_pipeline.thinker), stage_configs_path=str(toy_pipeline.long_yaml),
               stage_overrides=overrides, lb_policy="round-robin", heartbeat_timeout=2.0) as omni:
         yield omni

@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from tests.conftest import in_threads
 from tests.pipeline.conftest import pid_alive, wait_until
 from tests.server.under_load import assert_each_ended, post_until
 from tests.reliability.conftest import NAME, OVERRIDES, Server, launch, stop_cleanly
@@ -25,8 +26,10 @@ SPEECH = {"model": NAME, "messages": [{"role": "user", "content": "Say it again.
 @pytest.fixture(scope="module")
 def server(fault_model, tmp_path_factory):
     # The bundled config puts the talker on device 1: two replicas need two devices (spec 002
-    # pool mode; on this CPU machine they are only names).
-    overrides = {**OVERRIDES, "1": {**OVERRIDES["1"], "num_replicas": 2, "devices": "1,2"}}
+    # pool mode; on this CPU machine they are only names). The talker replicas, which these
+    # tests kill, are processes; the thinker and code2wav run as threads of the server.
+    talker = {**OVERRIDES["1"], "num_replicas": 2, "devices": "1,2"}
+    overrides = {**in_threads(1, OVERRIDES), "1": talker, "2": {"process": False}}
     proc = launch(tmp_path_factory.mktemp("replicas-server"), fault_model, "--omni-lb-policy", "round-robin",
                   overrides=overrides)
     try:

@@ -10,12 +10,14 @@ import json
 import httpx
 import pytest
 
+from tests.conftest import in_threads
 from tests.server.conftest import ServerProcess
 
 FRAMES = 60  # ~5 s of speech: the first stream still plays while the second request comes
-OVERRIDES = json.dumps({"0": {"max_num_seqs": 4, "default_sampling_params": {"max_tokens": FRAMES,
-                                                                             "min_tokens": FRAMES}},
-                        "1": {"max_num_seqs": 4}})
+# Both stages run as threads of the server: admission is the server's, not the stage processes'.
+OVERRIDES = json.dumps(in_threads(2, {"0": {"max_num_seqs": 4, "default_sampling_params": {"max_tokens": FRAMES,
+                                                                                           "min_tokens": FRAMES}},
+                                      "1": {"max_num_seqs": 4}}))
 
 
 @pytest.fixture(scope="module")

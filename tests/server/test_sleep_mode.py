@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import in_threads
 from tests.server.conftest import ServerProcess
 from vllm_omni.entrypoints.cli.serve import DEMO_SERVED_NAME
 
@@ -23,8 +24,11 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sleep-server")
     # The thinker's cap (the demo's max_tokens_limit 256) raised: one request runs long enough to
     # be in flight when /sleep comes (test_sleep_is_refused_while_a_request_runs).
-    overrides = '{"0": {"max_tokens_limit": 3000}, "1": {"default_sampling_params": {"max_tokens": 24}}}'
-    srv = ServerProcess.launch(["--enable-sleep-mode", "--enable-ar-profiler", "--stage-overrides", overrides],
+    # The stages run as threads of the server (the same stage loop, messages and heartbeats as a
+    # stage process): nothing here is about stage processes.
+    overrides = in_threads(3, {"0": {"max_tokens_limit": 3000}, "1": {"default_sampling_params": {"max_tokens": 24}}})
+    srv = ServerProcess.launch(["--enable-sleep-mode", "--enable-ar-profiler",
+                                "--stage-overrides", json.dumps(overrides)],
                                tmp / "server.log")
     try:
         yield srv.wait_ready()

@@ -160,8 +160,9 @@ def test_voice_design(tiny_model, tmp_path_factory):
     from tests.models.test_qwen3_tts import REFERENCE, fixture
 
     case = next(c for c in fixture_cases("VoiceDesign") if c["name"] == "described_voice")
-    greedy = json.dumps({"0": {"max_num_seqs": 8, "default_sampling_params": {"max_tokens": 15, "temperature": 0.0}},
-                         "1": {"max_num_seqs": 8}})
+    greedy = json.dumps(in_threads(2, {"0": {"max_num_seqs": 8, "default_sampling_params": {"max_tokens": 15,
+                                                                                           "temperature": 0.0}},
+                                       "1": {"max_num_seqs": 8}}))
     server = ServerProcess.launch([str(tiny_model("qwen3_tts", task_type="VoiceDesign")), "--stage-overrides", greedy,
                                    "--voices-dir", str(tmp_path_factory.mktemp("designed"))],
                                   tmp_path_factory.mktemp("vd-server") / "server.log").wait_ready()

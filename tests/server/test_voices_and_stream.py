@@ -35,12 +35,15 @@ import pytest
 import soundfile as sf
 import websockets
 
+from tests.conftest import in_threads
 from tests.server.conftest import REPO, ServerProcess
 
 KEY = "voices-key"
 FRAMES = 40  # codec frames per utterance at most (greedy, EOS seldom comes first with these weights)
-OVERRIDES = json.dumps({"0": {"max_num_seqs": 4, "default_sampling_params": {"max_tokens": FRAMES, "temperature": 0.0}},
-                        "1": {"max_num_seqs": 4}})
+# Both stages run as threads of the server (nothing here is about stage processes).
+OVERRIDES = json.dumps(in_threads(2, {
+    "0": {"max_num_seqs": 4, "default_sampling_params": {"max_tokens": FRAMES, "temperature": 0.0}},
+    "1": {"max_num_seqs": 4}}))
 MAX_VOICE_BYTES = 120_000
 MAX_VOICE_AUDIO_S = 3
 MAX_VOICES = 5
