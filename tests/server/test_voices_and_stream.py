@@ -407,3 +407,83 @@ def test_a_voice_made_before_the_server_started_is_served(client):
     assert client.http.get("/v1/audio/voices/dora").json()["mode"] == "in_context"
     inline = client.speak(ref_audio=base64.b64encode(wav_bytes(1.5, pitch=190.0)).decode(), ref_text=REF_TEXT)
     assert client.speak(voice="dora") == inline
+
+
+# ------------------------------------------------------------------ the socket in upstream vLLM-Omni's dialect
+
+async def upstream_session(server: ServerProcess, messages: list[dict]) -> list[dict | bytes]:
+    """Send upstream's messages (session.config first), then read every frame (JSON or binary)
+    until the server closes."""
+    frames: list[dict | bytes] = []
+    async with websockets.connect(ws_url(server), additional_headers={"Authorization": f"Bearer {KEY}"},
+                                  max_size=None) as ws:
+        for message in messages:
+            await ws.send(json.dumps(message))
+        async for frame in ws:
+            frames.append(frame if isinstance(frame, bytes) else json.loads(frame))
+    return frames
+
+
+def test_upstream_clients_speak_on_the_same_socket(client):
+    """Upstream's client messages (session.config, input.text, input.done, session.close) get
+    upstream's answers (audio.start, binary audio, audio.done, session.done per input.done), from
+    the same session engine: the streamed PCM is the speech of the whole text at once, and a
+    non-streamed utterance comes as one WAV file."""
+    text, second = "".join(PHRASES), "See you soon."
+    messages = [{"type": "session.config", "model": "tts", "voice": "dora", "response_format": "pcm",
+                 "stream_audio": True},
+                *({"type": "input.text", "text": w} for w in words(text)), {"type": "input.done"},
+                {"type": "session.config", "voice": "dora", "split_granularity": "sentence"},  # wav, one file
+                {"type": "input.text", "text": second}, {"type": "input.done"},
+                {"type": "input.done"},  # nothing to say: answered at once
+                {"type": "session.close"}]
+    frames = asyncio.run(upstream_session(client.server, messages))
+    assert frames[0]["type"] == "session.created"  # ours, sent before the client chose its dialect
+    shape = [f["type"] if isinstance(f, dict) else "bytes" for f in frames[1:]]
+    first_end = shape.index("audio.done")
+    assert shape[0] == "audio.start" and set(shape[1:first_end]) == {"bytes"}
+    assert shape[first_end:] == ["audio.done", "session.done", "audio.start", "bytes", "audio.done", "session.done",
+                                 "session.done"]
+    json_frames = [f for f in frames[1:] if isinstance(f, dict)]
+    assert json_frames[0] == {"type": "audio.start", "utterance_index": 0, "sentence_index": 0,
+                              "sentence_text": json_frames[0]["sentence_text"], "format": "pcm",
+                              "sample_rate": 24000, "channels": 1}
+    assert text.startswith(json_frames[0]["sentence_text"])
+    assert json_frames[1:] == [
+        {"type": "audio.done", "utterance_index": 0, "sentence_index": 0},
+        {"type": "session.done", "utterance_index": 0, "total_sentences": 1},
+        {"type": "audio.start", "utterance_index": 1, "sentence_index": 0, "sentence_text": second, "format": "wav"},
+        {"type": "audio.done", "utterance_index": 1, "sentence_index": 0},
+        {"type": "session.done", "utterance_index": 1, "total_sentences": 1},
+        {"type": "session.done", "utterance_index": 2, "total_sentences": 0}]
+    streamed = b"".join(frames[2:first_end + 1])
+    assert streamed == client.speak(text, voice="dora", non_streaming_mode=False)
+    wave, rate = sf.read(io.BytesIO(frames[first_end + 4]), dtype="int16")
+    expected = np.frombuffer(client.speak(second, voice="dora", non_streaming_mode=False), dtype="<i2")
+    assert rate == 24000 and wave.shape == expected.shape and np.abs(wave.astype(int) - expected).max() <= 1
+
+
+def test_upstream_fields_are_refused_by_name_and_the_caps_hold(client):
+    async def go():
+        headers = {"Authorization": f"Bearer {KEY}"}
+        answers = []
+        for config in ({"ref_audio": "data:audio/wav;base64,AAAA", "ref_text": "hi"}, {"speed": 1.5},
+                       {"response_format": "mp3", "stream_audio": True}, {"word_timestamps": True}):
+            async with websockets.connect(ws_url(client.server), additional_headers=headers) as ws:
+                await ws.recv()
+                await ws.send(json.dumps({"type": "session.config", **config}))
+                answers.append(json.loads(await ws.recv()))
+        async with websockets.connect(ws_url(client.server), additional_headers=headers) as ws:
+            await ws.recv()
+            await ws.send(json.dumps({"type": "session.config", "voice": "dora"}))
+            await ws.send(json.dumps({"type": "input.text", "text": "x" * MAX_FRAME_BYTES}))
+            big = json.loads(await ws.recv())
+            await ws.wait_closed()
+            return answers, big, ws.close_code
+
+    answers, big, close_code = asyncio.run(go())
+    assert all(a["type"] == "error" and set(a) >= {"message", "code"} for a in answers)
+    assert "'ref_audio'" in answers[0]["message"] and "POST /v1/audio/voices" in answers[0]["message"]
+    assert answers[1]["param"] == "speed" and answers[2]["param"] == "response_format"
+    assert "'word_timestamps'" in answers[3]["message"]
+    assert (big["code"], close_code) == ("message_too_big", 1009)
