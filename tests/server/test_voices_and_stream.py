@@ -135,9 +135,10 @@ def test_a_voice_is_made_listed_used_and_deleted(client):
     wav = wav_bytes(1.2)
     made = client.make("alice", wav, ref_text=REF_TEXT)
     assert made.status_code == 200, made.text
-    assert made.json() | {"created_at": 0} == {"id": "alice", "object": "audio.voice", "name": "alice", "kind": "cloned",
-                                                "created_at": 0, "ref_text": REF_TEXT, "audio_seconds": 1.2,
-                                                "mode": "in_context"}
+    ours = {k: v for k, v in made.json().items() if k not in ("success", "voice")}  # (upstream's: at the end)
+    assert ours | {"created_at": 0} == {"id": "alice", "object": "audio.voice", "name": "alice", "kind": "cloned",
+                                        "created_at": 0, "ref_text": REF_TEXT, "audio_seconds": 1.2,
+                                        "mode": "in_context", "mime_type": "audio/wav", "file_size": len(wav)}
     assert client.make("bob", wav, x_vector_only_mode="true").json()["mode"] == "x_vector_only"
     listed = client.http.get("/v1/audio/voices").json()
     assert listed["voices"] == ["alice", "bob", "dora"] and listed["task_type"] == "Base"
@@ -151,7 +152,8 @@ def test_a_voice_is_made_listed_used_and_deleted(client):
     assert client.speak(voice="bob") == inline_xvector != inline
 
     deleted = client.http.delete("/v1/audio/voices/bob")
-    assert deleted.json() == {"id": "bob", "object": "audio.voice.deleted", "deleted": True}
+    assert deleted.json() == {"id": "bob", "object": "audio.voice.deleted", "deleted": True, "success": True,
+                              "message": "Voice 'bob' deleted successfully"}
     assert client.http.get("/v1/audio/voices/bob").status_code == 404
     with pytest.raises(openai.BadRequestError, match=r"unknown voice 'bob'; stored voices: \['alice', 'dora'\]"):
         client.speak(voice="bob")
@@ -487,3 +489,38 @@ def test_upstream_fields_are_refused_by_name_and_the_caps_hold(client):
     assert answers[1]["param"] == "speed" and answers[2]["param"] == "response_format"
     assert "'word_timestamps'" in answers[3]["message"]
     assert (big["code"], close_code) == ("message_too_big", 1009)
+
+
+# ------------------------------------------------------------------ /v1/audio/voices as upstream's clients use it
+
+def test_upstream_voice_fields_are_stored_listed_and_answered_in_upstreams_shape(client, tts):
+    """Upstream's upload (audio_sample, consent, name, ref_text, speaker_description) answers
+    {"success": true, "voice": {...}} beside our voice object; GET lists `uploaded_voices`;
+    DELETE answers `success`; the fields outlive the process (read back from the folder)."""
+    from vllm_omni.entrypoints.openai.tts_limits import VoiceLimits
+    from vllm_omni.entrypoints.openai.voices_store import VoiceStore
+    from vllm_omni.model_executor.models.qwen3_tts.voice_encoder import voice_fingerprint
+
+    audio = wav_bytes(1.2, pitch=170.0)
+    made = client.make("upstreamer", audio, consent="consent-rec-42", ref_text=REF_TEXT,
+                       speaker_description="a calm low voice")
+    assert made.status_code == 200, made.text
+    body = made.json()
+    upstream = {"name": "upstreamer", "consent": "consent-rec-42", "created_at": body["created_at"],
+                "file_size": len(audio), "mime_type": "audio/wav", "ref_text": REF_TEXT,
+                "speaker_description": "a calm low voice"}
+    assert body["success"] is True and body["voice"] == upstream
+    assert body["object"] == "audio.voice" and body["kind"] == "cloned" and body["consent"] == "consent-rec-42"
+    listed = client.http.get("/v1/audio/voices").json()
+    assert upstream in listed["uploaded_voices"] and "upstreamer" in listed["voices"]
+    assert client.http.get("/v1/audio/voices/upstreamer").json()["speaker_description"] == "a calm low voice"
+    ckpt = tts["ckpt"]
+    reread = VoiceStore.open(VoiceLimits(tts["tmp"] / "voices"), voice_fingerprint(ckpt), str(ckpt)).get("upstreamer")
+    assert reread.upstream() == upstream
+    too_long = client.make("upstreamer2", audio, consent="c" * 300, ref_text=REF_TEXT)
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "consent"
+    embedding = client.http.post("/v1/audio/voices", data={"name": "emb", "consent": "c",
+                                                           "speaker_embedding": "[0.1, 0.2]"})
+    assert embedding.status_code == 400 and "'speaker_embedding'" in error_of(embedding)
+    deleted = client.http.delete("/v1/audio/voices/upstreamer").json()
+    assert deleted["success"] is True and deleted["deleted"] is True and "upstreamer" in deleted["message"]

@@ -1,11 +1,15 @@
 """/v1/audio/voices: the served model's preset voices and the voices clients make.
 
-    GET    /v1/audio/voices          {"voices": [names], "task_type": ..., "data": [voice objects]}
+    GET    /v1/audio/voices          {"voices": [names], "task_type": ..., "data": [voice objects],
+                                      "uploaded_voices": [upstream's entries of the stored voices]}
     POST   /v1/audio/voices          multipart: name, audio_sample (file), ref_text   -> voice object
                                      (x_vector_only_mode: true: no ref_text, the speaker row alone)
                                      VoiceDesign: name, instructions (a described voice, kept by name)
+                                     either: consent, speaker_description (upstream's: stored, listed)
+                                     -> + "success": true, "voice": upstream's entry
     GET    /v1/audio/voices/{name}   voice object; 404 unknown, 409 made for another checkpoint
-    DELETE /v1/audio/voices/{name}   {"id", "object": "audio.voice.deleted", "deleted": true}
+    DELETE /v1/audio/voices/{name}   {"id", "object": "audio.voice.deleted", "deleted": true, "success": true,
+                                      "message"}
 
 A voice object: {"id", "object": "audio.voice", "name", "kind": "preset" | "cloned" | "designed",
 "created_at", ...}; `voices` keeps the names (presets first), as before this store existed.
@@ -17,6 +21,7 @@ tensors. The uploaded audio is decoded under the media limits (`decode_sample`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
@@ -31,8 +36,10 @@ from vllm_omni.model_executor.models.family import SpeechModel, VoiceCloning
 
 logger = logging.getLogger(__name__)
 
-_FIELDS = {"name", "audio_sample", "ref_text", "instructions", "x_vector_only_mode"}
+_FIELDS = {"name", "audio_sample", "ref_text", "instructions", "x_vector_only_mode", "consent",
+           "speaker_description"}
 _MAX_TEXT_FIELD = 64 * 1024
+MAX_CONSENT_CHARS = 256  # upstream's consent: the id of a consent recording
 
 
 def decode_sample(cloning: VoiceCloning, data: bytes, max_seconds: float) -> Any:
@@ -110,7 +117,8 @@ class VoicesService:
         stored = self.store.list() if self.store is not None else []
         data = [{"id": p, "object": "audio.voice", "name": p, "kind": "preset"} for p in self.presets]
         data += [v.wire() for v in stored]
-        out: dict[str, Any] = {"voices": [*self.presets, *(v.name for v in stored)], "data": data}
+        out: dict[str, Any] = {"voices": [*self.presets, *(v.name for v in stored)], "data": data,
+                               "uploaded_voices": [v.upstream() for v in stored]}
         if self.task_type is not None:
             out["task_type"] = self.task_type
         return out
@@ -170,20 +178,32 @@ class VoicesService:
         if name is None:
             raise APIError(400, "'name' is required", param="name")
         self._check(lambda: self.store.check_new(name, self.presets))
+        labels = self._labels(form)
         if not self.clones:
             voice = self._designed(name, form)
         else:
             voice = await self._cloned(name, form)
+        voice = dataclasses.replace(voice, **labels)
         self._check(lambda: self.store.add(voice, self.presets))
         logger.info("voices: made %s voice %r", voice.kind, voice.name)
-        return voice.wire()
+        return {**voice.wire(), "success": True, "voice": voice.upstream()}
+
+    def _labels(self, form: FormData) -> dict[str, str | None]:
+        """Upstream's `consent` and `speaker_description`: kept with the voice and listed."""
+        labels = {"consent": _text(form, "consent"), "speaker_description": _text(form, "speaker_description")}
+        limits = {"consent": MAX_CONSENT_CHARS, "speaker_description": self.max_instructions_length}
+        for key, value in labels.items():
+            if value is not None and len(value) > limits[key]:
+                raise APIError(400, f"{key} is {len(value)} characters; the limit is {limits[key]}", param=key)
+        return labels
 
     def delete(self, name: str) -> dict[str, Any]:
         if self._preset(name) is not None:
             raise APIError(400, f"{name!r} is a preset voice of this model; only stored voices can be deleted")
         voice = self._stored(name)
         self._check(lambda: self.store.delete(voice.name))
-        return {"id": voice.name, "object": "audio.voice.deleted", "deleted": True}
+        return {"id": voice.name, "object": "audio.voice.deleted", "deleted": True, "success": True,
+                "message": f"Voice '{voice.name}' deleted successfully"}
 
     @staticmethod
     def _check(action: Any) -> Any:
@@ -238,7 +258,8 @@ class VoicesService:
                 raise APIError(400, f"cannot use the voice sample: {e}", param="audio_sample") from None
             cloned = await asyncio.to_thread(self._encode, wave, ref_text)
         return StoredVoice(name, "cloned", self.store.fingerprint, model=self.model_path,
-                           audio_seconds=round(wave.shape[0] / self.cloning.sample_rate, 3), cloned=cloned)
+                           audio_seconds=round(wave.shape[0] / self.cloning.sample_rate, 3), cloned=cloned,
+                           mime_type=upload.content_type or "application/octet-stream", file_size=len(data))
 
     def _encode(self, wave: Any, ref_text: str | None) -> Any:
         if self._encoder is None:  # loaded once, at the first voice (its weights: a few hundred MB on CPU)
