@@ -524,3 +524,24 @@ def test_upstream_voice_fields_are_stored_listed_and_answered_in_upstreams_shape
     assert embedding.status_code == 400 and "'speaker_embedding'" in error_of(embedding)
     deleted = client.http.delete("/v1/audio/voices/upstreamer").json()
     assert deleted["success"] is True and deleted["deleted"] is True and "upstreamer" in deleted["message"]
+
+
+# ------------------------------------------------------------------ the sample goes through the media gate
+
+def lying_flac() -> bytes:
+    """15 minutes of FLAC silence (~20 kB) whose STREAMINFO declares 1 s, behind an ID3 tag:
+    libsndfile refuses it, FFmpeg decodes all of it whatever the header says."""
+    from tests.multimodal.media_files import flac_bomb
+
+    flac = bytearray(flac_bomb(0.25))
+    info = int.from_bytes(flac[18:26], "big") & ~((1 << 36) - 1) | 8000  # total samples: 1 s at 8 kHz
+    flac[18:26] = info.to_bytes(8, "big")
+    return b"ID3\x04\x00\x00\x00\x00\x00\x00" + bytes(flac)
+
+
+def test_a_sample_decoding_past_the_cap_stops_at_the_voice_cap(client):
+    """The decoder stops at --max-voice-audio-s (the media gate's limit while decoding), not at the
+    server-wide --max-audio-duration, whatever duration the file declares."""
+    made = client.make("bomb", lying_flac(), ref_text=REF_TEXT)
+    assert made.status_code == 400
+    assert f"longer than {MAX_VOICE_AUDIO_S} s" in error_of(made) and "--max-voice-audio-s" in error_of(made)

@@ -174,7 +174,7 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes
     abilities = model_abilities(ctx)
     tts = speech_model(ctx.model_path)  # None: the served model does not speak text
     voices = VoicesService(ctx.model_path, tts, list(tts.voices if tts else abilities.voices),
-                           voice_limits or VoiceLimits(), tts_max_instructions_length)
+                           voice_limits or VoiceLimits(), tts_max_instructions_length, ctx.media)
     voices.open()  # the folder's voices into memory (a Base checkpoint: its encoders' fingerprint first)
     speech = SpeechService(ctx, tts, voices, tts_max_instructions_length)
 

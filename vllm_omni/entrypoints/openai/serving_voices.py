@@ -16,7 +16,7 @@ A voice object: {"id", "object": "audio.voice", "name", "kind": "preset" | "clon
 What the checkpoint's stored voices are made from its family says (SpeechModel.voices_from). A
 cloned voice is encoded once when it is made (the family's VoiceCloning, in this process, one at
 a time) and stored (voices_store.py); speaking with it (`speech_options`) hands the talker its
-tensors. The uploaded audio is decoded under the media limits (`decode_sample`).
+tensors. The uploaded audio is decoded through the media gate (`decode_sample`).
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from vllm_omni.entrypoints.openai.tts_limits import VoiceLimits
 from vllm_omni.entrypoints.openai.voices_store import DESIGNED_FINGERPRINT, StoredVoice, VoiceError, VoiceStore
 from vllm_omni.imports import import_dotted
 from vllm_omni.model_executor.models.family import SpeechModel, VoiceCloning
+from vllm_omni.multimodal.media_policy import MediaPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -42,46 +43,25 @@ _MAX_TEXT_FIELD = 64 * 1024
 MAX_CONSENT_CHARS = 256  # upstream's consent: the id of a consent recording
 
 
-def decode_sample(cloning: VoiceCloning, data: bytes, max_seconds: float) -> Any:
+def decode_sample(cloning: VoiceCloning, data: bytes, max_seconds: float, policy: MediaPolicy | None = None) -> Any:
     """An uploaded voice sample -> [N] float32 at the family's rate, as its input processor decodes
-    an inline ref_audio (so a stored voice speaks as the same file given inline). MediaError:
-    undecodable or too long. The one place a voice sample is decoded (the media gate's spot):
-    the duration its header declares is checked before decoding, the decoded one after."""
-    from vllm_omni.multimodal.media import MediaError
-
-    seconds = _declared_seconds(data)
-    if seconds is None or seconds <= max_seconds:
-        wave = cloning.load_sample(data)
-        seconds = wave.shape[0] / cloning.sample_rate
-        if seconds <= max_seconds:
-            return wave
-    raise MediaError(f"the voice sample is {seconds:.1f} s long; the limit is {max_seconds:g} s "
-                     "(--max-voice-audio-s)")
-
-
-def _declared_seconds(data: bytes) -> float | None:
-    """The duration a file's header declares (None: it declares none, or is not audio)."""
-    import io
-
-    import av
-    import soundfile as sf
-
-    try:
-        return sf.info(io.BytesIO(data)).duration
-    except Exception:  # noqa: BLE001 - not a libsndfile format: ask FFmpeg
-        pass
-    try:
-        with av.open(io.BytesIO(data)) as container:
-            return container.duration / 1e6 if container.duration else None
-    except Exception:  # noqa: BLE001 - undecodable: load_reference_audio says why
-        return None
+    an inline ref_audio (so a stored voice speaks as the same file given inline), through the
+    media gate under the server's decode limits (`policy`) with the voice's duration cap: the
+    decoder stops there, whatever the file's header declares. MediaError: undecodable or too long."""
+    policy = policy or MediaPolicy()
+    limits = dataclasses.replace(policy.limits, max_audio_s=min(policy.limits.max_audio_s, max_seconds),
+                                 max_audio_s_flag="--max-voice-audio-s" if max_seconds < policy.limits.max_audio_s
+                                 else policy.limits.max_audio_s_flag)
+    return cloning.load_sample(data, dataclasses.replace(policy, limits=limits))
 
 
 class VoicesService:
     def __init__(self, model_path: str, speech: SpeechModel | None, presets: list[str], limits: VoiceLimits,
-                 max_instructions_length: int) -> None:
-        """speech: what the TTS checkpoint says of itself (None: not a TTS model); presets: its named voices."""
+                 max_instructions_length: int, media: MediaPolicy | None = None) -> None:
+        """speech: what the TTS checkpoint says of itself (None: not a TTS model); presets: its named
+        voices; media: the server's media policy (its decode limits)."""
         self.model_path = model_path
+        self.media = media or MediaPolicy()
         self.task_type = speech.task_type if speech is not None else None
         self.voices_from = speech.voices_from if speech is not None else None
         self.cloning: VoiceCloning | None = None
@@ -253,7 +233,8 @@ class VoicesService:
                                 "(--max-voice-bytes)", param="audio_sample")
         async with self._encoding:
             try:
-                wave = await asyncio.to_thread(decode_sample, self.cloning, data, self.limits.max_audio_s)
+                wave = await asyncio.to_thread(decode_sample, self.cloning, data, self.limits.max_audio_s,
+                                               self.media)
             except MediaError as e:
                 raise APIError(400, f"cannot use the voice sample: {e}", param="audio_sample") from None
             cloned = await asyncio.to_thread(self._encode, wave, ref_text)
