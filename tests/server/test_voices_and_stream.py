@@ -46,6 +46,8 @@ MAX_VOICE_AUDIO_S = 3
 MAX_VOICES = 5
 MAX_TEXT_CHARS = 2000
 MAX_FRAME_BYTES = 4096
+MAX_BATCH_ITEMS = 3
+LSB_SLACK = 4  # PCM16 steps between a batched item and the same request alone (float rounding only)
 IDLE_S = 4  # --realtime-idle-timeout-s (the socket shares the realtime session limits)
 REF_TEXT = "Hello there."
 SPF = 1920  # samples per codec frame
@@ -92,7 +94,8 @@ def launch(ckpt: Path, voices: Path, log: Path) -> ServerProcess:
         str(ckpt), "--served-model-name", "tts", "--api-key", KEY, "--stage-overrides", OVERRIDES,
         "--voices-dir", str(voices), "--max-voices", str(MAX_VOICES), "--max-voice-bytes", str(MAX_VOICE_BYTES),
         "--max-voice-audio-s", str(MAX_VOICE_AUDIO_S), "--speech-stream-max-text-chars", str(MAX_TEXT_CHARS),
-        "--speech-stream-max-frame-bytes", str(MAX_FRAME_BYTES), "--realtime-idle-timeout-s", str(IDLE_S)],
+        "--speech-stream-max-frame-bytes", str(MAX_FRAME_BYTES), "--realtime-idle-timeout-s", str(IDLE_S),
+        "--speech-batch-max-items", str(MAX_BATCH_ITEMS)],
         log).wait_ready()
 
 
@@ -545,3 +548,38 @@ def test_a_sample_decoding_past_the_cap_stops_at_the_voice_cap(client):
     made = client.make("bomb", lying_flac(), ref_text=REF_TEXT)
     assert made.status_code == 400
     assert f"longer than {MAX_VOICE_AUDIO_S} s" in error_of(made) and "--max-voice-audio-s" in error_of(made)
+
+
+# ------------------------------------------------------------------ POST /v1/audio/speech/batch (upstream's route)
+
+def test_a_batch_speaks_each_item_as_its_own_request_with_per_item_errors(client):
+    """Batch fields are each item's defaults (an item's own win); each result is the file its
+    single request gives; a failing item is its own result; the item cap is a flag."""
+    items = [{"input": PHRASES[0]}, {"input": "Nobody speaks.", "voice": "nobody"},
+             {"input": PHRASES[1], "response_format": "pcm"}]
+    answer = client.http.post("/v1/audio/speech/batch", json={"model": "tts", "voice": "dora", "items": items})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert (body["total"], body["succeeded"], body["failed"]) == (3, 2, 1) and body["id"].startswith("speech-batch-")
+    first, refused, third = body["results"]
+    assert [r["index"] for r in body["results"]] == [0, 1, 2]
+    assert refused["status"] == "error" and "unknown voice 'nobody'" in refused["error"] and refused["code"] == 400
+    assert third["status"] == "success" and third["media_type"] == "audio/pcm"
+    # (items run batched together: the decoder's float sums may round apart by an LSB or so)
+    pcm = np.frombuffer(base64.b64decode(third["audio_data"]), dtype="<i2").astype(int)
+    alone = np.frombuffer(client.speak(PHRASES[1], voice="dora"), dtype="<i2")
+    assert pcm.shape == alone.shape and np.abs(pcm - alone).max() <= LSB_SLACK, np.abs(pcm - alone).max()
+    assert first["status"] == "success" and first["media_type"] == "audio/wav"  # upstream's batch default
+    wave, rate = sf.read(io.BytesIO(base64.b64decode(first["audio_data"])), dtype="int16")
+    expected = np.frombuffer(client.speak(PHRASES[0], voice="dora"), dtype="<i2")
+    assert rate == 24000 and wave.shape == expected.shape
+    assert np.abs(wave.astype(int) - expected).max() <= LSB_SLACK, np.abs(wave.astype(int) - expected).max()
+    assert first["usage"]["output_tokens"] == expected.size // SPF
+
+    too_many = client.http.post("/v1/audio/speech/batch", json={"items": [{"input": "Hi."}] * (MAX_BATCH_ITEMS + 1)})
+    assert too_many.status_code == 413 and "--speech-batch-max-items" in error_of(too_many)
+    unknown = client.http.post("/v1/audio/speech/batch",
+                               json={"items": [{"input": "Hi.", "initial_codec_chunk_frames": 4}]})
+    assert unknown.status_code == 400 and "initial_codec_chunk_frames" in error_of(unknown)
+    other = client.http.post("/v1/audio/speech/batch", json={"model": "nope", "items": [{"input": "Hi."}]})
+    assert other.status_code == 404
