@@ -9,7 +9,8 @@ events), with the text-in events of realtime TTS APIs:
     {"type": "input_text.end"}       flush, then the server closes the socket after the audio
 
 `PhraseCutter` finds where the talker may start on buffered text: after sentence or clause
-punctuation (`phrase_ends`: "clause", the default; "sentence": . ! ? … only) followed by a space (ASCII) or at once (CJK), at a line break, or, past
+punctuation (`phrase_ends`: "clause", the default; "sentence": . ! ? … only) followed by a
+space (ASCII) or at once (CJK), at a line break, or, past
 `max_phrase_chars` without one, at the last space. The cut keeps the space with the next
 phrase, where a byte-level BPE keeps it, so phrases tokenize as the whole text does.
 """
