@@ -435,8 +435,8 @@ def test_upstream_clients_speak_on_the_same_socket(client):
     the same session engine: the streamed PCM is the speech of the whole text at once, and a
     non-streamed utterance comes as one WAV file."""
     text, second = "".join(PHRASES), "See you soon."
-    messages = [{"type": "session.config", "model": "tts", "voice": "dora", "response_format": "pcm",
-                 "stream_audio": True},
+    messages = [{"type": "session.config", "model": "tts", "task_type": "Base", "voice": "dora",
+                 "response_format": "pcm", "stream_audio": True},
                 *({"type": "input.text", "text": w} for w in words(text)), {"type": "input.done"},
                 {"type": "session.config", "voice": "dora", "split_granularity": "sentence"},  # wav, one file
                 {"type": "input.text", "text": second}, {"type": "input.done"},
@@ -473,7 +473,8 @@ def test_upstream_fields_are_refused_by_name_and_the_caps_hold(client):
         headers = {"Authorization": f"Bearer {KEY}"}
         answers = []
         for config in ({"ref_audio": "data:audio/wav;base64,AAAA", "ref_text": "hi"}, {"speed": 1.5},
-                       {"response_format": "mp3", "stream_audio": True}, {"word_timestamps": True}):
+                       {"response_format": "mp3", "stream_audio": True}, {"word_timestamps": True},
+                       {"task_type": "CustomVoice"}):
             async with websockets.connect(ws_url(client.server), additional_headers=headers) as ws:
                 await ws.recv()
                 await ws.send(json.dumps({"type": "session.config", **config}))
@@ -491,6 +492,7 @@ def test_upstream_fields_are_refused_by_name_and_the_caps_hold(client):
     assert "'ref_audio'" in answers[0]["message"] and "POST /v1/audio/voices" in answers[0]["message"]
     assert answers[1]["param"] == "speed" and answers[2]["param"] == "response_format"
     assert "'word_timestamps'" in answers[3]["message"]
+    assert answers[4]["param"] == "task_type" and "Base checkpoint" in answers[4]["message"]
     assert (big["code"], close_code) == ("message_too_big", 1009)
 
 

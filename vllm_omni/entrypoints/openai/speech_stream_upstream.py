@@ -44,7 +44,6 @@ _FLUSHED = "upstream.flushed"  # internal marker, queued behind the events an in
 
 # Upstream fields this server refuses by name, with what to do instead.
 REFUSED = {
-    "task_type": "the served checkpoint decides the task",
     "ref_audio": "upload the voice once (POST /v1/audio/voices) and name it in 'voice'",
     "ref_text": "upload the voice once (POST /v1/audio/voices) and name it in 'voice'",
     "x_vector_only_mode": "upload the voice with x_vector_only_mode (POST /v1/audio/voices)",
@@ -70,6 +69,7 @@ class UpstreamConfig(BaseModel):
     max_new_tokens: int | None = Field(None, ge=1)
     seed: int | None = None
     split_granularity: Literal["sentence", "clause"] | None = None
+    task_type: Literal["CustomVoice", "VoiceDesign", "Base"] | None = None  # the served checkpoint's, or refused
 
 
 class InputText(BaseModel):
@@ -146,6 +146,10 @@ class UpstreamDialect:
             await self.session.handle(TextEnd(type="input_text.end"))
 
     def _update(self, c: UpstreamConfig) -> SessionUpdate:
+        served = self.session.speech.info.task_type
+        if c.task_type is not None and c.task_type != served:
+            raise ProtocolError(f"task_type {c.task_type!r}: this server's checkpoint is a {served} checkpoint",
+                                param="task_type")
         if c.stream_audio and c.response_format not in ("pcm", "wav"):
             raise ProtocolError(f"stream_audio=true streams pcm or wav, not {c.response_format!r}",
                                 param="response_format")
