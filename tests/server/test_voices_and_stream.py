@@ -472,9 +472,9 @@ def test_upstream_fields_are_refused_by_name_and_the_caps_hold(client):
     async def go():
         headers = {"Authorization": f"Bearer {KEY}"}
         answers = []
-        for config in ({"ref_audio": "data:audio/wav;base64,AAAA", "ref_text": "hi"}, {"speed": 1.5},
+        for config in ({"speaker_embedding": [0.1, 0.2]}, {"speed": 1.5},
                        {"response_format": "mp3", "stream_audio": True}, {"word_timestamps": True},
-                       {"task_type": "CustomVoice"}):
+                       {"task_type": "CustomVoice"}, {"ref_audio": "data:audio/wav;base64,AAAA", "ref_text": "hi"}):
             async with websockets.connect(ws_url(client.server), additional_headers=headers) as ws:
                 await ws.recv()
                 await ws.send(json.dumps({"type": "session.config", **config}))
@@ -489,10 +489,11 @@ def test_upstream_fields_are_refused_by_name_and_the_caps_hold(client):
 
     answers, big, close_code = asyncio.run(go())
     assert all(a["type"] == "error" and set(a) >= {"message", "code"} for a in answers)
-    assert "'ref_audio'" in answers[0]["message"] and "POST /v1/audio/voices" in answers[0]["message"]
+    assert "'speaker_embedding'" in answers[0]["message"] and "POST /v1/audio/voices" in answers[0]["message"]
     assert answers[1]["param"] == "speed" and answers[2]["param"] == "response_format"
     assert "'word_timestamps'" in answers[3]["message"]
     assert answers[4]["param"] == "task_type" and "Base checkpoint" in answers[4]["message"]
+    assert answers[5]["param"] == "ref_audio" and "cannot use the voice sample" in answers[5]["message"]
     assert (big["code"], close_code) == ("message_too_big", 1009)
 
 
@@ -585,3 +586,19 @@ def test_a_batch_speaks_each_item_as_its_own_request_with_per_item_errors(client
     assert unknown.status_code == 400 and "initial_codec_chunk_frames" in error_of(unknown)
     other = client.http.post("/v1/audio/speech/batch", json={"model": "nope", "items": [{"input": "Hi."}]})
     assert other.status_code == 404
+
+
+def test_upstream_clients_clone_a_voice_inline_in_the_session_config(client):
+    """Upstream's Base clients send ref_audio / ref_text in session.config: the session's voice is
+    encoded once, as a stored voice is, and speaks as the same reference given inline."""
+    wav, text = wav_bytes(0.3, rate=4000, pitch=160.0), "How are you today?"  # (within the frame cap)
+    reference = {"ref_audio": base64.b64encode(wav).decode(), "ref_text": REF_TEXT}
+    frames = asyncio.run(upstream_session(client.server, [
+        {"type": "session.config", "response_format": "pcm", "stream_audio": True, **reference},
+        {"type": "input.text", "text": text}, {"type": "input.done"}, {"type": "session.close"}]))
+    assert not [f for f in frames if isinstance(f, dict) and f["type"] == "error"], frames
+    streamed = b"".join(f for f in frames if isinstance(f, bytes))
+    assert streamed == client.speak(text, voice="alloy", non_streaming_mode=False, **reference)
+    refused = asyncio.run(upstream_session(client.server, [
+        {"type": "session.config", "ref_audio": reference["ref_audio"]}, {"type": "session.close"}]))
+    assert [f["param"] for f in refused if isinstance(f, dict) and f["type"] == "error"] == ["ref_text"]

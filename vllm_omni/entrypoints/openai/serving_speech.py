@@ -121,10 +121,10 @@ class SpeechService:
             if getattr(body, key) is not None:
                 prompt[key] = getattr(body, key)
         if body.ref_audio is not None:
-            prompt["ref_audio"] = await self._reference_audio(body.ref_audio)
+            prompt["ref_audio"] = await self.reference_audio(body.ref_audio)
         return prompt
 
-    async def _reference_audio(self, value: str) -> Any:
+    async def reference_audio(self, value: str) -> Any:
         """URLs through the media gate; anything else is taken for bare base64."""
         if value.startswith(("data:", "http://", "https://", "file:")):
             return await fetch_media(value, "audio", self.ctx.media)

@@ -206,8 +206,6 @@ class VoicesService:
         return StoredVoice(name, "designed", self.store.fingerprint, model=self.model_path, instructions=instructions)
 
     async def _cloned(self, name: str, form: FormData) -> StoredVoice:
-        from vllm_omni.multimodal.media import MediaError
-
         if "instructions" in form:
             raise APIError(400, f"a {self.task_type} checkpoint takes no instructions: its voice is the audio sample",
                            param="instructions")
@@ -228,19 +226,27 @@ class VoicesService:
             raise APIError(400, "'ref_text' (the transcript of the audio sample) is required, or "
                                 "x_vector_only_mode=true to clone from the voice alone", param="ref_text")
         data = await upload.read(self.limits.max_upload_bytes + 1)
+        cloned, seconds = await self.clone(data, ref_text, "audio_sample")
+        return StoredVoice(name, "cloned", self.store.fingerprint, model=self.model_path, audio_seconds=seconds,
+                           cloned=cloned, mime_type=upload.content_type or "application/octet-stream",
+                           file_size=len(data))
+
+    async def clone(self, data: bytes, ref_text: str | None, param: str) -> tuple[Any, float]:
+        """A recording (and its transcript; None: x-vector only) -> (ClonedVoice, its seconds),
+        under the voice limits: a stored voice's, or a speech socket session's own."""
+        from vllm_omni.multimodal.media import MediaError
+
         if len(data) > self.limits.max_upload_bytes:
             raise APIError(413, f"the voice sample is over the {self.limits.max_upload_bytes} byte limit "
-                                "(--max-voice-bytes)", param="audio_sample")
+                                "(--max-voice-bytes)", param=param)
         async with self._encoding:
             try:
                 wave = await asyncio.to_thread(decode_sample, self.cloning, data, self.limits.max_audio_s,
                                                self.media)
             except MediaError as e:
-                raise APIError(400, f"cannot use the voice sample: {e}", param="audio_sample") from None
+                raise APIError(400, f"cannot use the voice sample: {e}", param=param) from None
             cloned = await asyncio.to_thread(self._encode, wave, ref_text)
-        return StoredVoice(name, "cloned", self.store.fingerprint, model=self.model_path,
-                           audio_seconds=round(wave.shape[0] / self.cloning.sample_rate, 3), cloned=cloned,
-                           mime_type=upload.content_type or "application/octet-stream", file_size=len(data))
+        return cloned, round(wave.shape[0] / self.cloning.sample_rate, 3)
 
     def _encode(self, wave: Any, ref_text: str | None) -> Any:
         if self._encoder is None:  # loaded once, at the first voice (its weights: a few hundred MB on CPU)

@@ -97,6 +97,9 @@ class SpeechStreamSession:
         self.handed = 0  # text handed to utterances; the rest waits for a phrase boundary
         self.utterance: Utterance | None = None  # the one being made (at most one)
         self.started = 0  # utterances started (in order: the next one's index)
+        # A voice cloned for this session alone (upstream's inline ref_audio; the edge encodes it):
+        # from the next utterance, instead of `voice`.
+        self.reference: Any = None
         self.flushes: deque[int] = deque()  # offsets of the flushes not yet handed to an utterance
         self.ending = False  # input_text.end: close once the last audio is out
         self.progress = asyncio.Event()  # audio went out, or an utterance ended
@@ -275,7 +278,13 @@ class SpeechStreamSession:
         """The TTS prompt's voice options (APIError from the voices service -> ProtocolError)."""
         try:
             self.speech.check_instructions(config.instructions)
-            options = self.speech.voices.speech_options(config.voice, False, config.instructions is not None)
+            if self.reference is not None:
+                if config.voice is not None and self.speech.voices.store is not None \
+                        and self.speech.voices.store.find(config.voice) is not None:
+                    raise APIError(400, f"voice {config.voice!r} is a stored voice: give no ref_audio with it")
+                options = {"cloned_voice": self.reference}
+            else:
+                options = self.speech.voices.speech_options(config.voice, False, config.instructions is not None)
         except APIError as e:
             raise ProtocolError(e.message, param=f"session.{e.param or 'voice'}") from None
         if config.instructions is not None and "instructions" not in options:

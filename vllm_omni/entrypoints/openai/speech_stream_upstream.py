@@ -32,6 +32,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from vllm_omni.entrypoints.openai.errors import APIError
 from vllm_omni.entrypoints.openai.realtime.protocol import ProtocolError, parse_client_event
 from vllm_omni.entrypoints.openai.speech_audio import encode_speech, wav_stream_header
 from vllm_omni.entrypoints.openai.speech_stream_protocol import (
@@ -44,9 +45,6 @@ _FLUSHED = "upstream.flushed"  # internal marker, queued behind the events an in
 
 # Upstream fields this server refuses by name, with what to do instead.
 REFUSED = {
-    "ref_audio": "upload the voice once (POST /v1/audio/voices) and name it in 'voice'",
-    "ref_text": "upload the voice once (POST /v1/audio/voices) and name it in 'voice'",
-    "x_vector_only_mode": "upload the voice with x_vector_only_mode (POST /v1/audio/voices)",
     "speaker_embedding": "upload the voice's audio (POST /v1/audio/voices) and name it in 'voice'",
     "references": "upload the voice (POST /v1/audio/voices) and name it in 'voice'",
     "initial_codec_chunk_frames": "the stage config sets the first chunk's size",
@@ -70,6 +68,10 @@ class UpstreamConfig(BaseModel):
     seed: int | None = None
     split_granularity: Literal["sentence", "clause"] | None = None
     task_type: Literal["CustomVoice", "VoiceDesign", "Base"] | None = None  # the served checkpoint's, or refused
+    # A Base checkpoint's voice for this session: encoded once here, as a stored voice is
+    ref_audio: str | None = None  # URL, data URL or base64 (through the media gate)
+    ref_text: str | None = None
+    x_vector_only_mode: bool | None = None
 
 
 class InputText(BaseModel):
@@ -134,7 +136,14 @@ class UpstreamDialect:
     async def receive(self, payload: str | bytes) -> None:
         message = parse(payload)
         if isinstance(message, UpstreamConfig):
-            await self.session.handle(self._update(message))
+            update = self._update(message)
+            before = self.session.reference  # each config names the session's whole voice
+            self.session.reference = await self._clone(message) if message.ref_audio is not None else None
+            try:
+                await self.session.handle(update)
+            except BaseException:
+                self.session.reference = before
+                raise
             self.formats.append((self.session.started, message.response_format, message.stream_audio))
         elif isinstance(message, InputText):
             await self.session.handle(TextAppend(type="input_text.append", text=message.text))
@@ -160,6 +169,24 @@ class UpstreamDialect:
             model=c.model, voice=c.voice, language=c.language, instructions=c.instructions, sampling=sampling,
             phrase_ends=c.split_granularity))
         return update
+
+    async def _clone(self, c: UpstreamConfig) -> Any:
+        """The session's voice from an inline reference, as POST /v1/audio/voices makes one."""
+        voices = self.session.speech.voices
+        if not voices.clones:
+            raise ProtocolError(f"ref_audio: a {voices.task_type} checkpoint clones no voices", param="ref_audio")
+        if c.x_vector_only_mode and c.ref_text is not None:
+            raise ProtocolError("an x-vector-only voice has no transcript: give no ref_text", param="ref_text")
+        if not c.x_vector_only_mode and not (c.ref_text or "").strip():
+            raise ProtocolError("ref_text (the transcript of ref_audio) is required, or x_vector_only_mode",
+                                param="ref_text")
+        try:
+            data = await self.session.speech.reference_audio(c.ref_audio)
+            data = data.read_bytes() if hasattr(data, "read_bytes") else data
+            cloned, _ = await voices.clone(data, None if c.x_vector_only_mode else c.ref_text, "ref_audio")
+        except APIError as e:
+            raise ProtocolError(e.message, param=e.param or "ref_audio") from None
+        return cloned
 
     # ------------------------------------------------------------------ session -> client
     async def frames(self, event: dict[str, Any]) -> list[str | bytes]:
