@@ -13,7 +13,10 @@ audio), with --api-key, through real sockets (`openai`, httpx, `websockets`):
   docs/tts.md examples run as written; a too-large message, too much text and an idle client
   end the session;
 - a voice written to the folder before the server started (by the store, in the test process)
-  is listed and speaks as its reference inline: voices outlive the server.
+  is listed and speaks as its reference inline: voices outlive the server;
+- upstream vLLM-Omni's clients: the socket's upstream dialect (its events, binary audio, an
+  inline reference, refused fields, the caps), its voice fields and answer shapes, a sample
+  that decodes past the voice cap (stopped while decoding), and POST /v1/audio/speech/batch.
 """
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ the same caps, limits, backpressure and Origin rules:
 
     client                                      ours
     {"type": "session.config", <flat fields>}   session.update (model, voice, language,
-                                                instructions, max_new_tokens, seed, split_granularity)
+                                                instructions, max_new_tokens, seed, split_granularity);
+                                                ref_audio + ref_text: the session's cloned voice
     {"type": "input.text", "text": "..."}       input_text.append
     {"type": "input.done"}                      input_text.flush (the socket stays open)
     {"type": "session.close"}                   input_text.end (speaks what was sent, then closes)
