@@ -28,6 +28,16 @@ def test_phrases_end_at_punctuation_followed_by_a_space_or_at_cjk_punctuation(te
     assert PhraseCutter().cut(text) == end
 
 
+@pytest.mark.parametrize("text, end", [
+    ("Wait, what?! Really", len("Wait, what?!")),
+    ("Hello, there; how are", 0),  # clause punctuation ends no sentence
+    ("你好，世界。今天", len("你好，世界。")),
+])
+def test_sentence_phrases_end_only_at_a_sentence_end(text, end):
+    """phrase_ends="sentence" (upstream's split_granularity=sentence)."""
+    assert PhraseCutter(phrase_ends="sentence").cut(text) == end
+
+
 def test_a_long_text_without_punctuation_is_cut_at_a_space_within_the_cap():
     cutter = PhraseCutter(max_phrase_chars=20)
     assert cutter.cut("word " * 3) == 0

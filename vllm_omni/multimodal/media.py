@@ -151,7 +151,7 @@ class _Samples:
         self.count += channels_first.shape[1]
         if self.count > self.max_samples:
             raise MediaError(f"the audio is longer than {self.limits.max_audio_s:g} s, this server's limit "
-                             "(--max-audio-duration)")
+                             f"({self.limits.max_audio_s_flag})")
         self.blocks.append(channels_first.mean(axis=0))
 
     def wave(self) -> tuple[np.ndarray, int]:

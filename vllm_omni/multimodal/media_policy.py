@@ -38,6 +38,7 @@ class DecodeLimits:
     # and the frames it is sampled to (after resizing).
     max_video_pixels: int = 4096 * MiB
     max_audio_rate: int = 192_000  # Hz: above any real recording; bounds samples per second
+    max_audio_s_flag: str = "--max-audio-duration"  # what an error over max_audio_s names (a caller's own cap)
 
     def __post_init__(self) -> None:
         for name in ("max_audio_s", "max_image_pixels", "max_video_pixels", "max_audio_rate"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_omni.multimodal.media_policy import MediaPolicy
 from vllm_omni.multimodal.qwen3_tts_input import SAMPLE_RATE, load_reference_audio
 
 
@@ -15,8 +16,8 @@ class Qwen3TTSVoiceCloning:
     sample_rate = SAMPLE_RATE
 
     @staticmethod
-    def load_sample(data: bytes) -> Any:
-        return load_reference_audio(data)
+    def load_sample(data: bytes, policy: MediaPolicy) -> Any:
+        return load_reference_audio(data, policy)
 
     @staticmethod
     def fingerprint(model_dir: str) -> str:

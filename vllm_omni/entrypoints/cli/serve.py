@@ -127,6 +127,7 @@ def serve(args: argparse.Namespace) -> int:
                            audio_stream_shape=args.audio_stream_shape)
         video = serve_args.video_store.from_args(args)
         voices, speech_stream = serve_args.tts_limits.voice_limits(args), serve_args.tts_limits.speech_stream_limits(args)
+        speech_batch = serve_args.tts_limits.speech_batch_limits(args)
         sock = bind_socket(args.host, args.port)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -142,7 +143,7 @@ def serve(args: argparse.Namespace) -> int:
         max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
         admission_timeout_s=args.batch_timeout, max_request_bytes=args.max_request_bytes,
         uvicorn_log_level=args.uvicorn_log_level, realtime=serve_args.realtime_limits.from_args(args),
-        voices=voices, speech_stream=speech_stream,
+        voices=voices, speech_stream=speech_stream, speech_batch=speech_batch,
         chat=chat, log_requests=args.enable_log_requests, max_prompts_per_request=args.max_prompts_per_request,
         shutdown_timeout_s=args.shutdown_timeout, max_diffusion_prompt_chars=args.max_diffusion_prompt_chars,
         video=video,

@@ -22,7 +22,7 @@ from vllm_omni.entrypoints.openai.prompt_limits import PromptLimit
 from vllm_omni.entrypoints.openai.realtime.limits import RealtimeLimits
 from vllm_omni.entrypoints.openai.serving_base import PipelineShape, ServingContext
 from vllm_omni.entrypoints.openai.serving_speech import DEFAULT_MAX_INSTRUCTIONS
-from vllm_omni.entrypoints.openai.tts_limits import SpeechStreamLimits, VoiceLimits
+from vllm_omni.entrypoints.openai.tts_limits import SpeechBatchLimits, SpeechStreamLimits, VoiceLimits
 from vllm_omni.entrypoints.openai.video_store import VideoStoreOptions
 from vllm_omni.multimodal.media_policy import MediaPolicy
 
@@ -49,6 +49,7 @@ class ServerSettings:
     tts_max_instructions_length: int = DEFAULT_MAX_INSTRUCTIONS  # --tts-max-instructions-length
     voices: VoiceLimits = field(default_factory=VoiceLimits)  # --voices-dir, --max-voices, ...
     speech_stream: SpeechStreamLimits = field(default_factory=SpeechStreamLimits)  # --speech-stream-*
+    speech_batch: SpeechBatchLimits = field(default_factory=SpeechBatchLimits)  # --speech-batch-max-items
     chat: ChatOptions = field(default_factory=ChatOptions)  # --chat-template, --limit-mm-per-prompt, ...
     log_requests: bool = False  # --enable-log-requests (the access log reads it)
     max_prompts_per_request: int = 32
@@ -96,7 +97,8 @@ def run_server(engine: Any, settings: ServerSettings, sock: socket.socket) -> No
     log_long_pauses("api server")
     app = build_app(ctx, api_key=settings.api_key, max_request_bytes=settings.max_request_bytes,
                     realtime=settings.realtime, tts_max_instructions_length=settings.tts_max_instructions_length,
-                    video=settings.video, voice_limits=settings.voices, speech_stream=settings.speech_stream)
+                    video=settings.video, voice_limits=settings.voices, speech_stream=settings.speech_stream,
+                    speech_batch=settings.speech_batch)
     # log_config=None: uvicorn logs through the root logger, so --log-file and our format apply.
     # ws_max_size: a realtime event over its limit is refused from its frame header, unread.
     config = uvicorn.Config(app, log_level=settings.uvicorn_log_level, log_config=None,

@@ -44,12 +44,13 @@ from vllm_omni.entrypoints.openai.serving_images import ImageRequest, ImageServi
 from vllm_omni.entrypoints.openai.serving_speech import (
     DEFAULT_MAX_INSTRUCTIONS, SpeechRequest, SpeechService,
 )
+from vllm_omni.entrypoints.openai.serving_speech_batch import BatchSpeechRequest, SpeechBatchService
 from vllm_omni.entrypoints.openai.serving_transcription import TranscriptionService
 from vllm_omni.entrypoints.openai.serving_video import VideoService, add_video_routes
 from vllm_omni.entrypoints.openai.serving_voices import VoicesService
 from vllm_omni.entrypoints.openai.sleep_routes import add_sleep_routes
 from vllm_omni.entrypoints.openai.speech_stream import SpeechStreamEndpoint
-from vllm_omni.entrypoints.openai.tts_limits import SpeechStreamLimits, VoiceLimits
+from vllm_omni.entrypoints.openai.tts_limits import SpeechBatchLimits, SpeechStreamLimits, VoiceLimits
 from vllm_omni.entrypoints.openai.video_store import VideoStoreOptions
 from vllm_omni.model_executor.models.families import speech_model
 
@@ -151,7 +152,8 @@ class BodyLimitMiddleware:
 def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes: int = 64 * 1024 * 1024,
               realtime: RealtimeLimits | None = None,
               tts_max_instructions_length: int = DEFAULT_MAX_INSTRUCTIONS, video: VideoStoreOptions | None = None,
-              voice_limits: VoiceLimits | None = None, speech_stream: SpeechStreamLimits | None = None) -> FastAPI:
+              voice_limits: VoiceLimits | None = None, speech_stream: SpeechStreamLimits | None = None,
+              speech_batch: SpeechBatchLimits | None = None) -> FastAPI:
     app = FastAPI(title="vllm-omni", version=__version__)
     install_error_handlers(app)
 
@@ -174,13 +176,19 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_request_bytes
     abilities = model_abilities(ctx)
     tts = speech_model(ctx.model_path)  # None: the served model does not speak text
     voices = VoicesService(ctx.model_path, tts, list(tts.voices if tts else abilities.voices),
-                           voice_limits or VoiceLimits(), tts_max_instructions_length)
+                           voice_limits or VoiceLimits(), tts_max_instructions_length, ctx.media)
     voices.open()  # the folder's voices into memory (a Base checkpoint: its encoders' fingerprint first)
     speech = SpeechService(ctx, tts, voices, tts_max_instructions_length)
 
     @app.post("/v1/audio/speech")
     async def create_speech(body: SpeechRequest, raw: Request) -> Any:
         return await speech.create(body, raw)
+
+    speech_batches = SpeechBatchService(speech, (speech_batch or SpeechBatchLimits()).max_items)
+
+    @app.post("/v1/audio/speech/batch")
+    async def create_speech_batch(body: BatchSpeechRequest, raw: Request) -> dict[str, Any]:
+        return await speech_batches.create(body, raw)
 
     speech_socket = SpeechStreamEndpoint(ctx, speech, realtime or RealtimeLimits(), speech_stream or SpeechStreamLimits(),
                                          api_key)

@@ -121,10 +121,10 @@ class SpeechService:
             if getattr(body, key) is not None:
                 prompt[key] = getattr(body, key)
         if body.ref_audio is not None:
-            prompt["ref_audio"] = await self._reference_audio(body.ref_audio)
+            prompt["ref_audio"] = await self.reference_audio(body.ref_audio)
         return prompt
 
-    async def _reference_audio(self, value: str) -> Any:
+    async def reference_audio(self, value: str) -> Any:
         """URLs through the media gate; anything else is taken for bare base64."""
         if value.startswith(("data:", "http://", "https://", "file:")):
             return await fetch_media(value, "audio", self.ctx.media)
@@ -137,6 +137,40 @@ class SpeechService:
         return data
 
     async def create(self, body: SpeechRequest, raw: Request) -> Any:
+        if body.stream_format is None:
+            audio, usage = await self.render(body, raw)
+            headers = {f"x-vllm-omni-{k.replace('_', '-')}": str(v) for k, v in usage.items()}
+            return Response(audio, media_type=SPEECH_MEDIA_TYPES[body.response_format], headers=headers)
+        prompt, acc, gen, ticket = await self._submit(body, raw)
+        try:
+            first = await first_output(self.ctx, raw, gen)
+            stream = self._stream(raw, body, prompt, acc, first, gen, ticket)
+            response = EventStream(stream, raw, partial(_close, ticket, gen))
+            if body.stream_format == "audio":
+                _set_media_type(response, SPEECH_MEDIA_TYPES[body.response_format])
+            return response
+        except BaseException as e:
+            ticket.release()
+            await gen.aclose()
+            raise as_api_error(self.ctx, e)  # noqa: B904 - chained inside as_api_error
+
+    async def render(self, body: SpeechRequest, raw: Request) -> tuple[bytes, dict[str, int]]:
+        """The whole file of a request that does not stream, and its usage (APIError: why not)."""
+        prompt, acc, gen, ticket = await self._submit(body, raw)
+        try:
+            first = await first_output(self.ctx, raw, gen)
+            await race_disconnect(raw, _collect(first, gen, acc))
+        except BaseException as e:
+            await gen.aclose()
+            raise as_api_error(self.ctx, e)  # noqa: B904 - chained inside as_api_error
+        finally:
+            ticket.release()
+        self.ctx.record_finished(ENDPOINT, acc)
+        wave = change_speed(acc.audio(), OUTPUT_SAMPLE_RATE, body.speed)
+        return encode_speech(wave, OUTPUT_SAMPLE_RATE, body.response_format), self._usage(prompt, acc)
+
+    async def _submit(self, body: SpeechRequest, raw: Request) -> tuple[dict[str, Any], ResponseTracker, Any, Any]:
+        """Check the request and hand it to the engine once admitted: (prompt, tracker, outputs, ticket)."""
         ctx, arrived = self.ctx, time.monotonic()
         ctx.check_model(body.model)
         self._check(body)
@@ -145,29 +179,9 @@ class SpeechService:
             [None] * (ctx.shape.num_stages - 1)
         ctx.check_stages_up(ctx.shape.needed_stages(["audio"]))
         ticket = await race_disconnect(raw, ctx.gate.admit())
-        acc = ResponseTracker(arrived_at=arrived)
         gen = ctx.engine.generate(prompt, params, request_id=f"speech-{uuid.uuid4().hex}", modalities=["audio"],
                                   output_partial=True)
-        try:
-            first = await first_output(ctx, raw, gen)
-            if body.stream_format is not None:
-                stream = self._stream(raw, body, prompt, acc, first, gen, ticket)
-                response = EventStream(stream, raw, partial(_close, ticket, gen))
-                if body.stream_format == "audio":
-                    _set_media_type(response, SPEECH_MEDIA_TYPES[body.response_format])
-                return response
-            await race_disconnect(raw, _collect(first, gen, acc))
-        except BaseException as e:
-            ticket.release()
-            await gen.aclose()
-            raise as_api_error(ctx, e)  # noqa: B904 - chained inside as_api_error
-        ticket.release()
-        ctx.record_finished(ENDPOINT, acc)
-        wave = change_speed(acc.audio(), OUTPUT_SAMPLE_RATE, body.speed)
-        usage = self._usage(prompt, acc)
-        headers = {f"x-vllm-omni-{k.replace('_', '-')}": str(v) for k, v in usage.items()}
-        return Response(encode_speech(wave, OUTPUT_SAMPLE_RATE, body.response_format),
-                        media_type=SPEECH_MEDIA_TYPES[body.response_format], headers=headers)
+        return prompt, ResponseTracker(arrived_at=arrived), gen, ticket
 
     def _usage(self, prompt: dict[str, Any], acc: ResponseTracker) -> dict[str, int]:
         tokenizer = self.ctx.engine.get_tokenizer()

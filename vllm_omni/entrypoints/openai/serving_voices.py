@@ -1,22 +1,27 @@
 """/v1/audio/voices: the served model's preset voices and the voices clients make.
 
-    GET    /v1/audio/voices          {"voices": [names], "task_type": ..., "data": [voice objects]}
+    GET    /v1/audio/voices          {"voices": [names], "task_type": ..., "data": [voice objects],
+                                      "uploaded_voices": [upstream's entries of the stored voices]}
     POST   /v1/audio/voices          multipart: name, audio_sample (file), ref_text   -> voice object
                                      (x_vector_only_mode: true: no ref_text, the speaker row alone)
                                      VoiceDesign: name, instructions (a described voice, kept by name)
+                                     either: consent, speaker_description (upstream's: stored, listed)
+                                     -> + "success": true, "voice": upstream's entry
     GET    /v1/audio/voices/{name}   voice object; 404 unknown, 409 made for another checkpoint
-    DELETE /v1/audio/voices/{name}   {"id", "object": "audio.voice.deleted", "deleted": true}
+    DELETE /v1/audio/voices/{name}   {"id", "object": "audio.voice.deleted", "deleted": true, "success": true,
+                                      "message"}
 
 A voice object: {"id", "object": "audio.voice", "name", "kind": "preset" | "cloned" | "designed",
 "created_at", ...}; `voices` keeps the names (presets first), as before this store existed.
 What the checkpoint's stored voices are made from its family says (SpeechModel.voices_from). A
 cloned voice is encoded once when it is made (the family's VoiceCloning, in this process, one at
 a time) and stored (voices_store.py); speaking with it (`speech_options`) hands the talker its
-tensors. The uploaded audio is decoded under the media limits (`decode_sample`).
+tensors. The uploaded audio is decoded through the media gate (`decode_sample`).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
@@ -28,53 +33,35 @@ from vllm_omni.entrypoints.openai.tts_limits import VoiceLimits
 from vllm_omni.entrypoints.openai.voices_store import DESIGNED_FINGERPRINT, StoredVoice, VoiceError, VoiceStore
 from vllm_omni.imports import import_dotted
 from vllm_omni.model_executor.models.family import SpeechModel, VoiceCloning
+from vllm_omni.multimodal.media_policy import MediaPolicy
 
 logger = logging.getLogger(__name__)
 
-_FIELDS = {"name", "audio_sample", "ref_text", "instructions", "x_vector_only_mode"}
+_FIELDS = {"name", "audio_sample", "ref_text", "instructions", "x_vector_only_mode", "consent",
+           "speaker_description"}
 _MAX_TEXT_FIELD = 64 * 1024
+MAX_CONSENT_CHARS = 256  # upstream's consent: the id of a consent recording
 
 
-def decode_sample(cloning: VoiceCloning, data: bytes, max_seconds: float) -> Any:
+def decode_sample(cloning: VoiceCloning, data: bytes, max_seconds: float, policy: MediaPolicy | None = None) -> Any:
     """An uploaded voice sample -> [N] float32 at the family's rate, as its input processor decodes
-    an inline ref_audio (so a stored voice speaks as the same file given inline). MediaError:
-    undecodable or too long. The one place a voice sample is decoded (the media gate's spot):
-    the duration its header declares is checked before decoding, the decoded one after."""
-    from vllm_omni.multimodal.media import MediaError
-
-    seconds = _declared_seconds(data)
-    if seconds is None or seconds <= max_seconds:
-        wave = cloning.load_sample(data)
-        seconds = wave.shape[0] / cloning.sample_rate
-        if seconds <= max_seconds:
-            return wave
-    raise MediaError(f"the voice sample is {seconds:.1f} s long; the limit is {max_seconds:g} s "
-                     "(--max-voice-audio-s)")
-
-
-def _declared_seconds(data: bytes) -> float | None:
-    """The duration a file's header declares (None: it declares none, or is not audio)."""
-    import io
-
-    import av
-    import soundfile as sf
-
-    try:
-        return sf.info(io.BytesIO(data)).duration
-    except Exception:  # noqa: BLE001 - not a libsndfile format: ask FFmpeg
-        pass
-    try:
-        with av.open(io.BytesIO(data)) as container:
-            return container.duration / 1e6 if container.duration else None
-    except Exception:  # noqa: BLE001 - undecodable: load_reference_audio says why
-        return None
+    an inline ref_audio (so a stored voice speaks as the same file given inline), through the
+    media gate under the server's decode limits (`policy`) with the voice's duration cap: the
+    decoder stops there, whatever the file's header declares. MediaError: undecodable or too long."""
+    policy = policy or MediaPolicy()
+    limits = dataclasses.replace(policy.limits, max_audio_s=min(policy.limits.max_audio_s, max_seconds),
+                                 max_audio_s_flag="--max-voice-audio-s" if max_seconds < policy.limits.max_audio_s
+                                 else policy.limits.max_audio_s_flag)
+    return cloning.load_sample(data, dataclasses.replace(policy, limits=limits))
 
 
 class VoicesService:
     def __init__(self, model_path: str, speech: SpeechModel | None, presets: list[str], limits: VoiceLimits,
-                 max_instructions_length: int) -> None:
-        """speech: what the TTS checkpoint says of itself (None: not a TTS model); presets: its named voices."""
+                 max_instructions_length: int, media: MediaPolicy | None = None) -> None:
+        """speech: what the TTS checkpoint says of itself (None: not a TTS model); presets: its named
+        voices; media: the server's media policy (its decode limits)."""
         self.model_path = model_path
+        self.media = media or MediaPolicy()
         self.task_type = speech.task_type if speech is not None else None
         self.voices_from = speech.voices_from if speech is not None else None
         self.cloning: VoiceCloning | None = None
@@ -110,7 +97,8 @@ class VoicesService:
         stored = self.store.list() if self.store is not None else []
         data = [{"id": p, "object": "audio.voice", "name": p, "kind": "preset"} for p in self.presets]
         data += [v.wire() for v in stored]
-        out: dict[str, Any] = {"voices": [*self.presets, *(v.name for v in stored)], "data": data}
+        out: dict[str, Any] = {"voices": [*self.presets, *(v.name for v in stored)], "data": data,
+                               "uploaded_voices": [v.upstream() for v in stored]}
         if self.task_type is not None:
             out["task_type"] = self.task_type
         return out
@@ -170,20 +158,32 @@ class VoicesService:
         if name is None:
             raise APIError(400, "'name' is required", param="name")
         self._check(lambda: self.store.check_new(name, self.presets))
+        labels = self._labels(form)
         if not self.clones:
             voice = self._designed(name, form)
         else:
             voice = await self._cloned(name, form)
+        voice = dataclasses.replace(voice, **labels)
         self._check(lambda: self.store.add(voice, self.presets))
         logger.info("voices: made %s voice %r", voice.kind, voice.name)
-        return voice.wire()
+        return {**voice.wire(), "success": True, "voice": voice.upstream()}
+
+    def _labels(self, form: FormData) -> dict[str, str | None]:
+        """Upstream's `consent` and `speaker_description`: kept with the voice and listed."""
+        labels = {"consent": _text(form, "consent"), "speaker_description": _text(form, "speaker_description")}
+        limits = {"consent": MAX_CONSENT_CHARS, "speaker_description": self.max_instructions_length}
+        for key, value in labels.items():
+            if value is not None and len(value) > limits[key]:
+                raise APIError(400, f"{key} is {len(value)} characters; the limit is {limits[key]}", param=key)
+        return labels
 
     def delete(self, name: str) -> dict[str, Any]:
         if self._preset(name) is not None:
             raise APIError(400, f"{name!r} is a preset voice of this model; only stored voices can be deleted")
         voice = self._stored(name)
         self._check(lambda: self.store.delete(voice.name))
-        return {"id": voice.name, "object": "audio.voice.deleted", "deleted": True}
+        return {"id": voice.name, "object": "audio.voice.deleted", "deleted": True, "success": True,
+                "message": f"Voice '{voice.name}' deleted successfully"}
 
     @staticmethod
     def _check(action: Any) -> Any:
@@ -206,8 +206,6 @@ class VoicesService:
         return StoredVoice(name, "designed", self.store.fingerprint, model=self.model_path, instructions=instructions)
 
     async def _cloned(self, name: str, form: FormData) -> StoredVoice:
-        from vllm_omni.multimodal.media import MediaError
-
         if "instructions" in form:
             raise APIError(400, f"a {self.task_type} checkpoint takes no instructions: its voice is the audio sample",
                            param="instructions")
@@ -228,17 +226,27 @@ class VoicesService:
             raise APIError(400, "'ref_text' (the transcript of the audio sample) is required, or "
                                 "x_vector_only_mode=true to clone from the voice alone", param="ref_text")
         data = await upload.read(self.limits.max_upload_bytes + 1)
+        cloned, seconds = await self.clone(data, ref_text, "audio_sample")
+        return StoredVoice(name, "cloned", self.store.fingerprint, model=self.model_path, audio_seconds=seconds,
+                           cloned=cloned, mime_type=upload.content_type or "application/octet-stream",
+                           file_size=len(data))
+
+    async def clone(self, data: bytes, ref_text: str | None, param: str) -> tuple[Any, float]:
+        """A recording (and its transcript; None: x-vector only) -> (ClonedVoice, its seconds),
+        under the voice limits: a stored voice's, or a speech socket session's own."""
+        from vllm_omni.multimodal.media import MediaError
+
         if len(data) > self.limits.max_upload_bytes:
             raise APIError(413, f"the voice sample is over the {self.limits.max_upload_bytes} byte limit "
-                                "(--max-voice-bytes)", param="audio_sample")
+                                "(--max-voice-bytes)", param=param)
         async with self._encoding:
             try:
-                wave = await asyncio.to_thread(decode_sample, self.cloning, data, self.limits.max_audio_s)
+                wave = await asyncio.to_thread(decode_sample, self.cloning, data, self.limits.max_audio_s,
+                                               self.media)
             except MediaError as e:
-                raise APIError(400, f"cannot use the voice sample: {e}", param="audio_sample") from None
+                raise APIError(400, f"cannot use the voice sample: {e}", param=param) from None
             cloned = await asyncio.to_thread(self._encode, wave, ref_text)
-        return StoredVoice(name, "cloned", self.store.fingerprint, model=self.model_path,
-                           audio_seconds=round(wave.shape[0] / self.cloning.sample_rate, 3), cloned=cloned)
+        return cloned, round(wave.shape[0] / self.cloning.sample_rate, 3)
 
     def _encode(self, wave: Any, ref_text: str | None) -> Any:
         if self._encoder is None:  # loaded once, at the first voice (its weights: a few hundred MB on CPU)

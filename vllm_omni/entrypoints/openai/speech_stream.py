@@ -8,6 +8,10 @@ Authentication as for /v1/realtime (a Bearer header, or the browser's
 `openai-insecure-api-key.<key>` subprotocol next to `realtime`). The realtime limits apply (open sessions, a
 session's duration, idle time: --realtime-*), and the socket's own (tts_limits.py).
 
+Two dialects on the one route: ours (speech_stream_protocol.py), and upstream vLLM-Omni's, which
+a first message `session.config` picks (speech_stream_upstream.py translates it at the edge:
+the same session, caps and limits).
+
 Backpressure both ways:
 - in: the socket is not read while the text received and not yet read by the talker is over
   --speech-stream-max-pending-chars: uvicorn then stops reading the connection, and TCP slows
@@ -21,6 +25,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketState
@@ -31,6 +36,7 @@ from vllm_omni.entrypoints.openai.realtime.limits import RealtimeLimits
 from vllm_omni.entrypoints.openai.realtime.protocol import ProtocolError
 from vllm_omni.entrypoints.openai.speech_stream_protocol import parse_event
 from vllm_omni.entrypoints.openai.speech_stream_session import SpeechStreamSession
+from vllm_omni.entrypoints.openai.speech_stream_upstream import UpstreamDialect, picks_upstream
 from vllm_omni.entrypoints.openai.tts_limits import SpeechStreamLimits
 
 logger = logging.getLogger(__name__)
@@ -84,6 +90,8 @@ class SpeechStreamEndpoint:
         ends_at = time.monotonic() + self.realtime.max_session_s
         last_activity = time.monotonic()
         receive: asyncio.Future[Any] | None = None
+        dialect: UpstreamDialect | None = None  # None: ours, or not chosen yet
+        first = True
         try:
             while True:
                 now = time.monotonic()
@@ -113,7 +121,12 @@ class SpeechStreamEndpoint:
                     sender.gone = True
                     return
                 last_activity = time.monotonic()
-                if not await self._handle(session, sender, message.get("text") or message.get("bytes") or b""):
+                payload = message.get("text") or message.get("bytes") or b""
+                if first and picks_upstream(payload):
+                    dialect = UpstreamDialect(session, sender.send)
+                    sender.translate = dialect.frames
+                first = False
+                if not await self._handle(session, dialect, sender, payload):
                     return
         finally:
             if receive is not None:
@@ -130,7 +143,8 @@ class SpeechStreamEndpoint:
             return True
         return False
 
-    async def _handle(self, session: SpeechStreamSession, sender: _Sender, payload: str | bytes) -> bool:
+    async def _handle(self, session: SpeechStreamSession, dialect: UpstreamDialect | None, sender: _Sender,
+                      payload: str | bytes) -> bool:
         """False: the session must end."""
         if len(payload) > self.limits.max_frame_bytes:
             await sender.fail(ProtocolError(f"a message of {len(payload)} bytes is over the "
@@ -139,7 +153,10 @@ class SpeechStreamEndpoint:
                               CLOSE_TOO_BIG)
             return False
         try:
-            await session.handle(parse_event(payload))
+            if dialect is not None:
+                await dialect.receive(payload)
+            else:
+                await session.handle(parse_event(payload))
         except ProtocolError as e:
             if e.code == "input_text_too_long":
                 await sender.fail(e, CLOSE_POLICY)
@@ -152,12 +169,18 @@ class SpeechStreamEndpoint:
         return True
 
 
+async def _as_json(event: dict[str, Any]) -> list[str | bytes]:
+    return [json.dumps(event)]
+
+
 class _Sender:
     """One writer for the socket: events wait in a bounded queue (a full one blocks the
-    producer); a send the client does not take within `timeout_s` ends the session."""
+    producer); a send the client does not take within `timeout_s` ends the session. `translate`
+    turns an event into the frames the session's dialect sends (text or binary)."""
 
     def __init__(self, ws: WebSocket, timeout_s: float) -> None:
         self.ws, self.timeout_s = ws, timeout_s
+        self.translate: Callable[[dict[str, Any]], Awaitable[list[str | bytes]]] = _as_json
         self.queue: asyncio.Queue[tuple[dict[str, Any] | None, int]] = asyncio.Queue(OUT_QUEUE_EVENTS)
         self.dead: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.gone = False
@@ -194,7 +217,9 @@ class _Sender:
                     await asyncio.wait_for(self.ws.close(code), self.timeout_s)
                     self.gone = True
                     break
-                await asyncio.wait_for(self.ws.send_text(json.dumps(event)), self.timeout_s)
+                for frame in await self.translate(event):
+                    send = self.ws.send_bytes(frame) if isinstance(frame, bytes) else self.ws.send_text(frame)
+                    await asyncio.wait_for(send, self.timeout_s)
         except asyncio.TimeoutError:
             logger.warning("speech client did not read for %.1f s; dropping its session", self.timeout_s)
         except Exception:  # noqa: BLE001 - each server names "the client is gone" its own way

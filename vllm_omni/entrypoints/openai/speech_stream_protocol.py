@@ -9,7 +9,8 @@ events), with the text-in events of realtime TTS APIs:
     {"type": "input_text.end"}       flush, then the server closes the socket after the audio
 
 `PhraseCutter` finds where the talker may start on buffered text: after sentence or clause
-punctuation followed by a space (ASCII) or at once (CJK), at a line break, or, past
+punctuation (`phrase_ends`: "clause", the default; "sentence": . ! ? … only) followed by a
+space (ASCII) or at once (CJK), at a line break, or, past
 `max_phrase_chars` without one, at the last space. The cut keeps the space with the next
 phrase, where a byte-level BPE keeps it, so phrases tokenize as the whole text does.
 """
@@ -23,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from vllm_omni.entrypoints.openai.realtime.protocol import ProtocolError, parse_client_event
 
 MAX_PHRASE_CHARS = 200
+PhraseEnds = Literal["clause", "sentence"]  # where a phrase may end: any punctuation, or a sentence's end
 
 
 class _Strict(BaseModel):
@@ -48,6 +50,7 @@ class StreamSessionIn(_Strict):
     # frames per text token (0: it waits at once; text_feed.py).
     max_frames_per_token: float | None = Field(None, ge=0.0, le=100.0)
     max_phrase_chars: int | None = Field(None, ge=8, le=2000)
+    phrase_ends: PhraseEnds | None = None
     sampling: SamplingIn | None = None
 
 
@@ -86,16 +89,20 @@ def parse_event(payload: str | bytes) -> StreamEvent:
 # CJK punctuation at once (no spaces there).
 _ASCII_END = re.compile(r"[.!?;:…,]+[\"')\]]*(?=\s)|\n")
 _CJK_END = re.compile(r"[。！？；：，、]+[」』）]*")
+_ASCII_SENTENCE_END = re.compile(r"[.!?…]+[\"')\]]*(?=\s)|\n")
+_CJK_SENTENCE_END = re.compile(r"[。！？]+[」』）]*")
+_ENDS = {"clause": (_ASCII_END, _CJK_END), "sentence": (_ASCII_SENTENCE_END, _CJK_SENTENCE_END)}
 
 
 class PhraseCutter:
-    def __init__(self, max_phrase_chars: int = MAX_PHRASE_CHARS) -> None:
+    def __init__(self, max_phrase_chars: int = MAX_PHRASE_CHARS, phrase_ends: PhraseEnds = "clause") -> None:
         self.max_phrase_chars = max_phrase_chars
+        self.ends = _ENDS[phrase_ends]
 
     def cut(self, text: str) -> int:
         """The end of the longest leading part of `text` that ends at a phrase boundary (0: none
         yet, wait for more text)."""
-        ends = [m.end() for m in _ASCII_END.finditer(text)] + [m.end() for m in _CJK_END.finditer(text)]
+        ends = [m.end() for pattern in self.ends for m in pattern.finditer(text)]
         end = max(ends, default=0)
         if end == 0 and len(text) > self.max_phrase_chars:
             space = text.rfind(" ", 0, self.max_phrase_chars)

@@ -59,6 +59,7 @@ class StreamConfig:
     language: str | None = None
     max_frames_per_token: float = 0.0
     max_phrase_chars: int = MAX_PHRASE_CHARS
+    phrase_ends: str = "clause"
     sampling: dict[str, Any] | None = None
 
     def wire(self, session_id: str) -> dict[str, Any]:
@@ -95,6 +96,10 @@ class SpeechStreamSession:
         self.text = ""  # every text delta received, in order (offsets index into it)
         self.handed = 0  # text handed to utterances; the rest waits for a phrase boundary
         self.utterance: Utterance | None = None  # the one being made (at most one)
+        self.started = 0  # utterances started (in order: the next one's index)
+        # A voice cloned for this session alone (upstream's inline ref_audio; the edge encodes it):
+        # from the next utterance, instead of `voice`.
+        self.reference: Any = None
         self.flushes: deque[int] = deque()  # offsets of the flushes not yet handed to an utterance
         self.ending = False  # input_text.end: close once the last audio is out
         self.progress = asyncio.Event()  # audio went out, or an utterance ended
@@ -144,7 +149,7 @@ class SpeechStreamSession:
         s = ev.session
         check_session(s, self.ctx.served_names)
         changes = {k: getattr(s, k) for k in ("voice", "instructions", "language", "max_frames_per_token",
-                                              "max_phrase_chars") if getattr(s, k) is not None}
+                                              "max_phrase_chars", "phrase_ends") if getattr(s, k) is not None}
         if s.sampling is not None:
             changes["sampling"] = sampling_overrides(s.sampling)
         config = dataclasses.replace(self.config, **changes)
@@ -175,7 +180,8 @@ class SpeechStreamSession:
                 return  # the next utterance starts when this one ends (_done)
             flush = bool(self.flushes)
             buffered = self.text[self.handed:self.flushes[0] if flush else len(self.text)]
-            piece = buffered if flush else buffered[:PhraseCutter(self.config.max_phrase_chars).cut(buffered)]
+            cutter = PhraseCutter(self.config.max_phrase_chars, self.config.phrase_ends)
+            piece = buffered if flush else buffered[:cutter.cut(buffered)]
             if u is None and not piece.strip():
                 if not flush:
                     return
@@ -206,6 +212,7 @@ class SpeechStreamSession:
                                        output_partial=True, input_complete=final)
         self._hand(u, text)
         self.utterance = u
+        self.started += 1
         u.task = asyncio.create_task(self._speak(u, gen))
 
     def _hand(self, u: Utterance, text: str) -> None:
@@ -271,7 +278,13 @@ class SpeechStreamSession:
         """The TTS prompt's voice options (APIError from the voices service -> ProtocolError)."""
         try:
             self.speech.check_instructions(config.instructions)
-            options = self.speech.voices.speech_options(config.voice, False, config.instructions is not None)
+            if self.reference is not None:
+                if config.voice is not None and self.speech.voices.store is not None \
+                        and self.speech.voices.store.find(config.voice) is not None:
+                    raise APIError(400, f"voice {config.voice!r} is a stored voice: give no ref_audio with it")
+                options = {"cloned_voice": self.reference}
+            else:
+                options = self.speech.voices.speech_options(config.voice, False, config.instructions is not None)
         except APIError as e:
             raise ProtocolError(e.message, param=f"session.{e.param or 'voice'}") from None
         if config.instructions is not None and "instructions" not in options:

@@ -7,6 +7,7 @@
   session may send, the size of one client frame, text received and not yet read by the talker
   (the socket stops reading beyond it), and how long the server waits for a client that does
   not read its audio before it drops the session.
+- `SpeechBatchLimits`: /v1/audio/speech/batch (serving_speech_batch.py): items in one batch.
 """
 from __future__ import annotations
 
@@ -54,6 +55,14 @@ class SpeechStreamLimits:
         _check_positive(self, {f: f"--speech-stream-{f.replace('_', '-')}" for f in self.__dataclass_fields__})
 
 
+@dataclass(frozen=True)
+class SpeechBatchLimits:
+    max_items: int = 32  # texts in one /v1/audio/speech/batch request (all under way at once)
+
+    def __post_init__(self) -> None:
+        _check_positive(self, {"max_items": "--speech-batch-max-items"})
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     v, s = VoiceLimits(), SpeechStreamLimits()
     g = parser.add_argument_group("text to speech: stored voices (/v1/audio/voices) and the speech socket "
@@ -74,11 +83,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="characters received and not yet read by the talker before the socket stops reading")
     g.add_argument("--speech-stream-send-timeout-s", type=float, default=s.send_timeout_s,
                    help="seconds a client may leave its audio unread before the session is dropped")
+    g.add_argument("--speech-batch-max-items", type=int, default=SpeechBatchLimits().max_items,
+                   help="texts one POST /v1/audio/speech/batch request may hold")
 
 
 def voice_limits(args: argparse.Namespace) -> VoiceLimits:
     folder = Path(args.voices_dir).expanduser() if args.voices_dir else None
     return VoiceLimits(folder, args.max_voices, args.max_voice_bytes, args.max_voice_audio_s)
+
+
+def speech_batch_limits(args: argparse.Namespace) -> SpeechBatchLimits:
+    return SpeechBatchLimits(args.speech_batch_max_items)
 
 
 def speech_stream_limits(args: argparse.Namespace) -> SpeechStreamLimits:

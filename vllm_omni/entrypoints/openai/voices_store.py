@@ -52,6 +52,11 @@ class StoredVoice:
     instructions: str | None = None  # designed
     audio_seconds: float | None = None  # cloned: the reference's duration
     cloned: ClonedVoice | None = None
+    # upstream vLLM-Omni's fields, kept and listed as given
+    consent: str | None = None
+    speaker_description: str | None = None
+    mime_type: str | None = None  # cloned: the uploaded sample's
+    file_size: int | None = None
 
     @property
     def key(self) -> str:
@@ -65,12 +70,26 @@ class StoredVoice:
                        mode="in_context" if self.cloned.codes is not None else "x_vector_only")
         if self.instructions is not None:
             out["instructions"] = self.instructions
+        return out | {k: v for k, v in self._upstream_fields().items() if v is not None}
+
+    def upstream(self) -> dict[str, Any]:
+        """The voice as upstream vLLM-Omni's clients read it (its `uploaded_voices` entries)."""
+        out: dict[str, Any] = {"name": self.name, "consent": self.consent or "", "created_at": self.created_at,
+                               "file_size": self.file_size or 0, "mime_type": self.mime_type or ""}
+        if self.cloned is not None and self.cloned.ref_text is not None:
+            out["ref_text"] = self.cloned.ref_text
+        if self.speaker_description is not None:
+            out["speaker_description"] = self.speaker_description
         return out
+
+    def _upstream_fields(self) -> dict[str, Any]:
+        return {"consent": self.consent, "speaker_description": self.speaker_description,
+                "mime_type": self.mime_type, "file_size": self.file_size}
 
     def metadata(self) -> dict[str, str]:
         record = {"name": self.name, "kind": self.kind, "fingerprint": self.fingerprint, "created_at": self.created_at,
                   "model": self.model, "instructions": self.instructions, "audio_seconds": self.audio_seconds,
-                  "ref_text": self.cloned.ref_text if self.cloned is not None else None}
+                  "ref_text": self.cloned.ref_text if self.cloned is not None else None, **self._upstream_fields()}
         return {"vllm_omni_voice": json.dumps(record)}
 
 
@@ -115,7 +134,8 @@ class VoiceStore:
             cloned = ClonedVoice.from_tensors(tensors, record.get("ref_text")) if tensors else None
             self.voices[name.lower()] = StoredVoice(
                 name, record["kind"], record["fingerprint"], int(record["created_at"]), record.get("model", ""),
-                record.get("instructions"), record.get("audio_seconds"), cloned)
+                record.get("instructions"), record.get("audio_seconds"), cloned, record.get("consent"),
+                record.get("speaker_description"), record.get("mime_type"), record.get("file_size"))
         except Exception as e:  # noqa: BLE001 - one unreadable file must not stop the server
             logger.warning("voices: skipping %s (%s: %s)", path, type(e).__name__, e)
 

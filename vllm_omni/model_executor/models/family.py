@@ -39,9 +39,10 @@ class VoiceCloning(Protocol):
     sample_rate: int  # of what load_sample returns
 
     @staticmethod
-    def load_sample(data: bytes) -> Any:
+    def load_sample(data: bytes, policy: Any) -> Any:
         """The recording -> [N] float32 at sample_rate, decoded as the input processor decodes
-        an inline reference (MediaError: bad audio)."""
+        an inline reference, under `policy` (multimodal/media_policy.MediaPolicy: its decode
+        limits hold while decoding; MediaError: bad audio)."""
 
     @staticmethod
     def fingerprint(model_dir: str) -> str:
