@@ -64,18 +64,26 @@ class StageSupervisor:
         if record.up_since is not None and time.monotonic() - record.up_since >= self.stable_after_s:
             record.failures = 0  # it had been serving long enough: this is a new incident
         record.up_since = None
+        if record.failures + 1 > self.max_restarts:
+            # No restart left: down at once, never "restarting" for the loop turn a task would take.
+            record.failures += 1
+            self._give_up(stage_id, record, reason)
+            return
         self._tasks[stage_id] = asyncio.get_running_loop().create_task(
             self._supervise(stage_id, record, reason), name=f"{stage_id} supervisor")
+
+    def _give_up(self, stage_id: Hashable, record: _StageRecord, reason: str) -> None:
+        record.gave_up = (f"not restarted: failed {record.failures} times in a row "
+                          f"(--max-stage-restarts {self.max_restarts}); last: {reason}")
+        record.next_attempt_at = None
+        logger.error("%s stays down: %s", stage_id, record.gave_up)
 
     async def _supervise(self, stage_id: Hashable, record: _StageRecord, reason: str) -> None:
         try:
             while True:
                 record.failures += 1
                 if record.failures > self.max_restarts:
-                    record.gave_up = (f"not restarted: failed {record.failures} times in a row "
-                                      f"(--max-stage-restarts {self.max_restarts}); last: {reason}")
-                    record.next_attempt_at = None
-                    logger.error("%s stays down: %s", stage_id, record.gave_up)
+                    self._give_up(stage_id, record, reason)
                     return
                 delay = min(self.max_backoff_s, self.backoff_s * 2 ** (record.failures - 1))
                 record.next_attempt_at = time.monotonic() + delay
