@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 # A stage silent for this many heartbeat timeouts is hung: killed (and restarted by the supervisor).
 HANG_FACTOR = 3
+# How long a worker that exits while starting has for its StageInitFailed to arrive first.
+EXIT_WHILE_STARTING_GRACE_S = 0.5
 
 
 class StageState(str, enum.Enum):
@@ -242,8 +244,17 @@ class StageClient:
                 fut.set_exception(StageDownError(self.stage_id, f"{self.name} is down: {reason}"))
 
     def _on_exit(self, description: str) -> None:
+        if self.state == StageState.STARTING:
+            # A worker whose build failed sends StageInitFailed (the traceback) and then exits:
+            # the exit can be seen before the reader has the message. It gets a moment to arrive,
+            # so the stage is named with the reason, not only its exit code.
+            asyncio.get_running_loop().call_later(EXIT_WHILE_STARTING_GRACE_S, self._on_exit_now, description)
+        else:
+            self._on_exit_now(description)
+
+    def _on_exit_now(self, description: str) -> None:
         if self.state != StageState.STOPPED:
-            self.mark_down(description)
+            self.mark_down(description)  # a no-op when StageInitFailed already marked it down
 
     def _next_check(self, now: float) -> float:
         """Seconds until the next liveness deadline (the heartbeat timeout when none applies)."""
