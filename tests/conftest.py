@@ -17,6 +17,11 @@
 
 Folder conftests share servers and pipelines the same way (see their docstrings): start one per
 module or session, never one per test, and reuse it when a new test only needs what it serves.
+
+The suite runs on two pytest-xdist workers (`-n 2 --dist loadgroup`, the README's command): a
+module runs whole on one worker, and so do all modules that share a server or pipeline started
+for a package or the session (`SHARED_ACROSS_MODULES`, grouped by `pytest_collection_modifyitems`
+below), so each is started once, as in a serial run.
 """
 import os
 import textwrap
@@ -38,6 +43,34 @@ import pytest  # noqa: E402
 # The demo server's realtime caps, which tests/realtime reaches on purpose.
 DEMO_MAX_INPUT_AUDIO_S = 10
 DEMO_MAX_HISTORY_AUDIO_S = 25
+
+
+# Package- or session-scoped fixtures that start processes (servers, pipelines): the modules using
+# one run on the same xdist worker. A new such fixture belongs here.
+SHARED_ACROSS_MODULES = frozenset({"demo_server", "server", "omni25", "omni3"})
+
+
+@pytest.hookimpl(wrapper=True)  # a wrapper runs before xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Give every test an xdist group (`--dist loadgroup` sends a group whole to one worker, and
+    schedules ungrouped tests one by one): its module, merged (union-find) with every other
+    module that uses the same shared fixture."""
+    parent: dict[str, str] = {}
+
+    def root(key: str) -> str:
+        while parent.setdefault(key, key) != key:
+            key = parent[key] = parent[parent[key]]
+        return key
+
+    modules = [item.nodeid.split("::", 1)[0] for item in items]
+    for item, module in zip(items, modules):
+        for name in item.fixturenames:
+            defs = item._fixtureinfo.name2fixturedefs.get(name)
+            if name in SHARED_ACROSS_MODULES and defs and defs[-1].scope in ("package", "session"):
+                parent[root(module)] = root(f"{defs[-1].baseid}::{name}")
+    for item, module in zip(items, modules):
+        item.add_marker(pytest.mark.xdist_group(root(module)))
+    return (yield)
 
 
 @pytest.fixture(scope="session")

@@ -27,10 +27,10 @@ def test_a_named_stage_writes_its_profile(omni_dir, omni25, tmp_path, monkeypatc
     timeline = text.split("timeline (ms from the first profiled step: start +duration, outputs sent):\n")[1]
     steps = timeline.splitlines()
     assert [line.split(":")[0].strip() for line in steps] == [f"step {i}" for i in range(2, 7)]
-    # One request streams one output a step once it samples; before that, on a busy machine, the
-    # talker may compute a part of its prompt that has streamed in so far and send nothing.
+    # One request streams at most one output a step. On a busy machine the talker may also spend a
+    # step on a part of its prompt that has just streamed in from the thinker, and send nothing.
     sent = [int(line.rsplit("(", 1)[1].rstrip(")")) for line in steps]
-    assert set(sent) <= {0, 1} and sent == sorted(sent) and sent[-1] == 1, timeline
+    assert set(sent) <= {0, 1} and sent[-1] == 1, timeline
     codes = [r["audio"].request_output.prompt_token_ids for r in (reference[0], profiled[0])]
     assert codes[0] == codes[1]
 

@@ -71,6 +71,14 @@ class Realtime:
                 return event
             assert event["type"] != "error", event
 
+    async def first(self, kind: str) -> dict[str, Any]:
+        """The first event of type `kind`, whether it already arrived (events of a live session
+        interleave: under load it may come before the one the test waited for) or is still to come."""
+        for event in self.seen:
+            if event["type"] == kind:
+                return event
+        return await self.until(kind)
+
     async def error(self) -> dict[str, Any]:
         while True:
             event = await self.recv()

@@ -3,6 +3,7 @@ WebSocket (Starlette's test client; no response is generated), the VAD adapter a
 silero-vad package's own wrapper, G.711 against FFmpeg, streaming resampling, transcript cuts."""
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -131,3 +132,58 @@ def test_transcript_cuts():
     assert cut_transcript(text, 1000, 1000) == text
     assert cut_transcript(text, 0, 1000) == "" and cut_transcript(text, 0, 0) == ""
     assert cut_transcript(text, 500, 1000) == "one two"  # 9 of 18 characters, back to a word boundary
+
+
+def test_a_cancellation_lost_on_the_way_still_ends_the_response():
+    """A response cancelled while its send swallows the cancellation (what Python < 3.12's
+    asyncio.wait_for does when its write completes at that moment: the link's send) stops at its
+    next output, and ends "cancelled". A scripted engine: the run's own behaviour is under test."""
+    from types import SimpleNamespace as NS
+
+    from vllm_omni.entrypoints.openai.realtime.conversation import Item
+    from vllm_omni.entrypoints.openai.realtime.response import ResponsePlan, ResponseRun
+
+    class ScriptedEngine:
+        produced = 0
+
+        def stage_health(self):
+            return []
+
+        async def generate(self, prompt, params, **kw):
+            for i in range(50):
+                self.produced += 1
+                ro = NS(prompt_token_ids=[1], num_cached_tokens=0,
+                        outputs=[NS(token_ids=list(range(i + 1)), finish_reason=None)])
+                yield NS(delta=NS(text=f" w{i}"), final_output_type="text", request_output=ro)
+                await asyncio.sleep(0)
+
+    engine = ScriptedEngine()
+    ctx = ServingContext(engine=engine, shape=PipelineShape(1, 0, {"text": 0}, {0: frozenset()}), served_names=["m"],
+                         gate=AdmissionGate(1, 1, 1.0), metrics=ServerMetrics({0: "thinker"}), media=MediaPolicy(),
+                         model_path="/nonexistent")
+    sent = []
+
+    async def send(event):
+        sent.append(event)
+        if event["type"] == "response.output_text.delta" and len(sent_deltas()) == 3:
+            run.cancel("client_cancelled")
+        try:
+            await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            pass  # the write completed: Python 3.11's wait_for returns its result, the cancellation is gone
+
+    def sent_deltas():
+        return [e for e in sent if e["type"] == "response.output_text.delta"]
+
+    plan = ResponsePlan("resp_1", "conv_1", [], ("text",), None, None, None)
+    run = ResponseRun(plan, Item("assistant", [], status="in_progress"), None, ctx, send)
+
+    async def go():
+        run.task = asyncio.create_task(run.run())
+        await run.task
+
+    asyncio.run(go())
+    done = sent[-1]
+    assert done["type"] == "response.done"
+    assert done["response"]["status"] == "cancelled", done["response"]
+    assert len(sent_deltas()) == 3 and engine.produced < 50

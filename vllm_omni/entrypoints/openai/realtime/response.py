@@ -123,6 +123,11 @@ class ResponseRun:
             gen = ctx.engine.generate(prompt, params, request_id=p.id, modalities=wanted, output_partial=True)
             try:
                 async for out in gen:
+                    if self.cancel_reason is not None:
+                        # The task's cancellation can be lost on the way: Python < 3.12's
+                        # asyncio.wait_for (the link's send) returns normally when its write
+                        # completes as the cancellation arrives (CPython gh-86296). The reason stays.
+                        raise asyncio.CancelledError
                     await self._forward(out)
             finally:
                 await gen.aclose()  # a no-op when finished; else aborts the request in every stage

@@ -46,6 +46,9 @@ from vllm_omni.multimodal.media import open_image
 from vllm_omni.multimodal.media_policy import MediaBudget, MediaError
 
 MIN_COMMIT_MS = 100  # OpenAI's minimum for a committed buffer
+# How long a turn's response waits for the reply its speech cancelled to wind down (the abort
+# reaching every stage, then its response.done); past it the turn gets no response of its own.
+CANCELLED_REPLY_WAIT_S = 60.0
 OFF_LOOP_BYTES = 64 * 1024  # audio chunks larger than this are decoded in a worker thread
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -64,6 +67,7 @@ class RealtimeSession:
         self.segmenter: SpeechSegmenter | None = None
         self.speech_item_id: str | None = None  # the id the speech under way will get when committed
         self.response: ResponseRun | None = None
+        self._turn_after_cancel: asyncio.Task[None] | None = None  # see _respond_to_turn
         self._handlers: dict[type, Callable[[Any], Awaitable[None]]] = {
             SessionUpdate: self._session_update, BufferAppend: self._append, BufferCommit: self._commit,
             BufferClear: self._clear, ItemCreate: self._item_create, ItemRetrieve: self._item_retrieve,
@@ -85,6 +89,8 @@ class RealtimeSession:
         return self.response is not None and self.response.active
 
     async def close(self) -> None:
+        if self._turn_after_cancel is not None:
+            self._turn_after_cancel.cancel()
         run = self.response
         if run is not None and run.task is not None:
             run.cancel("client_disconnected")
@@ -166,8 +172,29 @@ class RealtimeSession:
         await self.send(events.event("input_audio_buffer.speech_stopped", audio_end_ms=samples_to_ms(at, MODEL_RATE),
                                      item_id=item_id))
         await self._commit_audio(self.buffer.take(at), item_id)
-        if self.segmenter.params.create_response and not self.busy:
+        if self.segmenter.params.create_response:
+            await self._respond_to_turn()
+
+    async def _respond_to_turn(self) -> None:
+        """The response to a turn that server VAD ended: now, or, when this turn's speech cancelled
+        the reply (barge-in) and that reply is still winding down, as soon as its response.done is
+        out. (Under load the turn can end first: dropping its response would lose the turn.) A
+        reply that was not cancelled keeps the turn waiting for the client's response.create."""
+        run = self.response
+        if run is None or not run.active:
             await self._start_response(None)
+        elif run.cancel_reason is not None and run.task is not None and (
+                self._turn_after_cancel is None or self._turn_after_cancel.done()):  # one answers every such turn
+            self._turn_after_cancel = asyncio.create_task(self._respond_after(run.task))
+
+    async def _respond_after(self, cancelled: asyncio.Task[None]) -> None:
+        await asyncio.wait({cancelled}, timeout=CANCELLED_REPLY_WAIT_S)
+        if self.busy:
+            return  # still winding down, or the client already asked for a response
+        try:
+            await self._start_response(None)
+        except ProtocolError as e:
+            await self.send(events.error(e))
 
     async def _barge_in(self) -> None:
         """Speech while the model talks: stop it, and keep in the history only what was heard."""
