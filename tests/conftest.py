@@ -55,6 +55,8 @@ def pytest_collection_modifyitems(config, items):
     """Give every test an xdist group (`--dist loadgroup` sends a group whole to one worker, and
     schedules ungrouped tests one by one): its module, merged (union-find) with every other
     module that uses the same shared fixture."""
+    if not hasattr(config, "workerinput"):  # not an xdist worker (a serial run, or xdist not installed)
+        return (yield)
     parent: dict[str, str] = {}
 
     def root(key: str) -> str:

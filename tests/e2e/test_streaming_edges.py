@@ -25,9 +25,10 @@ FAMILIES = {
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request):
+def family(request, omni25, omni3):  # named here, not looked up: the xdist grouping sees them (tests/conftest.py)
     ckpt, omni, prompts, params = FAMILIES[request.param]
-    return request.param, request.getfixturevalue(ckpt), request.getfixturevalue(omni), prompts(), params()
+    return (request.param, request.getfixturevalue(ckpt), {"omni25": omni25, "omni3": omni3}[omni], prompts(),
+            params())
 
 
 def counters(omni, stage_id):
