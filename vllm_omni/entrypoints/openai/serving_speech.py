@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from functools import partial
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -52,24 +52,31 @@ MAX_INPUT_CHARS = 4096  # OpenAI's limit on `input`
 DEFAULT_MAX_INSTRUCTIONS = 500  # spec 001: --tts-max-instructions-length default
 
 
+# Field types shared with the batch route's items (serving_speech_batch.py).
+ResponseFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
+TaskType = Literal["CustomVoice", "VoiceDesign", "Base"]
+Speed = Annotated[float, Field(ge=0.25, le=4.0)]
+MaxNewTokens = Annotated[int, Field(ge=1)]
+
+
 class SpeechRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     input: str
     voice: str | None = None
-    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "mp3"  # OpenAI's default
-    speed: float = Field(1.0, ge=0.25, le=4.0)
+    response_format: ResponseFormat = "mp3"  # OpenAI's default
+    speed: Speed = 1.0
     instructions: str | None = None
     stream_format: Literal["audio", "sse"] | None = None
     # vLLM-Omni's extensions
-    task_type: Literal["CustomVoice", "VoiceDesign", "Base"] | None = None
+    task_type: TaskType | None = None
     language: str | None = None
     ref_audio: str | None = None
     ref_text: str | None = None
     x_vector_only_mode: bool | None = None
     non_streaming_mode: bool | None = None
-    max_new_tokens: int | None = Field(None, ge=1)
+    max_new_tokens: MaxNewTokens | None = None
     # upstream vLLM-Omni's spelling of stream_format "audio" (its benchmark client sends it)
     stream: bool | None = None
 

@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from vllm_omni.entrypoints.openai.errors import APIError
-from vllm_omni.entrypoints.openai.serving_speech import SpeechRequest, SpeechService
+from vllm_omni.entrypoints.openai.serving_speech import (
+    MaxNewTokens, ResponseFormat, SpeechRequest, SpeechService, Speed, TaskType)
 from vllm_omni.entrypoints.openai.speech_audio import SPEECH_MEDIA_TYPES
 
 
@@ -33,15 +34,15 @@ class _Shared(BaseModel):
 
     voice: str | None = None
     instructions: str | None = None
-    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] | None = None
-    speed: float | None = Field(None, ge=0.25, le=4.0)
-    task_type: Literal["CustomVoice", "VoiceDesign", "Base"] | None = None
+    response_format: ResponseFormat | None = None
+    speed: Speed | None = None
+    task_type: TaskType | None = None
     language: str | None = None
     ref_audio: str | None = None
     ref_text: str | None = None
     x_vector_only_mode: bool | None = None
     non_streaming_mode: bool | None = None
-    max_new_tokens: int | None = Field(None, ge=1)
+    max_new_tokens: MaxNewTokens | None = None
 
 
 class BatchItem(_Shared):
