@@ -37,12 +37,16 @@
 #                                      # 30 s each), HTTP vs AsyncOmni, Qwen3-Omni c=1/64, Qwen2.5-Omni c=1/32
 #   benchmarks/h200_round.sh i44_tts   # its TTS half (the sweep, HTTP vs AsyncOmni, 40 req/s with admission)
 #   benchmarks/h200_round.sh i44_omni  # its Omni half, and the GPU tests of issue 44
+#   BEFORE=dir benchmarks/h200_round.sh i43_ab  # the Omni end-to-end runs on an earlier tree (BEFORE, e.g.
+#                                      # git archive of the commit before issue 43) and on this one, alternately
+#   benchmarks/h200_round.sh i47_46    # stored voice vs preset first audio, the speech socket; sleep mode
 # Logs and JSON go to $OUT (or ./h200_out). Each step has its own time limit, so one slow step
 # still leaves the others' results.
 set -u
 export PYTHONUNBUFFERED=1  # a step cut by its time limit still leaves its log
 OUT=${OUT:-h200_out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: some steps run in another folder
 PY=${PYTHON:-python3}
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
@@ -272,6 +276,31 @@ case "${1:-}" in
     step video_a14b 400 $PY benchmarks/bench_video.py --models a14b --json "$OUT/video_a14b.json" ;;
   video_ti2v)
     step video_ti2v 560 $PY benchmarks/bench_video.py --models ti2v --json "$OUT/video_ti2v.json" ;;
+  i43_ab)  # issue 43 changed no computation: the same runs before and after it, alternately, in one call
+    before=$(cd "${BEFORE:?BEFORE=a tree of the earlier commit}" && pwd)
+    q3="--dummy-config benchmarks/configs/qwen3_omni_30b_a3b.json --concurrency 1,64 --prompt-words 74 --text-tokens 64
+      --codec-tokens 100 --skip-hf --async-chunk on"
+    q25="--dummy-config benchmarks/configs/qwen2_5_omni_7b.json --concurrency 1,8 --prompt-words 100 --text-tokens 128
+      --codec-tokens 500 --skip-hf --async-chunk on"
+    for model in qwen3 qwen2_5; do
+      args=$([ $model = qwen3 ] && echo "$q3" || echo "$q25")
+      for tree in after before; do
+        dir=$([ $tree = before ] && echo "$before" || pwd)
+        step i43_${model}_$tree 130 env -C "$dir" PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" \
+          $PY benchmarks/bench_omni_e2e.py $args --json "$OUT/i43_${model}_$tree.json"
+      done
+    done ;;
+  i47_46)  # issue 47's first-audio figures, then issue 46's sleep mode on the GPU
+    step tts_stored_voice 100 $PY benchmarks/bench_tts.py --real-arch --task Base --stored-voice --concurrency 1 \
+      --num-requests 32 --json "$OUT/tts_stored_voice.json"
+    step tts_preset 90 $PY benchmarks/bench_tts.py --real-arch --concurrency 1 --num-requests 32 \
+      --json "$OUT/tts_preset.json"
+    step tts_stream 110 $PY benchmarks/bench_tts_stream.py --real-arch --sessions 6 --max-frames-per-token 0,4 \
+      --json "$OUT/tts_stream.json"
+    step sleep_tests 100 $PY -m pytest -q tests/gpu/test_sleep_mode.py tests/gpu/test_memory_sizing.py -s \
+      -p no:cacheprovider
+    step sleep_memory 150 $PY benchmarks/sleep_memory.py --dummy-config benchmarks/configs/qwen2_5_omni_7b.json \
+      --json "$OUT/sleep_memory.json" ;;
   i44) i44_tts; i44_omni ;;
   i44_tts)
     i44_tts
@@ -284,3 +313,7 @@ case "${1:-}" in
     i44_omni ;;
   *) sed -n 's/^#   benchmarks\/h200_round.sh /  /p' "$0"; exit 2 ;;
 esac
+# The device call brings back at most 8 files: past that, the logs travel as one archive.
+if [ "$(find "$OUT" -maxdepth 1 -type f | wc -l)" -gt 8 ]; then
+  (cd "$OUT" && tar -czf logs.tgz --remove-files ./*.log)
+fi
