@@ -160,6 +160,8 @@ def summarize(per_token: float, runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main() -> None:
     args = parse_args()
+    # A time limit's SIGTERM unwinds (the finally below stops the server, which has its own session).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     with tempfile.TemporaryDirectory() as tmp:
         if args.model:
             model = Path(args.model)
@@ -171,7 +173,8 @@ def main() -> None:
 
         tokens = len(AutoTokenizer.from_pretrained(str(model)).encode(TEXT))
         port = free_port()
-        server = start_server(model, args.real_arch, port, Path(tmp) / "server.log")
+        log = Path(args.json).with_suffix(".server.log") if args.json else Path(tmp) / "server.log"
+        server = start_server(model, args.real_arch, port, log)
         rows = []
         try:
             asyncio.run(session(port, args, 0.0, tokens))  # warm-up

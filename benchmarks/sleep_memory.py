@@ -50,13 +50,18 @@ def main() -> None:
     from vllm_omni import Omni
 
     args = parse_args()
-    overrides: dict[str, Any] = {"1": {"default_sampling_params": {"max_tokens": args.codec_tokens,
-                                                                   "min_tokens": args.codec_tokens}}}
+    talker: dict[str, Any] = {"max_tokens": args.codec_tokens, "min_tokens": args.codec_tokens}
+    overrides: dict[str, Any] = {"1": {"default_sampling_params": talker}}
     prompt: dict[str, Any] = {"prompt": "Tell me about the river in the morning."}
     if args.dummy_config:
         from vllm_omni.testing.dummy_checkpoints import chat_prompt_ids, make_dummy_omni_checkpoint
 
+        from bench_omni_e2e import codec_code_count
+
         model = str(make_dummy_omni_checkpoint(args.dummy_config, Path(tempfile.mkdtemp()) / "dummy"))
+        # A random talker also samples its special ids, which no vocoder decodes: only real codes.
+        talker.update(temperature=0.0, ignore_eos=True,
+                      allowed_token_ids=list(range(codec_code_count(json.loads(Path(args.dummy_config).read_text())))))
         for stage in ("0", "1", "2"):
             overrides.setdefault(stage, {})["load_format"] = "dummy"
         for stage in ("0", "1"):  # the AR stages: bf16 and CUDA graphs, as served
