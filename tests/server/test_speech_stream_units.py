@@ -8,9 +8,12 @@ import logging
 
 import pytest
 
+from types import SimpleNamespace
+
 from vllm_omni.entrypoints.openai.speech_stream import _Sender
 from vllm_omni.entrypoints.openai.speech_stream_protocol import PhraseCutter
-from vllm_omni.entrypoints.openai.speech_stream_session import Utterance
+from vllm_omni.entrypoints.openai.speech_stream_session import StreamConfig, Utterance
+from vllm_omni.entrypoints.openai.speech_stream_upstream import UpstreamConfig, UpstreamDialect
 
 
 @pytest.mark.parametrize("text, end", [
@@ -55,6 +58,16 @@ def test_a_chunk_spans_the_text_its_frames_read():
     u.frames = 9
     assert u.read_to() == 25  # never past what it was handed
     assert Utterance(id="v", start=3, end=3, prompt_read=1).read_to() == 3
+
+
+def test_the_talker_goes_on_between_phrases_by_default_and_upstreams_dialect_waits_for_text():
+    """Text written at speaking pace runs out between phrases: by default the talker keeps speaking
+    what it read (4 frames per token read, as a session.created shows it); upstream's dialect
+    speaks its text as written (0: the speech of the whole text at once)."""
+    assert StreamConfig(model="tts").wire("s")["max_frames_per_token"] == 4.0
+    session = SimpleNamespace(speech=SimpleNamespace(info=SimpleNamespace(task_type="CustomVoice")))
+    update = UpstreamDialect(session, send=None)._update(UpstreamConfig(type="session.config", voice="dora"))
+    assert update.session.max_frames_per_token == 0.0
 
 
 class _StalledSocket:

@@ -51,13 +51,20 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 ENDPOINT = "/v1/audio/speech/stream"
 
 
+# The talker reads a text token a frame, ~4 times faster than it speaks: text written at speaking
+# pace runs out between phrases. By default it goes on speaking what it read (tts_pad rows) for up
+# to 4 frames per token read, so the audio does not stop there (0: it waits, and the speech is
+# exactly that of the whole text at once; docs/tts.md).
+DEFAULT_FRAMES_PER_TOKEN = 4.0
+
+
 @dataclass(frozen=True)
 class StreamConfig:
     model: str
     voice: str | None = None
     instructions: str | None = None
     language: str | None = None
-    max_frames_per_token: float = 0.0
+    max_frames_per_token: float = DEFAULT_FRAMES_PER_TOKEN
     max_phrase_chars: int = MAX_PHRASE_CHARS
     phrase_ends: str = "clause"
     sampling: dict[str, Any] | None = None

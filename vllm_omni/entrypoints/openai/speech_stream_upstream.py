@@ -166,9 +166,11 @@ class UpstreamDialect:
         sampling = None
         if c.max_new_tokens is not None or c.seed is not None:
             sampling = SamplingIn(max_tokens=c.max_new_tokens, seed=c.seed)
+        # Upstream speaks what it was given as written: the talker waits for text rather than
+        # filling with pads, so an utterance's speech is that of its whole text at once.
         update = SessionUpdate(type="session.update", session=StreamSessionIn(
             model=c.model, voice=c.voice, language=c.language, instructions=c.instructions, sampling=sampling,
-            phrase_ends=c.split_granularity))
+            phrase_ends=c.split_granularity, max_frames_per_token=0.0))
         return update
 
     async def _clone(self, c: UpstreamConfig) -> Any:
