@@ -39,6 +39,7 @@
 #   benchmarks/h200_round.sh i44_omni  # its Omni half, and the GPU tests of issue 44
 #   BEFORE=dir benchmarks/h200_round.sh i43_ab  # the Omni end-to-end runs on an earlier tree (BEFORE, e.g.
 #                                      # git archive of the commit before issue 43) and on this one, alternately
+#                                      # (ORDER="before after after before" repeats them in both orders)
 #   benchmarks/h200_round.sh i47_46    # stored voice vs preset first audio, the speech socket; sleep mode
 # Logs and JSON go to $OUT (or ./h200_out). Each step has its own time limit, so one slow step
 # still leaves the others' results.
@@ -284,7 +285,7 @@ case "${1:-}" in
       --codec-tokens 500 --skip-hf --async-chunk on"
     for model in qwen3 qwen2_5; do
       args=$([ $model = qwen3 ] && echo "$q3" || echo "$q25")
-      for tree in after before; do
+      for tree in ${ORDER:-after before}; do  # ORDER="before after" for the other order
         dir=$([ $tree = before ] && echo "$before" || pwd)
         step i43_${model}_$tree 130 env -C "$dir" PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" \
           $PY benchmarks/bench_omni_e2e.py $args --json "$OUT/i43_${model}_$tree.json"
