@@ -285,10 +285,12 @@ case "${1:-}" in
       --codec-tokens 500 --skip-hf --async-chunk on"
     for model in qwen3 qwen2_5; do
       args=$([ $model = qwen3 ] && echo "$q3" || echo "$q25")
+      n=0
       for tree in ${ORDER:-after before}; do  # ORDER="before after" for the other order
+        n=$((n + 1))
         dir=$([ $tree = before ] && echo "$before" || pwd)
-        step i43_${model}_$tree 130 env -C "$dir" PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" \
-          $PY benchmarks/bench_omni_e2e.py $args --json "$OUT/i43_${model}_$tree.json"
+        step i43_${model}_${n}_$tree 130 env -C "$dir" PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" \
+          $PY benchmarks/bench_omni_e2e.py $args --json "$OUT/i43_${model}_${n}_$tree.json"
       done
     done ;;
   i47_46)  # issue 47's first-audio figures, then issue 46's sleep mode on the GPU
