@@ -3,8 +3,9 @@
 - `Omni(worker_backend="ray")` with no Ray running starts a local one: each stage is a Ray
   actor holding one CPU; text tokens, talker codes and waveforms equal the default backend's
   (the same worker loop, run here with its stages as threads); an actor killed with `ray.kill`
-  is restarted by the supervisor and serves the same outputs; a second pipeline that does not fit fails at once and leaves that Ray to the
-  first; the last close() shuts it down (no Ray process left, this process no driver).
+  is restarted by the supervisor and serves the same outputs; a second pipeline that does not
+  fit fails at once and leaves that Ray to the first; the last close() shuts it down (no Ray
+  process left, this process no driver).
 - On a Ray that is not ours (initialized by the caller; `vllm-omni serve --ray-address` to
   it) close() and SIGTERM kill only our actors and leave the cluster running; the server's
   speech over HTTP equals the default backend's.
