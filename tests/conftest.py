@@ -47,7 +47,8 @@ DEMO_MAX_HISTORY_AUDIO_S = 25
 
 # Package- or session-scoped fixtures that start processes (servers, pipelines): the modules using
 # one run on the same xdist worker. A new such fixture belongs here.
-SHARED_ACROSS_MODULES = frozenset({"demo_server", "server", "omni25", "omni3"})
+SHARED_ACROSS_MODULES = frozenset({"demo_server", "server", "omni25", "omni3", "headless_cluster",
+                                   "voices_server"})
 
 
 @pytest.hookimpl(wrapper=True)  # a wrapper runs before xdist's own hook, which reads the groups

@@ -1,4 +1,4 @@
-"""Sequence-parallel attention and row-band decoding across real ranks (gloo, spawned processes).
+"""Sequence-parallel attention and row-band decoding across real ranks (gloo; processes forked from a forkserver).
 
 One world of 4 ranks runs layouts of 2 and 4 ranks on tiny random tensors (a 2-rank grid as each
 of two CFG branches) and compares each rank's slice with one process's result on the whole
@@ -10,6 +10,7 @@ VAE's row bands with a halo on 2 and 4 ranks, and standalone HSDP (2 replicas x 
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import socket
 
 import pytest
@@ -23,6 +24,8 @@ from vllm_omni.diffusion.rank_groups import build_groups
 from vllm_omni.model_executor.layers.diffusion_parallel import PatchGroup, decode_row_bands
 from vllm_omni.model_executor.layers.sequence_parallel import SequenceParallelAttention
 
+# What the ranks import on their first collective, HSDP shard and comparison (torch imports them lazily).
+RANK_IMPORTS = ["torch.distributed.fsdp", "torch.distributed.tensor", "torch._dynamo", "torch.testing"]
 TOLERANCE = 1e-5  # float32: attention over key blocks merged by log-sum-exp rounds differently
 CPU = torch.device("cpu")
 
@@ -125,7 +128,11 @@ def test_every_layout_equals_one_process():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_world, args=(port,), nprocs=WORLD)
+    # The ranks fork from a forkserver (a fresh single-threaded interpreter) that imported this
+    # module and the torch parts the checks use once, rather than each rank importing them in a
+    # spawned interpreter of its own (~2 s of CPU per rank, for tensors of a few hundred numbers).
+    multiprocessing.set_forkserver_preload([__name__, *RANK_IMPORTS])
+    mp.start_processes(_world, args=(port,), nprocs=WORLD, start_method="forkserver")
 
 
 def test_strict_mode_refuses_what_it_cannot_split():

@@ -1,13 +1,14 @@
 """The Ray worker backend on the tiny Qwen2.5-Omni (thinker -> talker -> code2wav).
 
 - `Omni(worker_backend="ray")` with no Ray running starts a local one: each stage is a Ray
-  actor holding one CPU; text tokens, talker codes and waveforms equal the multiprocess
-  backend's; an actor killed with `ray.kill` is restarted by the supervisor and serves the
-  same outputs; a second pipeline that does not fit fails at once and leaves that Ray to the
-  first; the last close() shuts it down (no Ray process left, this process no driver).
+  actor holding one CPU; text tokens, talker codes and waveforms equal the default backend's
+  (the same worker loop, run here with its stages as threads); an actor killed with `ray.kill`
+  is restarted by the supervisor and serves the same outputs; a second pipeline that does not
+  fit fails at once and leaves that Ray to the first; the last close() shuts it down (no Ray
+  process left, this process no driver).
 - On a Ray that is not ours (initialized by the caller; `vllm-omni serve --ray-address` to
   it) close() and SIGTERM kill only our actors and leave the cluster running; the server's
-  speech over HTTP equals the multiprocess backend's.
+  speech over HTTP equals the default backend's.
 - Without Ray, the backend is a clear start-up error naming the extra; importing vllm_omni
   does not import ray.
 
@@ -26,6 +27,7 @@ import openai
 import pytest
 import torch
 
+from tests.conftest import in_threads
 from tests.e2e.conftest import TALKER_TOKENS, THINKER_TOKENS, by_request, mixed_prompts, short_params
 from tests.pipeline.conftest import pid_alive, wait_until
 from tests.server.conftest import REPO, ServerProcess
@@ -63,10 +65,13 @@ def is_ray_actor(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def reference(omni25) -> list[dict]:
-    """The multiprocess backend (the package's pipeline), one request at a time as the bundled
-    config runs them (its batches of 8 would round the waveform differently)."""
-    return [out for prompt in PROMPTS for out in run(omni25, [prompt])]
+def reference(omni_dir) -> list[dict]:
+    """The default backend on the bundled config, one request at a time, its stages as threads of
+    this process: the stage processes' worker loop, with their outputs to the last bit
+    (tests/server/test_server_omni.py compares the two exactly), without importing torch three
+    more times in this interpreter."""
+    with Omni(model=str(omni_dir), stage_overrides=in_threads(3)) as omni:
+        return [out for prompt in PROMPTS for out in run(omni, [prompt])]
 
 
 # ------------------------------------------- a Ray of our own: Omni starts it and shuts it down

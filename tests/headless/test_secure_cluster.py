@@ -4,8 +4,9 @@
 secret is refused and says why at once; a stage stopped with SIGSTOP turns /health 503 within the
 heartbeat deadline and serves again as soon as it gets SIGCONT.
 
-One cluster serves the module's tests, in order. The flag checks, the protocol and the counters in
-one process are in test_transport_security.py."""
+One cluster serves the module's tests, in order: the package's (conftest.py), as started; it
+then goes on to test_stage_cli.py. The flag checks, the protocol and the counters in one process
+are in test_transport_security.py."""
 from __future__ import annotations
 
 import os
@@ -17,12 +18,10 @@ import time
 import pytest
 import zmq
 
-from tests.headless.test_headless_stages import READY_S, SPEECH, TEXT, Cluster, Headless, answer, head_args
+from tests.headless.conftest import READY_S, SPEECH, TEXT, answer
 from tests.pipeline.conftest import wait_until
 from tests.server.conftest import ServerProcess
 
-SECRET = "a-cluster-secret-for-the-tests-" + "9" * 12
-WRONG_SECRET = "not-the-cluster-secret-at-all-" + "1" * 12
 HEALTH_DEADLINE_S = 5.0  # issue 41: a stopped stage is reported within 5 s (the heartbeat deadline is 3 s)
 
 
@@ -45,40 +44,9 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-class SecureCluster(Cluster):
-    impostor: Headless | None = None  # a headless command with another secret
-    impostor_started = 0.0
-
-
 @pytest.fixture(scope="module")
-def model(tiny_model):
-    return tiny_model("qwen2_5_omni")
-
-
-@pytest.fixture(scope="module")
-def cluster(model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("secure-cluster")
-    secret_file = tmp / "secret"
-    secret_file.write_text(SECRET)
-    secret_file.chmod(0o600)
-    c = SecureCluster(model, tmp)
-    secret = ("--omni-secret-file", str(secret_file))
-    try:
-        c.head = ServerProcess.launch(head_args(model, c.master_port, "--stage-id", "0", *secret), tmp / "head.log")
-        c.start_headless(1, *secret)
-        c.start_headless(2, *secret)
-        # Started with the others, so that its start-up overlaps theirs: the secret it has is not the head's.
-        c.impostor = Headless(model, 1, c.master_port, tmp / "impostor.log", "--stage-init-timeout", "900",
-                              env={"VLLM_OMNI_SECRET": WRONG_SECRET})
-        c.impostor_started = time.monotonic()
-        c.head.wait_ready(READY_S)
-        yield c
-    finally:
-        if c.head is not None:
-            c.head.stop()
-        for h in [*c.headless, c.impostor]:
-            if h is not None:
-                h.kill()
+def cluster(headless_cluster):
+    return headless_cluster.get(pristine=True)
 
 
 def test_the_cluster_serves_over_its_encrypted_links(cluster):

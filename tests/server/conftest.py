@@ -1,4 +1,5 @@
-"""A real `vllm-omni serve` subprocess per test module, and what the tests share.
+"""A real `vllm-omni serve` subprocess per test module, and what the tests share (one server,
+`voices_server`, is shared by two modules).
 
 Each server runs in its own process group (start_new_session) and is stopped in teardown with
 SIGTERM, then SIGKILL; its stage processes (own groups, parent-death signal) must be gone too,
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.pipeline.conftest import pid_alive, wait_until
 
@@ -113,3 +115,20 @@ def _signal_group(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+@pytest.fixture(scope="package")
+def voices_server(tiny_model, tmp_path_factory):
+    """The TTS server of test_voices_and_stream.py and test_voices_upstream.py (voices_server.py),
+    started once for both: {"server", "ckpt", "tmp"}. A voice written to its folder before it
+    starts (`dora`, by the store in this process) and one of another checkpoint (`elsewhere`).
+    Each module leaves the stored voices as it found them."""
+    from tests.server.voices_server import earlier_voice, foreign_voice, launch
+
+    tmp = tmp_path_factory.mktemp("voices-server")
+    foreign_voice(tmp / "voices")
+    ckpt = tiny_model("qwen3_tts", task_type="Base")
+    earlier_voice(ckpt, tmp / "voices")
+    state = {"server": launch(ckpt, tmp / "voices", tmp / "server.log"), "ckpt": ckpt, "tmp": tmp}
+    yield state
+    state["server"].stop()

@@ -2,8 +2,9 @@
 the API server) and headless stages (`--headless --stage-id N`) as separate processes on loopback,
 the tiny Qwen2.5-Omni pipeline, a real HTTP client against the head.
 
-One deployment serves the module's tests in order: stage 2 starts before the head and stage 1
-after it; the answers equal a one-process server's; a second stage-1 replica attaches at run time
+One deployment serves the module's tests in order (the package's cluster, conftest.py: stage 2
+starts before the head and stage 1 after it, all with the cluster secret; test_secure_cluster.py
+uses it first, as started): the answers equal a one-process server's; a second stage-1 replica attaches at run time
 and gets requests; a headless replica SIGKILLed under load (every request ends 200 or 503, /health
 shows it down) and started again attaches into its slot and serves; a stage whose model differs is
 refused; Ctrl-C on a headless process and on the head stop everything cleanly.
@@ -15,8 +16,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,59 +23,12 @@ import httpx
 import pytest
 
 from tests.conftest import in_threads
+from tests.headless.conftest import (
+    HEARTBEAT_TIMEOUT_S, NAME, OVERRIDES, READY_S, SPEECH, TEXT, Headless, answer, head_args, stage,
+)
 from tests.pipeline.conftest import pid_alive, wait_until
 from tests.server.under_load import assert_each_ended, post_until
-from tests.server.conftest import REPO, ServerProcess, free_port
-
-NAME = "tiny-omni"
-OVERRIDES = {"0": {"default_sampling_params": {"max_tokens": 8}},
-             "1": {"default_sampling_params": {"max_tokens": 24}, "max_num_seqs": 4}}
-SPEECH = {"model": NAME, "messages": [{"role": "user", "content": "Say it again."}], "audio": {"voice": "Ethan"}}
-TEXT = {"model": NAME, "messages": [{"role": "user", "content": "Hello there"}], "modalities": ["text"]}
-HEARTBEAT_TIMEOUT_S = 4.0
-READY_S = 240.0  # 2 busy CPU cores, several processes importing torch at once
-
-
-class Headless:
-    """One `vllm-omni serve MODEL --headless --stage-id N` process."""
-
-    def __init__(self, model: Path, stage_id: int, master_port: int, log: Path, *extra: str,
-                 env: dict[str, str] | None = None) -> None:
-        cmd = [sys.executable, "-m", "vllm_omni.entrypoints.cli.main", "serve", str(model), "--headless",
-               "--stage-id", str(stage_id), "--omni-master-address", "127.0.0.1", "--omni-master-port",
-               str(master_port), "--stage-overrides", json.dumps(OVERRIDES), *extra]
-        self.log = log
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait(self, timeout_s: float) -> int:
-        return self.proc.wait(timeout_s)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-
-def head_args(model: Path, master_port: int, *extra: str) -> list[str]:
-    return [str(model), "--served-model-name", NAME, "--stage-overrides", json.dumps(OVERRIDES),
-            "--omni-master-address", "127.0.0.1", "--omni-master-port", str(master_port), *extra]
-
-
-def stage(server: ServerProcess, stage_id: int) -> dict:
-    return server.get("/health").json()["stages"][stage_id]
-
-
-def answer(server: ServerProcess, body: dict) -> tuple:
-    r = server.post("/v1/chat/completions", body, timeout=120.0)
-    assert r.status_code == 200, r.text
-    choices = r.json()["choices"]
-    return tuple(c["message"]["content"] if c["message"].get("audio") is None else c["message"]["audio"]["data"]
-                 for c in choices)
+from tests.server.conftest import ServerProcess, free_port
 
 
 @pytest.fixture(scope="module")
@@ -97,36 +49,12 @@ def reference(model, tmp_path_factory) -> dict[str, tuple]:
         proc.stop()
 
 
-class Cluster:
-    def __init__(self, model: Path, tmp: Path) -> None:
-        self.model, self.tmp = model, tmp
-        self.master_port = free_port()
-        self.headless: list[Headless] = []
-        self.head: ServerProcess | None = None
-
-    def start_headless(self, stage_id: int, *extra: str) -> Headless:
-        h = Headless(self.model, stage_id, self.master_port, self.tmp / f"headless{len(self.headless)}.log", *extra)
-        self.headless.append(h)
-        return h
-
-
 @pytest.fixture(scope="module")
-def cluster(model, reference, tmp_path_factory):
-    c = Cluster(model, tmp_path_factory.mktemp("stage-cli"))
-    try:
-        c.start_headless(2)  # before the head: it keeps trying to register
-        time.sleep(1.0)
-        c.head = ServerProcess.launch(head_args(model, c.master_port, "--stage-id", "0", "--max-model-len", "1024",
-                                                "--omni-lb-policy", "round-robin", "--omni-heartbeat-timeout",
-                                                str(HEARTBEAT_TIMEOUT_S)), c.tmp / "head.log")
-        c.start_headless(1, "--max-model-len", "512")  # after the head; its own engine flags
-        c.head.wait_ready(READY_S)
-        yield c
-    finally:
-        if c.head is not None:
-            c.head.stop()
-        for h in c.headless:
-            h.kill()
+def cluster(headless_cluster, reference):
+    """The package's cluster as started (test_secure_cluster.py leaves it so); these tests change it."""
+    c = headless_cluster.get(pristine=True)
+    c.changed = True
+    return c
 
 
 def test_head_and_headless_stages_serve_like_one_process(cluster, reference):
@@ -201,7 +129,7 @@ def test_a_stage_of_another_model_is_refused(cluster, tmp_path):
     shutil.copytree(cluster.model, other)
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "_name_or_path": "another-checkpoint"}))
-    refused = Headless(other, 1, cluster.master_port, tmp_path / "refused.log")
+    refused = Headless(other, 1, cluster.master_port, tmp_path / "refused.log", *cluster.secret)
     try:
         assert refused.wait(READY_S) == 1
     finally:
