@@ -145,7 +145,8 @@ def test_leave_marks_the_replica_down_at_once(head, worker_ctx):
     client = head.pools[1].replicas[0]
     head.call(_set_state(client, StageState.UP))  # as if it had sent StageReady
     link.close("stopped")
-    assert wait_until(lambda: client.state == StageState.DOWN, 5.0)
+    # (the head's loop marks the state, then reports the down: wait for both, not the first)
+    assert wait_until(lambda: client.state == StageState.DOWN and head.downs, 5.0)
     assert head.downs == [(0, f"headless replica (pid {client.pid} on {client.launcher.host}) left: stopped")]
 
 

@@ -204,8 +204,8 @@ class StageClient:
         if self.state == StageState.STOPPED or (self.state == StageState.DOWN and not self.silent):
             return
         was_silent, self.silent = self.silent, False
+        self.reason = reason  # before the state: whoever sees DOWN (another thread) sees why
         self.state = StageState.DOWN
-        self.reason = reason
         logger.error("%s is DOWN: %s", self.name, reason)
         if not was_silent:
             self._fail_waiters(reason)
