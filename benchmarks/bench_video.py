@@ -81,7 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-video", action="store_true")
     p.add_argument("--eager", action="store_true", help="ours without torch.compile (enforce_eager)")
     p.add_argument("--variants", default="", help="more settings of ours to time one step with, comma-separated "
-                   "BACKEND[+compile] (e.g. TORCH_SDPA+compile,CUDNN_ATTN): attention kernel and compilation")
+                   "BACKEND[+compile][+fp8] (e.g. TORCH_SDPA+compile,CUDNN_ATTN+compile+fp8): attention kernel, "
+                   "compilation, online FP8 weights (these run last: they quantize the shared weights in place)")
     p.add_argument("--json", default="bench_video.json")
     return p.parse_args(argv)
 
@@ -126,16 +127,37 @@ def bench_model(spec: Spec, args: argparse.Namespace, device: torch.device) -> d
             times = timed(fn, device, args.warmup + args.iters)[args.warmup:]
             row[f"{name}_ms_per_step"] = round(statistics.median(times), 1)
         row["step_speedup"] = round(row["diffusers_ms_per_step"] / row["ours_ms_per_step"], 3)
-        row["step_max_abs_diff"] = (ours_step().float() - theirs_step().float()).abs().max().item()
-        for variant in filter(None, args.variants.split(",")):
-            backend, _, compiled = variant.partition("+")
-            other = WanModel(model.c, device=device,
-                             acceleration=DenoiserAcceleration(attention_backend=backend, compile=bool(compiled)))
-            times = timed(ours_step_fn(other, request), device, args.warmup + args.iters)[args.warmup:]
-            row[f"ours_ms_per_step[{variant}]"] = round(statistics.median(times), 1)
+        reference = ours_step().float()
+        row["step_max_abs_diff"] = (reference - theirs_step().float()).abs().max().item()
+    variants = [v for v in args.variants.split(",") if v]
+    fp8_last = sorted(variants, key=lambda v: "fp8" in v.split("+"))  # (a stable sort)
+    for variant in [v for v in fp8_last if "fp8" not in v.split("+")]:
+        row.update(time_variant(variant, model, request, reference, args, device))
     if not args.skip_video:
         row.update(bench_video(model, pipe, params, args.video_steps, device))
+    for variant in [v for v in fp8_last if "fp8" in v.split("+")]:
+        row.update(time_variant(variant, model, request, reference, args, device))
     return row
+
+
+def time_variant(variant: str, model: Any, request: Any, reference: torch.Tensor, args: argparse.Namespace,
+                 device: torch.device) -> dict[str, Any]:
+    """One step of ours with other settings on the same components: ms and the velocity's max
+    difference from the default setting's."""
+    from vllm_omni.model_executor.models.diffusion_acceleration import DenoiserAcceleration
+    from vllm_omni.model_executor.models.diffusion_quantization_spec import DiffusionQuantization
+    from vllm_omni.model_executor.models.wan2_2.model import WanModel
+
+    backend, *options = variant.split("+")
+    if set(options) - {"compile", "fp8"}:
+        raise SystemExit(f"--variants {variant!r}: BACKEND[+compile][+fp8]")
+    acceleration = DenoiserAcceleration(attention_backend=backend or None, compile="compile" in options,
+                                        quantization=DiffusionQuantization("fp8") if "fp8" in options else None)
+    with torch.inference_mode():
+        step = ours_step_fn(WanModel(model.c, device=device, acceleration=acceleration), request)
+        times = timed(step, device, args.warmup + args.iters)[args.warmup:]
+        diff = (step().float() - reference).abs().max().item()
+    return {f"ours_ms_per_step[{variant}]": round(statistics.median(times), 1), f"step_max_abs_diff[{variant}]": diff}
 
 
 def bench_video(model: Any, pipe: Any, params: dict[str, Any], steps: int, device: torch.device) -> dict[str, Any]:
@@ -323,6 +345,12 @@ def table(result: dict[str, Any]) -> str:
         diffs = f"{r['step_max_abs_diff']:.3g} / {r.get('video_max_abs_diff', float('nan')):.3g}"
         lines.append(f"| {r['model']} | {r['size']} | {r['diffusers_ms_per_step']} | {r['ours_ms_per_step']} | "
                      f"**{r['step_speedup']}x** | {video} | {diffs} |")
+    for r in result["rows"]:
+        for key in [k for k in r if k.startswith("ours_ms_per_step[")]:
+            variant = key[len("ours_ms_per_step["):-1]
+            lines.append(f"\n{r['model']}, ours with {variant}: {r[key]} ms/step "
+                         f"({r['diffusers_ms_per_step'] / r[key]:.3g}x diffusers), the velocity within "
+                         f"{r[f'step_max_abs_diff[{variant}]']:.3g} of the default's")
     steps = {r.get("video_steps") for r in result["rows"]} - {None}
     if steps:
         lines.append(f"\nVideos: {steps.pop()} denoising steps (prompt encoding and VAE decoding included).")
