@@ -274,11 +274,9 @@ case "${1:-}" in
     step diffusion_accel 500 $PY benchmarks/bench_diffusion_accel.py --json "$OUT/diffusion_accel.json" ;;
   video)  # needs diffusers, accelerate, ftfy and av (carried as wheels)
     step wan_gpu_tests 180 $PY -m pytest -q tests/gpu/test_wan_compiled.py -p no:cacheprovider
-    step video_a14b 400 $PY benchmarks/bench_video.py --models a14b --variants CUDNN_ATTN+compile+fp8 \
-      --json "$OUT/video_a14b.json" ;;
+    step video_a14b 400 $PY benchmarks/bench_video.py --models a14b --json "$OUT/video_a14b.json" ;;
   video_ti2v)
-    step video_ti2v 560 $PY benchmarks/bench_video.py --models ti2v --variants CUDNN_ATTN+compile+fp8 \
-      --json "$OUT/video_ti2v.json" ;;
+    step video_ti2v 560 $PY benchmarks/bench_video.py --models ti2v --json "$OUT/video_ti2v.json" ;;
   i43_ab)  # issue 43 changed no computation: the same runs before and after it, alternately, in one call
     before=$(cd "${BEFORE:?BEFORE=a tree of the earlier commit}" && pwd)
     q3="--dummy-config benchmarks/configs/qwen3_omni_30b_a3b.json --concurrency 1,64 --prompt-words 74 --text-tokens 64
