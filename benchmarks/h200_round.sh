@@ -40,6 +40,8 @@
 #   BEFORE=dir benchmarks/h200_round.sh i43_ab  # the Omni end-to-end runs on an earlier tree (BEFORE, e.g.
 #                                      # git archive of the commit before issue 43) and on this one, alternately
 #                                      # (ORDER="before after after before" repeats them in both orders)
+#   BEFORE=dir benchmarks/h200_round.sh i43_46  # that pair "before after", then sleep_memory.py and
+#                                      # bench_weight_load.py on the Qwen2.5-Omni-7B architecture
 #   benchmarks/h200_round.sh i47_46    # stored voice vs preset first audio, the speech socket; sleep mode
 # Logs and JSON go to $OUT (or ./h200_out). Each step has its own time limit, so one slow step
 # still leaves the others' results.
@@ -73,6 +75,27 @@ i44_omni() {
   step i44_qwen2_5 115 env VLLM_OMNI_LOG_COMPILES=1 $PY benchmarks/bench_omni_e2e.py \
     --dummy-config benchmarks/configs/qwen2_5_omni_7b.json --concurrency 1,32 --prompt-words 100 \
     --text-tokens 128 --codec-tokens 500 --skip-hf --async-chunk on --json "$OUT/i44_qwen2_5.json"
+}
+# Issue 43 changed no computation: the same end-to-end runs on an earlier tree ($BEFORE) and on this one,
+# alternately (ORDER, default "after before"), each in its own process with the same benchmark script.
+i43_ab() {
+  local before
+  before=$(cd "${BEFORE:?BEFORE=a tree of the earlier commit}" && pwd)
+  local q3="--dummy-config benchmarks/configs/qwen3_omni_30b_a3b.json --concurrency 1,64 --prompt-words 74
+    --text-tokens 64 --codec-tokens 100 --skip-hf --async-chunk on"
+  local q25="--dummy-config benchmarks/configs/qwen2_5_omni_7b.json --concurrency 1,8 --prompt-words 100
+    --text-tokens 128 --codec-tokens 500 --skip-hf --async-chunk on"
+  local model args n tree dir
+  for model in qwen3 qwen2_5; do
+    args=$([ $model = qwen3 ] && echo "$q3" || echo "$q25")
+    n=0
+    for tree in ${ORDER:-after before}; do
+      n=$((n + 1))
+      dir=$([ $tree = before ] && echo "$before" || pwd)
+      step i43_${model}_${n}_$tree 130 env -C "$dir" PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" \
+        $PY benchmarks/bench_omni_e2e.py $args --json "$OUT/i43_${model}_${n}_$tree.json"
+    done
+  done
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case "${1:-}" in
@@ -277,22 +300,13 @@ case "${1:-}" in
     step video_a14b 400 $PY benchmarks/bench_video.py --models a14b --json "$OUT/video_a14b.json" ;;
   video_ti2v)
     step video_ti2v 560 $PY benchmarks/bench_video.py --models ti2v --json "$OUT/video_ti2v.json" ;;
-  i43_ab)  # issue 43 changed no computation: the same runs before and after it, alternately, in one call
-    before=$(cd "${BEFORE:?BEFORE=a tree of the earlier commit}" && pwd)
-    q3="--dummy-config benchmarks/configs/qwen3_omni_30b_a3b.json --concurrency 1,64 --prompt-words 74 --text-tokens 64
-      --codec-tokens 100 --skip-hf --async-chunk on"
-    q25="--dummy-config benchmarks/configs/qwen2_5_omni_7b.json --concurrency 1,8 --prompt-words 100 --text-tokens 128
-      --codec-tokens 500 --skip-hf --async-chunk on"
-    for model in qwen3 qwen2_5; do
-      args=$([ $model = qwen3 ] && echo "$q3" || echo "$q25")
-      n=0
-      for tree in ${ORDER:-after before}; do  # ORDER="before after" for the other order
-        n=$((n + 1))
-        dir=$([ $tree = before ] && echo "$before" || pwd)
-        step i43_${model}_${n}_$tree 130 env -C "$dir" PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" \
-          $PY benchmarks/bench_omni_e2e.py $args --json "$OUT/i43_${model}_${n}_$tree.json"
-      done
-    done ;;
+  i43_ab) i43_ab ;;
+  i43_46)  # issue 43's pair in the other order, then issue 46's figures on the 7B architecture
+    ORDER=${ORDER:-before after} i43_ab
+    step sleep_memory 150 $PY benchmarks/sleep_memory.py --dummy-config benchmarks/configs/qwen2_5_omni_7b.json \
+      --json "$OUT/sleep_memory.json"
+    step weight_load 200 $PY benchmarks/bench_weight_load.py --device cuda --threads 1 8 --repeats 1 \
+      --json "$OUT/weight_load.json" ;;
   i47_46)  # issue 47's first-audio figures, then issue 46's sleep mode on the GPU
     step tts_stored_voice 100 $PY benchmarks/bench_tts.py --real-arch --task Base --stored-voice --concurrency 1 \
       --num-requests 32 --json "$OUT/tts_stored_voice.json"
