@@ -3,7 +3,9 @@ wake up, and whether the outputs after waking equal those before (greedy, the sa
 
 Runs an omni pipeline through `Omni` (real stage processes) with `enable_sleep_mode`, then for
 level 1 and level 2: sleep, read the device's used memory (torch.cuda.mem_get_info in this
-process: every process on the device counts), wake up, generate again and compare.
+process: every process on the device counts), wake up, generate again and compare. A control generates twice before the first sleep: what two
+runs of one awake pipeline differ by (on a GPU, bfloat16 products may round differently when
+a streamed talker prompt arrives in other chunks; the demo runs float32).
 
     python benchmarks/sleep_memory.py                      # the demo model (CPU: no memory figures)
     python benchmarks/sleep_memory.py --json sleep.json    # the demo model on the GPU
@@ -80,11 +82,20 @@ def main() -> None:
     def answer() -> dict[str, Any]:
         outs = {o.final_output_type: o for o in omni.generate([prompt], params, use_tqdm=False)}
         audio = outs["audio"].request_output.outputs[0].multimodal_output["audio"]
-        return {"text_tokens": outs["text"].request_output.outputs[0].token_ids, "audio": audio.float().cpu()}
+        return {"text_tokens": outs["text"].request_output.outputs[0].token_ids, "audio": audio.float().cpu(),
+                # code2wav's input: the talker's codes, as they streamed in
+                "codes": list(outs["audio"].request_output.prompt_token_ids)}
+
+    def compare(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+        same_length = after["audio"].shape == before["audio"].shape
+        return {"same_text": after["text_tokens"] == before["text_tokens"], "same_codes": after["codes"] == before["codes"],
+                "same_audio": torch.equal(after["audio"], before["audio"]),
+                "audio_max_abs_diff": (after["audio"] - before["audio"]).abs().max().item() if same_length else None}
 
     rows = []
     try:
         before = answer()
+        control = compare(answer(), before)
         awake = used_gib()
         for level in (1, 2):
             t = time.perf_counter()
@@ -93,24 +104,25 @@ def main() -> None:
             t = time.perf_counter()
             omni.wake_up()
             woke_s, rewoken = time.perf_counter() - t, used_gib()
-            after = answer()
-            same_audio = torch.equal(after["audio"], before["audio"])
             rows.append({"level": level, "sleep_s": slept_s, "wake_up_s": woke_s, "used_gib_asleep": asleep,
-                         "used_gib_awake_again": rewoken, "same_text": after["text_tokens"] == before["text_tokens"],
-                         "same_audio": same_audio})
+                         "used_gib_awake_again": rewoken, **compare(answer(), before)})
     finally:
         omni.close()
     result = {"model": args.dummy_config or model, "device": torch.cuda.get_device_name() if baseline is not None
               else "cpu", "startup_s": startup, "used_gib_before_start": baseline, "used_gib_awake": awake,
-              "levels": rows}
+              "control": control, "levels": rows}
     print(json.dumps(result, indent=2))
-    if baseline is not None:
-        held = awake - baseline
-        for r in rows:
-            returned = awake - r["used_gib_asleep"]
-            print(f"level {r['level']}: the stages held {held:.2f} GiB, gave back {returned:.2f} GiB "
-                  f"({100 * returned / held:.0f}%); sleep {r['sleep_s']:.1f} s, wake up {r['wake_up_s']:.1f} s; "
-                  f"same text {r['same_text']}, same audio {r['same_audio']}")
+    def same(r: dict[str, Any]) -> str:
+        return (f"same text {r['same_text']}, codes {r['same_codes']}, audio {r['same_audio']} "
+                f"(max difference {r['audio_max_abs_diff']})")
+
+    print(f"control, awake twice: {same(control)}")
+    for r in rows:
+        memory = ""
+        if baseline is not None:
+            held, returned = awake - baseline, awake - r["used_gib_asleep"]
+            memory = f"the stages held {held:.2f} GiB, gave back {returned:.2f} GiB ({100 * returned / held:.0f}%); "
+        print(f"level {r['level']}: {memory}sleep {r['sleep_s']:.1f} s, wake up {r['wake_up_s']:.1f} s; {same(r)}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 
