@@ -35,7 +35,7 @@
 #   benchmarks/h200_round.sh video_ti2v  # Wan2.2 TI2V-5B 1280x704x121: one step and a 4-step video vs diffusers
 #   benchmarks/h200_round.sh i44       # issue 44 in one call (~9.5 min): the TTS Poisson sweep (1/10/20/40 req/s,
 #                                      # 30 s each), HTTP vs AsyncOmni, Qwen3-Omni c=1/64, Qwen2.5-Omni c=1/32
-#   benchmarks/h200_round.sh i44_tts   # its TTS half (the sweep, HTTP vs AsyncOmni, 40 req/s with admission)
+#   benchmarks/h200_round.sh i44_tts   # its TTS half (the sweep, HTTP vs AsyncOmni, 20 req/s with admission)
 #   benchmarks/h200_round.sh i44_omni  # its Omni half, and the GPU tests of issue 44
 #   BEFORE=dir benchmarks/h200_round.sh i43_ab  # the Omni end-to-end runs on an earlier tree (BEFORE, e.g.
 #                                      # git archive of the commit before issue 43) and on this one, alternately
@@ -63,7 +63,7 @@ step() {  # step NAME SECONDS COMMAND...
 # Issue 44's runs (docs/benchmarks.md, "Sustained load"): every run sustained (closed loops of >= 4 x C
 # requests, >= 30 s of Poisson arrivals), the first 10% warm-up; kernel compiles while serving logged.
 i44_tts() {
-  step i44_tts_sweep 240 env VLLM_OMNI_LOG_COMPILES=1 $PY benchmarks/bench_tts.py --real-arch --frames 38-100 \
+  step i44_tts_sweep 330 env VLLM_OMNI_LOG_COMPILES=1 $PY benchmarks/bench_tts.py --real-arch --frames 38-100 \
     --concurrency "" --rate 1,10,20,40 --json "$OUT/i44_tts_sweep.json"
   step i44_tts_http 100 $PY benchmarks/bench_tts.py --real-arch --frames 38-100 --concurrency 1 --num-requests 20 \
     --mode both --json "$OUT/i44_tts_http.json"
@@ -322,9 +322,10 @@ case "${1:-}" in
   i44) i44_tts; i44_omni ;;
   i44_tts)
     i44_tts
-    # The highest rate above, now with admission by playback load: new requests wait instead.
-    step i44_tts_40_queue 120 $PY benchmarks/bench_tts.py --real-arch --frames 38-100 --concurrency "" --rate 40 \
-      --admission-policy queue --json "$OUT/i44_tts_40_queue.json" ;;
+    # The rate where the pipeline saturates (round 22: 20 req/s), now with admission by playback load:
+    # new requests wait instead (its holds are logged every 5 s).
+    step i44_tts_20_queue 240 $PY benchmarks/bench_tts.py --real-arch --frames 38-100 --concurrency "" --rate 20 \
+      --admission-policy queue --json "$OUT/i44_tts_20_queue.json" ;;
   i44_omni)
     step i44_gpu_tests 100 $PY -m pytest -q tests/gpu/test_predictor_slices.py tests/gpu/test_kernel_compile_log.py \
       -p no:cacheprovider

@@ -6,6 +6,8 @@ docs/streaming.md ("Scheduling by playback deadline") walks through the same tim
 """
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass, field
 
 import pytest
@@ -246,7 +248,8 @@ def test_under_a_burst_no_playing_stream_runs_dry_while_new_starts_wait():
     assert max(after.first_audio("n")) <= 0.1  # ... within their first-audio target
 
 
-def test_admission_holds_new_streams_past_the_playback_load_and_lets_them_in_as_it_drops():
+def test_admission_holds_new_streams_past_the_playback_load_and_lets_them_in_as_it_drops(caplog):
+    caplog.set_level(logging.WARNING, logger="vllm_omni.engine.playback_admission")
     clock = FakeClock()
     started, refused, timers = [], [], []
     gate = PlaybackAdmission(AdmissionOptions("queue", headroom=0.2, max_wait_s=5.0, window_s=10.0),
@@ -264,6 +267,8 @@ def test_admission_holds_new_streams_past_the_playback_load_and_lets_them_in_as_
     assert gate.load.with_one_more() == pytest.approx(0.9)  # 0.6 x (2 + 1) / 2 > 0.8: c waits
     gate.submit("c", "c", audio=True)
     assert started == ["text", "a", "b"] and gate.queued == 1 and gate.counters["queued"] == 1
+    held = [r.getMessage() for r in caplog.records]  # why requests wait, for the operator
+    assert len(held) == 1 and "1 requests queued" in held[0] and "rtf 0.600 over 2 streams" in held[0]
     gate.finished("a")  # one stream less: 0.6 x (1 + 1) / 2 = 0.6 fits
     assert started[-1] == "c" and gate.queued == 0
     gate.submit("d", "d", audio=True)  # 0.6 x 3 / 2 again: waits, and its wait runs out
@@ -273,6 +278,7 @@ def test_admission_holds_new_streams_past_the_playback_load_and_lets_them_in_as_
         clock.now = max(clock.now, due)
         fn()
     assert [rid for rid, _ in refused] == ["d"] and "no room within 5 s" in refused[0][1]
+    assert len(caplog.records) == 1  # d was held within 5 s of c: logged at most every 5 s
     reject = PlaybackAdmission(AdmissionOptions("reject"), lambda rid: rid, lambda rid, why: refused.append((rid, why)),
                                lambda delay, fn: None, clock)
     reject.load = gate.load

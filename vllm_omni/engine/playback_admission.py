@@ -28,6 +28,7 @@ which assumes a new stream costs as much as the average one, would run requests 
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -35,6 +36,8 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 ADMISSION_POLICIES = ("queue", "reject", "off")
+HOLD_LOG_INTERVAL_S = 5.0  # while requests are held, why is logged at most this often
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -114,6 +117,7 @@ class PlaybackAdmission(Generic[T]):
         self._start, self._reject, self._call_later, self._clock = start, reject, call_later, clock
         self._queue: deque[tuple[T, str, float]] = deque()  # (item, request id, wait deadline)
         self.counters: Counter[str] = Counter()  # queued, refused, max_queue (benchmarks' log_stats)
+        self._logged_hold_at = float("-inf")
 
     @property
     def queued(self) -> int:
@@ -133,6 +137,7 @@ class PlaybackAdmission(Generic[T]):
             self._queue.append((item, request_id, self._clock() + self.options.max_wait_s))
             self.counters["queued"] += 1
             self.counters["max_queue"] = max(self.counters["max_queue"], len(self._queue))
+            self._log_hold()
             self._call_later(self.options.max_wait_s, self._expire)
             # The load measured now leaves the window by then: look again even if no chunk comes.
             self._call_later(self.options.window_s, self.drain)
@@ -174,6 +179,16 @@ class PlaybackAdmission(Generic[T]):
         while self._queue and self._queue[0][2] <= now:
             item, _, _ = self._queue.popleft()
             self._refuse(item, f"no room within {self.options.max_wait_s:g} s: " + self._why())
+
+    def _log_hold(self) -> None:
+        """An operator (or a benchmark's log) sees that requests wait, and the measurement why."""
+        now = self._clock()
+        if now - self._logged_hold_at >= HOLD_LOG_INTERVAL_S:
+            self._logged_hold_at = now
+            measured = self.load.measured()
+            rtf = f"{measured[0]:.3f} over {measured[1]} streams" if measured else "nothing measured"
+            logger.warning("admission: %d requests queued (%d queued so far); %s; rtf %s", len(self._queue),
+                           self.counters["queued"], self._why().split("; retry")[0], rtf)
 
     def _refuse(self, item: T, why: str) -> None:
         self.counters["refused"] += 1
