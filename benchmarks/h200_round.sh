@@ -37,6 +37,7 @@
 #                                      # 30 s each), HTTP vs AsyncOmni, Qwen3-Omni c=1/64, Qwen2.5-Omni c=1/32
 #   benchmarks/h200_round.sh i44_tts   # its TTS half (the sweep, HTTP vs AsyncOmni, 20 req/s with admission)
 #   benchmarks/h200_round.sh i44_omni  # its Omni half, and the GPU tests of issue 44
+#   benchmarks/h200_round.sh i44_omni_http  # Qwen3-Omni c=1 in-process and through vllm-omni serve
 #   BEFORE=dir benchmarks/h200_round.sh i43_ab  # the Omni end-to-end runs on an earlier tree (BEFORE, e.g.
 #                                      # git archive of the commit before issue 43) and on this one, alternately
 #                                      # (ORDER="before after after before" repeats them in both orders)
@@ -75,6 +76,11 @@ i44_omni() {
   step i44_qwen2_5 115 env VLLM_OMNI_LOG_COMPILES=1 $PY benchmarks/bench_omni_e2e.py \
     --dummy-config benchmarks/configs/qwen2_5_omni_7b.json --concurrency 1,32 --prompt-words 100 \
     --text-tokens 128 --codec-tokens 500 --skip-hf --async-chunk on --json "$OUT/i44_qwen2_5.json"
+}
+i44_omni_http() {  # issue 44 item 3 for the omni models: the same c=1 run in-process, then through vllm-omni serve
+  step i44_qwen3_http 200 $PY benchmarks/bench_omni_e2e.py --dummy-config benchmarks/configs/qwen3_omni_30b_a3b.json \
+    --concurrency 1 --prompt-words 74 --text-tokens 64 --codec-tokens 100 --skip-hf --async-chunk on --mode both \
+    --json "$OUT/i44_qwen3_http.json"
 }
 # Issue 43 changed no computation: the same end-to-end runs on an earlier tree ($BEFORE) and on this one,
 # alternately (ORDER, default "after before"), each in its own process with the same benchmark script.
@@ -326,6 +332,7 @@ case "${1:-}" in
     # new requests wait instead (its holds are logged every 5 s).
     step i44_tts_20_queue 240 $PY benchmarks/bench_tts.py --real-arch --frames 38-100 --concurrency "" --rate 20 \
       --admission-policy queue --json "$OUT/i44_tts_20_queue.json" ;;
+  i44_omni_http) i44_omni_http ;;
   i44_omni)
     step i44_gpu_tests 100 $PY -m pytest -q tests/gpu/test_predictor_slices.py tests/gpu/test_kernel_compile_log.py \
       -p no:cacheprovider
