@@ -38,6 +38,7 @@
 #   benchmarks/h200_round.sh i44_tts   # its TTS half (the sweep, HTTP vs AsyncOmni, 20 req/s with admission)
 #   benchmarks/h200_round.sh i44_omni  # its Omni half, and the GPU tests of issue 44
 #   benchmarks/h200_round.sh i44_omni_http  # Qwen3-Omni c=1 in-process and through vllm-omni serve
+#   benchmarks/h200_round.sh tts_ramp  # Qwen3-TTS at 20 req/s, chunk ramp divisor 1 and 2 alternately
 #   BEFORE=dir benchmarks/h200_round.sh i43_ab  # the Omni end-to-end runs on an earlier tree (BEFORE, e.g.
 #                                      # git archive of the commit before issue 43) and on this one, alternately
 #                                      # (ORDER="before after after before" repeats them in both orders)
@@ -332,6 +333,16 @@ case "${1:-}" in
     # new requests wait instead (its holds are logged every 5 s).
     step i44_tts_20_queue 240 $PY benchmarks/bench_tts.py --real-arch --frames 38-100 --concurrency "" --rate 20 \
       --admission-policy queue --json "$OUT/i44_tts_20_queue.json" ;;
+  tts_ramp)  # Qwen3-TTS at 20 req/s: the doubling chunk ramp against the slower one (divisor 2), alternately
+    sed 's/^      codec_left_context_frames: 25$/&\n      codec_chunk_ramp_divisor: 2/' vllm_omni/deploy/qwen3_tts.yaml \
+      > "$OUT/qwen3_tts_ramp2.yaml"
+    grep -q codec_chunk_ramp_divisor "$OUT/qwen3_tts_ramp2.yaml" || { echo "the deploy edit failed"; exit 1; }
+    for ramp in 1 2 1 2; do
+      n=$((${n:-0} + 1))
+      deploy=$([ $ramp = 2 ] && echo "--deploy-config $OUT/qwen3_tts_ramp2.yaml")
+      step tts_ramp_${n}_d$ramp 120 $PY benchmarks/bench_tts.py --real-arch --frames 38-100 --concurrency "" \
+        --rate 20 $deploy --json "$OUT/tts_ramp_${n}_d$ramp.json"
+    done ;;
   i44_omni_http) i44_omni_http ;;
   i44_omni)
     step i44_gpu_tests 100 $PY -m pytest -q tests/gpu/test_predictor_slices.py tests/gpu/test_kernel_compile_log.py \

@@ -81,6 +81,7 @@ def test_connector_chunk_options_shape_the_streamed_audio(custom_voice, tmp_path
 @pytest.mark.parametrize("extra, match", [
     ("{codec_chunk_frames: 0}", r"stage 1: .*codec_chunk_frames=0"),
     ("{initial_codec_chunk_frames: 1, codec_left_context_frames: 0}", r"stage 1: .*left_context_frames must be >= 1"),
+    ("{codec_chunk_ramp_divisor: 0}", r"stage 1: .*divisor must be >= 1"),
 ])
 def test_bad_chunk_option_is_refused_at_startup(custom_voice, tmp_path, extra, match):
     with pytest.raises(ConfigError, match=match):
@@ -96,26 +97,33 @@ def test_qwen3_omni_code2wav_stage_is_built_with_the_bundled_chunks(tiny_model):
                                                               left_context_frames=25)
 
 
+@pytest.mark.parametrize("options, frames_per_chunk", [
+    # A 1-frame first chunk and 3-frame chunks.
+    ({"initial_codec_chunk_frames": 1, "codec_chunk_frames": 3}, [1, 1, 2] + [3] * 18 + [2]),
+    # The slower ramp (each chunk half of all before it) up to the bundled 25 frames.
+    ({"initial_codec_chunk_frames": 2, "codec_chunk_frames": 25, "codec_chunk_ramp_divisor": 2},
+     [2, 1, 2, 3, 4, 6, 9, 14, 19]),
+])
 @torch.inference_mode()
-def test_qwen3_omni_one_frame_first_chunk_joins_to_the_whole_decode(tiny_model):
-    """A 1-frame first chunk (and 3-frame chunks) against transformers' whole decode: the first
-    chunk is exact (the decoder is causal, it needs no context), the rest within the tolerance
-    of the default chunks (tests/models/test_qwen3_omni_code2wav_streaming.py)."""
+def test_qwen3_omni_chunk_options_join_to_the_whole_decode(tiny_model, options, frames_per_chunk):
+    """Chunks set by connector options against transformers' whole decode: the first chunk is
+    exact (the decoder is causal, it needs no context), the rest within the tolerance of the
+    default chunks (tests/models/test_qwen3_omni_code2wav_streaming.py)."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
     ckpt = tiny_model("qwen3_omni_moe")
     reference = Qwen3OmniMoeForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).code2wav.eval()
-    model = Qwen3OmniMoeCode2Wav.load(str(ckpt), stream_config=Code2WavStreamConfig.from_options(
-        {"initial_codec_chunk_frames": 1, "codec_chunk_frames": 3}))
+    model = Qwen3OmniMoeCode2Wav.load(str(ckpt), stream_config=Code2WavStreamConfig.from_options(options))
     frames = torch.randint(0, model.codebook_size, (60, model.num_quantizers),
                            generator=torch.Generator().manual_seed(4))
     whole = reference(frames.T[None]).reshape(-1)
     chunks = audio_of(run_stream(model, open_empty(model), frames, pieces=[1] * 60))
     spf, tail = model.samples_per_frame, model.unfinished_samples
-    assert [c.numel() for c in chunks] == [spf - tail, spf, 2 * spf] + [3 * spf] * 18 + [2 * spf]
-    torch.testing.assert_close(chunks[0], whole[: spf - tail], rtol=0, atol=1e-6)
+    assert [c.numel() for c in chunks] == [frames_per_chunk[0] * spf - tail] + [n * spf for n in frames_per_chunk[1:]]
+    first = frames_per_chunk[0] * spf - tail
+    torch.testing.assert_close(chunks[0], whole[:first], rtol=0, atol=1e-6)
     streamed = torch.cat(chunks)
     assert streamed.shape == whole.shape
     max_abs, snr = (streamed - whole).abs().max().item(), snr_db(whole, streamed)
-    print(f"qwen3 code2wav 1/3-frame chunks vs whole: max abs {max_abs:.2e}, SNR {snr:.1f} dB")
+    print(f"qwen3 code2wav {options} vs whole: max abs {max_abs:.2e}, SNR {snr:.1f} dB")
     assert max_abs <= 5e-3 and snr >= 50

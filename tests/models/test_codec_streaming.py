@@ -17,6 +17,16 @@ def test_chunk_ramp_doubles_up_to_the_steady_size():
         ChunkRamp(0, 4)
 
 
+def test_chunk_ramp_with_a_divisor_grows_by_that_fraction_of_all_before():
+    assert [ChunkRamp(4, 25, divisor=2).size(i) for i in range(10)] == [4, 2, 3, 5, 7, 11, 16, 24, 25, 25]
+    assert [ChunkRamp(1, 25, divisor=3).size(i) for i in range(8)] == [1, 1, 1, 1, 2, 2, 3, 4]
+    # divisor 1 is the doubling ramp
+    assert all(ChunkRamp(3, 40, 1).size(i) == min(40, 3 << max(0, i - 1)) for i in range(12))
+    assert ChunkRamp(1, 25, divisor=4).size(10_000) == 25
+    with pytest.raises(ValueError, match="divisor"):
+        ChunkRamp(1, 4, divisor=0)
+
+
 def test_padded_calls_group_rows_of_similar_length():
     # Steady 50-frame windows share a call with a 28-frame one (22 frames of padding < 32);
     # the 12- and 4-frame first chunks get a call of their own rather than 38+ frames of padding.

@@ -28,11 +28,13 @@ class Code2WavStreamConfig(StreamOptions):
     Connector options: upstream vLLM-Omni's names."""
 
     OPTION_KEYS = {"initial_codec_chunk_frames": "initial_chunk_frames", "codec_chunk_frames": "chunk_frames",
-                   "codec_left_context_frames": "left_context_frames"}
+                   "codec_left_context_frames": "left_context_frames",
+                   "codec_chunk_ramp_divisor": "chunk_ramp_divisor"}  # ours, not upstream's
 
     initial_chunk_frames: int = 4  # 320 ms of audio: the first chunk waits for 4 talker frames
     chunk_frames: int = 25  # upstream's codec_chunk_frames: 2 s of audio per steady chunk
     left_context_frames: int = 25  # transformers' chunked_decode left_context_size
+    chunk_ramp_divisor: int = 1  # each ramp chunk is all before it over this (ChunkRamp.divisor)
 
     def __post_init__(self) -> None:
         _ = self.ramp  # ChunkRamp checks the sizes
@@ -44,7 +46,7 @@ class Code2WavStreamConfig(StreamOptions):
     @property
     def ramp(self) -> ChunkRamp:
         # initial 0 is upstream's "no small first chunk": every chunk is chunk_frames long.
-        return ChunkRamp(self.initial_chunk_frames or self.chunk_frames, self.chunk_frames)
+        return ChunkRamp(self.initial_chunk_frames or self.chunk_frames, self.chunk_frames, self.chunk_ramp_divisor)
 
 
 @dataclass(frozen=True)

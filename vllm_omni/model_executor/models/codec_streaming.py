@@ -31,22 +31,34 @@ S = TypeVar("S")
 @dataclass(frozen=True)
 class ChunkRamp:
     """Chunk sizes in units (codec frames, DiT blocks): `initial`, then each chunk as long as all
-    before it (initial, initial, 2 initial, 4 initial, ...) up to `steady`.
+    before it (initial, initial, 2 initial, 4 initial, ...) up to `steady`; with `divisor` d, each
+    chunk is all before it over d, rounded up (d = 2, initial 4: 4, 2, 3, 5, 7, 11, ...).
 
-    A chunk is made while the chunks before it play: a producer faster than half real time keeps
-    playback fed, with margin at the first joins (docs/streaming.md). Doubling from the first
-    chunk (initial, 2 initial, ...) asks twice as many units at the first join, with none."""
+    A chunk is made while the chunks before it play: a producer faster than d / (d + 1) of real
+    time keeps playback fed (half real time for d = 1), with margin at the first joins
+    (docs/streaming.md). A larger d tolerates a slower producer for more, shorter chunks during
+    the ramp (each decodes its left context again). Doubling from the first chunk (initial,
+    2 initial, ...) asks twice as many units at the first join, with none."""
 
     initial: int
     steady: int
+    divisor: int = 1
 
     def __post_init__(self) -> None:
         if not 1 <= self.initial <= self.steady:
             raise ValueError(f"chunk sizes need 1 <= initial ({self.initial}) <= steady ({self.steady})")
+        if self.divisor < 1:
+            raise ValueError(f"the ramp's divisor must be >= 1, got {self.divisor}")
 
     def size(self, index: int) -> int:
         """The size of chunk `index` (0 = the first)."""
-        return min(self.steady, self.initial << max(0, min(index, 32) - 1))
+        size = before = self.initial
+        for _ in range(index):  # ends at the steady size: each chunk adds >= 1 unit to `before`
+            size = min(self.steady, -(-before // self.divisor))
+            if size == self.steady:
+                break
+            before += size
+        return size
 
 
 class RowBuffer:
