@@ -3,9 +3,9 @@ wake up, and whether the outputs after waking equal those before (greedy, the sa
 
 Runs an omni pipeline through `Omni` (real stage processes) with `enable_sleep_mode`, then for
 level 1 and level 2: sleep, read the device's used memory (torch.cuda.mem_get_info in this
-process: every process on the device counts), wake up, generate again and compare. A control generates twice before the first sleep: what two
-runs of one awake pipeline differ by (on a GPU, bfloat16 products may round differently when
-a streamed talker prompt arrives in other chunks; the demo runs float32).
+process: every process on the device counts), wake up, generate again and compare: the text,
+the talker's codes and the audio. A control generates twice before the first sleep: what two
+runs of one awake pipeline differ by, without any sleep.
 
     python benchmarks/sleep_memory.py                      # the demo model (CPU: no memory figures)
     python benchmarks/sleep_memory.py --json sleep.json    # the demo model on the GPU
@@ -112,6 +112,7 @@ def main() -> None:
               else "cpu", "startup_s": startup, "used_gib_before_start": baseline, "used_gib_awake": awake,
               "control": control, "levels": rows}
     print(json.dumps(result, indent=2))
+
     def same(r: dict[str, Any]) -> str:
         return (f"same text {r['same_text']}, codes {r['same_codes']}, audio {r['same_audio']} "
                 f"(max difference {r['audio_max_abs_diff']})")
