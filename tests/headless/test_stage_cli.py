@@ -27,7 +27,7 @@ from tests.headless.conftest import (
     HEARTBEAT_TIMEOUT_S, NAME, OVERRIDES, READY_S, SPEECH, TEXT, Headless, answer, head_args, stage,
 )
 from tests.pipeline.conftest import pid_alive, wait_until
-from tests.server.under_load import assert_each_ended, post_until
+from tests.server.under_load import assert_each_ended, kill_replica_under_load
 from tests.server.conftest import ServerProcess, free_port
 
 
@@ -90,26 +90,16 @@ def test_a_killed_headless_replica_under_load_and_its_restart(cluster, reference
     victim = stage(head, 1)["replicas"][0]
     owner = next(h for h in cluster.headless if h.proc.poll() is None and f"pids [{victim['pid']}]" in h.text())
 
-    async def run() -> list[httpx.Response]:
-        stop = asyncio.Event()
-        load = asyncio.create_task(post_until(head.url, SPEECH, stop, streams=4))
-        await asyncio.sleep(1.5)  # requests in both replicas
-        os.kill(victim["pid"], signal.SIGKILL)
-        t0 = time.monotonic()
-        async with httpx.AsyncClient(base_url=head.url, timeout=10) as client:
-            while (await client.get("/health")).json()["stages"][1]["replicas"][0]["state"] == "up":
-                assert time.monotonic() - t0 < HEARTBEAT_TIMEOUT_S + 20
-                await asyncio.sleep(0.05)
-            health = (await client.get("/health")).json()
+    def check_health(response: httpx.Response) -> None:
         # Found by the missed heartbeats; not restarted by the head; the stage serves on replica 1.
+        health = response.json()
         assert health["stages"][1]["state"] == "up"
         assert health["stages"][1]["replicas"][0]["state"] == "down"
         assert "no heartbeat" in health["stages"][1]["replicas"][0]["reason"]
-        await asyncio.sleep(2.0)  # requests keep coming while it is down: all go to replica 1
-        stop.set()
-        return await asyncio.wait_for(load, 120)
 
-    assert_each_ended(asyncio.run(run()), "replica 0 is down")
+    responses = asyncio.run(kill_replica_under_load(head.url, SPEECH, 1, victim["pid"], HEARTBEAT_TIMEOUT_S + 20,
+                                                    check_health))
+    assert_each_ended(responses, "replica 0 is down")
     assert owner.wait(30) == 1  # its only replica died: the headless process exits, for its operator to restart
     assert "killed by SIGKILL" in owner.text() and "Traceback" not in owner.text()
     assert stage(head, 1)["replicas"][0]["state"] == "down"  # the head restarts nothing

@@ -6,16 +6,13 @@ and gets work again."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import time
 
 import httpx
 import pytest
 
 from tests.conftest import in_threads
 from tests.pipeline.conftest import pid_alive, wait_until
-from tests.server.under_load import assert_each_ended, post_until
+from tests.server.under_load import assert_each_ended, kill_replica_under_load
 from tests.reliability.conftest import NAME, OVERRIDES, Server, launch, stop_cleanly
 
 RECOVERY_S = 180.0
@@ -68,24 +65,12 @@ def test_a_killed_replica_under_load_and_its_return(server):
     before = server.post("/v1/chat/completions", SPEECH).json()
     victim = talker_replicas(server)[0]
 
-    async def run() -> list[httpx.Response]:
-        stop = asyncio.Event()
-        load = asyncio.create_task(post_until(server.url, SPEECH, stop, streams=4))
-        await asyncio.sleep(1.5)  # requests in both replicas
-        os.kill(victim["pid"], signal.SIGKILL)
-        t0 = time.monotonic()
-        async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
-            while (await client.get("/health")).json()["stages"][TALKER]["replicas"][0]["state"] == "up":
-                assert time.monotonic() - t0 < 30
-                await asyncio.sleep(0.05)
-            health = await client.get("/health")
+    def check_health(health: httpx.Response) -> None:
         # One replica down is not an unhealthy server: the stage still serves.
         assert health.status_code == 200 and health.json()["stages"][TALKER]["state"] == "up"
-        await asyncio.sleep(2.0)  # requests keep coming while it is down: all go to replica 1
-        stop.set()
-        return await asyncio.wait_for(load, 120)
 
-    assert_each_ended(asyncio.run(run()), "replica 0 is down")
+    responses = asyncio.run(kill_replica_under_load(server.url, SPEECH, TALKER, victim["pid"], 30, check_health))
+    assert_each_ended(responses, "replica 0 is down")
     assert wait_until(lambda: not pid_alive(victim["pid"]), 10.0)
 
     assert wait_until(lambda: talker_replicas(server)[0]["state"] == "up", RECOVERY_S), server.proc.log_tail()
