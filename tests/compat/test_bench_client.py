@@ -23,6 +23,9 @@ def test_playback_counts_a_chunk_that_arrives_after_everything_before_it_played(
     assert metrics.playback([(0.0, 1.0), (0.5, 1.0), (2.5, 1.0), (3.0, 1.0)]) == metrics.Playback(1, 0.5)
     assert metrics.playback([(0.2, 0.5), (0.6, 0.5), (1.1, 0.5)]) == metrics.Playback(0, 0.0)
     assert metrics.playback([(0.0, 0.1), (1.0, 0.1), (3.0, 0.1)]) == metrics.Playback(2, pytest.approx(1.9))
+    # which chunks came late, and by how much: the second (0.9 s) and the third (1.9 s)
+    assert metrics.playback([(0.0, 0.1), (1.0, 0.1), (3.0, 0.1)]).late == ((1, pytest.approx(0.9)),
+                                                                          (2, pytest.approx(1.9)))
 
 
 def test_warm_up_is_the_first_tenth_rounded_up():
@@ -102,6 +105,20 @@ def test_a_failed_request_keeps_the_servers_answer():
     r = _run(backends.chat, lambda request: httpx.Response(400, json={"error": {"message": "bad"}}),
              SampleRequest("x", 1, 1))
     assert not r.success and r.error.startswith("HTTP 400") and "bad" in r.error
+
+
+def test_a_stream_that_fails_after_its_200_is_a_failed_request():
+    """A stage that breaks mid-stream: the server has sent 200 and the text, then the error in-band
+    (a top-level `error`, or a choice finished with one: a partial response). Neither counts as
+    a success (a benchmark would report the run's failures as requests without audio)."""
+    text = {"choices": [{"index": 0, "delta": {"content": "Hi"}}], "modality": "text"}
+    for failure in ({"error": {"message": "stage 1: talker broke", "code": 500}},
+                    {"choices": [{"index": 1, "delta": {}, "finish_reason": "error",
+                                  "error": {"message": "stage 1: talker broke", "code": 500}}]}):
+        body = "".join(f"data: {json.dumps(e)}\n\n" for e in (text, failure)) + "data: [DONE]\n\n"
+        r = _run(backends.chat, lambda request, body=body: httpx.Response(
+            200, text=body, headers={"content-type": "text/event-stream"}), SampleRequest("x", 1, 1))
+        assert not r.success and "talker broke" in r.error and r.text == "Hi"
 
 
 def test_images_backend_counts_the_images_returned():

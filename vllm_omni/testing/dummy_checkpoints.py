@@ -6,8 +6,10 @@ Qwen2.5-Omni a `spk_dict.pt` of the real shapes). Stages then run with
 `load_format: dummy`: random weights of the real shapes and cost, nothing downloaded.
 
 The tokenizer is the tiny test tokenizer: its ids do not match the real vocabulary, so
-benchmarks send `chat_prompt_ids(...)`, token ids laid out like a real ChatML prompt with the
-config's own special ids (the Qwen3-Omni talker checks for the assistant turn).
+in-process benchmarks send `chat_prompt_ids(...)`, token ids laid out like a real ChatML prompt
+with the config's own special ids (the Qwen3-Omni talker checks for the assistant turn). Chat
+text (a server's messages) must reach the same ids: in the checkpoint's copy the ChatML tokens
+(`<|im_start|>`, `<|im_end|>`, `system`, `user`, `assistant`) carry the real vocabulary's ids.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ def make_dummy_omni_checkpoint(config_json: str | Path, out_dir: str | Path, see
     config = json.loads(Path(config_json).read_text())
     (out / "config.json").write_text(json.dumps(config, indent=1))
     make_tiny_tokenizer().save_pretrained(out)
+    _real_chatml_ids(out / "tokenizer.json")
     (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=1))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [IM_END], "pad_token_id": 151643}))
     if "token2wav_config" in config:
@@ -46,6 +49,25 @@ def make_dummy_omni_checkpoint(config_json: str | Path, out_dir: str | Path, see
         }
         torch.save(speakers, out / "spk_dict.pt")
     return out
+
+
+def _real_chatml_ids(tokenizer_json: Path) -> None:
+    """Give the saved tiny tokenizer's ChatML tokens the real ids (the vocabulary may skip ids:
+    the model's embeddings have the real vocabulary's rows)."""
+    real = {"<|im_start|>": IM_START, "<|im_end|>": IM_END, "system": SYSTEM, "user": USER, "assistant": ASSISTANT}
+    spec = json.loads(tokenizer_json.read_text())
+    vocab = spec["model"]["vocab"]
+    taken = set(vocab.values()) | {t["id"] for t in spec["added_tokens"]}
+    if taken & set(real.values()):
+        raise ValueError(f"{tokenizer_json}: the tiny tokenizer already uses ids of the real ChatML tokens")
+    for word in ("system", "user", "assistant"):
+        if word not in vocab:
+            raise ValueError(f"{tokenizer_json}: {word!r} is not one token of the tiny tokenizer")
+    for token in spec["added_tokens"]:
+        if token["content"] in real:  # an added token keeps the id the model's vocabulary gives it
+            token["id"] = real[token["content"]]
+    vocab.update(real)
+    tokenizer_json.write_text(json.dumps(spec, ensure_ascii=False))
 
 
 def chat_prompt_ids(num_words: int, seed: int = 0) -> list[int]:

@@ -67,9 +67,18 @@ RequestFn = Callable[[httpx.AsyncClient, Target, SampleRequest], Awaitable[Reque
 
 
 async def _sse(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The stream's JSON events; ValueError at an error sent in-band (the request failed after
+    its 200: a stage that broke mid-stream), or a choice that finished with one (a partial
+    response: the output asked for did not all come)."""
     async for line in response.aiter_lines():
         if line.startswith("data:") and (data := line[5:].strip()) != "[DONE]":
-            yield json.loads(data)
+            event = json.loads(data)
+            failed = [event] if "error" in event else [c for c in event.get("choices") or []
+                                                        if c.get("finish_reason") == "error"]
+            if failed:
+                error = failed[0].get("error") or {}
+                raise ValueError(f"in-band error: {error.get('message', error) if isinstance(error, dict) else error}")
+            yield event
 
 
 def _body(target: Target, sample: SampleRequest, **fields: Any) -> dict[str, Any]:

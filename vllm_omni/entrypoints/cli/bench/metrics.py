@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -36,17 +36,18 @@ METRICS = {"ttft": ("Time to First Token", "ms"), "tpot": ("Time per Output Toke
 class Playback:
     underruns: int
     worst_gap: float  # s, 0 without underruns
+    # Which chunks came late (0: the first), with their gaps: a ramp's join or a steady chunk.
+    late: tuple[tuple[int, float], ...] = field(default=(), compare=False)
 
 
 def playback(chunks: Sequence[tuple[float, float]]) -> Playback:
     """Underruns of a listener that starts at the first chunk: (arrival s, seconds) per chunk."""
-    underruns, worst, played_until = 0, 0.0, None
-    for arrival, seconds in chunks:
+    late, played_until = [], None
+    for index, (arrival, seconds) in enumerate(chunks):
         if played_until is not None and arrival > played_until:
-            underruns += 1
-            worst = max(worst, arrival - played_until)
+            late.append((index, arrival - played_until))
         played_until = max(played_until if played_until is not None else arrival, arrival) + seconds
-    return Playback(underruns, worst)
+    return Playback(len(late), max((gap for _, gap in late), default=0.0), tuple(late))
 
 
 def warmup_count(num_requests: int, fraction: float) -> int:
