@@ -75,23 +75,74 @@ def sustain(run: Run, allow_short: bool) -> Run:
     return replace(run, num_requests=needed)
 
 
-async def drive(send: Callable[[int], Awaitable[RequestResult]], run: Run, seed: int = 0
-                ) -> tuple[list[RequestResult], float]:
+async def drive(send: Callable[[int], Awaitable[RequestResult]], run: Run, seed: int = 0,
+                state: Callable[[], Awaitable[str]] | None = None) -> tuple[list[RequestResult], float]:
     """Request i = send(i), on the schedule of `vllm bench serve` (same arrivals for the same
-    rate and seed); (results in send order, seconds from the first send to the last answer)."""
+    rate and seed); (results in send order, seconds from the first send to the last answer).
+    `state`: the pipeline's state, printed with each progress line (`pipeline_state`)."""
     offsets = arrival_offsets(run.num_requests, run.rate or math.inf, 1.0, seed)
     gate = asyncio.Semaphore(run.concurrency) if run.concurrency else None
     start = time.perf_counter()
+    sent, done = [0], []
 
     async def one(i: int) -> RequestResult:
         await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
+        sent[0] += 1
         if gate is None:
-            return await send(i)
-        async with gate:
-            return await send(i)
+            result = await send(i)
+        else:
+            async with gate:
+                result = await send(i)
+        done.append(result)
+        return result
 
-    results = await asyncio.gather(*(one(i) for i in range(run.num_requests)))
+    progress = asyncio.ensure_future(_report_progress(run, start, sent, done, state))
+    try:
+        results = await asyncio.gather(*(one(i) for i in range(run.num_requests)))
+    finally:
+        progress.cancel()
     return list(results), time.perf_counter() - start
+
+
+async def _report_progress(run: Run, start: float, sent: list[int], done: list[RequestResult],
+                           state: Callable[[], Awaitable[str]] | None) -> None:
+    """Every PROGRESS_S while a run lasts: requests sent, done, failed and in flight, and the first
+    audio of those done since the last line (a run that falls behind its arrivals shows how), and
+    the pipeline's state (a run that stops moving shows where)."""
+    reported = 0
+    while True:
+        await asyncio.sleep(PROGRESS_S)
+        recent = [1000 * r.audio_chunks[0][0] for r in done[reported:] if r.audio_chunks]
+        reported = len(done)
+        firsts = f", first audio of these p50 {sorted(recent)[len(recent) // 2]:.0f} max {max(recent):.0f} ms" \
+            if recent else ""
+        print(f"  {run.name} +{time.perf_counter() - start:.0f}s: {sent[0]} sent, {len(done)} done "
+              f"({sum(not r.success for r in done)} failed), {sent[0] - len(done)} in flight{firsts}", flush=True)
+        if state is not None:
+            print(f"    {await state()}", flush=True)
+
+
+async def pipeline_state(engine: Any) -> str:
+    """An AsyncOmni's stages on one line: the requests each holds (queued; KV blocks free), asked
+    of the stage (no answer within STATS_TIMEOUT_S: the stage's loop is stuck), and the
+    orchestrator's counters for it: output tokens and flow-control pauses / resumes so far."""
+    parts = []
+    for stage in engine.pipeline.stages:
+        try:
+            s = await asyncio.wait_for(engine.get_stage_stats(stage.stage_id), STATS_TIMEOUT_S)
+            where = " ".join(f"{k} {v}" for k, v in s.counts.items())
+            held = f"{s.num_unfinished} held ({where})" + (
+                f", {s.kv_free_blocks}/{s.kv_total_blocks} KV blocks free" if s.kv_total_blocks else "")
+        except Exception as e:  # noqa: BLE001 - what failed is the report
+            held = f"no stats ({type(e).__name__})"
+        counters = engine._runtime.orchestrator.stage_counters[stage.stage_id]
+        parts.append(f"{stage.model_stage}: {held}, {counters.get('output_tokens', 0)} tokens out, "
+                     f"{counters.get('pauses', 0)}/{counters.get('resumes', 0)} pauses/resumes")
+    return "; ".join(parts)
+
+
+PROGRESS_S = 10.0
+STATS_TIMEOUT_S = 3.0
 
 
 async def warm_up(send: Callable[[Run], Awaitable[Any]]) -> None:
@@ -144,6 +195,7 @@ def summarize(run: Run, results: Sequence[RequestResult], duration: float) -> di
         return {"mean": s.mean, "max": s.max, **{f"p{p:g}": v for p, v in s.percentiles}}
 
     first = min((r.start for r in results), default=0.0)
+    plays = [metrics.playback(r.audio_chunks) for r in results]
     return {
         "run": run.name, "requests": len(results), "warmup": warm, "failed": run_all.failed,
         "concurrency": run.concurrency, "rate": run.rate, "duration_s": duration,
@@ -153,11 +205,25 @@ def summarize(run: Run, results: Sequence[RequestResult], duration: float) -> di
         "rtf": tails("audio_rtf", measured), "warmup_ttfa_ms": tails("audio_ttfp", warmup),
         "underruns": run_measured.underruns, "requests_with_underruns": run_measured.requests_with_underruns,
         "worst_gap_ms": 1000 * run_measured.worst_gap, "warmup_underruns": run_all.underruns - run_measured.underruns,
+        "underruns_by_chunk": late_by_chunk(plays[warm:]),
         "each": [{"i": i, "start_s": r.start - first, "ttft_ms": _ms(r.ttft), "ttfa_ms": _ms(r.audio_chunks[0][0])
                   if r.audio_chunks else None, "e2e_ms": _ms(r.latency), "chunks": len(r.audio_chunks),
-                  "audio_s": r.audio_seconds, "underruns": metrics.playback(r.audio_chunks).underruns,
-                  "error": r.error or None} for i, r in enumerate(results)],
+                  "audio_s": r.audio_seconds, "underruns": play.underruns,
+                  "late_chunks": [[index, round(1000 * gap, 1)] for index, gap in play.late],
+                  "error": r.error or None} for i, (r, play) in enumerate(zip(results, plays))],
     }
+
+
+def late_by_chunk(plays: Sequence[metrics.Playback]) -> dict[str, dict[str, float]]:
+    """Underruns by the index of the chunk that came late (1: the second chunk, the ramp's first
+    join): {index: {"count", "worst_gap_ms"}}, which says whether a ramp or steady chunks run dry."""
+    out: dict[str, dict[str, float]] = {}
+    for play in plays:
+        for index, gap in play.late:
+            entry = out.setdefault(str(index), {"count": 0, "worst_gap_ms": 0.0})
+            entry["count"] += 1
+            entry["worst_gap_ms"] = round(max(entry["worst_gap_ms"], 1000 * gap), 1)
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -212,6 +278,14 @@ class StageLog(logging.Handler):
         log = logging.getLogger("vllm_omni.engine.orchestrator")
         log.setLevel(logging.INFO)
         log.addHandler(handler)
+        # With a handler in the chain, Python's last-resort one no longer prints the orchestrator's
+        # warnings and errors (a failed request, a stage gone): this process's stderr gets them.
+        root = logging.getLogger()
+        if not root.handlers:
+            stderr = logging.StreamHandler()
+            stderr.setLevel(logging.WARNING)
+            stderr.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
+            root.addHandler(stderr)
         return handler
 
 
@@ -222,6 +296,10 @@ def print_timelines(row: dict[str, Any], request_id: Callable[[int], str], stage
     each = row["each"]
     firsts = " ".join("-" if e["ttfa_ms"] is None else f"{e['ttfa_ms']:.0f}" for e in each)
     print(f"  {row['run']}: first audio ms in send order: {firsts}")
+    if row.get("underruns_by_chunk"):
+        late = ", ".join(f"{index}: {v['count']} (worst {v['worst_gap_ms']:.0f} ms)"
+                         for index, v in row["underruns_by_chunk"].items())
+        print(f"  {row['run']}: underruns by chunk index (0: the first): {late}")
     timed = sorted((e for e in each if e["ttfa_ms"] is not None), key=lambda e: -e["ttfa_ms"])[:slowest]
     for e in timed:
         stages = stage_log.lines.get(request_id(e["i"]), "") if stage_log is not None else ""

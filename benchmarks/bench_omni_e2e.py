@@ -162,7 +162,8 @@ def bench_inproc(model: str, args: argparse.Namespace, runs: list[Run], async_ch
 
     def send(run: Run):
         prompts = make_prompts(run.num_requests, args.prompt_words, http=http_prompts)
-        return bench_load.drive(lambda i: bench_load.inproc_request(omni, prompts[i], params, f"{run.name}-{i}"), run)
+        return bench_load.drive(lambda i: bench_load.inproc_request(omni, prompts[i], params, f"{run.name}-{i}"), run,
+                                state=lambda: bench_load.pipeline_state(omni))
 
     loop = asyncio.new_event_loop()
     try:

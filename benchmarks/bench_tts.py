@@ -208,7 +208,8 @@ def request_id(i: int) -> str:
 
 async def run_inproc(engine: Any, work: Workload, run: Run) -> tuple[list, float]:
     return await bench_load.drive(lambda i: bench_load.inproc_request(
-        engine, work.prompt(i), work.params(i), f"{request_id(i)}-{run.name}", modalities=["audio"]), run)
+        engine, work.prompt(i), work.params(i), f"{request_id(i)}-{run.name}", modalities=["audio"]), run,
+        state=lambda: bench_load.pipeline_state(engine))
 
 
 async def run_http(server: bench_load.Server, work: Workload, run: Run) -> tuple[list, float]:
@@ -278,8 +279,10 @@ def bench_inproc(model: Path, args: argparse.Namespace, runs: list[Run], save) -
     from vllm_omni.entrypoints.async_omni import AsyncOmni
 
     stage_log = bench_load.StageLog.install()
+    t0 = time.perf_counter()
     with AsyncOmni(model=str(model), deploy_config=args.deploy_config, stage_overrides=stage_overrides(args, runs),
                    log_stats=True, admission_policy=args.admission_policy) as engine:
+        print(f"pipeline up in {time.perf_counter() - t0:.1f} s", flush=True)
         bench_load.serving_process()
         stored = stored_voice(model, args.real_arch) if args.stored_voice else None
         work = Workload(args.task, engine.pipeline.stages[0], args.frames, args.voices, stored)

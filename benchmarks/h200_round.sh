@@ -39,6 +39,8 @@
 #   benchmarks/h200_round.sh i44_omni  # its Omni half, and the GPU tests of issue 44
 #   benchmarks/h200_round.sh i44_omni_http  # Qwen3-Omni c=1 in-process and through vllm-omni serve
 #   benchmarks/h200_round.sh tts_ramp  # Qwen3-TTS at 20 req/s, chunk ramp divisor 1 and 2 alternately
+#   benchmarks/h200_round.sh tts_hold  # Qwen3-TTS at 20 req/s, code2wav's first-chunk hold rule A/B, alternately
+#   benchmarks/h200_round.sh tts_sweep_http  # Qwen3-TTS at 10 then 20 req/s, then Qwen3-Omni c=1 through HTTP
 #   BEFORE=dir benchmarks/h200_round.sh i43_ab  # the Omni end-to-end runs on an earlier tree (BEFORE, e.g.
 #                                      # git archive of the commit before issue 43) and on this one, alternately
 #                                      # (ORDER="before after after before" repeats them in both orders)
@@ -59,7 +61,7 @@ step() {  # step NAME SECONDS COMMAND...
   local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "=== $name: exit $? after $((SECONDS - t0))s"
-  grep -E "^\|| log_stats|stage [0-9].*ms|^batch [0-9]+:|^first step|Error|error:|^\[|^c=|^poisson|^HTTP vs|first audio ms|took .* ms|Triton kernel|^max_frames_per_token" \
+  grep -E "^\|| log_stats|stage [0-9].*ms|^batch [0-9]+:|^first step|Error|error:|^\[|^c=|^poisson|^HTTP vs|first audio ms|took .* ms|Triton kernel|^max_frames_per_token|underruns by chunk|pipeline up in|server up in| \+[0-9]+s: " \
     "$OUT/$name.log" | tail -40
 }
 # Issue 44's runs (docs/benchmarks.md, "Sustained load"): every run sustained (closed loops of >= 4 x C
@@ -343,7 +345,20 @@ case "${1:-}" in
       step tts_ramp_${n}_d$ramp 120 $PY benchmarks/bench_tts.py --real-arch --frames 38-100 --concurrency "" \
         --rate 20 $deploy --json "$OUT/tts_ramp_${n}_d$ramp.json"
     done ;;
+  tts_hold)  # Qwen3-TTS at 20 req/s: first chunks held by any playing stream due sooner, or by one close to dry
+    # Each run starts its own pipeline (~1.5-2 min on the H200 with the kernels compiled): RUNS, one
+    # hold rule each, in turn.
+    for hold in ${RUNS:-margin deadline}; do
+      n=$((${n:-0} + 1))
+      step tts_hold_${n}_$hold 270 env VLLM_OMNI_FIRST_CHUNK_HOLD=$hold $PY benchmarks/bench_tts.py --real-arch \
+        --frames 38-100 --concurrency "" --rate 20 --json "$OUT/tts_hold_${n}_$hold.json"
+    done ;;
   i44_omni_http) i44_omni_http ;;
+  tts_sweep_http)  # the TTS sweep at 10 and 20 req/s in one process (a 20 req/s run alone stalled twice), then
+    # issue 44 item 3 for Qwen3-Omni
+    step tts_sweep 200 env VLLM_OMNI_LOG_COMPILES=1 $PY benchmarks/bench_tts.py --real-arch --frames 38-100 \
+      --concurrency "" --rate 10,20 --json "$OUT/tts_sweep.json"
+    i44_omni_http ;;
   i44_omni)
     step i44_gpu_tests 100 $PY -m pytest -q tests/gpu/test_predictor_slices.py tests/gpu/test_kernel_compile_log.py \
       -p no:cacheprovider

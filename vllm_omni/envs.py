@@ -62,6 +62,10 @@ FUSED_VOCODER = _switch("FUSED_VOCODER", bool, True,
 STEADY_CHUNK_GRAPHS = _switch("STEADY_CHUNK_GRAPHS", int, 4,
                               "rows of a streaming code2wav's steady-chunk graphs, the most later chunks a "
                               "step decodes; `0`: no steady graphs (docs/streaming.md)")
+FIRST_CHUNK_HOLD = _switch("FIRST_CHUNK_HOLD", str, "deadline",
+                           "when a playing stream due sooner holds a new stream's first chunk in a streaming "
+                           "code2wav: `deadline` (whenever it is due sooner) or `margin` (only when it is close "
+                           "to running dry; an A/B candidate, worker/playback_deadlines.py)")
 DECODE_LANES = _switch("DECODE_LANES", bool, True,
                        "`0`: a streaming code2wav decodes every chunk in order on one CUDA stream, first "
                        "chunks behind later ones (A/B runs; worker/decode_lanes.py)")

@@ -145,7 +145,7 @@ class StageEngine(Protocol):
     # comes; None: block as usual.
     def poll_ms(self) -> int | None: ...
     def fail_all(self, error: str) -> list[StageOutput]: ...  # after a step raised
-    def stats(self) -> dict[str, int]: ...  # fields of engine.messages.StageStats
+    def stats(self) -> dict[str, Any]: ...  # fields of engine.messages.StageStats
     def describe(self) -> StageInfo: ...  # reported once when the stage is ready
 
 

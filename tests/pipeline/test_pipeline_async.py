@@ -57,6 +57,8 @@ def test_abort_lets_others_finish_and_frees_blocks(async_omni):
         others = [asyncio.create_task(collect(async_omni, {"prompt_token_ids": p})) for p in random_prompts(3, 8)]
         busy = await wait_for_stats(async_omni, 0, lambda s: s.num_unfinished == 2)
         assert busy.num_unfinished == 2 and busy.kv_free_blocks < total  # both long ones hold blocks
+        # where they are: in the running batch (a stalled run's report names these counts)
+        assert busy.counts == {"running": 2, "waiting": 0, "waiting_for_input": 0, "resumable": 0}
         await async_omni.abort("victim")
         dropped.cancel()
         assert await aborted == []  # an aborted request ends without outputs

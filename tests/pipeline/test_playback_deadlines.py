@@ -61,12 +61,22 @@ def _deadlines(clock, streams):
     return d
 
 
-def test_a_first_chunk_waits_only_for_streams_with_less_sound_left_than_its_margin():
+def test_by_margin_a_first_chunk_waits_only_for_a_stream_due_sooner_and_close_to_running_dry(monkeypatch):
+    """`VLLM_OMNI_FIRST_CHUNK_HOLD=margin` (an A/B candidate against the default, `deadline`)."""
+    monkeypatch.setenv("VLLM_OMNI_FIRST_CHUNK_HOLD", "margin")
     clock = FakeClock()
     # low: played from 0.0, 0.5 s emitted -> dry at 0.5; rich: dry at 2.0; new: arrived 0.45 -> due 0.55
     d = _deadlines(clock, {"low": (0.0, [(0.0, 0.5)]), "rich": (0.0, [(0.0, 2.0)]), "new": (0.45, [])})
-    clock.now = 0.46
-    # low (dry at 0.5) is due before new (0.55): its chunk goes first, new's first chunk waits.
+    clock.now = 0.46  # low has 40 ms of sound left
+    # The calls measured so far: 10 ms for first chunks; 50 ms, then 25 ms from a launch to its
+    # collection (the estimate keeps the longer one, decayed) -> the stream due first holds first
+    # chunks with less than 20 + 10 + 47.5 ms left, the one behind a call of others 47.5 ms more.
+    for kind, seconds in (("first", 0.01), ("later", 0.05), ("later", 0.025)):
+        d.timed_call(kind, seconds)
+    assert d.margin_s(0) == pytest.approx(0.02 + 0.01 + 0.05 * 0.95)
+    assert d.margin_s(1) == pytest.approx(0.02 + 0.01 + 2 * 0.05 * 0.95)
+    # low (dry at 0.5) is due before new (0.55) and within the margin: its chunk goes first, new's
+    # first chunk waits.
     for overlapping in (True, False):
         plan = d.plan(["rich", "new", "low"], {"new"}, [], can_launch=True, overlapping=overlapping)
         assert plan.first == [] and plan.later == ["low", "rich"]
@@ -79,6 +89,18 @@ def test_a_first_chunk_waits_only_for_streams_with_less_sound_left_than_its_marg
     assert free.first == ["new"] and free.later == ["rich"]
     serial = d.plan(["rich", "new"], {"new"}, [], can_launch=True, overlapping=False)
     assert serial.first == ["new"] and serial.later == []
+    # Calls as short as the floor's: low, still due before new, has 40 ms left, more than the 20 ms
+    # that a first call and its own call need: new's first chunk goes beside it.
+    quick = _deadlines(clock, {"low": (0.0, [(0.0, 0.5)]), "new": (0.45, [])})
+    clock.now = 0.46
+    assert quick.margin_s(0) == pytest.approx(0.02)
+    plan = quick.plan(["new", "low"], {"new"}, [], can_launch=True, overlapping=True)
+    assert plan.first == ["new"] and plan.later == ["low"]
+    # The default rule: any playing stream due sooner holds it.
+    monkeypatch.setenv("VLLM_OMNI_FIRST_CHUNK_HOLD", "deadline")
+    before = _deadlines(clock, {"low": (0.0, [(0.0, 0.5)]), "new": (0.45, [])})
+    clock.now = 0.46
+    assert before.plan(["new", "low"], {"new"}, [], can_launch=True, overlapping=True).first == []
 
 
 # --- the timeline --------------------------------------------------------------------------------

@@ -267,6 +267,8 @@ def test_a_first_chunk_does_not_wait_for_later_chunks_on_the_device():
     assert [o.request_id for o in engine.step()] == ["new"]  # ahead of the launch, which is still held
     assert not engine.has_work()  # new's second chunk is ready, but one launch at a time: no spinning
     assert engine.step() == [] and len(lanes.launched) == 1
+    # where the streams are, as the stage reports it (a stalled run's report names these counts)
+    assert engine.stats()["counts"] == {"streams": 3, "ready": 1, "new": 0, "on_device": 2}
     lanes.launched[0].released = True
     assert engine.has_work()
     assert sorted(o.request_id for o in engine.step()) == ["a", "b"]

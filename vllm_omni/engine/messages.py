@@ -100,6 +100,9 @@ class StageStats(msgspec.Struct, tag="stats", kw_only=True):
     num_waiting: int | None = None  # generation stages: queued requests
     num_running: int | None = None  # diffusion stages: requests in the running batch
     diffusion_steps: int | None = None  # diffusion stages: request-steps denoised since the stage started
+    # Where the requests it holds are, by the engine's own names (a talker's running / waiting /
+    # blocked on input; a code2wav's streams ready / new / on the device): for a run that stalls.
+    counts: dict[str, int] = msgspec.field(default_factory=dict)
     # The stage's inbox: messages and connections it dropped since it started, by reason (/metrics;
     # engine/transport_guard.py).
     transport_drops: dict[str, int] = msgspec.field(default_factory=dict)

@@ -149,12 +149,14 @@ def _sum_stats(stage_id: int, stats: list[StageStats]) -> StageStats:
         return None if any(v is None for v in values) else sum(values)
 
     drops: Counter[str] = Counter()
+    counts: Counter[str] = Counter()
     for s in stats:
         drops.update(s.transport_drops)
+        counts.update(s.counts)
     return StageStats(nonce=stats[0].nonce, stage_id=stage_id, num_unfinished=sum(s.num_unfinished for s in stats),
                       kv_free_blocks=total("kv_free_blocks"), kv_total_blocks=total("kv_total_blocks"),
                       num_waiting=total("num_waiting"), num_running=total("num_running"),
-                      diffusion_steps=total("diffusion_steps"), transport_drops=dict(drops))
+                      diffusion_steps=total("diffusion_steps"), transport_drops=dict(drops), counts=dict(counts))
 
 
 def replica_configs(stage: StageConfig) -> list[StageConfig]:

@@ -17,12 +17,18 @@ only while serving and compiles then, on the stage's host thread: 0.1-1 s during
 of that stage steps (docs/benchmarks.md, rounds 11 and 19). With VLLM_OMNI_LOG_COMPILES=1 a stage
 logs every kernel it compiles (or loads from Triton's disk cache) after start-up, with how long
 it took (`log_kernel_compiles`), for a GPU run to say which request met which compile.
+
+A step that never returns (a wait on the device, a lock) stalls the whole pipeline while the
+stage's heartbeats go on: `StepWatch` logs every thread's stack when a step has run for a minute.
 """
 from __future__ import annotations
 
 import gc
 import logging
+import sys
+import threading
 import time
+import traceback
 
 import vllm_omni.envs as envs
 
@@ -79,3 +85,35 @@ def log_kernel_compiles(where: str) -> None:
 
     knobs.runtime.jit_cache_hook = before
     knobs.runtime.jit_post_compile_hook = after
+
+
+STUCK_STEP_S = 60.0  # a stage step that has not returned after this long is reported with every stack
+
+
+class StepWatch:
+    """Reports a stage whose engine step does not return: after `stuck_s` the log gets every
+    thread's stack, once per stuck step (a stalled pipeline then says which stage, and where:
+    a wait on the device, a lock, a loop). The stage loop sets `started` around each step (an
+    attribute write: nothing on the hot path); a daemon thread looks every `check_s`."""
+
+    def __init__(self, where: str, stuck_s: float = STUCK_STEP_S, check_s: float = 5.0) -> None:
+        self.where, self.stuck_s, self.check_s = where, stuck_s, check_s
+        self.started: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"{where}-step-watch", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        reported = None
+        while not self._stop.wait(self.check_s):
+            started = self.started
+            if started is not None and started != reported and time.monotonic() - started >= self.stuck_s:
+                reported = started
+                names = {t.ident: t.name for t in threading.enumerate()}
+                stacks = "".join(f"\n--- thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame))
+                                 for ident, frame in sys._current_frames().items())
+                logger.error("%s: a step has not returned for %.0f s; every thread's stack:%s", self.where,
+                             time.monotonic() - started, stacks)

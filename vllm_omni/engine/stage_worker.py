@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ import zmq
 
 from vllm_omni.config.stage_config import StageConfig, WorkerType
 from vllm_omni.engine import stage_init_utils as siu
-from vllm_omni.engine.serving_stalls import freeze_startup_heap, log_kernel_compiles, log_long_pauses
+from vllm_omni.engine.serving_stalls import StepWatch, freeze_startup_heap, log_kernel_compiles, log_long_pauses
 from vllm_omni.engine.step_profiler import StepProfiler
 from vllm_omni.engine.messages import (
     AbortRequests, Heartbeat, PauseRequests, Shutdown, SleepRequest, SleepStatus, StageFatal, StageInitFailed,
@@ -231,14 +232,16 @@ def _worker_class(stage: StageConfig) -> type:
 
 def _serve(engine: StageEngine, chan: WorkerChannel, spec: WorkerSpec, link: MasterLink | None) -> int:
     profiler = StepProfiler(spec.stage_id)  # benchmarks only: off unless its variables are set
+    watch = StepWatch(f"stage {spec.stage_id}")
     try:
-        return _loop(engine, chan, spec, link, profiler)
+        return _loop(engine, chan, spec, link, profiler, watch)
     finally:
+        watch.close()
         profiler.close()
 
 
 def _loop(engine: StageEngine, chan: WorkerChannel, spec: WorkerSpec, link: MasterLink | None,
-          profiler: StepProfiler) -> int:
+          profiler: StepProfiler, watch: StepWatch) -> int:
     while True:
         # Requests waiting for streamed input or paused are no work: block on the socket (for a
         # short while only when the engine has work on the device to collect).
@@ -257,11 +260,13 @@ def _loop(engine: StageEngine, chan: WorkerChannel, spec: WorkerSpec, link: Mast
                 return 1  # the link logged why
             continue
         with profiler.step():
+            watch.started = time.monotonic()
             try:
                 outputs = engine.step()
             except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving new ones
                 logger.exception("stage %d: engine step failed", spec.stage_id)
                 outputs = engine.fail_all(f"stage {spec.stage_id}: engine step failed: {type(e).__name__}: {e}")
+            watch.started = None
             if outputs:
                 _send_outputs(chan, spec.stage_id, outputs)
                 profiler.record_outputs(len(outputs))

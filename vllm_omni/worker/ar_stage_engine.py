@@ -11,7 +11,7 @@ run comes back as an error output; nothing here raises for one bad request.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
@@ -113,12 +113,14 @@ class ARStageEngine:
         phases = {f"ar_stage_{self.stage_id}.{name}": s for name, s in (out.stage_durations or {}).items()}
         return msgspec.structs.replace(out, stage_durations=phases if self.profile else None)
 
-    def stats(self) -> dict[str, int]:
-        bm = self.engine.block_manager
+    def stats(self) -> dict[str, Any]:
+        bm, s = self.engine.block_manager, self.engine.scheduler
         return {
             "num_unfinished": self.engine.num_unfinished_requests,
             "kv_free_blocks": bm.num_free_blocks,
             "kv_total_blocks": bm.num_blocks,
+            "counts": {"running": len(s.running), "waiting": len(s.waiting),
+                       "waiting_for_input": len(s.waiting_for_input), "resumable": len(s.resumable)},
         }
 
     def describe(self) -> StageInfo:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import torch
@@ -37,6 +38,7 @@ class _InFlight:
     ids: list[str]
     decoders: list[StreamingDecoder]
     launched: Launched
+    at: float  # when it was launched (the deadlines' clock)
 
 
 class GenerationStageEngine:
@@ -134,7 +136,9 @@ class GenerationStageEngine:
         if plan.later:
             outputs.extend(self._launch(self._plan(plan.later)))
         if first:
+            began = self._deadlines.clock()
             outputs.extend(self._decode_now(first))
+            self._deadlines.timed_call("first", self._deadlines.clock() - began)
         if self._in_flight is not None and self._in_flight.launched.done():
             outputs.extend(self._collect())
         batch = self.scheduler.schedule()
@@ -144,8 +148,11 @@ class GenerationStageEngine:
 
     def _step_plan(self) -> StepPlan:
         in_flight = self._in_flight.ids if self._in_flight is not None else []
-        return self._deadlines.plan(self._ready_streams(), self._new, in_flight,
-                                    can_launch=self._in_flight is None, overlapping=self._lanes.overlapping)
+        ready = self._ready_streams()
+        playing = [self._streams[rid] for rid in ready if rid not in self._new][: self.scheduler.max_batch_size]
+        per_call = self.model.streams_per_step(playing) if playing else 1
+        return self._deadlines.plan(ready, self._new, in_flight, can_launch=self._in_flight is None,
+                                    overlapping=self._lanes.overlapping, per_call=per_call)
 
     def _ready_streams(self) -> list[str]:
         busy = self._in_flight.ids if self._in_flight is not None else ()
@@ -175,11 +182,12 @@ class GenerationStageEngine:
             launched = self._lanes.launch(lambda: self._decode(ids, decoders))
         except Exception as e:  # noqa: BLE001 - isolate the request that broke the batch
             return self._isolate(ids, e)
-        self._in_flight = _InFlight(ids, decoders, launched)
+        self._in_flight = _InFlight(ids, decoders, launched, self._deadlines.clock())
         return []
 
     def _collect(self) -> list[StageOutput]:
         flight, self._in_flight = self._in_flight, None
+        self._deadlines.timed_call("later", self._deadlines.clock() - flight.at)
         # Streams aborted meanwhile get nothing; the others' state is as the launch left it.
         live = [i for i, (rid, d) in enumerate(zip(flight.ids, flight.decoders)) if self._streams.get(rid) is d]
         results = flight.launched.results()
@@ -260,9 +268,11 @@ class GenerationStageEngine:
             self._close_stream(rid)
         return [error_output(rid, error) for rid in flight.ids]
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         waiting = self.scheduler.num_waiting
-        return {"num_unfinished": waiting + len(self._streams), "num_waiting": waiting}
+        counts = {"streams": len(self._streams), "ready": len(self._ready_streams()), "new": len(self._new),
+                  "on_device": len(self._in_flight.ids) if self._in_flight is not None else 0}
+        return {"num_unfinished": waiting + len(self._streams), "num_waiting": waiting, "counts": counts}
 
     def describe(self) -> StageInfo:
         streams = self.model.accepts_streamed_input
