@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -22,6 +23,7 @@ from vllm_omni.engine.orchestrator import Orchestrator, RuntimeOptions, Submissi
 from vllm_omni.engine.pipeline_sleep import PipelineSleepingError
 from vllm_omni.engine.request_plan import check_modalities, plan_request
 from vllm_omni.engine.request_state import RequestSink
+from vllm_omni.engine.serving_stalls import StepWatch
 from vllm_omni.engine.stage_client import StageHealth
 from vllm_omni.engine.stage_init_utils import prepare_engine_environment
 from vllm_omni.engine.stage_worker import IN_PROCESS_INIT
@@ -33,6 +35,7 @@ from vllm_omni.sampling_params import DiffusionSamplingParams, InvalidParameter,
 logger = logging.getLogger(__name__)
 
 _START_MARGIN_S = 60.0  # teardown after a failed start, beyond init_timeout
+LOOP_TICK_S = 1.0  # how often the orchestrator's loop proves it turns (to its StepWatch)
 
 
 class OmniRuntime:
@@ -100,9 +103,19 @@ class OmniRuntime:
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self._loop)
+        # A loop that stops turning (a blocking call in a callback) holds every request while the
+        # stages go on: a minute without its tick, and every thread's stack goes to the log.
+        watch = StepWatch("the orchestrator's loop")
+
+        def tick() -> None:
+            watch.started = time.monotonic()
+            self._loop.call_later(LOOP_TICK_S, tick)
+
+        self._loop.call_soon(tick)
         try:
             self._loop.run_forever()
         finally:
+            watch.close()
             # Whatever stopped the loop, no caller may keep waiting for an output.
             self.orchestrator.fail_all("the orchestrator stopped")
             self._loop.close()

@@ -19,7 +19,8 @@ logs every kernel it compiles (or loads from Triton's disk cache) after start-up
 it took (`log_kernel_compiles`), for a GPU run to say which request met which compile.
 
 A step that never returns (a wait on the device, a lock) stalls the whole pipeline while the
-stage's heartbeats go on: `StepWatch` logs every thread's stack when a step has run for a minute.
+stage's heartbeats go on, and so does an orchestrator loop that stops turning: `StepWatch` logs
+every thread's stack when either has not moved for a minute.
 """
 from __future__ import annotations
 
@@ -91,10 +92,12 @@ STUCK_STEP_S = 60.0  # a stage step that has not returned after this long is rep
 
 
 class StepWatch:
-    """Reports a stage whose engine step does not return: after `stuck_s` the log gets every
-    thread's stack, once per stuck step (a stalled pipeline then says which stage, and where:
-    a wait on the device, a lock, a loop). The stage loop sets `started` around each step (an
-    attribute write: nothing on the hot path); a daemon thread looks every `check_s`."""
+    """Reports a loop that stops moving: after `stuck_s` the log gets every thread's stack, once
+    per stall (a stalled pipeline then says which process, and where: a wait on the device, a
+    lock, a blocking call). A stage loop sets `started` when a step begins and None when it
+    returns; an event loop sets it to now on a timer (the watch then reports a loop that has not
+    turned for `stuck_s`). An attribute write: nothing on the hot path; a daemon thread looks
+    every `check_s`."""
 
     def __init__(self, where: str, stuck_s: float = STUCK_STEP_S, check_s: float = 5.0) -> None:
         self.where, self.stuck_s, self.check_s = where, stuck_s, check_s
@@ -115,5 +118,5 @@ class StepWatch:
                 names = {t.ident: t.name for t in threading.enumerate()}
                 stacks = "".join(f"\n--- thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame))
                                  for ident, frame in sys._current_frames().items())
-                logger.error("%s: a step has not returned for %.0f s; every thread's stack:%s", self.where,
-                             time.monotonic() - started, stacks)
+                logger.error("%s: stuck for %.0f s (a step that has not returned, a loop that has not turned); "
+                             "every thread's stack:%s", self.where, time.monotonic() - started, stacks)
