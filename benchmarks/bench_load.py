@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -138,6 +139,9 @@ async def pipeline_state(engine: Any) -> str:
         counters = engine._runtime.orchestrator.stage_counters[stage.stage_id]
         parts.append(f"{stage.model_stage}: {held}, {counters.get('output_tokens', 0)} tokens out, "
                      f"{counters.get('pauses', 0)}/{counters.get('resumes', 0)} pauses/resumes")
+    if os.path.isdir("/dev/shm"):  # tensors between stages travel there (a full one stops the writer)
+        shm = shutil.disk_usage("/dev/shm")
+        parts.append(f"/dev/shm {shm.used / 2**20:.0f} of {shm.total / 2**20:.0f} MiB used")
     return "; ".join(parts)
 
 
