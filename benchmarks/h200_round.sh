@@ -39,7 +39,7 @@
 #   benchmarks/h200_round.sh i44_omni  # its Omni half, and the GPU tests of issue 44
 #   benchmarks/h200_round.sh i44_omni_http  # Qwen3-Omni c=1 in-process and through vllm-omni serve
 #   benchmarks/h200_round.sh tts_ramp  # Qwen3-TTS at 20 req/s, chunk ramp divisor 1 and 2 alternately
-#   benchmarks/h200_round.sh tts_hold  # Qwen3-TTS at 20 req/s, code2wav's first-chunk hold rule A/B, alternately
+#   benchmarks/h200_round.sh tts_hold  # Qwen3-TTS at RATE req/s (10), code2wav's first-chunk hold rule A/B, in turn
 #   benchmarks/h200_round.sh tts_sweep_http  # Qwen3-TTS at 10 then 20 req/s, then Qwen3-Omni c=1 through HTTP
 #   BEFORE=dir benchmarks/h200_round.sh i43_ab  # the Omni end-to-end runs on an earlier tree (BEFORE, e.g.
 #                                      # git archive of the commit before issue 43) and on this one, alternately
@@ -345,13 +345,13 @@ case "${1:-}" in
       step tts_ramp_${n}_d$ramp 120 $PY benchmarks/bench_tts.py --real-arch --frames 38-100 --concurrency "" \
         --rate 20 $deploy --json "$OUT/tts_ramp_${n}_d$ramp.json"
     done ;;
-  tts_hold)  # Qwen3-TTS at 20 req/s: first chunks held by any playing stream due sooner, or by one close to dry
-    # Each run starts its own pipeline (~1.5-2 min on the H200 with the kernels compiled): RUNS, one
-    # hold rule each, in turn.
+  tts_hold)  # Qwen3-TTS at RATE req/s: first chunks held by any playing stream due sooner, or by one close to dry
+    # Each run starts its own pipeline (20-40 s on a warm H200): RUNS, one hold rule each, in turn.
+    # RATE 10 (default) until the 20 req/s stall of round 23 is understood.
     for hold in ${RUNS:-margin deadline}; do
       n=$((${n:-0} + 1))
-      step tts_hold_${n}_$hold 270 env VLLM_OMNI_FIRST_CHUNK_HOLD=$hold $PY benchmarks/bench_tts.py --real-arch \
-        --frames 38-100 --concurrency "" --rate 20 --json "$OUT/tts_hold_${n}_$hold.json"
+      step tts_hold_${n}_$hold 150 env VLLM_OMNI_FIRST_CHUNK_HOLD=$hold $PY benchmarks/bench_tts.py --real-arch \
+        --frames 38-100 --concurrency "" --rate ${RATE:-10} --json "$OUT/tts_hold_${n}_$hold.json"
     done ;;
   i44_omni_http) i44_omni_http ;;
   tts_sweep_http)  # the TTS sweep at 10 and 20 req/s in one process (a 20 req/s run alone stalled twice), then
