@@ -127,8 +127,10 @@ async def pipeline_state(engine: Any) -> str:
     """An AsyncOmni's stages on one line: the requests each holds (queued; KV blocks free), asked
     of the stage (no answer within STATS_TIMEOUT_S: the stage's loop is stuck), and the
     orchestrator's counters for it: output tokens and flow-control pauses / resumes so far."""
+    from stage_stats import stage_counters  # benchmarks/, beside this module
+
     parts = []
-    for stage in engine.pipeline.stages:
+    for stage, counters in zip(engine.pipeline.stages, stage_counters(engine)):
         try:
             s = await asyncio.wait_for(engine.get_stage_stats(stage.stage_id), STATS_TIMEOUT_S)
             where = " ".join(f"{k} {v}" for k, v in s.counts.items())
@@ -136,8 +138,7 @@ async def pipeline_state(engine: Any) -> str:
                 f", {s.kv_free_blocks}/{s.kv_total_blocks} KV blocks free" if s.kv_total_blocks else "")
         except Exception as e:  # noqa: BLE001 - what failed is the report
             held = f"no stats ({type(e).__name__})"
-        counters = engine._runtime.orchestrator.stage_counters[stage.stage_id]
-        parts.append(f"{stage.model_stage}: {held}, {counters.get('output_tokens', 0)} tokens out, "
+        parts.append(f"{counters['stage']}: {held}, {counters.get('output_tokens', 0)} tokens out, "
                      f"{counters.get('pauses', 0)}/{counters.get('resumes', 0)} pauses/resumes")
     if os.path.isdir("/dev/shm"):  # tensors between stages travel there (a full one stops the writer)
         shm = shutil.disk_usage("/dev/shm")

@@ -149,8 +149,10 @@ class GenerationStageEngine:
     def _step_plan(self) -> StepPlan:
         in_flight = self._in_flight.ids if self._in_flight is not None else []
         ready = self._ready_streams()
-        playing = [self._streams[rid] for rid in ready if rid not in self._new][: self.scheduler.max_batch_size]
-        per_call = self.model.streams_per_step(playing) if playing else 1
+        per_call = 1  # how many playing streams one call takes: only the margin rule needs it
+        if self._deadlines.by_margin:
+            playing = [self._streams[rid] for rid in ready if rid not in self._new][: self.scheduler.max_batch_size]
+            per_call = self.model.streams_per_step(playing) if playing else 1
         return self._deadlines.plan(ready, self._new, in_flight, can_launch=self._in_flight is None,
                                     overlapping=self._lanes.overlapping, per_call=per_call)
 

@@ -83,6 +83,11 @@ class StreamDeadlines:
         audio, rate = result.get("audio"), self._sample_rates.get(request_id)
         timeline.emitted(self.clock(), audio.numel() / rate if audio is not None and rate else 0.0)
 
+    @property
+    def by_margin(self) -> bool:
+        """`VLLM_OMNI_FIRST_CHUNK_HOLD=margin`: `plan` reads `per_call` (the default rule does not)."""
+        return not self._hold_by_deadline_only
+
     def timed_call(self, kind: str, seconds: float) -> None:
         """A call of `kind` ("first": new streams' first chunks; "later": launched to collected)
         took `seconds` on this clock."""
